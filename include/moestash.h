@@ -1,0 +1,164 @@
+/*
+ * moestash.h — the one public C API of moestash.
+ *
+ * moestash trains mixture-of-experts expert layers with little activation
+ * memory while staying capturable in one CUDA graph. Everything here is plain
+ * C11, callable through any C FFI.
+ *
+ * Conventions:
+ *   - every fallible function returns mst_status; on failure mst_last_error()
+ *     names the argument and its value.
+ *   - "backend memory" is memory of the context's backend: host memory for the
+ *     CPU backend, device memory for the CUDA backend (see mst_alloc).
+ *   - shapes in comments use short capitals: E groups, R rows (max_rows),
+ *     I/O in/out widths, H hidden, F ffn.
+ */
+#ifndef MOESTASH_H
+#define MOESTASH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MST_VERSION_MAJOR 0
+#define MST_VERSION_MINOR 1
+
+/* ---- status -------------------------------------------------------------- */
+
+typedef enum mst_status {
+    MST_OK = 0,
+    MST_ERR_INVALID,     /* bad argument: null pointer, shape, dtype, value   */
+    MST_ERR_OOM,         /* an allocation failed                              */
+    MST_ERR_COUNTS,      /* counts negative or summing past max_rows          */
+    MST_ERR_OVERFLOW,    /* a stash pool ran out of pages (device flag)       */
+    MST_ERR_BACKEND,     /* the backend (CUDA, cuBLAS) reported an error      */
+    MST_ERR_UNSUPPORTED, /* backend not built in, or op missing on a backend  */
+    MST_ERR_STATE,       /* call out of order: e.g. restore of a free handle  */
+    MST_ERR_IO,          /* a file could not be read or written               */
+} mst_status;
+
+const char* mst_status_str(mst_status s);
+/* The message of the last failure on this thread ("" if none). */
+const char* mst_last_error(void);
+
+/* ---- dtypes and bf16 ----------------------------------------------------- */
+
+typedef enum mst_dtype {
+    MST_DTYPE_BF16 = 0, /* uint16_t storage, round-to-nearest-even from fp32 */
+    MST_DTYPE_FP32,
+    MST_DTYPE_INT32,
+} mst_dtype;
+
+size_t mst_dtype_size(mst_dtype dt);
+const char* mst_dtype_name(mst_dtype dt);
+
+uint16_t mst_fp32_to_bf16(float f); /* round to nearest even; NaN stays NaN */
+float mst_bf16_to_fp32(uint16_t h);
+void mst_fp32_to_bf16_array(uint16_t* dst, const float* src, size_t n);
+void mst_bf16_to_fp32_array(float* dst, const uint16_t* src, size_t n);
+
+/* ---- context ------------------------------------------------------------- */
+
+typedef enum mst_backend_kind {
+    MST_BACKEND_CPU = 0,
+    MST_BACKEND_CUDA,
+} mst_backend_kind;
+
+typedef struct mst_ctx mst_ctx_t;
+
+/* True when the library was built with this backend and, for CUDA, a device
+ * is present. */
+int mst_backend_available(mst_backend_kind kind);
+/* Creates a context: streams, workspace and the device-side error flag.
+ * device: CUDA device index (ignored for the CPU backend). */
+mst_status mst_ctx_create(mst_backend_kind kind, int device, mst_ctx_t** out);
+void mst_ctx_destroy(mst_ctx_t* ctx);
+mst_backend_kind mst_ctx_backend(const mst_ctx_t* ctx);
+/* A one-line description (backend, device name, memory, build options). */
+const char* mst_ctx_describe(const mst_ctx_t* ctx);
+/* Waits for all work on the context's streams. */
+mst_status mst_ctx_sync(mst_ctx_t* ctx);
+/* Waits, then reads and clears the device error flag: MST_ERR_COUNTS when an
+ * op saw bad counts since the last check. One small read, once per step. */
+mst_status mst_ctx_check(mst_ctx_t* ctx);
+/* Backend memory in use through mst_alloc, now and at peak, in bytes. */
+void mst_ctx_mem(const mst_ctx_t* ctx, size_t* in_use_bytes, size_t* peak_bytes);
+/* Stream the context enqueues on (cudaStream_t for CUDA, NULL for the CPU).
+ * The caller may set it, e.g. while capturing a CUDA graph on its own stream. */
+void* mst_ctx_stream(mst_ctx_t* ctx);
+mst_status mst_ctx_set_stream(mst_ctx_t* ctx, void* stream);
+
+/* ---- backend memory ------------------------------------------------------ */
+
+mst_status mst_alloc(mst_ctx_t* ctx, size_t n_bytes, void** out);
+void mst_free(mst_ctx_t* ctx, void* ptr);
+mst_status mst_copy_h2b(mst_ctx_t* ctx, void* dst, const void* host_src, size_t n_bytes);
+mst_status mst_copy_b2h(mst_ctx_t* ctx, void* host_dst, const void* src, size_t n_bytes);
+mst_status mst_copy_b2b(mst_ctx_t* ctx, void* dst, const void* src, size_t n_bytes);
+/* Sets every byte of [dst, dst + n_bytes) to `byte`. */
+mst_status mst_fill(mst_ctx_t* ctx, void* dst, int byte, size_t n_bytes);
+
+/* ---- tensors ------------------------------------------------------------- */
+
+/* A 2-D row-major view of backend memory. Does not own its data. */
+typedef struct mst_tensor {
+    void* data;      /* backend memory, rows * cols elements */
+    mst_dtype dtype;
+    int64_t rows;
+    int64_t cols;
+} mst_tensor;
+
+mst_tensor mst_tensor_make(void* data, mst_dtype dtype, int64_t rows, int64_t cols);
+size_t mst_tensor_bytes(const mst_tensor* t);
+
+/* ---- grouped linear (graph-safe) ---------------------------------------- *
+ * Rows r of group g, off = exclusive prefix sum of counts:
+ *   forward (TN): y[r] = x[r] W[g]^T + bias[g] * s[r]
+ *   dgrad   (NN): dx[r] = dy[r] W[g]
+ *   wgrad   (NT): dW[g] (+)= sum_r dy[r]^T x[r]; dbias[g] (+)= sum_r dy[r] s[r];
+ *                 ds[r] = dy[r] . bias[g]
+ * counts: int32 [E, 1] in backend memory, read when the op executes (on the
+ * device for CUDA). Rows past sum(counts) are neither read nor written.
+ * Bad counts (negative, sum > R): nothing is written past R, the context's
+ * error flag is set; the CPU backend also returns MST_ERR_COUNTS at once, the
+ * CUDA backend at the next mst_ctx_check(). */
+
+typedef enum mst_wgrad_mode {
+    MST_WGRAD_OVERWRITE = 0, /* main_grad[g] = dW[g]                               */
+    MST_WGRAD_ACCUMULATE,    /* main_grad[g] += dW[g], in the GEMM epilogue        */
+    MST_WGRAD_DEFERRED,      /* recorded; runs as ACCUMULATE at mst_wgrad_flush()  */
+} mst_wgrad_mode;
+
+/* x [R, I] bf16; w [E*O, I] bf16 (packed [E, O, I]); bias [E, O] bf16 or NULL;
+ * scale [R, 1] fp32 or NULL (1); counts [E, 1] int32; y [R, O] bf16. */
+mst_status mst_grouped_linear_forward(mst_ctx_t* ctx, const mst_tensor* x, const mst_tensor* w,
+                                      const mst_tensor* bias, const mst_tensor* scale,
+                                      const mst_tensor* counts, mst_tensor* y);
+/* dy [R, O] bf16; w [E*O, I] bf16; counts [E, 1]; dx [R, I] bf16. */
+mst_status mst_grouped_linear_dgrad(mst_ctx_t* ctx, const mst_tensor* dy, const mst_tensor* w,
+                                    const mst_tensor* counts, mst_tensor* dx);
+/* dy [R, O] bf16; x [R, I] bf16; counts [E, 1];
+ * main_grad_w [E*O, I] fp32 (required);
+ * main_grad_b [E, O] fp32 or NULL (dbias, with scale s when given);
+ * bias [E, O] bf16 and dscale [R, 1] fp32: both or neither (ds = dy . bias[g]);
+ * scale [R, 1] fp32 or NULL (used for dbias only). */
+mst_status mst_grouped_linear_wgrad(mst_ctx_t* ctx, const mst_tensor* dy, const mst_tensor* x,
+                                    const mst_tensor* scale, const mst_tensor* bias,
+                                    const mst_tensor* counts, mst_tensor* main_grad_w,
+                                    mst_tensor* main_grad_b, mst_tensor* dscale,
+                                    mst_wgrad_mode mode);
+/* Runs every DEFERRED wgrad recorded on ctx, in the order recorded. */
+mst_status mst_wgrad_flush(mst_ctx_t* ctx);
+/* Number of DEFERRED wgrads waiting for mst_wgrad_flush(). */
+int mst_wgrad_pending(const mst_ctx_t* ctx);
+
+/* ---- paged stash --------------------------------------------------------- *
+ * (section owned by the paged-stash work; see DESIGN.md section 6) */
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MOESTASH_H */

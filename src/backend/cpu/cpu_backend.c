@@ -1,0 +1,65 @@
+/*
+ * cpu_backend.c — the reference backend's memory functions and its function
+ * table. Backend memory is host memory; ops run synchronously, so sync is a
+ * no-op and counts are read straight from memory when an op executes.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "../../core/context.h"
+#include "cpu_ops.h"
+
+static mst_status cpu_init(mst_ctx_t* ctx, int device) {
+    (void)device;
+    ctx->impl = ctx; /* no state of its own */
+    snprintf(ctx->desc, sizeof ctx->desc, "cpu (reference backend, OpenBLAS sgemm)");
+    return MST_OK;
+}
+
+static void cpu_shutdown(mst_ctx_t* ctx) { ctx->impl = NULL; }
+
+static mst_status cpu_alloc(mst_ctx_t* ctx, size_t n_bytes, void** out) {
+    (void)ctx;
+    size_t rounded = (n_bytes + 63) & ~(size_t)63;
+    *out = aligned_alloc(64, rounded);
+    if (!*out) return mst_set_error(MST_ERR_OOM, "cpu allocation of %zu bytes failed", n_bytes);
+    return MST_OK;
+}
+
+static void cpu_free(mst_ctx_t* ctx, void* ptr) {
+    (void)ctx;
+    free(ptr);
+}
+
+static mst_status cpu_copy(mst_ctx_t* ctx, void* dst, const void* src, size_t n_bytes,
+                           mst_copy_dir dir) {
+    (void)ctx;
+    (void)dir;
+    memmove(dst, src, n_bytes);
+    return MST_OK;
+}
+
+static mst_status cpu_fill(mst_ctx_t* ctx, void* dst, int byte, size_t n_bytes) {
+    (void)ctx;
+    memset(dst, byte, n_bytes);
+    return MST_OK;
+}
+
+static mst_status cpu_sync(mst_ctx_t* ctx) {
+    (void)ctx;
+    return MST_OK;
+}
+
+const mst_backend mst_backend_cpu = {
+    .name = "cpu",
+    .init = cpu_init,
+    .shutdown = cpu_shutdown,
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .copy = cpu_copy,
+    .fill = cpu_fill,
+    .sync = cpu_sync,
+    .gl_forward = mst_cpu_gl_forward,
+    .gl_dgrad = mst_cpu_gl_dgrad,
+    .gl_wgrad = mst_cpu_gl_wgrad,
+};

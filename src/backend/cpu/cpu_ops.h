@@ -1,0 +1,17 @@
+/*
+ * cpu_ops.h — the CPU backend's ops, one declaration per backend slot.
+ */
+#ifndef MST_CPU_OPS_H
+#define MST_CPU_OPS_H
+
+#include "../backend.h"
+
+mst_status mst_cpu_gl_forward(mst_ctx_t* ctx, const mst_gl_args* a);
+mst_status mst_cpu_gl_dgrad(mst_ctx_t* ctx, const mst_gl_args* a);
+mst_status mst_cpu_gl_wgrad(mst_ctx_t* ctx, const mst_gl_args* a);
+
+/* Sets the context's error flag and returns MST_ERR_COUNTS when counts are
+ * bad; fills off [E+1] otherwise. */
+mst_status mst_cpu_offsets(mst_ctx_t* ctx, const mst_gl_args* a, int64_t* off);
+
+#endif

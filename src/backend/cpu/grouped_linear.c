@@ -1,0 +1,138 @@
+/*
+ * grouped_linear.c (CPU) — reference grouped linear: forward (TN), dgrad
+ * (NN) and wgrad (NT) per group through OpenBLAS sgemm on fp32 copies of the
+ * bf16 operands; fp32 accumulation, bf16 rounding (nearest even) on store.
+ * Rows past sum(counts) are neither read nor written.
+ */
+#include <cblas.h>
+#undef I /* complex.h, pulled in by cblas.h */
+#include <string.h>
+
+#include "../../core/context.h"
+#include "cpu_ops.h"
+
+mst_status mst_cpu_offsets(mst_ctx_t* ctx, const mst_gl_args* a, int64_t* off) {
+    mst_status st = mst_counts_offsets(a->counts, a->n_groups, a->max_rows, off);
+    if (st == MST_ERR_COUNTS) *ctx->err_flag |= MST_FLAG_COUNTS;
+    return st;
+}
+
+/* Host scratch for one call: off [E+1] and three fp32 staging buffers. */
+typedef struct gl_scratch {
+    int64_t* off;   /* [E+1] */
+    float* rows_a;  /* [n, max(I, O)] */
+    float* rows_b;  /* [n, max(I, O)] */
+    float* weight;  /* [O, I] */
+} gl_scratch;
+
+static void scratch_free(gl_scratch* s) {
+    free(s->off);
+    free(s->rows_a);
+    free(s->rows_b);
+    free(s->weight);
+}
+
+static mst_status scratch_make(mst_ctx_t* ctx, const mst_gl_args* a, gl_scratch* s) {
+    memset(s, 0, sizeof *s);
+    s->off = (int64_t*)malloc(sizeof(int64_t) * ((size_t)a->n_groups + 1));
+    if (!s->off) return mst_set_error(MST_ERR_OOM, "cpu scratch (offsets)");
+    mst_status st = mst_cpu_offsets(ctx, a, s->off);
+    if (st != MST_OK) {
+        scratch_free(s);
+        return st;
+    }
+    int64_t n = s->off[a->n_groups] > 0 ? s->off[a->n_groups] : 1;
+    size_t width = (size_t)(a->in > a->out ? a->in : a->out);
+    s->rows_a = (float*)malloc(sizeof(float) * (size_t)n * width);
+    s->rows_b = (float*)malloc(sizeof(float) * (size_t)n * width);
+    s->weight = (float*)malloc(sizeof(float) * (size_t)a->out * (size_t)a->in);
+    if (!s->rows_a || !s->rows_b || !s->weight) {
+        scratch_free(s);
+        return mst_set_error(MST_ERR_OOM, "cpu scratch for %lld rows", (long long)n);
+    }
+    return MST_OK;
+}
+
+mst_status mst_cpu_gl_forward(mst_ctx_t* ctx, const mst_gl_args* a) {
+    gl_scratch s;
+    MST_TRY(scratch_make(ctx, a, &s));
+    const int64_t I = a->in, O = a->out;
+    for (int32_t g = 0; g < a->n_groups; g++) {
+        int64_t r0 = s.off[g], n = s.off[g + 1] - r0;
+        if (n == 0) continue;
+        mst_bf16_to_fp32_array(s.rows_a, a->x + r0 * I, (size_t)(n * I));
+        mst_bf16_to_fp32_array(s.weight, a->w + (int64_t)g * O * I, (size_t)(O * I));
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)O, (int)I, 1.0f,
+                    s.rows_a, (int)I, s.weight, (int)I, 0.0f, s.rows_b, (int)O);
+        for (int64_t r = 0; r < n; r++) {
+            float sc = a->scale ? a->scale[r0 + r] : 1.0f;
+            float* yr = s.rows_b + r * O;
+            if (a->bias)
+                for (int64_t o = 0; o < O; o++)
+                    yr[o] += mst_bf16_to_fp32(a->bias[(int64_t)g * O + o]) * sc;
+        }
+        mst_fp32_to_bf16_array(a->y + r0 * O, s.rows_b, (size_t)(n * O));
+    }
+    scratch_free(&s);
+    return MST_OK;
+}
+
+mst_status mst_cpu_gl_dgrad(mst_ctx_t* ctx, const mst_gl_args* a) {
+    gl_scratch s;
+    MST_TRY(scratch_make(ctx, a, &s));
+    const int64_t I = a->in, O = a->out;
+    for (int32_t g = 0; g < a->n_groups; g++) {
+        int64_t r0 = s.off[g], n = s.off[g + 1] - r0;
+        if (n == 0) continue;
+        mst_bf16_to_fp32_array(s.rows_a, a->dy + r0 * O, (size_t)(n * O));
+        mst_bf16_to_fp32_array(s.weight, a->w + (int64_t)g * O * I, (size_t)(O * I));
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, (int)I, (int)O, 1.0f,
+                    s.rows_a, (int)O, s.weight, (int)I, 0.0f, s.rows_b, (int)I);
+        mst_fp32_to_bf16_array(a->dx + r0 * I, s.rows_b, (size_t)(n * I));
+    }
+    scratch_free(&s);
+    return MST_OK;
+}
+
+/* dbias[g] (+)= sum_r dy[r] s[r], summed in row order; ds[r] = dy[r] . bias[g]. */
+static void bias_grads(const mst_gl_args* a, int32_t g, int64_t r0, int64_t n, const float* dy) {
+    const int64_t O = a->out;
+    if (a->main_grad_b) {
+        float* db = a->main_grad_b + (int64_t)g * O;
+        for (int64_t o = 0; o < O; o++) {
+            float acc = 0.0f;
+            for (int64_t r = 0; r < n; r++) acc += dy[r * O + o] * (a->scale ? a->scale[r0 + r] : 1.0f);
+            db[o] = a->accumulate ? db[o] + acc : acc;
+        }
+    }
+    if (a->dscale) {
+        for (int64_t r = 0; r < n; r++) {
+            float acc = 0.0f;
+            for (int64_t o = 0; o < O; o++)
+                acc += dy[r * O + o] * mst_bf16_to_fp32(a->bias[(int64_t)g * O + o]);
+            a->dscale[r0 + r] = acc;
+        }
+    }
+}
+
+mst_status mst_cpu_gl_wgrad(mst_ctx_t* ctx, const mst_gl_args* a) {
+    gl_scratch s;
+    MST_TRY(scratch_make(ctx, a, &s));
+    const int64_t I = a->in, O = a->out;
+    for (int32_t g = 0; g < a->n_groups; g++) {
+        int64_t r0 = s.off[g], n = s.off[g + 1] - r0;
+        float* mg = a->main_grad_w + (int64_t)g * O * I;
+        if (n == 0) { /* dW[g] = 0 */
+            if (!a->accumulate) memset(mg, 0, sizeof(float) * (size_t)(O * I));
+            if (!a->accumulate && a->main_grad_b) memset(a->main_grad_b + g * O, 0, sizeof(float) * (size_t)O);
+            continue;
+        }
+        mst_bf16_to_fp32_array(s.rows_a, a->dy + r0 * O, (size_t)(n * O));
+        mst_bf16_to_fp32_array(s.rows_b, a->x + r0 * I, (size_t)(n * I));
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)O, (int)I, (int)n, 1.0f,
+                    s.rows_a, (int)O, s.rows_b, (int)I, a->accumulate ? 1.0f : 0.0f, mg, (int)I);
+        bias_grads(a, g, r0, n, s.rows_a);
+    }
+    scratch_free(&s);
+    return MST_OK;
+}

@@ -1,0 +1,115 @@
+/*
+ * cuda_backend.cu — the CUDA backend's context state, memory functions and
+ * function table. Ops enqueue on the context's stream without host syncs;
+ * only copies to or from host memory wait.
+ */
+#include <stdio.h>
+
+#include "cuda_common.cuh"
+#include "cuda_ops.h"
+
+extern "C" int mst_cuda_device_count(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        cudaGetLastError(); /* clear the sticky "no device" error */
+        return 0;
+    }
+    return n;
+}
+
+static mst_status cuda_init(mst_ctx_t* ctx, int device) {
+    int n = mst_cuda_device_count();
+    if (device < 0 || device >= n)
+        return mst_set_error(MST_ERR_INVALID, "device = %d, but %d CUDA devices are present",
+                             device, n);
+    mst_cuda_impl* c = (mst_cuda_impl*)calloc(1, sizeof *c);
+    if (!c) return mst_set_error(MST_ERR_OOM, "cuda context state");
+    ctx->impl = c;
+    c->device = device;
+    MST_CUDA_TRY(cudaSetDevice(device));
+    cudaDeviceProp p;
+    MST_CUDA_TRY(cudaGetDeviceProperties(&p, device));
+    c->n_sm = p.multiProcessorCount;
+    MST_CUDA_TRY(cudaStreamCreateWithFlags(&c->own_stream, cudaStreamNonBlocking));
+    MST_CUDA_TRY(cudaStreamCreateWithFlags(&c->side, cudaStreamNonBlocking));
+    c->stream = c->own_stream;
+    MST_CUBLAS_TRY(cublasCreate(&c->blas));
+    MST_CUBLAS_TRY(cublasSetStream(c->blas, c->stream));
+    snprintf(ctx->desc, sizeof ctx->desc, "cuda:%d %.120s (sm_%d%d, %d SMs, %.1f GiB)", device, p.name,
+             p.major, p.minor, p.multiProcessorCount, (double)p.totalGlobalMem / (1 << 30));
+    return MST_OK;
+}
+
+static void cuda_shutdown(mst_ctx_t* ctx) {
+    mst_cuda_impl* c = mst_cuda(ctx);
+    if (c->blas) cublasDestroy(c->blas);
+    if (c->side) cudaStreamDestroy(c->side);
+    if (c->own_stream) cudaStreamDestroy(c->own_stream);
+    free(c);
+    ctx->impl = NULL;
+}
+
+static mst_status cuda_alloc(mst_ctx_t* ctx, size_t n_bytes, void** out) {
+    (void)ctx;
+    cudaError_t e = cudaMalloc(out, n_bytes);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        *out = NULL;
+        return mst_set_error(MST_ERR_OOM, "cudaMalloc of %zu bytes failed: %s", n_bytes,
+                             cudaGetErrorString(e));
+    }
+    return MST_OK;
+}
+
+static void cuda_free(mst_ctx_t* ctx, void* ptr) {
+    (void)ctx;
+    cudaFree(ptr);
+}
+
+static mst_status cuda_copy(mst_ctx_t* ctx, void* dst, const void* src, size_t n_bytes,
+                            mst_copy_dir dir) {
+    mst_cuda_impl* c = mst_cuda(ctx);
+    cudaMemcpyKind kind = dir == MST_COPY_H2B   ? cudaMemcpyHostToDevice
+                          : dir == MST_COPY_B2H ? cudaMemcpyDeviceToHost
+                                                : cudaMemcpyDeviceToDevice;
+    MST_CUDA_TRY(cudaMemcpyAsync(dst, src, n_bytes, kind, c->stream));
+    if (dir != MST_COPY_B2B) MST_CUDA_TRY(cudaStreamSynchronize(c->stream));
+    return MST_OK;
+}
+
+static mst_status cuda_fill(mst_ctx_t* ctx, void* dst, int byte, size_t n_bytes) {
+    MST_CUDA_TRY(cudaMemsetAsync(dst, byte, n_bytes, mst_cuda(ctx)->stream));
+    return MST_OK;
+}
+
+static mst_status cuda_sync(mst_ctx_t* ctx) {
+    mst_cuda_impl* c = mst_cuda(ctx);
+    MST_CUDA_TRY(cudaStreamSynchronize(c->side));
+    MST_CUDA_TRY(cudaStreamSynchronize(c->stream));
+    return MST_OK;
+}
+
+static void* cuda_get_stream(mst_ctx_t* ctx) { return (void*)mst_cuda(ctx)->stream; }
+
+static mst_status cuda_set_stream(mst_ctx_t* ctx, void* s) {
+    mst_cuda_impl* c = mst_cuda(ctx);
+    c->stream = s ? (cudaStream_t)s : c->own_stream;
+    MST_CUBLAS_TRY(cublasSetStream(c->blas, c->stream));
+    return MST_OK;
+}
+
+extern "C" const mst_backend mst_backend_cuda = {
+    .name = "cuda",
+    .init = cuda_init,
+    .shutdown = cuda_shutdown,
+    .alloc = cuda_alloc,
+    .free = cuda_free,
+    .copy = cuda_copy,
+    .fill = cuda_fill,
+    .sync = cuda_sync,
+    .get_stream = cuda_get_stream,
+    .set_stream = cuda_set_stream,
+    .gl_forward = mst_cuda_gl_forward,
+    .gl_dgrad = mst_cuda_gl_dgrad,
+    .gl_wgrad = mst_cuda_gl_wgrad,
+};

@@ -1,0 +1,48 @@
+/*
+ * cuda_common.cuh — what every CUDA backend file shares: the backend state
+ * behind ctx->impl, checked CUDA calls, and the device error flag.
+ */
+#ifndef MST_CUDA_COMMON_CUH
+#define MST_CUDA_COMMON_CUH
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "../../core/context.h"
+
+typedef struct mst_cuda_impl {
+    int device;               /* CUDA device index                              */
+    int n_sm;                 /* multiprocessors, for persistent grids          */
+    cudaStream_t stream;      /* where ops are enqueued (own_stream or caller's) */
+    cudaStream_t own_stream;  /* created by the context                          */
+    cudaStream_t side;        /* side stream for stash / restore traffic        */
+    cublasHandle_t blas;      /* bound to `stream`                              */
+} mst_cuda_impl;
+
+static inline mst_cuda_impl* mst_cuda(mst_ctx_t* ctx) { return (mst_cuda_impl*)ctx->impl; }
+
+/* Checked CUDA runtime call: returns MST_ERR_BACKEND naming call, file, line. */
+#define MST_CUDA_TRY(call)                                                                 \
+    do {                                                                                   \
+        cudaError_t e_ = (call);                                                           \
+        if (e_ != cudaSuccess)                                                             \
+            return mst_set_error(MST_ERR_BACKEND, "%s failed: %s at %s:%d", #call,         \
+                                 cudaGetErrorString(e_), __FILE__, __LINE__);              \
+    } while (0)
+
+/* After a kernel launch: the launch error, if any. */
+#define MST_CUDA_LAUNCHED() MST_CUDA_TRY(cudaGetLastError())
+
+#define MST_CUBLAS_TRY(call)                                                               \
+    do {                                                                                   \
+        cublasStatus_t s_ = (call);                                                        \
+        if (s_ != CUBLAS_STATUS_SUCCESS)                                                   \
+            return mst_set_error(MST_ERR_BACKEND, "%s failed: cublas status %d at %s:%d",   \
+                                 #call, (int)s_, __FILE__, __LINE__);                      \
+    } while (0)
+
+/* Device side: raise bits of the context's error flag. */
+__device__ __forceinline__ void mst_dev_flag(int32_t* flag, int32_t bits) { atomicOr(flag, bits); }
+
+#endif

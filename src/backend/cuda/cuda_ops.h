@@ -1,0 +1,20 @@
+/*
+ * cuda_ops.h — the CUDA backend's ops, one declaration per backend slot.
+ */
+#ifndef MST_CUDA_OPS_H
+#define MST_CUDA_OPS_H
+
+#include "../backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+mst_status mst_cuda_gl_forward(mst_ctx_t* ctx, const mst_gl_args* a);
+mst_status mst_cuda_gl_dgrad(mst_ctx_t* ctx, const mst_gl_args* a);
+mst_status mst_cuda_gl_wgrad(mst_ctx_t* ctx, const mst_gl_args* a);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

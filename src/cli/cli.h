@@ -1,0 +1,24 @@
+/*
+ * cli.h — the subcommands of the `moestash` program. Each takes the arguments
+ * after its own name and returns the exit code (0 ok, 1 failure, 2 bad usage).
+ */
+#ifndef MST_CLI_H
+#define MST_CLI_H
+
+#include "moestash.h"
+
+int mst_cmd_info(int argc, char** argv);
+int mst_cmd_selfcheck(int argc, char** argv);
+
+/* Benchmarks (bench/): `moestash bench NAME [--json FILE] ...` */
+typedef struct mst_bench_entry {
+    const char* name;
+    const char* help;
+    int (*run)(int argc, char** argv);
+} mst_bench_entry;
+
+/* Parses --backend cpu|cuda (default: cuda when available); exit code 2 and a
+ * one-line message naming the value otherwise. */
+int mst_cli_backend(const char* value, mst_backend_kind* out);
+
+#endif

@@ -1,0 +1,74 @@
+/*
+ * context.h — the private layout of a context and the error helpers every
+ * part of the library uses.
+ */
+#ifndef MST_CONTEXT_H
+#define MST_CONTEXT_H
+
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "../backend/backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct mst_alloc_rec {
+    void* ptr;           /* backend memory */
+    size_t n_bytes;
+} mst_alloc_rec;
+
+struct mst_ctx {
+    const mst_backend* be;   /* function table of this context's backend      */
+    mst_backend_kind kind;
+    int device;              /* CUDA device index; 0 for the CPU              */
+    void* impl;              /* backend state (streams, handles)              */
+    int32_t* err_flag;       /* [1] backend memory: MST_FLAG_* bits           */
+    mst_alloc_rec* allocs;   /* [n_allocs] live allocations                   */
+    int n_allocs, cap_allocs;
+    size_t in_use_bytes;     /* sum of allocs[].n_bytes                       */
+    size_t peak_bytes;       /* max of in_use_bytes over the context's life   */
+    mst_gl_args* deferred;   /* [n_deferred] wgrads waiting for the flush     */
+    int n_deferred, cap_deferred;
+    char desc[256];          /* mst_ctx_describe()                            */
+};
+
+/* Records a failure: formats the thread's last-error message, returns s. */
+mst_status mst_set_error(mst_status s, const char* fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+/* Programmer errors inside the library: abort with file and line. */
+#define MST_ASSERT(cond)                                                              \
+    do {                                                                              \
+        if (!(cond)) {                                                                \
+            fprintf(stderr, "moestash: assertion failed: %s at %s:%d\n", #cond,       \
+                    __FILE__, __LINE__);                                              \
+            abort();                                                                  \
+        }                                                                             \
+    } while (0)
+
+#define MST_TRY(expr)                     \
+    do {                                  \
+        mst_status st_ = (expr);          \
+        if (st_ != MST_OK) return st_;    \
+    } while (0)
+
+/* Argument checks shared by every public op: each names the argument. */
+mst_status mst_check_ctx(const mst_ctx_t* ctx);
+mst_status mst_check_tensor(const mst_tensor* t, const char* name, mst_dtype dtype);
+mst_status mst_check_shape(const mst_tensor* t, const char* name, int64_t rows, int64_t cols);
+
+/* Exclusive prefix sum of host-readable counts into off [E+1]. Returns
+ * MST_ERR_COUNTS (message naming the group) when a count is negative or the
+ * sum passes max_rows. */
+mst_status mst_counts_offsets(const int32_t* counts, int32_t n_groups, int64_t max_rows,
+                              int64_t* off);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MST_CONTEXT_H */

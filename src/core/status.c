@@ -1,0 +1,75 @@
+/*
+ * status.c — status names, the per-thread last-error message, and the
+ * argument checks shared by every public function.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+
+#include "context.h"
+
+static _Thread_local char last_error[512];
+
+const char* mst_status_str(mst_status s) {
+    switch (s) {
+    case MST_OK: return "ok";
+    case MST_ERR_INVALID: return "invalid argument";
+    case MST_ERR_OOM: return "out of memory";
+    case MST_ERR_COUNTS: return "bad counts";
+    case MST_ERR_OVERFLOW: return "stash pool overflow";
+    case MST_ERR_BACKEND: return "backend error";
+    case MST_ERR_UNSUPPORTED: return "unsupported";
+    case MST_ERR_STATE: return "bad state";
+    case MST_ERR_IO: return "i/o error";
+    }
+    return "unknown status";
+}
+
+const char* mst_last_error(void) { return last_error; }
+
+mst_status mst_set_error(mst_status s, const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+mst_status mst_check_ctx(const mst_ctx_t* ctx) {
+    if (!ctx) return mst_set_error(MST_ERR_INVALID, "ctx is NULL");
+    return MST_OK;
+}
+
+mst_status mst_check_tensor(const mst_tensor* t, const char* name, mst_dtype dtype) {
+    if (!t) return mst_set_error(MST_ERR_INVALID, "%s is NULL", name);
+    if (!t->data) return mst_set_error(MST_ERR_INVALID, "%s.data is NULL", name);
+    if (t->dtype != dtype)
+        return mst_set_error(MST_ERR_INVALID, "%s.dtype is %s, expected %s", name,
+                             mst_dtype_name(t->dtype), mst_dtype_name(dtype));
+    if (t->rows <= 0 || t->cols <= 0)
+        return mst_set_error(MST_ERR_INVALID, "%s has shape [%lld, %lld]: both must be > 0", name,
+                             (long long)t->rows, (long long)t->cols);
+    return MST_OK;
+}
+
+mst_status mst_check_shape(const mst_tensor* t, const char* name, int64_t rows, int64_t cols) {
+    if (t->rows != rows || t->cols != cols)
+        return mst_set_error(MST_ERR_INVALID, "%s has shape [%lld, %lld], expected [%lld, %lld]",
+                             name, (long long)t->rows, (long long)t->cols, (long long)rows,
+                             (long long)cols);
+    return MST_OK;
+}
+
+mst_status mst_counts_offsets(const int32_t* counts, int32_t n_groups, int64_t max_rows,
+                              int64_t* off) {
+    off[0] = 0;
+    for (int32_t g = 0; g < n_groups; g++) {
+        if (counts[g] < 0)
+            return mst_set_error(MST_ERR_COUNTS, "counts[%d] = %d is negative", g, counts[g]);
+        off[g + 1] = off[g] + counts[g];
+        if (off[g + 1] > max_rows)
+            return mst_set_error(MST_ERR_COUNTS,
+                                 "counts sum to %lld by group %d, past max_rows = %lld",
+                                 (long long)off[g + 1], g, (long long)max_rows);
+    }
+    return MST_OK;
+}

@@ -1,0 +1,352 @@
+/*
+ * test_grouped_linear.c — grouped linear forward, dgrad and wgrad (all modes)
+ * against a float64 reference, on the backend named by --backend; padding
+ * rows poisoned and checked untouched, guard bytes around every output, and
+ * every bad-input case of DESIGN.md section 4.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+
+typedef struct gl_case {
+    int E;           /* groups                    */
+    int64_t I, O;    /* in, out widths            */
+    int64_t total;   /* sum(counts)               */
+    int64_t R;       /* max_rows >= total         */
+    double skew;     /* 0 balanced .. 1 Zipf-like */
+    int bias, scale; /* optional inputs present   */
+} gl_case;
+
+/* Host copies of one case's inputs and its float64 references. */
+typedef struct gl_host {
+    int32_t* counts; /* [E]      */
+    int64_t* off;    /* [E+1]    */
+    uint16_t *x, *w, *b, *dy; /* [R,I] [E*O,I] [E,O] [R,O] */
+    float* s;        /* [R]      */
+    double *y, *dx, *dw, *db, *ds; /* references */
+} gl_host;
+
+static void reference(const gl_case* c, gl_host* h) {
+    const int64_t I = c->I, O = c->O;
+    for (int g = 0; g < c->E; g++) {
+        const uint16_t* wg = h->w + (int64_t)g * O * I;
+        for (int64_t r = h->off[g]; r < h->off[g + 1]; r++) {
+            double s = c->scale ? h->s[r] : 1.0, ds = 0;
+            for (int64_t o = 0; o < O; o++) {
+                double acc = c->bias ? mst_bf16_to_fp32(h->b[g * O + o]) * s : 0.0;
+                for (int64_t i = 0; i < I; i++)
+                    acc += (double)mst_bf16_to_fp32(h->x[r * I + i]) * mst_bf16_to_fp32(wg[o * I + i]);
+                h->y[r * O + o] = acc;
+                if (c->bias) ds += (double)mst_bf16_to_fp32(h->dy[r * O + o]) * mst_bf16_to_fp32(h->b[g * O + o]);
+            }
+            h->ds[r] = ds;
+            for (int64_t i = 0; i < I; i++) {
+                double acc = 0;
+                for (int64_t o = 0; o < O; o++)
+                    acc += (double)mst_bf16_to_fp32(h->dy[r * O + o]) * mst_bf16_to_fp32(wg[o * I + i]);
+                h->dx[r * I + i] = acc;
+            }
+        }
+        for (int64_t o = 0; o < O; o++) {
+            double db = 0;
+            for (int64_t r = h->off[g]; r < h->off[g + 1]; r++)
+                db += (double)mst_bf16_to_fp32(h->dy[r * O + o]) * (c->scale ? h->s[r] : 1.0);
+            h->db[g * O + o] = db;
+            for (int64_t i = 0; i < I; i++) {
+                double acc = 0;
+                for (int64_t r = h->off[g]; r < h->off[g + 1]; r++)
+                    acc += (double)mst_bf16_to_fp32(h->dy[r * O + o]) * mst_bf16_to_fp32(h->x[r * I + i]);
+                h->dw[((int64_t)g * O + o) * I + i] = acc;
+            }
+        }
+    }
+}
+
+/* Every byte of rows [n, R) of a [R, width] buffer still holds the poison. */
+static int padding_poisoned(const void* host, int64_t n, int64_t R, int64_t row_bytes) {
+    const unsigned char* p = (const unsigned char*)host;
+    for (int64_t i = n * row_bytes; i < R * row_bytes; i++)
+        if (p[i] != MST_POISON) return 0;
+    return 1;
+}
+
+/* Downloads a guarded bf16 output, checks guards, padding and error. */
+static void expect_bf16(mst_ctx_t* ctx, const mst_guarded* g, const double* ref, int64_t n,
+                        int64_t R, int64_t width, const char* what, const gl_case* c) {
+    uint16_t* got = (uint16_t*)malloc(g->n_bytes);
+    mst_guarded_get(ctx, g, got);
+    double err = mst_rel_err_bf16(got, ref, (size_t)(n * width));
+    CHECK(err < MST_TOL_BF16, "%s E=%d I=%lld O=%lld n=%lld: rel err %.3g", what, c->E,
+          (long long)c->I, (long long)c->O, (long long)n, err);
+    CHECK(padding_poisoned(got, n, R, width * 2), "%s: padding rows written", what);
+    CHECK(mst_guarded_intact(ctx, g), "%s: guard bytes overwritten", what);
+    free(got);
+}
+
+static void expect_fp32(mst_ctx_t* ctx, const mst_guarded* g, const double* ref, size_t n,
+                        double add, const char* what, const gl_case* c) {
+    float* got = (float*)malloc(g->n_bytes);
+    double* want = (double*)malloc(sizeof(double) * (n ? n : 1));
+    mst_guarded_get(ctx, g, got);
+    for (size_t i = 0; i < n; i++) want[i] = ref[i] + add;
+    double err = mst_rel_err_fp32(got, want, n);
+    CHECK(err < MST_TOL_FP32, "%s E=%d I=%lld O=%lld: rel err %.3g", what, c->E, (long long)c->I,
+          (long long)c->O, err);
+    CHECK(mst_guarded_intact(ctx, g), "%s: guard bytes overwritten", what);
+    free(got);
+    free(want);
+}
+
+static void fill_fp32(mst_ctx_t* ctx, mst_guarded* g, float v) {
+    size_t n = g->n_bytes / 4;
+    float* h = (float*)malloc(g->n_bytes);
+    for (size_t i = 0; i < n; i++) h[i] = v;
+    mst_guarded_put(ctx, g, h);
+    free(h);
+}
+
+static void run_case(mst_ctx_t* ctx, mst_rng* rng, const gl_case* c) {
+    const int E = c->E;
+    const int64_t I = c->I, O = c->O, R = c->R;
+    gl_host h = {0};
+    h.counts = (int32_t*)malloc(sizeof(int32_t) * E);
+    h.off = (int64_t*)malloc(sizeof(int64_t) * (E + 1));
+    mst_rng_counts(rng, h.counts, E, c->total, c->skew);
+    h.off[0] = 0;
+    for (int g = 0; g < E; g++) h.off[g + 1] = h.off[g] + h.counts[g];
+    const int64_t n = h.off[E];
+    h.x = (uint16_t*)malloc(2 * R * I);
+    h.w = (uint16_t*)malloc(2 * E * O * I);
+    h.b = (uint16_t*)malloc(2 * E * O);
+    h.dy = (uint16_t*)malloc(2 * R * O);
+    h.s = (float*)malloc(4 * R);
+    mst_rng_bf16(rng, h.x, (size_t)(R * I), 1.0);
+    mst_rng_bf16(rng, h.w, (size_t)(E * O * I), 1.0 / sqrt((double)I));
+    mst_rng_bf16(rng, h.b, (size_t)(E * O), 0.5);
+    mst_rng_bf16(rng, h.dy, (size_t)(R * O), 1.0);
+    mst_rng_fp32(rng, h.s, (size_t)R, 0.05, 1.0);
+    h.y = (double*)calloc((size_t)(R * O), 8);
+    h.dx = (double*)calloc((size_t)(R * I), 8);
+    h.dw = (double*)calloc((size_t)(E * O * I), 8);
+    h.db = (double*)calloc((size_t)(E * O), 8);
+    h.ds = (double*)calloc((size_t)R, 8);
+    reference(c, &h);
+
+    mst_guarded gc = mst_guarded_alloc(ctx, 4 * E), gx = mst_guarded_alloc(ctx, 2 * R * I),
+                gw = mst_guarded_alloc(ctx, 2 * E * O * I), gb = mst_guarded_alloc(ctx, 2 * E * O),
+                gdy = mst_guarded_alloc(ctx, 2 * R * O), gs = mst_guarded_alloc(ctx, 4 * R),
+                gy = mst_guarded_alloc(ctx, 2 * R * O), gdx = mst_guarded_alloc(ctx, 2 * R * I),
+                gmw = mst_guarded_alloc(ctx, 4 * E * O * I), gmb = mst_guarded_alloc(ctx, 4 * E * O),
+                gds = mst_guarded_alloc(ctx, 4 * R);
+    mst_guarded_put(ctx, &gc, h.counts);
+    mst_guarded_put(ctx, &gx, h.x);
+    mst_guarded_put(ctx, &gw, h.w);
+    mst_guarded_put(ctx, &gb, h.b);
+    mst_guarded_put(ctx, &gdy, h.dy);
+    mst_guarded_put(ctx, &gs, h.s);
+    mst_tensor counts = mst_tensor_make(gc.data, MST_DTYPE_INT32, E, 1),
+               x = mst_tensor_make(gx.data, MST_DTYPE_BF16, R, I),
+               w = mst_tensor_make(gw.data, MST_DTYPE_BF16, E * O, I),
+               b = mst_tensor_make(gb.data, MST_DTYPE_BF16, E, O),
+               dy = mst_tensor_make(gdy.data, MST_DTYPE_BF16, R, O),
+               s = mst_tensor_make(gs.data, MST_DTYPE_FP32, R, 1),
+               y = mst_tensor_make(gy.data, MST_DTYPE_BF16, R, O),
+               dx = mst_tensor_make(gdx.data, MST_DTYPE_BF16, R, I),
+               mw = mst_tensor_make(gmw.data, MST_DTYPE_FP32, E * O, I),
+               mb = mst_tensor_make(gmb.data, MST_DTYPE_FP32, E, O),
+               ds = mst_tensor_make(gds.data, MST_DTYPE_FP32, R, 1);
+    const mst_tensor* pb = c->bias ? &b : NULL;
+    const mst_tensor* ps = c->scale ? &s : NULL;
+
+    CHECK_OK(mst_grouped_linear_forward(ctx, &x, &w, pb, ps, &counts, &y));
+    CHECK_OK(mst_ctx_check(ctx));
+    expect_bf16(ctx, &gy, h.y, n, R, O, "forward y", c);
+
+    CHECK_OK(mst_grouped_linear_dgrad(ctx, &dy, &w, &counts, &dx));
+    CHECK_OK(mst_ctx_check(ctx));
+    expect_bf16(ctx, &gdx, h.dx, n, R, I, "dgrad dx", c);
+
+    /* OVERWRITE from poison, then ACCUMULATE from 0.5, then DEFERRED from 0.5. */
+    mst_tensor* pmb = c->bias || c->scale ? &mb : NULL;
+    CHECK_OK(mst_grouped_linear_wgrad(ctx, &dy, &x, ps, pb, &counts, &mw, pmb, c->bias ? &ds : NULL,
+                                      MST_WGRAD_OVERWRITE));
+    CHECK_OK(mst_ctx_check(ctx));
+    expect_fp32(ctx, &gmw, h.dw, (size_t)(E * O * I), 0.0, "wgrad overwrite dW", c);
+    if (pmb) expect_fp32(ctx, &gmb, h.db, (size_t)(E * O), 0.0, "wgrad overwrite dbias", c);
+    if (c->bias) {
+        float* got = (float*)malloc(gds.n_bytes);
+        mst_guarded_get(ctx, &gds, got);
+        CHECK(mst_rel_err_fp32(got, h.ds, (size_t)n) < MST_TOL_FP32, "dscale rel err %.3g",
+              mst_rel_err_fp32(got, h.ds, (size_t)n));
+        CHECK(padding_poisoned(got, n, R, 4), "dscale: padding rows written");
+        CHECK(mst_guarded_intact(ctx, &gds), "dscale: guard bytes overwritten");
+        free(got);
+    }
+
+    fill_fp32(ctx, &gmw, 0.5f);
+    fill_fp32(ctx, &gmb, 0.5f);
+    CHECK_OK(mst_grouped_linear_wgrad(ctx, &dy, &x, ps, NULL, &counts, &mw, pmb, NULL,
+                                      MST_WGRAD_ACCUMULATE));
+    expect_fp32(ctx, &gmw, h.dw, (size_t)(E * O * I), 0.5, "wgrad accumulate dW", c);
+    if (pmb) expect_fp32(ctx, &gmb, h.db, (size_t)(E * O), 0.5, "wgrad accumulate dbias", c);
+    float* acc = (float*)malloc(gmw.n_bytes);
+    float* acc_b = (float*)malloc(gmb.n_bytes);
+    mst_guarded_get(ctx, &gmw, acc);
+    mst_guarded_get(ctx, &gmb, acc_b);
+
+    fill_fp32(ctx, &gmw, 0.5f);
+    fill_fp32(ctx, &gmb, 0.5f);
+    CHECK_OK(mst_grouped_linear_wgrad(ctx, &dy, &x, ps, NULL, &counts, &mw, pmb, NULL,
+                                      MST_WGRAD_DEFERRED));
+    CHECK(mst_wgrad_pending(ctx) == 1, "deferred wgrad: %d pending, expected 1", mst_wgrad_pending(ctx));
+    float* before = (float*)malloc(gmw.n_bytes);
+    mst_guarded_get(ctx, &gmw, before);
+    CHECK(before[0] == 0.5f, "deferred wgrad ran before the flush");
+    CHECK_OK(mst_wgrad_flush(ctx));
+    CHECK(mst_wgrad_pending(ctx) == 0, "flush left %d pending", mst_wgrad_pending(ctx));
+    float* def = (float*)malloc(gmw.n_bytes);
+    float* def_b = (float*)malloc(gmb.n_bytes);
+    mst_guarded_get(ctx, &gmw, def);
+    mst_guarded_get(ctx, &gmb, def_b);
+    CHECK(mst_first_diff(acc, def, gmw.n_bytes) < 0, "DEFERRED dW differs from ACCUMULATE");
+    CHECK(!pmb || mst_first_diff(acc_b, def_b, gmb.n_bytes) < 0, "DEFERRED dbias differs from ACCUMULATE");
+    free(acc), free(acc_b), free(before), free(def), free(def_b);
+
+    mst_guarded* all[] = {&gc, &gx, &gw, &gb, &gdy, &gs, &gy, &gdx, &gmw, &gmb, &gds};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) mst_guarded_free(ctx, all[i]);
+    free(h.counts), free(h.off), free(h.x), free(h.w), free(h.b), free(h.dy), free(h.s);
+    free(h.y), free(h.dx), free(h.dw), free(h.db), free(h.ds);
+}
+
+/* Bad counts: the context's error flag is set and the next check returns
+ * MST_ERR_COUNTS; the CPU op also returns it at once. Nothing lands past R. */
+static void bad_counts(mst_ctx_t* ctx, mst_rng* rng, const int32_t* bad, int E, const char* what) {
+    const int64_t R = 40, I = 16, O = 24;
+    mst_guarded gc = mst_guarded_alloc(ctx, 4 * E), gx = mst_guarded_alloc(ctx, 2 * R * I),
+                gw = mst_guarded_alloc(ctx, 2 * E * O * I), gy = mst_guarded_alloc(ctx, 2 * R * O),
+                gdx = mst_guarded_alloc(ctx, 2 * R * I), gmw = mst_guarded_alloc(ctx, 4 * E * O * I);
+    uint16_t* hx = (uint16_t*)malloc(2 * R * I);
+    uint16_t* hw = (uint16_t*)malloc(2 * E * O * I);
+    mst_rng_bf16(rng, hx, (size_t)(R * I), 1.0);
+    mst_rng_bf16(rng, hw, (size_t)(E * O * I), 0.3);
+    mst_guarded_put(ctx, &gc, bad);
+    mst_guarded_put(ctx, &gx, hx);
+    mst_guarded_put(ctx, &gw, hw);
+    mst_tensor counts = mst_tensor_make(gc.data, MST_DTYPE_INT32, E, 1),
+               x = mst_tensor_make(gx.data, MST_DTYPE_BF16, R, I),
+               w = mst_tensor_make(gw.data, MST_DTYPE_BF16, E * O, I),
+               y = mst_tensor_make(gy.data, MST_DTYPE_BF16, R, O),
+               dx = mst_tensor_make(gdx.data, MST_DTYPE_BF16, R, I),
+               mw = mst_tensor_make(gmw.data, MST_DTYPE_FP32, E * O, I);
+    int cpu = mst_ctx_backend(ctx) == MST_BACKEND_CPU;
+    mst_status want_now = cpu ? MST_ERR_COUNTS : MST_OK;
+    CHECK_STATUS(mst_grouped_linear_forward(ctx, &x, &w, NULL, NULL, &counts, &y), want_now);
+    CHECK_STATUS(mst_ctx_check(ctx), MST_ERR_COUNTS); /* the flag is set on every backend */
+    CHECK(strlen(mst_last_error()) > 0, "%s: no error message", what);
+    CHECK_STATUS(mst_grouped_linear_dgrad(ctx, &x /* as dy: [R, I] */, &w, &counts, &y), MST_ERR_INVALID);
+    mst_tensor dy = mst_tensor_make(gy.data, MST_DTYPE_BF16, R, O);
+    CHECK_STATUS(mst_grouped_linear_dgrad(ctx, &dy, &w, &counts, &dx), want_now);
+    CHECK_STATUS(mst_grouped_linear_wgrad(ctx, &dy, &x, NULL, NULL, &counts, &mw, NULL, NULL,
+                                          MST_WGRAD_OVERWRITE), want_now);
+    CHECK_STATUS(mst_ctx_check(ctx), MST_ERR_COUNTS); /* the flag is set on every backend */
+    /* Outputs: nothing past R, and the guards intact. What the op may have
+     * written inside [0, R) is not data, but nothing lands outside. */
+    CHECK(mst_guarded_intact(ctx, &gy), "%s: y guards overwritten", what);
+    CHECK(mst_guarded_intact(ctx, &gdx), "%s: dx guards overwritten", what);
+    CHECK(mst_guarded_intact(ctx, &gmw), "%s: main_grad guards overwritten", what);
+    CHECK_OK(mst_ctx_check(ctx)); /* the flag was cleared */
+    mst_guarded* all[] = {&gc, &gx, &gw, &gy, &gdx, &gmw};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) mst_guarded_free(ctx, all[i]);
+    free(hx), free(hw);
+}
+
+static void bad_arguments(mst_ctx_t* ctx) {
+    const int E = 4;
+    const int64_t R = 32, I = 8, O = 12;
+    void *pc, *px, *pw, *py, *pm, *pb;
+    mst_alloc(ctx, 4 * E, &pc);
+    mst_alloc(ctx, 2 * R * I, &px);
+    mst_alloc(ctx, 2 * E * O * I, &pw);
+    mst_alloc(ctx, 2 * R * O, &py);
+    mst_alloc(ctx, 4 * E * O * I, &pm);
+    mst_alloc(ctx, 4 * E * O, &pb);
+    int32_t hc[4] = {3, 0, 5, 2};
+    mst_copy_h2b(ctx, pc, hc, sizeof hc);
+    mst_tensor counts = mst_tensor_make(pc, MST_DTYPE_INT32, E, 1),
+               x = mst_tensor_make(px, MST_DTYPE_BF16, R, I),
+               w = mst_tensor_make(pw, MST_DTYPE_BF16, E * O, I),
+               y = mst_tensor_make(py, MST_DTYPE_BF16, R, O),
+               mw = mst_tensor_make(pm, MST_DTYPE_FP32, E * O, I);
+    mst_tensor t;
+    CHECK_STATUS(mst_grouped_linear_forward(NULL, &x, &w, NULL, NULL, &counts, &y), MST_ERR_INVALID);
+    CHECK_STATUS(mst_grouped_linear_forward(ctx, NULL, &w, NULL, NULL, &counts, &y), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "x") != NULL, "message does not name x: %s", mst_last_error());
+    CHECK_STATUS(mst_grouped_linear_forward(ctx, &x, &w, NULL, NULL, &counts, NULL), MST_ERR_INVALID);
+    t = x, t.data = NULL;
+    CHECK_STATUS(mst_grouped_linear_forward(ctx, &t, &w, NULL, NULL, &counts, &y), MST_ERR_INVALID);
+    t = x, t.dtype = MST_DTYPE_FP32;
+    CHECK_STATUS(mst_grouped_linear_forward(ctx, &t, &w, NULL, NULL, &counts, &y), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "fp32") != NULL, "message does not name the dtype: %s", mst_last_error());
+    t = counts, t.rows = 0; /* E = 0 */
+    CHECK_STATUS(mst_grouped_linear_forward(ctx, &x, &w, NULL, NULL, &t, &y), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "counts") != NULL, "message does not name counts: %s", mst_last_error());
+    t = counts, t.dtype = MST_DTYPE_FP32;
+    CHECK_STATUS(mst_grouped_linear_forward(ctx, &x, &w, NULL, NULL, &t, &y), MST_ERR_INVALID);
+    t = x, t.cols = 0; /* width 0 */
+    CHECK_STATUS(mst_grouped_linear_forward(ctx, &t, &w, NULL, NULL, &counts, &y), MST_ERR_INVALID);
+    t = w, t.rows = E * O + 1; /* not a multiple of E */
+    CHECK_STATUS(mst_grouped_linear_forward(ctx, &x, &t, NULL, NULL, &counts, &y), MST_ERR_INVALID);
+    t = w, t.cols = I + 1;
+    CHECK_STATUS(mst_grouped_linear_forward(ctx, &x, &t, NULL, NULL, &counts, &y), MST_ERR_INVALID);
+    t = y, t.rows = R - 1;
+    CHECK_STATUS(mst_grouped_linear_forward(ctx, &x, &w, NULL, NULL, &counts, &t), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "y") != NULL, "message does not name y: %s", mst_last_error());
+    t = mst_tensor_make(pb, MST_DTYPE_BF16, E, O + 1); /* bias of the wrong width */
+    CHECK_STATUS(mst_grouped_linear_forward(ctx, &x, &w, &t, NULL, &counts, &y), MST_ERR_INVALID);
+    t = mst_tensor_make(pb, MST_DTYPE_FP32, R - 2, 1); /* scale of the wrong length */
+    CHECK_STATUS(mst_grouped_linear_forward(ctx, &x, &w, NULL, &t, &counts, &y), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "scale") != NULL, "message does not name scale: %s", mst_last_error());
+    CHECK_STATUS(mst_grouped_linear_wgrad(ctx, &y, &x, NULL, NULL, &counts, &mw, NULL, NULL,
+                                          (mst_wgrad_mode)7), MST_ERR_INVALID);
+    t = mw, t.dtype = MST_DTYPE_BF16;
+    CHECK_STATUS(mst_grouped_linear_wgrad(ctx, &y, &x, NULL, NULL, &counts, &t, NULL, NULL,
+                                          MST_WGRAD_ACCUMULATE), MST_ERR_INVALID);
+    t = mst_tensor_make(pb, MST_DTYPE_BF16, E, O); /* bias without dscale */
+    CHECK_STATUS(mst_grouped_linear_wgrad(ctx, &y, &x, NULL, &t, &counts, &mw, NULL, NULL,
+                                          MST_WGRAD_ACCUMULATE), MST_ERR_INVALID);
+    CHECK(mst_wgrad_pending(ctx) == 0, "a rejected DEFERRED call was queued");
+    void* ps[] = {pc, px, pw, py, pm, pb};
+    for (int i = 0; i < 6; i++) mst_free(ctx, ps[i]);
+}
+
+static void run(mst_ctx_t* ctx) {
+    mst_rng rng = {0x5eed1234};
+    int gpu = mst_ctx_backend(ctx) == MST_BACKEND_CUDA;
+    const gl_case cases[] = {
+        {1, 32, 48, 100, 128, 0.0, 1, 1},    /* one group                      */
+        {4, 64, 40, 3, 64, 0.0, 1, 0},       /* mostly zero-size groups        */
+        {8, 72, 96, 517, 700, 1.0, 0, 1},    /* ragged, skewed                 */
+        {8, 48, 56, 300, 300, 0.3, 1, 1},    /* max_rows == sum(counts)        */
+        {128, 40, 24, 900, 1400, 1.0, 1, 1}, /* many groups, many of them empty */
+        {64, 128, 128, 2000, 3000, 0.5, 0, 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(ctx, &rng, &cases[i]);
+    if (gpu) { /* tile-edge shapes only the GPU runs quickly */
+        const gl_case big[] = {
+            {4, 1024, 2048, 3001, 4500, 0.7, 1, 1},
+            {8, 7168, 256, 1337, 2000, 0.0, 0, 1},
+            {1, 2048, 7168, 777, 1000, 0.0, 1, 0},
+            {128, 256, 384, 9000, 13000, 1.0, 0, 0},
+        };
+        for (size_t i = 0; i < sizeof big / sizeof big[0]; i++) run_case(ctx, &rng, &big[i]);
+    }
+    const int32_t neg[3] = {5, -1, 4};
+    const int32_t over[3] = {20, 15, 6}; /* 41 > R = 40 */
+    bad_counts(ctx, &rng, neg, 3, "negative count");
+    bad_counts(ctx, &rng, over, 3, "sum past max_rows");
+    bad_arguments(ctx);
+}
+
+int main(int argc, char** argv) { return mst_test_main(argc, argv, run); }
