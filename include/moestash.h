@@ -155,6 +155,102 @@ mst_status mst_wgrad_flush(mst_ctx_t* ctx);
 /* Number of DEFERRED wgrads waiting for mst_wgrad_flush(). */
 int mst_wgrad_pending(const mst_ctx_t* ctx);
 
+/* ---- saved activations (the interface the memory manager plugs into) ---- *
+ * An op that saves activations for its backward asks a saver where to put
+ * them. The saver applies the policy of each name: KEEP (own max_rows
+ * buffer), STASH (device pages), OFFLOAD (pinned host pages), RECOMPUTE (not
+ * saved; the op recomputes it in backward). A policy moves only the tensor it
+ * names. */
+
+typedef enum mst_saved_name {
+    MST_SAVED_FC1_INPUT = 0, /* x   [R, H]    bf16 */
+    MST_SAVED_ACT_INPUT,     /* h   [R, 2F]   bf16 (fc1 output) */
+    MST_SAVED_FC2_INPUT,     /* z   [R, F]    bf16 (activation output) */
+    MST_SAVED_PROBS,         /* p   [R, 1]    fp32 */
+    MST_N_SAVED,
+} mst_saved_name;
+
+typedef enum mst_policy {
+    MST_POLICY_KEEP = 0,
+    MST_POLICY_STASH,
+    MST_POLICY_OFFLOAD,
+    MST_POLICY_RECOMPUTE,
+    MST_N_POLICIES,
+} mst_policy;
+
+const char* mst_saved_name_str(mst_saved_name n); /* "fc1_input", ... */
+const char* mst_policy_str(mst_policy p);          /* "keep", ...      */
+/* Parses a name ("act_input") or policy ("stash"); MST_ERR_INVALID naming it. */
+mst_status mst_saved_name_parse(const char* s, mst_saved_name* out);
+mst_status mst_policy_parse(const char* s, mst_policy* out);
+
+typedef struct mst_saver {
+    void* self;
+    /* Forward, before the producer runs: the [R, cols] buffer to write tensor
+     * `name` into (an op output that is saved). A compute buffer shared by
+     * layers unless the policy is KEEP. */
+    mst_status (*produce)(void* self, mst_saved_name name, int64_t rows, int64_t cols,
+                          mst_dtype dtype, mst_tensor* out);
+    /* Forward, once `src` (rows [0, sum(counts)) valid) holds the tensor:
+     * KEEP copies it into its own buffer unless src is that buffer already,
+     * STASH / OFFLOAD pack it into pages, RECOMPUTE does nothing. */
+    mst_status (*commit)(void* self, mst_saved_name name, const mst_tensor* src,
+                         const mst_tensor* counts);
+    /* Backward: a tensor holding the saved rows. out->data is NULL when the
+     * policy is RECOMPUTE: the op recomputes it. */
+    mst_status (*fetch)(void* self, mst_saved_name name, mst_tensor* out);
+    /* Backward: the op is done with tensor `name`. */
+    mst_status (*release)(void* self, mst_saved_name name);
+} mst_saver;
+
+/* ---- grouped MLP ---------------------------------------------------------- *
+ * fc1 grouped linear (H -> 2F) -> gated activation scaled by the router prob
+ * -> fc2 grouped linear (F -> H, bias scaled by the prob). DESIGN.md section 5. */
+
+typedef enum mst_activation {
+    MST_ACT_SWIGLU = 0,     /* z = silu(a) * b * p                                    */
+    MST_ACT_CLAMPED_SWIGLU, /* a' = min(a, L), b' = clamp(b, -L, L),
+                               z = a' * sigmoid(alpha a') * (b' + 1) * p              */
+} mst_activation;
+
+typedef struct mst_mlp_config {
+    int32_t n_groups;        /* E                                   */
+    int64_t hidden;          /* H                                   */
+    int64_t ffn;             /* F                                   */
+    mst_activation act;
+    float clamp_limit;       /* L, default 7                         */
+    float clamp_alpha;       /* alpha, default 1.702                 */
+} mst_mlp_config;
+
+/* Weights and their fp32 main gradients; b1, b2 and their grads optional
+ * (data NULL). */
+typedef struct mst_mlp_weights {
+    mst_tensor w1;      /* [E*2F, H] bf16 */
+    mst_tensor b1;      /* [E, 2F]   bf16 (optional) */
+    mst_tensor w2;      /* [E*H, F]  bf16 */
+    mst_tensor b2;      /* [E, H]    bf16 (optional) */
+    mst_tensor g_w1;    /* [E*2F, H] fp32 main_grad */
+    mst_tensor g_b1;    /* [E, 2F]   fp32 (optional) */
+    mst_tensor g_w2;    /* [E*H, F]  fp32 main_grad */
+    mst_tensor g_b2;    /* [E, H]    fp32 (optional) */
+} mst_mlp_weights;
+
+mst_mlp_config mst_mlp_config_default(int32_t n_groups, int64_t hidden, int64_t ffn);
+
+/* x [R, H] bf16, probs [R, 1] fp32, counts [E, 1] int32 -> y [R, H] bf16.
+ * Saved activations go through `saver`. */
+mst_status mst_grouped_mlp_forward(mst_ctx_t* ctx, const mst_mlp_config* cfg,
+                                   const mst_mlp_weights* w, const mst_tensor* x,
+                                   const mst_tensor* probs, const mst_tensor* counts,
+                                   const mst_saver* saver, mst_tensor* y);
+/* dy [R, H] bf16 -> dx [R, H] bf16, dprobs [R, 1] fp32; weight and bias
+ * gradients into w->g_* through `mode`. Fetches and releases every saved
+ * tensor it used. */
+mst_status mst_grouped_mlp_backward(mst_ctx_t* ctx, const mst_mlp_config* cfg,
+                                    const mst_mlp_weights* w, const mst_tensor* dy,
+                                    const mst_tensor* counts, const mst_saver* saver,
+                                    mst_tensor* dx, mst_tensor* dprobs, mst_wgrad_mode mode);
+
 /* ---- paged stash --------------------------------------------------------- *
  * (section owned by the paged-stash work; see DESIGN.md section 6) */
 

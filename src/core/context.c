@@ -157,3 +157,16 @@ mst_tensor mst_tensor_make(void* data, mst_dtype dtype, int64_t rows, int64_t co
 size_t mst_tensor_bytes(const mst_tensor* t) {
     return (size_t)t->rows * (size_t)t->cols * mst_dtype_size(t->dtype);
 }
+
+mst_status mst_workspace(mst_ctx_t* ctx, int slot, size_t n_bytes, void** out) {
+    MST_ASSERT(slot >= 0 && slot < MST_N_WS);
+    if (ctx->ws_bytes[slot] < n_bytes) {
+        mst_free(ctx, ctx->ws[slot]);
+        ctx->ws[slot] = NULL;
+        ctx->ws_bytes[slot] = 0;
+        MST_TRY(mst_alloc(ctx, n_bytes, &ctx->ws[slot]));
+        ctx->ws_bytes[slot] = n_bytes;
+    }
+    *out = ctx->ws[slot];
+    return MST_OK;
+}

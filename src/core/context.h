@@ -14,6 +14,10 @@
 extern "C" {
 #endif
 
+/* Workspace slots: scratch that ops reuse between calls (grown outside graph
+ * capture: run an op once before capturing it). */
+enum { MST_WS_MLP_A = 0, MST_WS_MLP_B, MST_WS_MLP_C, MST_WS_OP, MST_N_WS };
+
 typedef struct mst_alloc_rec {
     void* ptr;           /* backend memory */
     size_t n_bytes;
@@ -31,6 +35,8 @@ struct mst_ctx {
     size_t peak_bytes;       /* max of in_use_bytes over the context's life   */
     mst_gl_args* deferred;   /* [n_deferred] wgrads waiting for the flush     */
     int n_deferred, cap_deferred;
+    void* ws[MST_N_WS];      /* backend memory scratch, by slot               */
+    size_t ws_bytes[MST_N_WS];
     char desc[256];          /* mst_ctx_describe()                            */
 };
 
@@ -61,6 +67,9 @@ mst_status mst_set_error(mst_status s, const char* fmt, ...)
 mst_status mst_check_ctx(const mst_ctx_t* ctx);
 mst_status mst_check_tensor(const mst_tensor* t, const char* name, mst_dtype dtype);
 mst_status mst_check_shape(const mst_tensor* t, const char* name, int64_t rows, int64_t cols);
+
+/* Scratch of at least n_bytes in slot `slot`, grown (never shrunk) on demand. */
+mst_status mst_workspace(mst_ctx_t* ctx, int slot, size_t n_bytes, void** out);
 
 /* Exclusive prefix sum of host-readable counts into off [E+1]. Returns
  * MST_ERR_COUNTS (message naming the group) when a count is negative or the
