@@ -199,9 +199,25 @@ typedef struct mst_saver {
     /* Backward: a tensor holding the saved rows. out->data is NULL when the
      * policy is RECOMPUTE: the op recomputes it. */
     mst_status (*fetch)(void* self, mst_saved_name name, mst_tensor* out);
-    /* Backward: the op is done with tensor `name`. */
+    /* Backward: the op is done with tensor `name`. With MST_WGRAD_DEFERRED
+     * the fetched data is still read by mst_wgrad_flush(): keep it valid
+     * until the flush. */
     mst_status (*release)(void* self, mst_saved_name name);
 } mst_saver;
+
+/* The basic saver: KEEP for every name, RECOMPUTE for fc2_input only; STASH
+ * and OFFLOAD are the memory manager's (MST_ERR_UNSUPPORTED here). Each KEEP
+ * name owns a [max_rows, cols] buffer allocated at create: produce() hands it
+ * out (commit then copies nothing); commit() of a tensor held elsewhere copies
+ * its max_rows rows in. A RECOMPUTE fc2_input gets one compute buffer. */
+typedef struct mst_saver_basic mst_saver_basic_t;
+struct mst_mlp_config;
+mst_status mst_saver_basic_create(mst_ctx_t* ctx, int64_t max_rows,
+                                  const struct mst_mlp_config* cfg,
+                                  const mst_policy policies[MST_N_SAVED],
+                                  mst_saver_basic_t** out);
+void mst_saver_basic_destroy(mst_saver_basic_t* s);
+const mst_saver* mst_saver_basic_get(mst_saver_basic_t* s);
 
 /* ---- grouped MLP ---------------------------------------------------------- *
  * fc1 grouped linear (H -> 2F) -> gated activation scaled by the router prob
@@ -253,6 +269,63 @@ mst_status mst_grouped_mlp_backward(mst_ctx_t* ctx, const mst_mlp_config* cfg,
 
 /* ---- paged stash --------------------------------------------------------- *
  * (section owned by the paged-stash work; see DESIGN.md section 6) */
+
+/* ---- schedules ------------------------------------------------------------ *
+ * The order of forward and backward passes over (model chunk, microbatch) on
+ * one pipeline rank. A rank holds `virtual_stages` chunks of its layers. */
+
+typedef enum mst_schedule_kind {
+    MST_SCHEDULE_PLAIN = 0,   /* all forwards, then all backwards (last first) */
+    MST_SCHEDULE_1F1B,        /* warm-up forwards, one-forward-one-backward, cool-down */
+    MST_SCHEDULE_INTERLEAVED, /* 1F1B over virtual stages (model chunks)           */
+} mst_schedule_kind;
+
+typedef struct mst_schedule_config {
+    mst_schedule_kind kind;
+    int32_t stages;         /* pipeline stages S >= 1                          */
+    int32_t rank;           /* this rank, 0 <= rank < S                        */
+    int32_t microbatches;   /* M >= 1 (interleaved: a multiple of S)           */
+    int32_t virtual_stages; /* V >= 1 chunks on this rank (interleaved: >= 2)  */
+} mst_schedule_config;
+
+typedef struct mst_sched_entry {
+    int32_t backward;   /* 0 forward, 1 backward   */
+    int32_t chunk;      /* 0 <= chunk < V          */
+    int32_t microbatch; /* 0 <= microbatch < M     */
+} mst_sched_entry;
+
+/* Fills out [2 M V] (n_out must be 2 M V). A schedule that does not fit the
+ * stage count is MST_ERR_INVALID naming the value. */
+mst_status mst_schedule_make(const mst_schedule_config* cfg, mst_sched_entry* out, int32_t n_out);
+mst_status mst_schedule_kind_parse(const char* s, mst_schedule_kind* out);
+const char* mst_schedule_kind_str(mst_schedule_kind k);
+
+/* ---- layer recompute (seed 004) ------------------------------------------ *
+ * uniform:N — layers in chunks of N; each chunk's input is saved and the
+ *             chunk recomputed in backward.
+ * block:N   — the first N layers of the stage are recomputed (each its own
+ *             chunk), the rest keep their activations. */
+
+typedef enum mst_recompute_method {
+    MST_RECOMPUTE_NONE = 0,
+    MST_RECOMPUTE_UNIFORM,
+    MST_RECOMPUTE_BLOCK,
+} mst_recompute_method;
+
+typedef struct mst_recompute_config {
+    mst_recompute_method method;
+    int32_t num_layers; /* recompute_num_layers N >= 1 */
+} mst_recompute_config;
+
+/* "none", "uniform:N" or "block:N"; a clear error otherwise. */
+mst_status mst_recompute_parse(const char* spec, mst_recompute_config* out);
+/* chunk_start [n_layers]: the first layer of layer l's recompute chunk, or
+ * -1 when layer l keeps its activations. Errors name a bad N. */
+mst_status mst_recompute_plan(const mst_recompute_config* cfg, int32_t n_layers,
+                              int32_t* chunk_start);
+
+/* ---- memory manager ----------------------------------------------------- *
+ * (section of the memory-manager work; DESIGN.md section 7) */
 
 #ifdef __cplusplus
 }
