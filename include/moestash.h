@@ -325,7 +325,87 @@ mst_status mst_recompute_plan(const mst_recompute_config* cfg, int32_t n_layers,
                               int32_t* chunk_start);
 
 /* ---- memory manager ----------------------------------------------------- *
- * (section of the memory-manager work; DESIGN.md section 7) */
+ * Owns the saved activations of every (layer, microbatch, name) and applies
+ * the policy of each (layer, name). DESIGN.md section 7.
+ *
+ * Step protocol (all of it capturable in one CUDA graph, except a measuring
+ * step, which runs eagerly with host-known counts):
+ *   mst_memmgr_step_begin(m, measuring)
+ *   for each schedule entry, for each layer of its chunk (forward: in order;
+ *   backward: in reverse order):
+ *       mst_memmgr_forward(m, layer, mb, &saver)  -> the op's saver
+ *       mst_memmgr_backward(m, layer, mb, &saver) -> the op's saver
+ *   mst_memmgr_step_end(m)             joins the side stream
+ *   mst_memmgr_step_check(m)           host: one small read; MST_ERR_OVERFLOW
+ *                                      when a pool overflowed: rerun the step
+ *                                      with measuring = 1 (exact shapes),
+ *                                      which also resizes the pools.
+ * The first step must be a measuring step: it sizes the pools from the peak
+ * pages it saw (ceil(peak * factor)). */
+
+typedef struct mst_memmgr mst_memmgr_t;
+
+typedef struct mst_memmgr_config {
+    int32_t n_layers;                /* L layers of this rank                    */
+    int32_t n_microbatches;          /* M                                        */
+    int32_t virtual_stages;          /* V: layer l is in chunk l / (L / V)       */
+    int64_t max_rows;                /* R of every layer's grouped rows          */
+    int64_t hidden;                  /* H: width of fc1_input                    */
+    int64_t ffn;                     /* F: act_input is 2F wide, fc2_input F     */
+    const mst_sched_entry* schedule; /* [n_schedule], copied                     */
+    int32_t n_schedule;              /* 2 M V                                    */
+    int32_t page_rows;               /* rows per page, default 64                */
+    double dev_factor;               /* device pool size over peak, default 1.10 */
+    double host_factor;              /* host pool size over peak, default 0      */
+} mst_memmgr_config;
+
+/* Bytes by category, for the trainer to print. */
+typedef struct mst_mem_report {
+    size_t kept_bytes;            /* KEEP buffers (max_rows rows each)                */
+    size_t compute_bytes;         /* shared compute and restore buffers               */
+    size_t dev_pages_bytes;       /* device page blocks allocated                     */
+    size_t dev_pages_peak_bytes;  /* device pages in use at peak (last sized step)    */
+    size_t host_pages_bytes;      /* pinned host page blocks allocated                */
+    size_t host_pages_peak_bytes; /* host pages in use at peak                        */
+    size_t recompute_bytes;       /* what RECOMPUTE and layer recompute did not save  */
+    size_t static_keep_bytes;     /* all-KEEP with static max_rows buffers            */
+    size_t exact_bytes;           /* peak of saved activations with exact shapes      */
+    int32_t overflows;            /* steps that overflowed                            */
+    int32_t reruns;               /* measuring steps after the first                  */
+} mst_mem_report_t;
+
+/* cfg->schedule must list every (chunk, microbatch) forward and backward once. */
+mst_status mst_memmgr_create(mst_ctx_t* ctx, const mst_memmgr_config* cfg, mst_memmgr_t** out);
+void mst_memmgr_destroy(mst_memmgr_t* m);
+/* Policy of (layer, name); layer -1 sets every layer. Before the first step.
+ * RECOMPUTE is accepted for fc2_input only (the grouped MLP recomputes it);
+ * whole layers are recomputed through mst_memmgr_set_recompute. */
+mst_status mst_memmgr_set_policy(mst_memmgr_t* m, int32_t layer, mst_saved_name name, mst_policy p);
+/* "stash" (every name) or "fc1_input=stash,fc2_input=recompute,..." */
+mst_status mst_memmgr_set_policy_spec(mst_memmgr_t* m, const char* spec);
+mst_status mst_memmgr_set_recompute(mst_memmgr_t* m, const mst_recompute_config* rc);
+/* chunk start of layer l's recompute chunk, or -1 (see mst_recompute_plan). */
+int32_t mst_memmgr_recompute_chunk(const mst_memmgr_t* m, int32_t layer);
+
+mst_status mst_memmgr_step_begin(mst_memmgr_t* m, int measuring);
+/* The saver for the forward of (layer, mb). For a layer inside a recompute
+ * chunk this saver keeps nothing; the caller saves the chunk input itself
+ * (mst_memmgr_chunk_input) and reruns the chunk before its backward with
+ * mst_memmgr_recompute(). */
+mst_status mst_memmgr_forward(mst_memmgr_t* m, int32_t layer, int32_t mb, const mst_saver** out);
+/* The saver for the backward of (layer, mb). */
+mst_status mst_memmgr_backward(mst_memmgr_t* m, int32_t layer, int32_t mb, const mst_saver** out);
+/* The saver for rerunning the forward of `layer` (in a recompute chunk) just
+ * before its backward: it keeps the activations until that backward. */
+mst_status mst_memmgr_recompute(mst_memmgr_t* m, int32_t layer, int32_t mb, const mst_saver** out);
+/* A buffer [R, H] bf16 kept for the input of the recompute chunk that starts
+ * at `layer`, microbatch mb. */
+mst_status mst_memmgr_chunk_input(mst_memmgr_t* m, int32_t layer, int32_t mb, mst_tensor* out);
+mst_status mst_memmgr_step_end(mst_memmgr_t* m);
+mst_status mst_memmgr_step_check(mst_memmgr_t* m);
+/* Device int32: nonzero when this step overflowed (the optimizer skips). */
+const int32_t* mst_memmgr_overflow_flag(const mst_memmgr_t* m);
+mst_status mst_mem_report(const mst_memmgr_t* m, mst_mem_report_t* out);
 
 #ifdef __cplusplus
 }
