@@ -18,7 +18,10 @@ extern "C" {
 #endif
 
 /* Bits of the context's device error flag (int32 in backend memory). */
-enum { MST_FLAG_COUNTS = 1 };
+enum {
+    MST_FLAG_COUNTS = 1,   /* an op saw negative counts or counts past max_rows */
+    MST_FLAG_OVERFLOW = 2, /* a stash pool ran out of pages                     */
+};
 
 typedef enum mst_copy_dir { MST_COPY_H2B, MST_COPY_B2H, MST_COPY_B2B } mst_copy_dir;
 
@@ -238,6 +241,15 @@ typedef struct mst_backend {
     /* grouped MLP activation */
     mst_status (*act_forward)(mst_ctx_t* ctx, const mst_act_args* a);
     mst_status (*act_backward)(mst_ctx_t* ctx, const mst_act_args* a);
+
+    /* streams and events (memory manager); (optional): a backend without
+     * them runs everything in program order. stream NULL = the context's
+     * current stream; side_stream is the stash / restore stream. */
+    void* (*side_stream)(mst_ctx_t* ctx);                            /* (optional) */
+    mst_status (*event_create)(mst_ctx_t* ctx, void** ev);           /* (optional) */
+    void (*event_destroy)(mst_ctx_t* ctx, void* ev);                 /* (optional) */
+    mst_status (*event_record)(mst_ctx_t* ctx, void* ev, void* stream); /* (optional) */
+    mst_status (*stream_wait)(mst_ctx_t* ctx, void* stream, void* ev);  /* (optional) */
 } mst_backend;
 
 /* The backend of a kind, or NULL when it was not built in. */

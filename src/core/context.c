@@ -71,9 +71,11 @@ mst_status mst_ctx_check(mst_ctx_t* ctx) {
     MST_TRY(mst_copy_b2h(ctx, &flag, ctx->err_flag, sizeof flag)); /* syncs */
     if (flag == 0) return MST_OK;
     MST_TRY(mst_fill(ctx, ctx->err_flag, 0, sizeof flag));
-    return mst_set_error(MST_ERR_COUNTS,
-                         "an op saw counts that are negative or sum past max_rows (flag %d)",
-                         (int)flag);
+    if (flag & MST_FLAG_COUNTS)
+        return mst_set_error(MST_ERR_COUNTS,
+                             "an op saw counts that are negative or sum past max_rows (flag %d)",
+                             (int)flag);
+    return mst_set_error(MST_ERR_OVERFLOW, "a stash pool ran out of pages (flag %d)", (int)flag);
 }
 
 void mst_ctx_mem(const mst_ctx_t* ctx, size_t* in_use_bytes, size_t* peak_bytes) {

@@ -98,6 +98,31 @@ static mst_status cuda_set_stream(mst_ctx_t* ctx, void* s) {
     return MST_OK;
 }
 
+static void* cuda_side_stream(mst_ctx_t* ctx) { return (void*)mst_cuda(ctx)->side; }
+
+static mst_status cuda_event_create(mst_ctx_t* ctx, void** ev) {
+    (void)ctx;
+    MST_CUDA_TRY(cudaEventCreateWithFlags((cudaEvent_t*)ev, cudaEventDisableTiming));
+    return MST_OK;
+}
+
+static void cuda_event_destroy(mst_ctx_t* ctx, void* ev) {
+    (void)ctx;
+    cudaEventDestroy((cudaEvent_t)ev);
+}
+
+static mst_status cuda_event_record(mst_ctx_t* ctx, void* ev, void* stream) {
+    cudaStream_t s = stream ? (cudaStream_t)stream : mst_cuda(ctx)->stream;
+    MST_CUDA_TRY(cudaEventRecord((cudaEvent_t)ev, s));
+    return MST_OK;
+}
+
+static mst_status cuda_stream_wait(mst_ctx_t* ctx, void* stream, void* ev) {
+    cudaStream_t s = stream ? (cudaStream_t)stream : mst_cuda(ctx)->stream;
+    MST_CUDA_TRY(cudaStreamWaitEvent(s, (cudaEvent_t)ev, 0));
+    return MST_OK;
+}
+
 extern "C" const mst_backend mst_backend_cuda = {
     .name = "cuda",
     .init = cuda_init,
@@ -112,4 +137,11 @@ extern "C" const mst_backend mst_backend_cuda = {
     .gl_forward = mst_cuda_gl_forward,
     .gl_dgrad = mst_cuda_gl_dgrad,
     .gl_wgrad = mst_cuda_gl_wgrad,
+    /* (C++ designated initializers must follow the order of backend.h:
+     * add new slots above this block, in their declaration order) */
+    .side_stream = cuda_side_stream,
+    .event_create = cuda_event_create,
+    .event_destroy = cuda_event_destroy,
+    .event_record = cuda_event_record,
+    .stream_wait = cuda_stream_wait,
 };
