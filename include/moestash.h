@@ -268,7 +268,108 @@ mst_status mst_grouped_mlp_backward(mst_ctx_t* ctx, const mst_mlp_config* cfg,
                                     mst_tensor* dx, mst_tensor* dprobs, mst_wgrad_mode mode);
 
 /* ---- paged stash --------------------------------------------------------- *
- * (section owned by the paged-stash work; see DESIGN.md section 6) */
+ * DESIGN.md section 6. A pool holds the pages of one (dtype, width): a device
+ * block of n_dev_pages, an optional pinned-host block of n_host_pages, and a
+ * free-list ring for each, all state in backend memory. A handle holds one
+ * stashed tensor: its page table (device pages first, then host pages) and
+ * its row count, in backend memory.
+ *
+ * mst_stash_save / mst_stash_restore / mst_pool_reset enqueue on the
+ * context's current stream (mst_ctx_stream), never sync, allocate nothing and
+ * are capturable in a CUDA graph. Counts are read when the op executes (on
+ * the device for CUDA). Every operation on one pool must be ordered on one
+ * stream (they update the rings without atomics).
+ *
+ * Runtime conditions, flagged in backend memory and read by mst_pool_poll():
+ *   overflow   a save found too few free pages (device + host together):
+ *              it took nothing and wrote nothing; the pool's overflow flag
+ *              and the context's MST_FLAG_OVERFLOW bit are set; every later
+ *              save is a no-op until mst_pool_reset(). A handle whose save
+ *              was skipped holds nothing: its restore writes nothing.
+ *   bad state  restore of a handle that holds nothing (never saved, already
+ *              restored, or saved before the last reset), or a save into a
+ *              handle that still holds pages: nothing is written, the pool's
+ *              state flag is set. The CPU backend also returns MST_ERR_STATE
+ *              at once; CUDA reports it at the next mst_pool_poll().
+ *   bad counts a count < 0 or sum(counts) > src rows: nothing is taken or
+ *              written, the context's MST_FLAG_COUNTS bit is set (reported by
+ *              mst_ctx_check); the CPU backend also returns MST_ERR_COUNTS.
+ *
+ * Ring invariant (per block b, checked by mst_pool_check):
+ *   0 <= tail[b] - head[b] <= n_pages[b]; the free ids are
+ *   ring[b][(head[b] + i) % n_pages[b]] for i < tail[b] - head[b]; every page
+ *   id is in its ring or in the table of exactly one live handle. */
+
+typedef struct mst_pool mst_pool_t;
+typedef struct mst_stash_handle mst_stash_handle_t;
+
+#define MST_POOL_PAGE_ROWS 64     /* default rows per page            */
+#define MST_POOL_DEV_FACTOR 1.10  /* default device pages over peak   */
+#define MST_POOL_HOST_FACTOR 0.0  /* default host pages over peak     */
+
+typedef struct mst_pool_config {
+    int64_t page_rows;    /* rows per page, a multiple of 8 (default 64)   */
+    int64_t n_dev_pages;  /* pages of the device block (>= 0)               */
+    int64_t n_host_pages; /* pages of the pinned host block (>= 0; 0: none) */
+} mst_pool_config;
+
+typedef struct mst_pool_stats {
+    int64_t page_rows;        /* rows per page                                  */
+    int64_t page_bytes;       /* bytes per page                                 */
+    int64_t n_dev_pages;      /* capacity of the device block                   */
+    int64_t n_host_pages;     /* capacity of the host block                     */
+    int64_t dev_used;         /* device pages in live handles now               */
+    int64_t host_used;        /* host pages in live handles now                 */
+    int64_t dev_peak;         /* max of dev_used since creation                 */
+    int64_t host_peak;        /* max of host_used since creation                */
+    int64_t total_peak;       /* max of dev_used + host_used since creation     */
+    int64_t spilled_pages;    /* host pages taken by saves since the last reset */
+    int32_t overflowed;       /* 1 while the overflow flag is set               */
+} mst_pool_stats;
+
+/* A config of n_dev_pages device pages, no host block, 64 rows per page. */
+mst_pool_config mst_pool_config_default(int64_t n_dev_pages);
+/* Sizing from a measuring run (a pool big enough for the worst case, whose
+ * total_peak is the peak pages in use): n_dev_pages = ceil(peak * dev_factor),
+ * n_host_pages = ceil(peak * host_factor), at least one page in all. */
+mst_status mst_pool_config_from_peak(const mst_pool_stats* measured, double dev_factor,
+                                     double host_factor, mst_pool_config* out);
+
+/* dtype bf16 or fp32; width W > 0 elements per row; cfg with at least one
+ * page. Allocates both blocks and ends with a reset. */
+mst_status mst_pool_create(mst_ctx_t* ctx, mst_dtype dtype, int64_t width,
+                           const mst_pool_config* cfg, mst_pool_t** out);
+/* Frees the blocks (syncs first). Handles must be destroyed before. */
+void mst_pool_destroy(mst_pool_t* pool);
+/* One kernel: refills both rings, clears the overflow, state and spill
+ * counters; handles saved before it hold nothing afterwards. Peaks stay. */
+mst_status mst_pool_reset(mst_pool_t* pool);
+/* Syncs and verifies the ring invariant and that every page is in exactly one
+ * place; MST_ERR_STATE naming the first violation. Debug builds and tests. */
+mst_status mst_pool_check(mst_pool_t* pool);
+/* Syncs and reads the counters. */
+mst_status mst_pool_stats_get(mst_pool_t* pool, mst_pool_stats* out);
+/* Syncs and reads the flags (one small read, once per step): MST_ERR_STATE
+ * when a bad-state operation happened since the last poll (that flag is then
+ * cleared), else MST_ERR_OVERFLOW while the overflow flag is set, else MST_OK. */
+mst_status mst_pool_poll(mst_pool_t* pool);
+/* Device int32 [1]: nonzero once a save overflowed, until mst_pool_reset. For
+ * kernels that must skip themselves (the optimizer update). */
+const int32_t* mst_pool_overflow_flag(const mst_pool_t* pool);
+
+/* A handle for tensors of up to max_rows rows (max_rows * row bytes < 4 GiB). */
+mst_status mst_stash_handle_create(mst_pool_t* pool, int64_t max_rows, mst_stash_handle_t** out);
+/* Pages a handle still holds are lost until mst_pool_reset. */
+void mst_stash_handle_destroy(mst_stash_handle_t* h);
+
+/* src [R, W] of the pool's dtype (R <= the handle's max_rows), counts [E, 1]
+ * int32: packs rows [0, sum(counts)) into pages, device pages first, then
+ * host pages for the rest (page-granular spill). */
+mst_status mst_stash_save(mst_pool_t* pool, mst_stash_handle_t* h, const mst_tensor* src,
+                          const mst_tensor* counts);
+/* dst [R, W] with R >= the handle's max_rows: copies the saved rows back into
+ * rows [0, n) (rows past n untouched) and returns the pages to their rings. */
+mst_status mst_stash_restore(mst_pool_t* pool, mst_stash_handle_t* h, mst_tensor* dst);
 
 /* ---- schedules ------------------------------------------------------------ *
  * The order of forward and backward passes over (model chunk, microbatch) on
