@@ -339,7 +339,7 @@ mst_status mst_pool_config_from_peak(const mst_pool_stats* measured, double dev_
  * page. Allocates both blocks and ends with a reset. */
 mst_status mst_pool_create(mst_ctx_t* ctx, mst_dtype dtype, int64_t width,
                            const mst_pool_config* cfg, mst_pool_t** out);
-/* Frees the blocks (syncs first). Handles must be destroyed before. */
+/* Syncs, then frees the blocks and the handles the pool still has. */
 void mst_pool_destroy(mst_pool_t* pool);
 /* One kernel: refills both rings, clears the overflow, state and spill
  * counters; handles saved before it hold nothing afterwards. Peaks stay. */

@@ -204,6 +204,8 @@ typedef struct mst_adamw_args {
     const int32_t* flag;   /* [1] the context's error flag                   */
 } mst_adamw_args;
 
+struct mst_stash_args; /* paged stash: src/stash/stash.h */
+
 typedef struct mst_backend {
     const char* name;
     /* Sets ctx->impl and ctx->desc; device is the CUDA device index. */
@@ -250,6 +252,15 @@ typedef struct mst_backend {
     void (*event_destroy)(mst_ctx_t* ctx, void* ev);                 /* (optional) */
     mst_status (*event_record)(mst_ctx_t* ctx, void* ev, void* stream); /* (optional) */
     mst_status (*stream_wait)(mst_ctx_t* ctx, void* stream, void* ev);  /* (optional) */
+
+    /* paged stash (src/stash/stash.h): reserve + copy, copy + page return,
+     * ring refill; host_alloc gives pinned host memory that the backend's
+     * kernels can address (the host block of a pool). */
+    mst_status (*stash_reset)(mst_ctx_t* ctx, const struct mst_stash_args* a);
+    mst_status (*stash_save)(mst_ctx_t* ctx, const struct mst_stash_args* a);
+    mst_status (*stash_restore)(mst_ctx_t* ctx, const struct mst_stash_args* a);
+    mst_status (*host_alloc)(mst_ctx_t* ctx, size_t n_bytes, void** out);
+    void (*host_free)(mst_ctx_t* ctx, void* ptr);
 } mst_backend;
 
 /* The backend of a kind, or NULL when it was not built in. */

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "../../core/context.h"
+#include "../../stash/stash.h"
 #include "cpu_ops.h"
 
 static mst_status cpu_init(mst_ctx_t* ctx, int device) {
@@ -62,4 +63,10 @@ const mst_backend mst_backend_cpu = {
     .gl_forward = mst_cpu_gl_forward,
     .gl_dgrad = mst_cpu_gl_dgrad,
     .gl_wgrad = mst_cpu_gl_wgrad,
+    /* paged stash */
+    .stash_reset = mst_cpu_stash_reset,
+    .stash_save = mst_cpu_stash_save,
+    .stash_restore = mst_cpu_stash_restore,
+    .host_alloc = mst_cpu_host_alloc,
+    .host_free = mst_cpu_host_free,
 };

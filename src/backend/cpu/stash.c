@@ -1,0 +1,93 @@
+/*
+ * stash.c — the paged stash on the CPU backend: the reference for the CUDA
+ * kernels. Runs the shared page bookkeeping of src/stash/stash.h on the host,
+ * one thread, and copies page by page with memcpy. Blocks and rings are host
+ * memory, so the "pinned host block" is plain aligned memory.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "../../stash/stash.h"
+
+mst_status mst_cpu_host_alloc(mst_ctx_t* ctx, size_t n_bytes, void** out) {
+    (void)ctx;
+    *out = aligned_alloc(64, (n_bytes + 63) & ~(size_t)63);
+    if (!*out) return mst_set_error(MST_ERR_OOM, "host block of %zu bytes: allocation failed", n_bytes);
+    return MST_OK;
+}
+
+void mst_cpu_host_free(mst_ctx_t* ctx, void* ptr) {
+    (void)ctx;
+    free(ptr);
+}
+
+mst_status mst_cpu_stash_reset(mst_ctx_t* ctx, const mst_stash_args* a) {
+    (void)ctx;
+    for (int b = 0; b < MST_N_BLK; b++) mst_ring_fill(a->ring, a->cap, b, 0, 1);
+    mst_state_reset(a->st, a->cap);
+    return MST_OK;
+}
+
+/* sum(counts), or -1 when a count is negative or the sum passes src_rows. */
+static int64_t counts_sum(const mst_stash_args* a) {
+    int64_t n = 0;
+    for (int32_t g = 0; g < a->n_groups; g++) {
+        if (a->counts[g] < 0) return -1;
+        n += a->counts[g];
+    }
+    return n <= a->src_rows ? n : -1;
+}
+
+/* Rows [0, n) between the contiguous buffer `rows` and the handle's pages. */
+static void copy_pages(const mst_stash_args* a, char* rows, int64_t n, int to_pages) {
+    const uint32_t* table = a->table;
+    const int64_t page_bytes = a->page_rows * a->row_bytes;
+    for (int64_t p = 0; p * a->page_rows < n; p++) {
+        const int64_t r = n - p * a->page_rows < a->page_rows ? n - p * a->page_rows : a->page_rows;
+        char* page = mst_page_ptr(a->block, table[p], page_bytes);
+        char* contig = rows + p * page_bytes;
+        if (to_pages) memcpy(page, contig, (size_t)(r * a->row_bytes));
+        else memcpy(contig, page, (size_t)(r * a->row_bytes));
+    }
+}
+
+static mst_status bad_state(const mst_stash_args* a, const char* what) {
+    return mst_set_error(MST_ERR_STATE, "%s of stash handle #%d", what, a->handle_id);
+}
+
+mst_status mst_cpu_stash_save(mst_ctx_t* ctx, const mst_stash_args* a) {
+    uint64_t pos[MST_N_BLK];
+    int64_t take[MST_N_BLK];
+    const int64_t n = counts_sum(a);
+    switch (mst_reserve(a->st, a->hs, a->cap, a->page_rows, n, a->handle_id, pos, take)) {
+    case MST_RESERVE_TAKEN: break;
+    case MST_RESERVE_SKIPPED: return MST_OK;
+    case MST_RESERVE_OVERFLOW:
+        *ctx->err_flag |= MST_FLAG_OVERFLOW;
+        return MST_OK; /* a runtime condition, read by mst_pool_poll */
+    case MST_RESERVE_COUNTS:
+        *ctx->err_flag |= MST_FLAG_COUNTS;
+        return mst_set_error(MST_ERR_COUNTS,
+                             "stash save: counts are negative or sum past src rows = %lld",
+                             (long long)a->src_rows);
+    default: return bad_state(a, "save into a handle that still holds its pages");
+    }
+    mst_ring_move(a->ring, a->cap, pos, take, a->table, 0, 0, 1);
+    copy_pages(a, (char*)a->src, a->hs->xfer_rows, 1);
+    return MST_OK;
+}
+
+mst_status mst_cpu_stash_restore(mst_ctx_t* ctx, const mst_stash_args* a) {
+    (void)ctx;
+    uint64_t pos[MST_N_BLK];
+    int64_t take[MST_N_BLK];
+    if (mst_handle_live(a->st, a->hs)) copy_pages(a, a->dst, a->hs->n_rows, 0);
+    switch (mst_return_begin(a->st, a->hs, a->handle_id, pos, take)) {
+    case MST_RETURN_PAGES:
+        mst_ring_move(a->ring, a->cap, pos, take, a->table, 1, 0, 1);
+        mst_return_end(a->st, a->hs, take);
+        return MST_OK;
+    case MST_RETURN_NONE: return MST_OK;
+    default: return bad_state(a, "restore of a handle that holds nothing (never saved, restored twice, or saved before a reset)");
+    }
+}

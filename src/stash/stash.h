@@ -1,0 +1,266 @@
+/*
+ * stash.h — the private layout of the paged stash: pools and handles on the
+ * host, their state in backend memory, the argument struct of the backend
+ * slots, and the page bookkeeping that the CPU backend runs on the host and
+ * the CUDA backend runs on the device (one source, MST_HD functions).
+ *
+ * A page id is an index into its block; ids of the host block carry
+ * MST_PAGE_HOST. A handle's table lists its device pages, then its host
+ * pages: table[i] holds rows [i * page_rows, (i + 1) * page_rows).
+ */
+#ifndef MST_STASH_H
+#define MST_STASH_H
+
+#include "../core/context.h"
+
+#ifdef __CUDACC__
+#define MST_HD static __host__ __device__ __forceinline__
+#else
+#define MST_HD static inline
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { MST_BLK_DEV = 0, MST_BLK_HOST = 1, MST_N_BLK = 2 };
+#define MST_PAGE_HOST 0x80000000u /* tag of host-block page ids */
+
+/* Handle states (mst_handle_state.state). */
+enum {
+    MST_HANDLE_EMPTY = 0, /* holds nothing; restore is a bad-state error          */
+    MST_HANDLE_STASHED,   /* holds n_rows rows in its pages (if epoch is current) */
+    MST_HANDLE_VOID,      /* its save took nothing (overflow, bad counts): restore
+                             writes nothing and is not an error                   */
+};
+
+/* Bits of mst_pool_state.bad_state. */
+enum {
+    MST_BAD_RESTORE = 1, /* restore of a handle that holds nothing        */
+    MST_BAD_SAVE = 2,    /* save into a handle that still holds its pages */
+};
+
+/* Pool state in backend memory. Ring invariant per block b:
+ *   0 <= tail[b] - head[b] <= cap[b]
+ *   free ids = ring[b][(head[b] + i) % cap[b]], i < tail[b] - head[b]
+ *   used[b] = cap[b] - (tail[b] - head[b]) pages live in handle tables */
+typedef struct mst_pool_state {
+    uint64_t head[MST_N_BLK]; /* ids taken from ring b so far (monotonic)       */
+    uint64_t tail[MST_N_BLK]; /* ids given back to ring b so far (monotonic)    */
+    int64_t peak[MST_N_BLK];  /* max used pages of block b since creation       */
+    int64_t peak_total;       /* max used pages of both blocks together         */
+    int64_t spilled;          /* host pages taken since the last reset          */
+    int32_t overflow;         /* 1 once a save found too few pages; until reset */
+    int32_t bad_state;        /* MST_BAD_* bits since the last poll             */
+    int32_t bad_handle;       /* id of the last handle that set bad_state       */
+    uint32_t epoch;           /* bumped by each reset                           */
+} mst_pool_state;
+
+/* Handle state in backend memory, followed by its table [max_pages] uint32. */
+typedef struct mst_handle_state {
+    int64_t n_rows;             /* rows held (state STASHED)                     */
+    int64_t xfer_rows;          /* rows the save's copy moves: n_rows or 0       */
+    int32_t n_pages[MST_N_BLK]; /* pages held from each block                    */
+    int32_t state;              /* MST_HANDLE_*                                  */
+    uint32_t epoch;             /* pool epoch at the save                        */
+    uint32_t done_blocks;       /* CUDA restore: blocks finished (last returns)  */
+    uint32_t pad;
+} mst_handle_state;
+
+/* One save, restore or reset, as the backend slots receive it. */
+typedef struct mst_stash_args {
+    mst_pool_state* st;          /* [1] backend memory                            */
+    uint32_t* ring[MST_N_BLK];   /* [cap[b]] backend memory (NULL when cap 0)     */
+    char* block[MST_N_BLK];      /* [cap[b], page_bytes] device / pinned host     */
+    int64_t cap[MST_N_BLK];      /* pages of each block                           */
+    int64_t page_rows;           /* rows per page                                 */
+    int64_t row_bytes;           /* W * dtype size                                */
+    int32_t elt_bytes;           /* dtype size                                    */
+    int32_t handle_id;           /* for bad-state messages                        */
+    mst_handle_state* hs;        /* [1] backend memory (save, restore)            */
+    uint32_t* table;             /* [max_pages] backend memory (save, restore)    */
+    int64_t max_pages;           /* table capacity                                */
+    const int32_t* counts;       /* [E] backend memory (save)                     */
+    int32_t n_groups;            /* E (save)                                      */
+    int64_t src_rows;            /* R of src (save)                               */
+    const char* src;             /* [R, row_bytes] (save)                         */
+    char* dst;                   /* [R, row_bytes] (restore)                      */
+    int32_t* err_flag;           /* [1] the context's MST_FLAG_* bits             */
+} mst_stash_args;
+
+/* Host side of a pool and a handle. */
+struct mst_pool {
+    mst_ctx_t* ctx;
+    mst_dtype dtype;
+    int64_t width;                /* W elements per row                           */
+    int64_t page_bytes;           /* page_rows * row_bytes                        */
+    mst_stash_args a;             /* the pool part of every backend call          */
+    mst_stash_handle_t** handles; /* [n_handles] live handles, for mst_pool_check */
+    int n_handles, cap_handles;
+    int32_t next_id;              /* id of the next handle                        */
+};
+
+struct mst_stash_handle {
+    mst_pool_t* pool;
+    int32_t id;                   /* unique within the pool                       */
+    int64_t max_rows;             /* capacity in rows                             */
+    int64_t max_pages;            /* ceil(max_rows / page_rows)                   */
+    mst_handle_state* hs;         /* [1] + table [max_pages], backend memory      */
+};
+
+MST_HD uint32_t* mst_handle_table(mst_handle_state* hs) { return (uint32_t*)(hs + 1); }
+
+/* ---- page bookkeeping, shared by the CPU backend and the CUDA kernels ---- */
+
+MST_HD char* mst_page_ptr(char* const block[MST_N_BLK], uint32_t id, int64_t page_bytes) {
+    return id & MST_PAGE_HOST ? block[MST_BLK_HOST] + (int64_t)(id & ~MST_PAGE_HOST) * page_bytes
+                              : block[MST_BLK_DEV] + (int64_t)id * page_bytes;
+}
+
+MST_HD int64_t mst_block_used(const mst_pool_state* st, const int64_t cap[MST_N_BLK], int b) {
+    return cap[b] - (int64_t)(st->tail[b] - st->head[b]);
+}
+
+/* A handle holds pages: saved in the current epoch. */
+MST_HD int mst_handle_live(const mst_pool_state* st, const mst_handle_state* hs) {
+    return hs->state == MST_HANDLE_STASHED && hs->epoch == st->epoch;
+}
+
+/* Outcome of mst_reserve. */
+enum { MST_RESERVE_TAKEN = 0, MST_RESERVE_SKIPPED, MST_RESERVE_OVERFLOW, MST_RESERVE_COUNTS,
+       MST_RESERVE_STATE };
+
+/* The single-threaded part of a save: n = sum(counts), or -1 for bad counts.
+ * Takes ceil(n / page_rows) pages, device first, then host; on success fills
+ * pos[b] (ring position of the first id taken) and take[b]. Anything but
+ * MST_RESERVE_TAKEN takes nothing and leaves xfer_rows 0. */
+MST_HD int mst_reserve(mst_pool_state* st, mst_handle_state* hs, const int64_t cap[MST_N_BLK],
+                       int64_t page_rows, int64_t n, int32_t handle_id, uint64_t pos[MST_N_BLK],
+                       int64_t take[MST_N_BLK]) {
+    take[MST_BLK_DEV] = take[MST_BLK_HOST] = 0;
+    hs->xfer_rows = 0;
+    if (mst_handle_live(st, hs)) { /* would leak its pages: keep them, flag */
+        st->bad_state |= MST_BAD_SAVE;
+        st->bad_handle = handle_id;
+        return MST_RESERVE_STATE;
+    }
+    hs->state = MST_HANDLE_VOID;
+    hs->epoch = st->epoch;
+    hs->n_rows = 0;
+    hs->n_pages[MST_BLK_DEV] = hs->n_pages[MST_BLK_HOST] = 0;
+    if (st->overflow) return MST_RESERVE_SKIPPED;
+    if (n < 0) return MST_RESERVE_COUNTS;
+    const int64_t need = (n + page_rows - 1) / page_rows;
+    const int64_t free_dev = (int64_t)(st->tail[MST_BLK_DEV] - st->head[MST_BLK_DEV]);
+    const int64_t free_host = (int64_t)(st->tail[MST_BLK_HOST] - st->head[MST_BLK_HOST]);
+    take[MST_BLK_DEV] = need < free_dev ? need : free_dev;
+    take[MST_BLK_HOST] = need - take[MST_BLK_DEV];
+    if (take[MST_BLK_HOST] > free_host) {
+        take[MST_BLK_DEV] = take[MST_BLK_HOST] = 0;
+        st->overflow = 1;
+        return MST_RESERVE_OVERFLOW;
+    }
+    for (int b = 0; b < MST_N_BLK; b++) {
+        pos[b] = st->head[b];
+        st->head[b] += (uint64_t)take[b];
+        hs->n_pages[b] = (int32_t)take[b];
+        const int64_t used = mst_block_used(st, cap, b);
+        if (used > st->peak[b]) st->peak[b] = used;
+    }
+    const int64_t total = mst_block_used(st, cap, MST_BLK_DEV) + mst_block_used(st, cap, MST_BLK_HOST);
+    if (total > st->peak_total) st->peak_total = total;
+    st->spilled += take[MST_BLK_HOST];
+    hs->n_rows = n;
+    hs->xfer_rows = n;
+    hs->state = MST_HANDLE_STASHED;
+    return MST_RESERVE_TAKEN;
+}
+
+/* Outcome of mst_return_begin. */
+enum { MST_RETURN_PAGES = 0, MST_RETURN_NONE, MST_RETURN_BAD };
+
+/* The single-threaded start of a page return (after the restore's copy):
+ * MST_RETURN_PAGES with pos[b] = ring positions to write and take[b] = counts
+ * when the handle holds pages; MST_RETURN_NONE for a VOID handle (its save
+ * took nothing); MST_RETURN_BAD, flagged, for a handle that holds nothing.
+ * The last two leave the handle EMPTY. */
+MST_HD int mst_return_begin(mst_pool_state* st, mst_handle_state* hs, int32_t handle_id,
+                            uint64_t pos[MST_N_BLK], int64_t take[MST_N_BLK]) {
+    if (!mst_handle_live(st, hs)) {
+        const int bad = hs->state != MST_HANDLE_VOID;
+        if (bad) {
+            st->bad_state |= MST_BAD_RESTORE;
+            st->bad_handle = handle_id;
+        }
+        hs->state = MST_HANDLE_EMPTY;
+        return bad ? MST_RETURN_BAD : MST_RETURN_NONE;
+    }
+    for (int b = 0; b < MST_N_BLK; b++) {
+        pos[b] = st->tail[b];
+        take[b] = hs->n_pages[b];
+    }
+    return MST_RETURN_PAGES;
+}
+
+/* The single-threaded end of a page return, after the ids were written. */
+MST_HD void mst_return_end(mst_pool_state* st, mst_handle_state* hs, const int64_t take[MST_N_BLK]) {
+    for (int b = 0; b < MST_N_BLK; b++) st->tail[b] += (uint64_t)take[b];
+    hs->state = MST_HANDLE_EMPTY;
+    hs->n_rows = 0;
+}
+
+/* Moves page ids between the rings and a handle's table, for i = start,
+ * start + stride, ... : to_ring 0 (save) table[off_b + i] = ring[b][(pos[b] + i)
+ * % cap[b]]; to_ring 1 (restore) the other way. off_b = 0 for the device
+ * block, take[dev] for the host block. */
+MST_HD void mst_ring_move(uint32_t* const ring[MST_N_BLK], const int64_t cap[MST_N_BLK],
+                          const uint64_t pos[MST_N_BLK], const int64_t take[MST_N_BLK],
+                          uint32_t* table, int to_ring, int64_t start, int64_t stride) {
+    for (int b = 0; b < MST_N_BLK; b++) {
+        uint32_t* t = table + (b == MST_BLK_HOST ? take[MST_BLK_DEV] : 0);
+        for (int64_t i = start; i < take[b]; i += stride) {
+            uint32_t* slot = ring[b] + (pos[b] + (uint64_t)i) % (uint64_t)cap[b];
+            if (to_ring) *slot = t[i];
+            else t[i] = *slot;
+        }
+    }
+}
+
+/* Reset of block b, entries i = start, start + stride, ...: ring[b][i] = id i. */
+MST_HD void mst_ring_fill(uint32_t* const ring[MST_N_BLK], const int64_t cap[MST_N_BLK], int b,
+                          int64_t start, int64_t stride) {
+    const uint32_t tag = b == MST_BLK_HOST ? MST_PAGE_HOST : 0u;
+    for (int64_t i = start; i < cap[b]; i += stride) ring[b][i] = (uint32_t)i | tag;
+}
+
+/* Reset of the counters (single-threaded, after the rings are full). */
+MST_HD void mst_state_reset(mst_pool_state* st, const int64_t cap[MST_N_BLK]) {
+    for (int b = 0; b < MST_N_BLK; b++) {
+        st->head[b] = 0;
+        st->tail[b] = (uint64_t)cap[b];
+    }
+    st->spilled = 0;
+    st->overflow = 0;
+    st->bad_state = 0;
+    st->bad_handle = -1;
+    st->epoch++;
+}
+
+/* ---- backend entry points (set in the backend tables) ---- */
+mst_status mst_cpu_stash_reset(mst_ctx_t* ctx, const mst_stash_args* a);
+mst_status mst_cpu_stash_save(mst_ctx_t* ctx, const mst_stash_args* a);
+mst_status mst_cpu_stash_restore(mst_ctx_t* ctx, const mst_stash_args* a);
+mst_status mst_cpu_host_alloc(mst_ctx_t* ctx, size_t n_bytes, void** out);
+void mst_cpu_host_free(mst_ctx_t* ctx, void* ptr);
+#ifdef MST_HAVE_CUDA
+mst_status mst_cuda_stash_reset(mst_ctx_t* ctx, const mst_stash_args* a);
+mst_status mst_cuda_stash_save(mst_ctx_t* ctx, const mst_stash_args* a);
+mst_status mst_cuda_stash_restore(mst_ctx_t* ctx, const mst_stash_args* a);
+mst_status mst_cuda_host_alloc(mst_ctx_t* ctx, size_t n_bytes, void** out);
+void mst_cuda_host_free(mst_ctx_t* ctx, void* ptr);
+#endif
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MST_STASH_H */
