@@ -63,6 +63,9 @@ const mst_backend mst_backend_cpu = {
     .gl_forward = mst_cpu_gl_forward,
     .gl_dgrad = mst_cpu_gl_dgrad,
     .gl_wgrad = mst_cpu_gl_wgrad,
+    /* grouped MLP activation */
+    .act_forward = mst_cpu_act_forward,
+    .act_backward = mst_cpu_act_backward,
     /* paged stash */
     .stash_reset = mst_cpu_stash_reset,
     .stash_save = mst_cpu_stash_save,

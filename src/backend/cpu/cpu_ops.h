@@ -10,6 +10,10 @@ mst_status mst_cpu_gl_forward(mst_ctx_t* ctx, const mst_gl_args* a);
 mst_status mst_cpu_gl_dgrad(mst_ctx_t* ctx, const mst_gl_args* a);
 mst_status mst_cpu_gl_wgrad(mst_ctx_t* ctx, const mst_gl_args* a);
 
+/* grouped MLP activation (activation.c) */
+mst_status mst_cpu_act_forward(mst_ctx_t* ctx, const mst_act_args* a);
+mst_status mst_cpu_act_backward(mst_ctx_t* ctx, const mst_act_args* a);
+
 /* Sets the context's error flag and returns MST_ERR_COUNTS when counts are
  * bad; fills off [E+1] otherwise. */
 mst_status mst_cpu_offsets(mst_ctx_t* ctx, const mst_gl_args* a, int64_t* off);

@@ -1,0 +1,191 @@
+/*
+ * saver.c — names and policies of saved activations, and the basic saver
+ * (KEEP everywhere, RECOMPUTE for fc2_input) that tests and simple users
+ * plug into the grouped MLP. STASH and OFFLOAD belong to the memory manager.
+ *
+ * Every name has its own slot, so a policy moves only the tensor it names.
+ */
+#include <string.h>
+
+#include "../core/context.h"
+
+static const char* const saved_names[MST_N_SAVED] = {"fc1_input", "act_input", "fc2_input", "probs"};
+static const char* const policy_names[MST_N_POLICIES] = {"keep", "stash", "offload", "recompute"};
+
+const char* mst_saved_name_str(mst_saved_name n) {
+    return (unsigned)n < MST_N_SAVED ? saved_names[n] : "unknown";
+}
+
+const char* mst_policy_str(mst_policy p) {
+    return (unsigned)p < MST_N_POLICIES ? policy_names[p] : "unknown";
+}
+
+/* Index of s in names [n], or -1. */
+static int lookup(const char* s, const char* const* names, int n) {
+    for (int i = 0; s && i < n; i++)
+        if (strcmp(s, names[i]) == 0) return i;
+    return -1;
+}
+
+mst_status mst_saved_name_parse(const char* s, mst_saved_name* out) {
+    int i = lookup(s, saved_names, MST_N_SAVED);
+    if (i < 0 || !out)
+        return mst_set_error(MST_ERR_INVALID,
+                             "saved name '%s': expected fc1_input, act_input, fc2_input or probs",
+                             s ? s : "(null)");
+    *out = (mst_saved_name)i;
+    return MST_OK;
+}
+
+mst_status mst_policy_parse(const char* s, mst_policy* out) {
+    int i = lookup(s, policy_names, MST_N_POLICIES);
+    if (i < 0 || !out)
+        return mst_set_error(MST_ERR_INVALID,
+                             "policy '%s': expected keep, stash, offload or recompute",
+                             s ? s : "(null)");
+    *out = (mst_policy)i;
+    return MST_OK;
+}
+
+/* ---- the basic saver ---------------------------------------------------- */
+
+/* One saved name. Invariant: data != NULL for every slot after create;
+ * committed implies policy == KEEP. */
+typedef struct basic_slot {
+    mst_policy policy;  /* KEEP or RECOMPUTE (fc2_input only)                */
+    mst_tensor buf;     /* [R, cols] backend memory: the KEEP buffer, or the
+                           compute buffer of a RECOMPUTE name                 */
+    int committed;      /* a forward committed it and backward not released   */
+} basic_slot;
+
+struct mst_saver_basic {
+    mst_ctx_t* ctx;
+    basic_slot slot[MST_N_SAVED];
+    mst_saver saver;    /* self = this */
+};
+
+static mst_status slot_of(void* self, mst_saved_name name, basic_slot** out) {
+    if ((unsigned)name >= MST_N_SAVED)
+        return mst_set_error(MST_ERR_INVALID, "saved name %d is not a mst_saved_name", (int)name);
+    *out = &((mst_saver_basic_t*)self)->slot[name];
+    return MST_OK;
+}
+
+/* t matches the slot's buffer in shape and dtype. */
+static mst_status check_like(const basic_slot* s, mst_saved_name name, int64_t rows, int64_t cols,
+                             mst_dtype dt) {
+    if (rows != s->buf.rows || cols != s->buf.cols || dt != s->buf.dtype)
+        return mst_set_error(MST_ERR_INVALID,
+                             "%s: [%lld, %lld] %s, but the saver holds [%lld, %lld] %s",
+                             mst_saved_name_str(name), (long long)rows, (long long)cols,
+                             mst_dtype_name(dt), (long long)s->buf.rows, (long long)s->buf.cols,
+                             mst_dtype_name(s->buf.dtype));
+    return MST_OK;
+}
+
+static mst_status basic_produce(void* self, mst_saved_name name, int64_t rows, int64_t cols,
+                                mst_dtype dtype, mst_tensor* out) {
+    basic_slot* s = NULL;
+    MST_TRY(slot_of(self, name, &s));
+    MST_TRY(check_like(s, name, rows, cols, dtype));
+    *out = s->buf;
+    return MST_OK;
+}
+
+static mst_status basic_commit(void* self, mst_saved_name name, const mst_tensor* src,
+                               const mst_tensor* counts) {
+    (void)counts; /* KEEP copies all R rows: no host read of the counts */
+    basic_slot* s = NULL;
+    MST_TRY(slot_of(self, name, &s));
+    MST_TRY(mst_check_tensor(src, mst_saved_name_str(name), s->buf.dtype));
+    MST_TRY(check_like(s, name, src->rows, src->cols, src->dtype));
+    if (s->policy == MST_POLICY_RECOMPUTE) return MST_OK;
+    s->committed = 1;
+    if (src->data == s->buf.data) return MST_OK;
+    return mst_copy_b2b(((mst_saver_basic_t*)self)->ctx, s->buf.data, src->data,
+                        mst_tensor_bytes(&s->buf));
+}
+
+static mst_status basic_fetch(void* self, mst_saved_name name, mst_tensor* out) {
+    basic_slot* s = NULL;
+    MST_TRY(slot_of(self, name, &s));
+    *out = s->buf;
+    if (s->policy == MST_POLICY_RECOMPUTE) {
+        out->data = NULL;
+        return MST_OK;
+    }
+    if (!s->committed)
+        return mst_set_error(MST_ERR_STATE, "fetch of %s, which no forward committed",
+                             mst_saved_name_str(name));
+    return MST_OK;
+}
+
+static mst_status basic_release(void* self, mst_saved_name name) {
+    basic_slot* s = NULL;
+    MST_TRY(slot_of(self, name, &s));
+    s->committed = 0;
+    return MST_OK;
+}
+
+/* Widths and dtypes of the saved tensors of one MLP layer. */
+static void saved_shape(const mst_mlp_config* cfg, mst_saved_name n, int64_t* cols, mst_dtype* dt) {
+    static const mst_dtype dts[MST_N_SAVED] = {MST_DTYPE_BF16, MST_DTYPE_BF16, MST_DTYPE_BF16,
+                                               MST_DTYPE_FP32};
+    const int64_t widths[MST_N_SAVED] = {cfg->hidden, 2 * cfg->ffn, cfg->ffn, 1};
+    *cols = widths[n];
+    *dt = dts[n];
+}
+
+static mst_status check_policy(mst_saved_name n, mst_policy p) {
+    if ((unsigned)p >= MST_N_POLICIES)
+        return mst_set_error(MST_ERR_INVALID, "policies[%s] = %d is not a mst_policy",
+                             mst_saved_name_str(n), (int)p);
+    if (p == MST_POLICY_KEEP || (p == MST_POLICY_RECOMPUTE && n == MST_SAVED_FC2_INPUT))
+        return MST_OK;
+    return mst_set_error(MST_ERR_UNSUPPORTED,
+                         "policies[%s] = %s: the basic saver does keep (any name) and recompute "
+                         "(fc2_input only); stash and offload need the memory manager",
+                         mst_saved_name_str(n), mst_policy_str(p));
+}
+
+mst_status mst_saver_basic_create(mst_ctx_t* ctx, int64_t max_rows,
+                                  const struct mst_mlp_config* cfg,
+                                  const mst_policy policies[MST_N_SAVED],
+                                  mst_saver_basic_t** out) {
+    MST_TRY(mst_check_ctx(ctx));
+    if (!out) return mst_set_error(MST_ERR_INVALID, "out is NULL");
+    *out = NULL;
+    if (!cfg) return mst_set_error(MST_ERR_INVALID, "cfg is NULL");
+    if (!policies) return mst_set_error(MST_ERR_INVALID, "policies is NULL");
+    if (max_rows <= 0) return mst_set_error(MST_ERR_INVALID, "max_rows = %lld", (long long)max_rows);
+    if (cfg->hidden <= 0 || cfg->ffn <= 0)
+        return mst_set_error(MST_ERR_INVALID, "cfg: hidden = %lld, ffn = %lld: both must be > 0",
+                             (long long)cfg->hidden, (long long)cfg->ffn);
+    for (int n = 0; n < MST_N_SAVED; n++) MST_TRY(check_policy((mst_saved_name)n, policies[n]));
+    mst_saver_basic_t* s = (mst_saver_basic_t*)calloc(1, sizeof *s);
+    if (!s) return mst_set_error(MST_ERR_OOM, "basic saver");
+    s->ctx = ctx;
+    s->saver = (mst_saver){s, basic_produce, basic_commit, basic_fetch, basic_release};
+    for (int n = 0; n < MST_N_SAVED; n++) {
+        int64_t cols;
+        mst_dtype dt;
+        saved_shape(cfg, (mst_saved_name)n, &cols, &dt);
+        void* data = NULL;
+        mst_status st = mst_alloc(ctx, (size_t)max_rows * (size_t)cols * mst_dtype_size(dt), &data);
+        if (st != MST_OK) {
+            mst_saver_basic_destroy(s);
+            return st;
+        }
+        s->slot[n] = (basic_slot){policies[n], mst_tensor_make(data, dt, max_rows, cols), 0};
+    }
+    *out = s;
+    return MST_OK;
+}
+
+void mst_saver_basic_destroy(mst_saver_basic_t* s) {
+    if (!s) return;
+    for (int n = 0; n < MST_N_SAVED; n++) mst_free(s->ctx, s->slot[n].buf.data);
+    free(s);
+}
+
+const mst_saver* mst_saver_basic_get(mst_saver_basic_t* s) { return s ? &s->saver : NULL; }
