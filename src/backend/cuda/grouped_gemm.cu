@@ -1,12 +1,245 @@
 /*
- * grouped_gemm.cu — placeholder until the CUDA grouped GEMM lands.
+ * grouped_gemm.cu — the CUDA grouped linear ops (forward TN, dgrad NN, wgrad
+ * NT) with the per-group row counts read on the device: a one-block schedule
+ * kernel checks the counts (negative or summing past max_rows: raises
+ * MST_FLAG_COUNTS and leaves zero tiles, so nothing is written), builds the
+ * row offsets and the (group, tile) work list, then a persistent GEMM kernel
+ * works through it. wgrad adds the bias gradients: dbias[g] (+)= sum_r dy[r]
+ * s[r] and ds[r] = dy[r] . bias[g], summed in a fixed order.
+ *
+ * No host sync and no allocation once the workspace has its size (the first
+ * eager call sizes it from E alone), so every op can be captured in a CUDA
+ * graph and replayed with other counts. Deterministic: no floating-point
+ * atomics anywhere.
  */
-#include "cuda_common.cuh"
 #include "cuda_ops.h"
+#include "grouped_gemm.cuh"
 
-static mst_status not_yet(const char* op) {
-    return mst_set_error(MST_ERR_UNSUPPORTED, "%s is not implemented on cuda yet", op);
+#define GG_FULL 0xffffffffu
+
+/* ---- schedule ------------------------------------------------------------ */
+
+/* Exclusive prefix of v(i), i in [0, n), by one warp: out[i] (int32,
+ * clamped) and out[n] = the total, which is returned in int64. */
+template <class F>
+__device__ int64_t warp_prefix(int n, F v, int32_t* out) {
+    const int lane = threadIdx.x & 31;
+    int64_t carry = 0;
+    for (int base = 0; base < n; base += 32) {
+        int i = base + lane;
+        int64_t x = i < n ? v(i) : 0, inc = x;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            int64_t y = __shfl_up_sync(GG_FULL, inc, d);
+            if (lane >= d) inc += y;
+        }
+        if (i < n) out[i] = (int32_t)min(carry + inc - x, (int64_t)INT32_MAX);
+        carry += __shfl_sync(GG_FULL, inc, 31);
+    }
+    if (lane == 0) out[n] = (int32_t)min(carry, (int64_t)INT32_MAX);
+    return carry;
 }
-extern "C" mst_status mst_cuda_gl_forward(mst_ctx_t* ctx, const mst_gl_args* a) { (void)ctx; (void)a; return not_yet("gl_forward"); }
-extern "C" mst_status mst_cuda_gl_dgrad(mst_ctx_t* ctx, const mst_gl_args* a) { (void)ctx; (void)a; return not_yet("gl_dgrad"); }
-extern "C" mst_status mst_cuda_gl_wgrad(mst_ctx_t* ctx, const mst_gl_args* a) { (void)ctx; (void)a; return not_yet("gl_wgrad"); }
+
+/* Tiles of a group with `count` rows: rows_tile > 0 tiles the rows (forward,
+ * dgrad); rows_tile = 0 gives fixed tiles (wgrad), also for an empty group
+ * when include_empty (OVERWRITE writes its zeros). */
+__device__ __forceinline__ int32_t group_tiles(int32_t count, int32_t rows_tile, int32_t tiles_fixed,
+                                               int include_empty) {
+    if (count < 0) return 0;
+    if (rows_tile) return gg_cdiv(count, rows_tile) * tiles_fixed;
+    return count > 0 || include_empty ? tiles_fixed : 0;
+}
+
+/* One block: validate counts, offsets, order groups by work (largest first,
+ * ties by index: deterministic), tile offsets, reset the tile counter. */
+__global__ void schedule_kernel(const int32_t* counts, int32_t n_groups, int64_t max_rows,
+                                int32_t rows_tile, int32_t tiles_fixed, int include_empty,
+                                gg_sched s, int32_t* err_flag) {
+    extern __shared__ int32_t sh[]; /* cnt [E], work [E] */
+    int32_t* cnt = sh;
+    int32_t* work = sh + n_groups;
+    __shared__ int bad;
+    if (threadIdx.x == 0) bad = 0;
+    __syncthreads();
+    for (int g = threadIdx.x; g < n_groups; g += blockDim.x) {
+        int32_t c = counts[g];
+        cnt[g] = c;
+        work[g] = group_tiles(c, rows_tile, tiles_fixed, include_empty);
+        if (c < 0) bad = 1;
+    }
+    __syncthreads();
+    for (int g = threadIdx.x; g < n_groups; g += blockDim.x) {
+        int rank = 0;
+        for (int h = 0; h < n_groups; h++)
+            rank += work[h] > work[g] || (work[h] == work[g] && h < g);
+        s.order[rank] = g;
+    }
+    __syncthreads(); /* order visible to warp 0 (global writes of this block) */
+    if (threadIdx.x < 32) {
+        int64_t total = warp_prefix(n_groups, [&](int g) { return (int64_t)cnt[g]; }, s.off);
+        int32_t tiles = (int32_t)warp_prefix(
+            n_groups, [&](int i) { return (int64_t)work[s.order[i]]; }, s.tile_off);
+        if (threadIdx.x == 0) {
+            int ok = !bad && total <= max_rows;
+            if (!ok) mst_dev_flag(err_flag, MST_FLAG_COUNTS);
+            s.hdr[GG_H_TILES] = ok ? tiles : 0;
+            s.hdr[GG_H_NEXT] = 0;
+            s.hdr[GG_H_OK] = ok;
+        }
+    }
+}
+
+/* Carves the schedule out of the MST_WS_OP workspace (size from E only). */
+static mst_status sched_make(mst_ctx_t* ctx, int32_t n_groups, gg_sched* s) {
+    size_t words = GG_H_WORDS + 3 * (size_t)n_groups + 2;
+    int32_t* ws = NULL;
+    MST_TRY(mst_workspace(ctx, MST_WS_OP, words * sizeof(int32_t), (void**)&ws));
+    s->hdr = ws;
+    s->off = ws + GG_H_WORDS;
+    s->tile_off = s->off + n_groups + 1;
+    s->order = s->tile_off + n_groups + 1;
+    return MST_OK;
+}
+
+/* ---- bias gradients ------------------------------------------------------- */
+
+__device__ __forceinline__ float bf(uint16_t v) { return __uint_as_float((uint32_t)v << 16); }
+
+/* Group of grouped row r < off[E]: the last g with off[g] <= r. */
+__device__ __forceinline__ int32_t row_group(const int32_t* off, int32_t n_groups, int32_t r) {
+    int lo = 0, hi = n_groups;
+    while (hi - lo > 1) {
+        int mid = (lo + hi) >> 1;
+        if (off[mid] <= r) lo = mid;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* ds[r] = dy[r] . bias[g], one warp per row: lanes stride the columns in
+ * order, then a fixed xor tree. */
+__global__ void dscale_kernel(const uint16_t* dy, const uint16_t* bias, int32_t O, int32_t n_groups,
+                              int64_t max_rows, gg_sched s, float* ds) {
+    int64_t r = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (r >= max_rows || !s.hdr[GG_H_OK] || r >= s.off[n_groups]) return;
+    int32_t g = row_group(s.off, n_groups, (int32_t)r);
+    const uint16_t* d = dy + r * O;
+    const uint16_t* b = bias + (int64_t)g * O;
+    float acc = 0.0f;
+    for (int32_t o = lane; o < O; o += 32) acc += bf(d[o]) * bf(b[o]);
+#pragma unroll
+    for (int m = 16; m; m >>= 1) acc += __shfl_xor_sync(GG_FULL, acc, m);
+    if (lane == 0) ds[r] = acc;
+}
+
+/* dbias[g][o] (+)= sum_r dy[r][o] s[r]: block (DB_COLS columns, DB_SLICES
+ * row slices) per (column block, group); slice j sums rows j, j + DB_SLICES,
+ * ... in order, then the slices are added in order. */
+enum { DB_COLS = 32, DB_SLICES = 8 };
+__global__ void dbias_kernel(const uint16_t* dy, const float* scale, int32_t O, gg_sched s,
+                             float* db, int accumulate) {
+    __shared__ float part[DB_SLICES][DB_COLS];
+    const int32_t g = blockIdx.y, o = blockIdx.x * DB_COLS + threadIdx.x;
+    if (!s.hdr[GG_H_OK]) return;
+    const int32_t r0 = s.off[g], r1 = s.off[g + 1];
+    if (accumulate && r0 == r1) return; /* ACCUMULATE: an empty group adds nothing */
+    float acc = 0.0f;
+    if (o < O)
+        for (int32_t r = r0 + threadIdx.y; r < r1; r += DB_SLICES)
+            acc += bf(dy[(int64_t)r * O + o]) * (scale ? scale[r] : 1.0f);
+    part[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y || o >= O) return;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < DB_SLICES; j++) sum += part[j][threadIdx.x];
+    float* out = db + (int64_t)g * O + o;
+    *out = accumulate ? *out + sum : sum;
+}
+
+static mst_status bias_grads(mst_ctx_t* ctx, const mst_gl_args* a, const gg_sched* s) {
+    cudaStream_t st = mst_cuda(ctx)->stream;
+    const int32_t O = (int32_t)a->out;
+    if (a->main_grad_b) {
+        dim3 grid(gg_cdiv(O, DB_COLS), a->n_groups), block(DB_COLS, DB_SLICES);
+        dbias_kernel<<<grid, block, 0, st>>>(a->dy, a->scale, O, *s, a->main_grad_b, a->accumulate);
+        MST_CUDA_LAUNCHED();
+    }
+    if (a->dscale) {
+        const int rows_per_block = 8;
+        dscale_kernel<<<gg_cdiv(a->max_rows, rows_per_block), 32 * rows_per_block, 0, st>>>(
+            a->dy, a->bias, O, a->n_groups, a->max_rows, *s, a->dscale);
+        MST_CUDA_LAUNCHED();
+    }
+    return MST_OK;
+}
+
+/* ---- ops ------------------------------------------------------------------- */
+
+static int aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
+
+/* The op as C = A B^T over groups (see grouped_gemm.cuh). */
+static gg_problem make_problem(const mst_gl_args* a, int op) {
+    gg_problem p;
+    memset(&p, 0, sizeof p);
+    const int32_t I = (int32_t)a->in, O = (int32_t)a->out;
+    p.op = op;
+    p.n_groups = a->n_groups;
+    p.b_group = (int64_t)O * I;
+    if (op == GG_FWD) {
+        p.N = O, p.K = I;
+        p.a = a->x, p.lda = I, p.b = a->w, p.ldb = I;
+        p.c = a->y, p.ldc = O;
+        p.bias = a->bias, p.scale = a->scale;
+    } else if (op == GG_DGRAD) {
+        p.N = I, p.K = O;
+        p.a = a->dy, p.lda = O, p.b = a->w, p.ldb = I;
+        p.c = a->dx, p.ldc = I;
+    } else {
+        p.M = O, p.N = I;
+        p.a = a->dy, p.lda = O, p.b = a->x, p.ldb = I;
+        p.c = a->main_grad_w, p.ldc = I;
+        p.accumulate = a->accumulate;
+    }
+    p.vec = I % 8 == 0 && O % 8 == 0 && aligned16(p.a) && aligned16(p.b) && aligned16(p.c);
+    return p;
+}
+
+static mst_status gg_run(mst_ctx_t* ctx, const mst_gl_args* a, int op) {
+    mst_cuda_impl* c = mst_cuda(ctx);
+    if (a->max_rows > INT32_MAX || a->in > INT32_MAX || a->out > INT32_MAX)
+        return mst_set_error(MST_ERR_INVALID,
+                             "max_rows = %lld, in = %lld, out = %lld: the CUDA grouped GEMM takes "
+                             "at most 2^31 - 1 of each",
+                             (long long)a->max_rows, (long long)a->in, (long long)a->out);
+    const gg_problem p = make_problem(a, op);
+    int bm, bn;
+    gg_mma_tile(&bm, &bn);
+    gg_sched s;
+    MST_TRY(sched_make(ctx, a->n_groups, &s));
+    const int32_t rows_tile = op == GG_WGRAD ? 0 : bm;
+    const int32_t tiles_fixed =
+        op == GG_WGRAD ? gg_cdiv(p.M, bm) * gg_cdiv(p.N, bn) : gg_cdiv(p.N, bn);
+    const size_t sh_bytes = 2 * sizeof(int32_t) * (size_t)a->n_groups;
+    if (sh_bytes > 48 * 1024)
+        return mst_set_error(MST_ERR_INVALID, "n_groups = %d: the CUDA grouped GEMM takes at most %d",
+                             a->n_groups, (int)(48 * 1024 / (2 * sizeof(int32_t))));
+    schedule_kernel<<<1, 1024, sh_bytes, c->stream>>>(a->counts, a->n_groups, a->max_rows, rows_tile,
+                                                      tiles_fixed, op == GG_WGRAD && !a->accumulate,
+                                                      s, ctx->err_flag);
+    MST_CUDA_LAUNCHED();
+    MST_TRY(gg_launch_mma(&p, &s, c->n_sm, c->stream));
+    if (op == GG_WGRAD) MST_TRY(bias_grads(ctx, a, &s));
+    return MST_OK;
+}
+
+extern "C" mst_status mst_cuda_gl_forward(mst_ctx_t* ctx, const mst_gl_args* a) {
+    return gg_run(ctx, a, GG_FWD);
+}
+extern "C" mst_status mst_cuda_gl_dgrad(mst_ctx_t* ctx, const mst_gl_args* a) {
+    return gg_run(ctx, a, GG_DGRAD);
+}
+extern "C" mst_status mst_cuda_gl_wgrad(mst_ctx_t* ctx, const mst_gl_args* a) {
+    return gg_run(ctx, a, GG_WGRAD);
+}

@@ -1,0 +1,115 @@
+/*
+ * grouped_gemm.cuh — what the grouped GEMM files share: the device schedule
+ * (row offsets and the (group, tile) work list derived on the device from the
+ * counts), the per-op problem description every kernel reads, and tile
+ * decoding.
+ *
+ * Every op is C[m][n] = sum_k A(m, k) B(n, k) per group g:
+ *   forward (TN): M = count[g], N = O, K = I   A = x rows (K-major), B = W[g] (K-major)
+ *   dgrad   (NN): M = count[g], N = I, K = O   A = dy rows (K-major), B = W[g] (N-major)
+ *   wgrad   (NT): M = O, N = I, K = count[g]   A = dy rows (M-major), B = x rows (N-major)
+ * Rows of group g are [off[g], off[g] + count[g]); no kernel reads or writes a
+ * row past off[E] = sum(counts) as data.
+ */
+#ifndef MST_GROUPED_GEMM_CUH
+#define MST_GROUPED_GEMM_CUH
+
+#include "cuda_common.cuh"
+
+enum gg_op { GG_FWD = 0, GG_DGRAD = 1, GG_WGRAD = 2 };
+
+/* Schedule header words (int32, backend memory). */
+enum { GG_H_TILES = 0, GG_H_NEXT = 1, GG_H_OK = 2, GG_H_WORDS = 4 };
+
+/* The device schedule of one op, inside the MST_WS_OP workspace:
+ *   hdr[GG_H_TILES] = tile_off[E] when counts are valid, else 0 (no work)
+ *   hdr[GG_H_NEXT]  = next tile to hand out (dynamic persistent scheduler)
+ *   hdr[GG_H_OK]    = 1 when counts are valid
+ * Invariants (valid counts): off[0] = 0, off[g+1] = off[g] + counts[g] <= R;
+ * tile_off[0] = 0, tile_off[s+1] - tile_off[s] = tiles of group order[s];
+ * order is a permutation of [0, E) by decreasing tile work (largest first). */
+typedef struct gg_sched {
+    int32_t* hdr;      /* [GG_H_WORDS]                           */
+    int32_t* off;      /* [E+1] row offsets, group order         */
+    int32_t* tile_off; /* [E+1] tile offsets, schedule-slot order */
+    int32_t* order;    /* [E]   group of each schedule slot       */
+} gg_sched;
+
+/* One op's operands, shapes and epilogue inputs (pointers are bases of the
+ * whole buffers; kernels add the group's offsets). */
+typedef struct gg_problem {
+    int op;                /* gg_op                                         */
+    int32_t n_groups;      /* E                                             */
+    int32_t M, N, K;       /* fixed extents (count-bound ones are ignored)  */
+    const uint16_t* a;     /* A operand base (bf16)                         */
+    const uint16_t* b;     /* B operand base (bf16)                         */
+    int64_t lda, ldb;      /* row pitch in elements of A's and B's buffers  */
+    int64_t b_group;       /* elements between groups of a weight B (O*I)   */
+    void* c;               /* output base: y / dx bf16, main_grad_w fp32    */
+    int64_t ldc;           /* row pitch of C in elements                    */
+    const uint16_t* bias;  /* [E, O] bf16 (forward, optional)               */
+    const float* scale;    /* [R] fp32 (forward, optional)                  */
+    int accumulate;        /* wgrad: C += dW instead of C = dW              */
+    int vec;               /* 1: rows 16-byte aligned, 16-byte copies       */
+} gg_problem;
+
+/* One output tile of the schedule, decoded. */
+typedef struct gg_tile {
+    int32_t g;             /* group                                         */
+    int32_t m0, n0;        /* tile origin in the group's C                  */
+    int32_t m_lim, n_lim;  /* valid extents of the group's C                */
+    int32_t k_len;         /* K of this group                               */
+    int32_t row0;          /* off[g]: first grouped row of the group        */
+} gg_tile;
+
+/* Tiles of one group along M (count-bound for forward/dgrad). */
+__host__ __device__ __forceinline__ int32_t gg_cdiv(int64_t a, int32_t b) {
+    return (int32_t)((a + b - 1) / b);
+}
+
+/* Band height of the tile raster: BAND m-tiles sweep all n-tiles together so
+ * the B tiles they share stay in L2. */
+#define GG_BAND 8
+
+/* Decodes schedule tile t for a kernel of tile BM x BN. */
+__device__ __forceinline__ gg_tile gg_decode(const gg_problem& p, const gg_sched& s, int32_t t,
+                                             int BM, int BN) {
+    int lo = 0, hi = p.n_groups; /* last slot with tile_off[slot] <= t */
+    while (hi - lo > 1) {
+        int mid = (lo + hi) >> 1;
+        if (__ldg(s.tile_off + mid) <= t) lo = mid;
+        else hi = mid;
+    }
+    gg_tile tl;
+    tl.g = __ldg(s.order + lo);
+    tl.row0 = __ldg(s.off + tl.g);
+    int32_t count = __ldg(s.off + tl.g + 1) - tl.row0;
+    int32_t local = t - __ldg(s.tile_off + lo);
+    tl.m_lim = p.op == GG_WGRAD ? p.M : count;
+    tl.n_lim = p.N;
+    tl.k_len = p.op == GG_WGRAD ? count : p.K;
+    int32_t nm = gg_cdiv(tl.m_lim, BM), nn = gg_cdiv(tl.n_lim, BN);
+    int32_t band = local / (GG_BAND * nn), first = band * GG_BAND;
+    int32_t h = min(nm - first, GG_BAND);
+    int32_t in_band = local - band * GG_BAND * nn;
+    tl.m0 = (first + in_band % h) * BM;
+    tl.n0 = (in_band / h) * BN;
+    return tl;
+}
+
+/* Hands out the next tile to a persistent CTA (integer atomics only). */
+__device__ __forceinline__ int32_t gg_next_tile(const gg_sched& s) {
+    return atomicAdd(s.hdr + GG_H_NEXT, 1);
+}
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+/* Launchers (grouped_gemm_*.cu): enqueue the GEMM of `p` on `stream`. */
+mst_status gg_launch_mma(const gg_problem* p, const gg_sched* s, int n_sm, cudaStream_t stream);
+void gg_mma_tile(int* bm, int* bn); /* the mma kernel's CTA tile */
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,271 @@
+/*
+ * grouped_gemm_mma.cu — the portable tensor-core grouped GEMM (mma.sync
+ * m16n8k16 bf16 -> fp32) for every layout of the three ops: a persistent grid
+ * takes (group, tile) work from the device schedule; operand tiles come in
+ * through a cp.async pipeline of GG_STAGES stages (zero-filled past the
+ * group's rows and the widths), ldmatrix (.trans for M/N-major operands)
+ * feeds the tensor cores, and the epilogue writes y / dx (with bias * scale)
+ * or adds into main_grad. Serves every shape; the Hopper path
+ * (grouped_gemm_wgmma.cu) takes over the large ones.
+ */
+#include "grouped_gemm.cuh"
+
+namespace {
+
+constexpr int BM = 128, BN = 128, BK = 32;   /* CTA tile                       */
+constexpr int WARPS_M = 2, WARPS_N = 4;      /* warp grid                      */
+constexpr int WM = BM / WARPS_M;             /* 64: warp tile rows             */
+constexpr int WN = BN / WARPS_N;             /* 32: warp tile cols             */
+constexpr int MT = WM / 16, NT = WN / 8;     /* mma tiles per warp: 4 x 4      */
+constexpr int THREADS = 32 * WARPS_M * WARPS_N;
+constexpr int GG_STAGES = 4;
+constexpr int PAD = 8;                       /* bf16 per smem row: no ldmatrix bank conflicts */
+
+/* Shared-memory tile of ROWS x COLS bf16, rows padded. */
+template <int ROWS, int COLS>
+struct smem_tile {
+    static constexpr int LD = COLS + PAD;
+    static constexpr int ELEMS = ROWS * LD;
+};
+/* A K-major operand tile is [rows of M or N][BK]; an M/N-major one [BK][BM or BN]. */
+template <bool KMAJOR, int MN>
+using op_tile = smem_tile<KMAJOR ? MN : BK, KMAJOR ? BK : MN>;
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+                 "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+/* Loads rows [r0, r0 + ROWS) x cols [c0, c0 + COLS) of a row-major bf16
+ * matrix (pitch ld) into a padded smem tile; elements with row >= r_lim or
+ * col >= c_lim become zero and are not read. vec: rows and base are 16-byte
+ * aligned, so each 8-column chunk is all in or all out. */
+template <int ROWS, int COLS>
+__device__ __forceinline__ void load_tile(uint16_t* dst, const uint16_t* src, int64_t ld, int r0,
+                                          int c0, int r_lim, int c_lim, int vec) {
+    constexpr int CHUNKS = ROWS * COLS / 8;
+    constexpr int LD = smem_tile<ROWS, COLS>::LD;
+    static_assert(CHUNKS % THREADS == 0, "whole chunks per thread");
+#pragma unroll
+    for (int it = 0; it < CHUNKS / THREADS; it++) {
+        int i = threadIdx.x + it * THREADS;
+        int r = i / (COLS / 8), c = (i % (COLS / 8)) * 8;
+        int gr = r0 + r, gc = c0 + c;
+        uint16_t* d = dst + r * LD + c;
+        bool row_in = gr < r_lim;
+        const uint16_t* s = src + (int64_t)(row_in ? gr : 0) * ld + gc;
+        if (vec) {
+            bool in = row_in && gc < c_lim;
+            cp_async16(d, in ? s : src, in ? 16 : 0);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; j++) d[j] = row_in && gc + j < c_lim ? s[j] : (uint16_t)0;
+        }
+    }
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const uint16_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_t(uint32_t (&r)[4], const uint16_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* A fragment (16 x 16 at m, k) from a K-major [m][k] or M-major [k][m] tile. */
+template <bool KMAJOR>
+__device__ __forceinline__ void frag_a(uint32_t (&r)[4], const uint16_t* t, int m, int k, int lane) {
+    constexpr int LD = op_tile<KMAJOR, BM>::LD;
+    int i = lane >> 3, j = lane & 7;
+    if (KMAJOR) ldmatrix_x4(r, t + (m + j + (i & 1) * 8) * LD + k + (i >> 1) * 8);
+    else ldmatrix_x4_t(r, t + (k + j + (i >> 1) * 8) * LD + m + (i & 1) * 8);
+}
+
+/* B fragments of two n8 tiles (16 x 16 at n, k): r[0..1] tile n, r[2..3] tile n + 8. */
+template <bool KMAJOR>
+__device__ __forceinline__ void frag_b(uint32_t (&r)[4], const uint16_t* t, int n, int k, int lane) {
+    constexpr int LD = op_tile<KMAJOR, BN>::LD;
+    int i = lane >> 3, j = lane & 7;
+    if (KMAJOR) ldmatrix_x4(r, t + (n + j + (i >> 1) * 8) * LD + k + (i & 1) * 8);
+    else ldmatrix_x4_t(r, t + (k + j + (i & 1) * 8) * LD + n + (i >> 1) * 8);
+}
+
+template <int OP>
+struct layout {
+    static constexpr bool A_K = OP != GG_WGRAD; /* A K-major */
+    static constexpr bool B_K = OP == GG_FWD;   /* B K-major */
+};
+
+/* Where the tile's operands start: group row offset or weight slice. */
+template <int OP>
+__device__ __forceinline__ void operand_bases(const gg_problem& p, const gg_tile& t,
+                                              const uint16_t*& a, const uint16_t*& b) {
+    a = p.a + (int64_t)t.row0 * p.lda;
+    b = OP == GG_WGRAD ? p.b + (int64_t)t.row0 * p.ldb : p.b + (int64_t)t.g * p.b_group;
+}
+
+template <int OP>
+__device__ __forceinline__ void load_stage(const gg_problem& p, const gg_tile& t, const uint16_t* a,
+                                           const uint16_t* b, uint16_t* sa, uint16_t* sb, int k0) {
+    using L = layout<OP>;
+    if (L::A_K) load_tile<BM, BK>(sa, a, p.lda, t.m0, k0, t.m_lim, t.k_len, p.vec);
+    else load_tile<BK, BM>(sa, a, p.lda, k0, t.m0, t.k_len, t.m_lim, p.vec);
+    if (L::B_K) load_tile<BN, BK>(sb, b, p.ldb, t.n0, k0, t.n_lim, t.k_len, p.vec);
+    else load_tile<BK, BN>(sb, b, p.ldb, k0, t.n0, t.k_len, t.n_lim, p.vec);
+}
+
+/* Writes one accumulator pair (row m, cols n, n+1 of the group's C). */
+template <int OP>
+__device__ __forceinline__ void store_pair(const gg_problem& p, const gg_tile& t, int m, int n,
+                                           float v0, float v1) {
+    if (m >= t.m_lim || n >= t.n_lim) return;
+    bool two = n + 1 < t.n_lim;
+    if (OP == GG_WGRAD) {
+        float* c = (float*)p.c + ((int64_t)t.g * p.M + m) * p.ldc + n;
+        if (two && p.vec) {
+            float2 o = p.accumulate ? *(float2*)c : make_float2(0.f, 0.f);
+            *(float2*)c = make_float2(o.x + v0, o.y + v1);
+        } else {
+            c[0] = p.accumulate ? c[0] + v0 : v0;
+            if (two) c[1] = p.accumulate ? c[1] + v1 : v1;
+        }
+        return;
+    }
+    int64_t r = (int64_t)t.row0 + m;
+    if (OP == GG_FWD && p.bias) {
+        float s = p.scale ? p.scale[r] : 1.0f;
+        const __nv_bfloat16* bg = (const __nv_bfloat16*)p.bias + (int64_t)t.g * p.N + n;
+        v0 += __bfloat162float(bg[0]) * s;
+        if (two) v1 += __bfloat162float(bg[1]) * s;
+    }
+    __nv_bfloat16* c = (__nv_bfloat16*)p.c + r * p.ldc + n;
+    if (two && p.vec) *(__nv_bfloat162*)c = __floats2bfloat162_rn(v0, v1);
+    else {
+        c[0] = __float2bfloat16_rn(v0);
+        if (two) c[1] = __float2bfloat16_rn(v1);
+    }
+}
+
+template <int OP>
+__global__ void __launch_bounds__(THREADS) mma_kernel(const gg_problem p, const gg_sched s) {
+    using L = layout<OP>;
+    constexpr int A_ELEMS = op_tile<L::A_K, BM>::ELEMS, B_ELEMS = op_tile<L::B_K, BN>::ELEMS;
+    extern __shared__ __align__(128) uint16_t smem[];
+    __shared__ int32_t next;
+    uint16_t* sa = smem;                          /* [STAGES][A_ELEMS] */
+    uint16_t* sb = smem + GG_STAGES * A_ELEMS;    /* [STAGES][B_ELEMS] */
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int wm = (warp / WARPS_N) * WM, wn = (warp % WARPS_N) * WN;
+    const int32_t n_tiles = s.hdr[GG_H_TILES];
+
+    for (;;) {
+        __syncthreads(); /* the previous tile is done with `next` and the stages */
+        if (threadIdx.x == 0) next = gg_next_tile(s);
+        __syncthreads();
+        const int32_t ti = next;
+        if (ti >= n_tiles) break;
+        const gg_tile t = gg_decode(p, s, ti, BM, BN);
+        const uint16_t *a, *b;
+        operand_bases<OP>(p, t, a, b);
+        const int nk = gg_cdiv(t.k_len, BK);
+
+        float acc[MT][NT][4];
+#pragma unroll
+        for (int i = 0; i < MT; i++)
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) acc[i][j][q] = 0.0f;
+
+#pragma unroll
+        for (int st = 0; st < GG_STAGES - 1; st++) {
+            if (st < nk) load_stage<OP>(p, t, a, b, sa + st * A_ELEMS, sb + st * B_ELEMS, st * BK);
+            cp_async_commit();
+        }
+        for (int kt = 0; kt < nk; kt++) {
+            cp_async_wait<GG_STAGES - 2>();
+            __syncthreads(); /* stage kt landed; stage kt-1 is free */
+            int ld = kt + GG_STAGES - 1;
+            if (ld < nk)
+                load_stage<OP>(p, t, a, b, sa + (ld % GG_STAGES) * A_ELEMS,
+                               sb + (ld % GG_STAGES) * B_ELEMS, ld * BK);
+            cp_async_commit();
+            const uint16_t* ta = sa + (kt % GG_STAGES) * A_ELEMS;
+            const uint16_t* tb = sb + (kt % GG_STAGES) * B_ELEMS;
+#pragma unroll
+            for (int kk = 0; kk < BK; kk += 16) {
+                uint32_t fa[MT][4], fb[NT / 2][4];
+#pragma unroll
+                for (int i = 0; i < MT; i++) frag_a<L::A_K>(fa[i], ta, wm + i * 16, kk, lane);
+#pragma unroll
+                for (int j = 0; j < NT / 2; j++) frag_b<L::B_K>(fb[j], tb, wn + j * 16, kk, lane);
+#pragma unroll
+                for (int i = 0; i < MT; i++)
+#pragma unroll
+                    for (int j = 0; j < NT; j++)
+                        mma_bf16(acc[i][j], fa[i], fb[j / 2][(j & 1) * 2], fb[j / 2][(j & 1) * 2 + 1]);
+            }
+        }
+        cp_async_wait<0>();
+
+#pragma unroll
+        for (int x = 0; x < MT * NT; x++) {
+            const int i = x / NT, j = x % NT;
+            int m = t.m0 + wm + i * 16 + (lane >> 2), n = t.n0 + wn + j * 8 + (lane & 3) * 2;
+            store_pair<OP>(p, t, m, n, acc[i][j][0], acc[i][j][1]);
+            store_pair<OP>(p, t, m + 8, n, acc[i][j][2], acc[i][j][3]);
+        }
+    }
+}
+
+template <int OP>
+mst_status launch(const gg_problem* p, const gg_sched* s, int n_sm, cudaStream_t stream) {
+    using L = layout<OP>;
+    constexpr size_t bytes =
+        sizeof(uint16_t) * GG_STAGES * (op_tile<L::A_K, BM>::ELEMS + op_tile<L::B_K, BN>::ELEMS);
+    static int per_sm = 0; /* set up once, on the first (eager) call */
+    if (!per_sm) {
+        MST_CUDA_TRY(cudaFuncSetAttribute(mma_kernel<OP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          (int)bytes));
+        MST_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, mma_kernel<OP>, THREADS, bytes));
+        if (per_sm < 1) per_sm = 1;
+    }
+    mma_kernel<OP><<<n_sm * per_sm, THREADS, bytes, stream>>>(*p, *s);
+    MST_CUDA_LAUNCHED();
+    return MST_OK;
+}
+
+} // namespace
+
+extern "C" mst_status gg_launch_mma(const gg_problem* p, const gg_sched* s, int n_sm,
+                                    cudaStream_t stream) {
+    switch (p->op) {
+    case GG_FWD: return launch<GG_FWD>(p, s, n_sm, stream);
+    case GG_DGRAD: return launch<GG_DGRAD>(p, s, n_sm, stream);
+    default: return launch<GG_WGRAD>(p, s, n_sm, stream);
+    }
+}
+
+extern "C" void gg_mma_tile(int* bm, int* bn) {
+    *bm = BM;
+    *bn = BN;
+}
