@@ -137,6 +137,9 @@ extern "C" const mst_backend mst_backend_cuda = {
     .gl_forward = mst_cuda_gl_forward,
     .gl_dgrad = mst_cuda_gl_dgrad,
     .gl_wgrad = mst_cuda_gl_wgrad,
+    /* grouped MLP activation */
+    .act_forward = mst_cuda_act_forward,
+    .act_backward = mst_cuda_act_backward,
     /* (C++ designated initializers must follow the order of backend.h:
      * add new slots above this block, in their declaration order) */
     .side_stream = cuda_side_stream,

@@ -14,6 +14,10 @@ mst_status mst_cuda_gl_forward(mst_ctx_t* ctx, const mst_gl_args* a);
 mst_status mst_cuda_gl_dgrad(mst_ctx_t* ctx, const mst_gl_args* a);
 mst_status mst_cuda_gl_wgrad(mst_ctx_t* ctx, const mst_gl_args* a);
 
+/* grouped MLP activation (activation.cu) */
+mst_status mst_cuda_act_forward(mst_ctx_t* ctx, const mst_act_args* a);
+mst_status mst_cuda_act_backward(mst_ctx_t* ctx, const mst_act_args* a);
+
 #ifdef __cplusplus
 }
 #endif
