@@ -9,6 +9,7 @@
 
 int mst_cmd_info(int argc, char** argv);
 int mst_cmd_selfcheck(int argc, char** argv);
+int mst_cmd_train(int argc, char** argv); /* train.c */
 
 /* Benchmarks (bench/): `moestash bench NAME [--json FILE] ...` */
 typedef struct mst_bench_entry {

@@ -1,0 +1,231 @@
+/*
+ * train.c — `moestash train`: flags (each with its default in --help), the
+ * training run, the progress lines, the memory table and --json. Bad input
+ * gets one line naming the flag and its value, and exit code 2.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "model/trainer.h"
+
+/* Defaults: small on the CPU (200 steps in well under 3 minutes on 2 cores),
+ * larger on a GPU so the KEEP vs exact-shapes difference shows. */
+static void defaults(mst_train_config* t, mst_backend_kind kind) {
+    const int gpu = kind == MST_BACKEND_CUDA;
+    mst_model_config m = {.vocab = 256, .hidden = gpu ? 512 : 64, .ffn = gpu ? 1024 : 128,
+                          .n_head = gpu ? 8 : 4, .seq = gpu ? 256 : 64, .batch = gpu ? 16 : 8,
+                          .layers = gpu ? 4 : 2, .experts = gpu ? 16 : 8, .top_k = 2, .ep = gpu ? 4 : 2,
+                          .capacity_factor = 2.0f, .mtp_weight = 0.3f, .aux_coef = 0.01f,
+                          .norm_eps = 1e-5f, .init_std = 0.02f, .seed = 1};
+    mst_optim_config o = {.lr = gpu ? 1e-3f : 3e-3f, .min_lr_frac = 0.1f, .beta1 = 0.9f, .beta2 = 0.95f,
+                          .eps = 1e-8f, .weight_decay = 0.1f, .clip = 1.0f, .warmup = 20, .steps = 200};
+    memset(t, 0, sizeof *t);
+    t->model = m;
+    t->optim = o;
+    t->microbatches = 1;
+    t->steps = 200;
+}
+
+static void help(const mst_train_config* c, const mst_train_config* g) {
+    printf("usage: moestash train [FLAGS]\n"
+           "Trains a small MoE transformer language model with multi-token prediction (byte tokens).\n"
+           "Defaults: cpu / cuda.\n"
+           "  --backend cpu|cuda        backend (default: cuda when a GPU is present, else cpu)\n"
+           "  --steps N                 optimizer steps (%lld)\n"
+           "  --seq T                   tokens per sequence (%lld / %lld)\n"
+           "  --batch B                 sequences per microbatch (%lld / %lld)\n"
+           "  --layers L                transformer layers, each with an MoE block (%d / %d)\n"
+           "  --hidden H                model width (%lld / %lld)\n"
+           "  --heads NH                attention heads, must divide H (%lld / %lld)\n"
+           "  --ffn F                   expert MLP width (SwiGLU, H -> 2F -> H) (%lld / %lld)\n"
+           "  --experts E               experts per MoE block (%d / %d)\n"
+           "  --top-k K                 experts per token (%d)\n"
+           "  --ep G                    expert groups playing expert-parallel ranks, must divide E (%d / %d)\n"
+           "  --capacity-factor C       max_rows per group = ceil(C * tokens * K / G) (%g)\n"
+           "  --microbatches M          microbatches per step, gradients accumulated (%d)\n"
+           "  --schedule plain          order of forward/backward over microbatches (plain)\n"
+           "  --policy keep             saved MLP activations: keep (only keep until the memory manager is wired)\n"
+           "  --recompute none          layer recompute: none (uniform:N | block:N need the memory manager)\n"
+           "  --mtp-weight W            weight of the multi-token-prediction loss (%g)\n"
+           "  --lr LR                   peak learning rate, warmup then cosine to 10%% (%g / %g)\n"
+           "  --warmup N                warmup steps (%lld)\n"
+           "  --data FILE               train on a text file (default: built-in synthetic corpus)\n"
+           "  --seed S                  seed of weights and data (%llu)\n"
+           "  --json FILE               write losses, timings and the memory table as JSON\n"
+           "  --force-over-budget STEP  flag STEP over budget once to exercise the rerun (0: off)\n"
+           "  --quiet                   no progress lines\n",
+           (long long)c->steps, (long long)c->model.seq, (long long)g->model.seq,
+           (long long)c->model.batch, (long long)g->model.batch, c->model.layers, g->model.layers,
+           (long long)c->model.hidden, (long long)g->model.hidden, (long long)c->model.n_head,
+           (long long)g->model.n_head, (long long)c->model.ffn, (long long)g->model.ffn,
+           c->model.experts, g->model.experts, c->model.top_k, c->model.ep, g->model.ep,
+           (double)c->model.capacity_factor, c->microbatches, (double)c->model.mtp_weight,
+           (double)c->optim.lr, (double)g->optim.lr, (long long)c->optim.warmup,
+           (unsigned long long)c->model.seed);
+}
+
+static int bad(const char* flag, const char* value, const char* why) {
+    fprintf(stderr, "moestash train: %s '%s': %s\n", flag, value ? value : "", why);
+    return 2;
+}
+
+static int parse_i64(const char* flag, const char* v, int64_t lo, int64_t hi, int64_t* out) {
+    char* end = NULL;
+    errno = 0;
+    long long x = v ? strtoll(v, &end, 10) : 0;
+    if (!v || !*v || *end || errno) return bad(flag, v, "expected an integer");
+    if (x < lo || x > hi) {
+        char why[96];
+        snprintf(why, sizeof why, "expected %lld .. %lld", (long long)lo, (long long)hi);
+        return bad(flag, v, why);
+    }
+    *out = x;
+    return 0;
+}
+
+static int parse_f32(const char* flag, const char* v, double lo, double hi, float* out) {
+    char* end = NULL;
+    errno = 0;
+    double x = v ? strtod(v, &end) : 0;
+    if (!v || !*v || *end || errno || !isfinite(x)) return bad(flag, v, "expected a number");
+    if (x < lo || x > hi) {
+        char why[96];
+        snprintf(why, sizeof why, "expected %g .. %g", lo, hi);
+        return bad(flag, v, why);
+    }
+    *out = (float)x;
+    return 0;
+}
+
+typedef struct train_cli {
+    mst_train_config cfg;
+    const char* backend;   /* NULL: default */
+    const char* json;
+    int quiet;
+} train_cli;
+
+/* One flag with its value; returns 0 or the exit code 2. */
+static int parse_flag(train_cli* t, const char* f, const char* v) {
+    mst_model_config* m = &t->cfg.model;
+    int64_t x = 0;
+    int rc = 0;
+#define INT_FLAG(name, lo, hi, dst) \
+    if (strcmp(f, name) == 0) return (rc = parse_i64(f, v, lo, hi, &x)) ? rc : ((dst) = x, 0)
+    INT_FLAG("--steps", 1, 100000000, t->cfg.steps);
+    INT_FLAG("--seq", 2, 8192, m->seq);
+    INT_FLAG("--batch", 1, 65536, m->batch);
+    INT_FLAG("--layers", 1, 256, m->layers);
+    INT_FLAG("--hidden", 8, 65536, m->hidden);
+    INT_FLAG("--heads", 1, 65536, m->n_head);
+    INT_FLAG("--ffn", 1, 262144, m->ffn);
+    INT_FLAG("--experts", 1, 1024, m->experts);
+    INT_FLAG("--top-k", 1, 1024, m->top_k);
+    INT_FLAG("--ep", 1, 1024, m->ep);
+    INT_FLAG("--microbatches", 1, 4096, t->cfg.microbatches);
+    INT_FLAG("--warmup", 0, 100000000, t->cfg.optim.warmup);
+    INT_FLAG("--seed", 0, INT64_MAX, m->seed);
+    INT_FLAG("--force-over-budget", 0, INT64_MAX, t->cfg.force_over_budget);
+#undef INT_FLAG
+    if (strcmp(f, "--capacity-factor") == 0) return parse_f32(f, v, 1e-6, 1024, &m->capacity_factor);
+    if (strcmp(f, "--mtp-weight") == 0) return parse_f32(f, v, 0, 100, &m->mtp_weight);
+    if (strcmp(f, "--lr") == 0) return parse_f32(f, v, 0, 10, &t->cfg.optim.lr);
+    if (strcmp(f, "--backend") == 0) return (t->backend = v, 0);
+    if (strcmp(f, "--json") == 0) return v && *v ? (t->json = v, 0) : bad(f, v, "expected a file name");
+    if (strcmp(f, "--data") == 0) return v && *v ? (t->cfg.data_path = v, 0) : bad(f, v, "expected a file name");
+    if (strcmp(f, "--schedule") == 0) {
+        mst_schedule_kind k;
+        if (mst_schedule_kind_parse(v, &k) != MST_OK) return bad(f, v, "expected plain, 1f1b or interleaved");
+        return k == MST_SCHEDULE_PLAIN ? 0 : bad(f, v, "only plain until the memory manager is wired in");
+    }
+    if (strcmp(f, "--policy") == 0) {
+        mst_policy p;
+        if (mst_policy_parse(v, &p) != MST_OK) return bad(f, v, "expected keep, stash, offload, recompute or NAME=POLICY,...");
+        return p == MST_POLICY_KEEP ? 0 : bad(f, v, "only keep until the memory manager is wired in");
+    }
+    if (strcmp(f, "--recompute") == 0)
+        return v && strcmp(v, "none") == 0 ? 0 : bad(f, v, "only none until the memory manager is wired in");
+    return bad(f, v, "unknown flag (see moestash train --help)");
+}
+
+static int is_switch(const char* f) { return strcmp(f, "--quiet") == 0 || strcmp(f, "--help") == 0 || strcmp(f, "-h") == 0; }
+
+static int parse(int argc, char** argv, train_cli* t) {
+    for (int i = 0; i < argc; i++) {
+        if (strcmp(argv[i], "--quiet") == 0) t->quiet = 1;
+        if (is_switch(argv[i])) continue;
+        if (strncmp(argv[i], "--", 2) != 0) return bad("argument", argv[i], "not a flag");
+        if (i + 1 >= argc) return bad(argv[i], "", "missing value");
+        int rc = parse_flag(t, argv[i], argv[i + 1]);
+        if (rc) return rc;
+        i++;
+    }
+    return 0;
+}
+
+/* --backend first: it picks the defaults the other flags override. */
+static const char* find_backend(int argc, char** argv) {
+    for (int i = 0; i + 1 < argc; i++)
+        if (strcmp(argv[i], "--backend") == 0) return argv[i + 1];
+    return NULL;
+}
+
+int mst_cmd_train(int argc, char** argv) {
+    for (int i = 0; i < argc; i++)
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            mst_train_config c, g;
+            defaults(&c, MST_BACKEND_CPU);
+            defaults(&g, MST_BACKEND_CUDA);
+            help(&c, &g);
+            return 0;
+        }
+    mst_backend_kind kind;
+    if (mst_cli_backend(find_backend(argc, argv), &kind)) return 2;
+    train_cli t = {0};
+    defaults(&t.cfg, kind);
+    if (parse(argc, argv, &t)) return 2;
+    t.cfg.optim.steps = t.cfg.steps;
+    if (mst_model_config_check(&t.cfg.model) != MST_OK) {
+        fprintf(stderr, "moestash train: %s\n", mst_last_error());
+        return 2;
+    }
+    if (t.cfg.force_over_budget > t.cfg.steps) {
+        char v[32];
+        snprintf(v, sizeof v, "%lld", (long long)t.cfg.force_over_budget);
+        return bad("--force-over-budget", v, "after the last step (--steps)");
+    }
+    mst_ctx_t* ctx = NULL;
+    if (mst_ctx_create(kind, 0, &ctx) != MST_OK) {
+        fprintf(stderr, "moestash train: --backend '%s': %s\n", kind == MST_BACKEND_CUDA ? "cuda" : "cpu", mst_last_error());
+        return 2;
+    }
+    const mst_model_config* m = &t.cfg.model;
+    if (!t.quiet)
+        printf("moestash train on %s\n  H=%lld F=%lld heads=%lld T=%lld B=%lld M=%d L=%d E=%d k=%d ep=%d cf=%g "
+               "max_rows=%lld mtp-weight=%g steps=%lld data=%s\n",
+               mst_ctx_describe(ctx), (long long)m->hidden, (long long)m->ffn, (long long)m->n_head,
+               (long long)m->seq, (long long)m->batch, t.cfg.microbatches, m->layers, m->experts,
+               m->top_k, m->ep, (double)m->capacity_factor, (long long)mst_model_max_rows(m),
+               (double)m->mtp_weight, (long long)t.cfg.steps, t.cfg.data_path ? t.cfg.data_path : "synthetic");
+    mst_train_result res = {0};
+    mst_status st = mst_train_run(ctx, &t.cfg, t.quiet ? NULL : stdout, &res);
+    int rc = 0;
+    if (st == MST_OK) {
+        if (!t.quiet) mst_train_print_memory(stdout, &res);
+        printf("loss %.4f -> %.4f (mtp %.4f -> %.4f) in %lld steps, %.1f s, %lld reruns\n", res.loss[0],
+               res.loss[res.steps - 1], res.mtp_loss[0], res.mtp_loss[res.steps - 1], (long long)res.steps,
+               res.seconds, (long long)res.reruns);
+        if (t.json) st = mst_train_write_json(t.json, &t.cfg, &res, mst_ctx_describe(ctx));
+    }
+    if (st != MST_OK) {
+        /* input problems (a data file that is missing or empty) are exit 2 */
+        rc = st == MST_ERR_IO || st == MST_ERR_INVALID ? 2 : 1;
+        fprintf(stderr, "moestash train: %s\n", mst_last_error());
+    }
+    mst_train_result_free(&res);
+    mst_ctx_destroy(ctx);
+    return rc;
+}

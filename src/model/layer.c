@@ -1,0 +1,56 @@
+/*
+ * layer.c — one pre-norm transformer layer, forward and backward side by
+ * side:  x1 = in + Wo attn(Wqkv norm1(in));  out = x1 + MoE(norm2(x1)).
+ * Activations saved for backward live in m->acts[l] (KEEP).
+ */
+#include "moe.h"
+#include "ops.h"
+
+static mst_attn_args attn_args(const mst_model* m, const mst_layer_acts* a) {
+    const mst_model_config* c = &m->cfg;
+    mst_attn_args r = {.batch = c->batch, .seq = c->seq, .n_head = c->n_head,
+                       .head_dim = c->hidden / c->n_head, .qkv = a->qkv, .probs = a->attp};
+    return r;
+}
+
+mst_status mst_layer_forward(mst_model* m, int32_t l, const uint16_t* in) {
+    const mst_model_config* c = &m->cfg;
+    mst_ctx_t* ctx = m->ctx;
+    mst_layer_acts* a = &m->acts[l];
+    const mst_layer_params* p = &m->lp[l];
+    const int64_t N = c->batch * c->seq, H = c->hidden;
+    a->in = in;
+    MST_TRY(mst_op_norm(ctx, N, H, c->norm_eps, in, m->w + p->ln1, a->a, a->rstd1));
+    MST_TRY(mst_op_linear(ctx, N, H, 3 * H, a->a, m->w + p->wqkv, a->qkv, 0));
+    mst_attn_args at = attn_args(m, a);
+    at.out = a->att;
+    MST_TRY(MST_MODEL_OP(ctx, attn_forward, &at));
+    MST_TRY(mst_op_linear(ctx, N, H, H, a->att, m->w + p->wo, a->x1, 0));
+    MST_TRY(mst_op_add(ctx, N * H, a->x1, in, a->x1));
+    MST_TRY(mst_op_norm(ctx, N, H, c->norm_eps, a->x1, m->w + p->ln2, a->b, a->rstd2));
+    MST_TRY(mst_moe_forward(m, l, a->out));
+    return mst_op_add(ctx, N * H, a->out, a->x1, a->out);
+}
+
+mst_status mst_layer_backward(mst_model* m, int32_t l, uint16_t* d) {
+    const mst_model_config* c = &m->cfg;
+    mst_ctx_t* ctx = m->ctx;
+    mst_layer_acts* a = &m->acts[l];
+    const mst_layer_params* p = &m->lp[l];
+    const int64_t N = c->batch * c->seq, H = c->hidden;
+    /* MoE block: d(x1) = d + norm2'(MoE'(d)) */
+    MST_TRY(mst_moe_backward(m, l, d, m->t1));
+    MST_TRY(mst_op_norm_bwd(ctx, N, H, a->x1, m->w + p->ln2, a->rstd2, m->t1, m->t2, m->grad + p->ln2));
+    MST_TRY(mst_op_add(ctx, N * H, d, m->t2, d));
+    /* attention block: d(in) = d(x1) + norm1'(Wqkv'(attn'(Wo'(d(x1))))) */
+    MST_TRY(mst_op_linear_wgrad(ctx, N, H, H, d, a->att, m->grad + p->wo, H));
+    MST_TRY(mst_op_linear_dgrad(ctx, N, H, H, d, m->w + p->wo, H, m->t1));
+    mst_attn_args at = attn_args(m, a);
+    at.dout = m->t1;
+    at.dqkv = m->dqkv;
+    MST_TRY(MST_MODEL_OP(ctx, attn_backward, &at));
+    MST_TRY(mst_op_linear_wgrad(ctx, N, H, 3 * H, m->dqkv, a->a, m->grad + p->wqkv, H));
+    MST_TRY(mst_op_linear_dgrad(ctx, N, H, 3 * H, m->dqkv, m->w + p->wqkv, H, m->t1));
+    MST_TRY(mst_op_norm_bwd(ctx, N, H, a->in, m->w + p->ln1, a->rstd1, m->t1, m->t2, m->grad + p->ln1));
+    return mst_op_add(ctx, N * H, d, m->t2, d);
+}

@@ -1,0 +1,329 @@
+/*
+ * model.c — the model's configuration checks, parameter layout and
+ * initialisation, and the backend buffers of its activations, by memory
+ * category (weights, gradients, optimizer, saved activations, compute).
+ */
+#include <math.h>
+#include <string.h>
+
+#include "model.h"
+
+static const char* const mem_names[MST_N_MEM] = {"weights", "gradients", "optimizer",
+                                                 "saved activations", "compute buffers"};
+const char* mst_mem_category_str(int cat) { return cat >= 0 && cat < MST_N_MEM ? mem_names[cat] : "?"; }
+
+#define BAD(...) mst_set_error(MST_ERR_INVALID, __VA_ARGS__)
+
+mst_status mst_model_config_check(const mst_model_config* c) {
+    if (c->hidden < 8 || c->hidden > 65536) return BAD("--hidden %lld: expected 8 .. 65536", (long long)c->hidden);
+    if (c->ffn < 1 || c->ffn > 262144) return BAD("--ffn %lld: expected 1 .. 262144", (long long)c->ffn);
+    if (c->n_head < 1 || c->hidden % c->n_head)
+        return BAD("--heads %lld: must divide --hidden %lld", (long long)c->n_head, (long long)c->hidden);
+    if (c->seq < 2 || c->seq > 8192) return BAD("--seq %lld: expected 2 .. 8192", (long long)c->seq);
+    if (c->batch < 1 || c->batch > 65536) return BAD("--batch %lld: expected 1 .. 65536", (long long)c->batch);
+    if (c->layers < 1 || c->layers > 256) return BAD("--layers %d: expected 1 .. 256", c->layers);
+    if (c->experts < 1 || c->experts > 1024) return BAD("--experts %d: expected 1 .. 1024", c->experts);
+    if (c->top_k < 1 || c->top_k > c->experts)
+        return BAD("--top-k %d: expected 1 .. --experts (%d)", c->top_k, c->experts);
+    if (c->ep < 1 || c->experts % c->ep)
+        return BAD("--ep %d: must divide --experts %d", c->ep, c->experts);
+    if (!(c->capacity_factor > 0.0f) || c->capacity_factor > 1024.0f)
+        return BAD("--capacity-factor %g: expected > 0 and <= 1024", (double)c->capacity_factor);
+    if (!(c->mtp_weight >= 0.0f) || c->mtp_weight > 100.0f)
+        return BAD("--mtp-weight %g: expected 0 .. 100", (double)c->mtp_weight);
+    if (c->batch * c->seq * c->top_k > INT32_MAX / 4)
+        return BAD("--batch %lld x --seq %lld: too many tokens", (long long)c->batch, (long long)c->seq);
+    return MST_OK;
+}
+
+int64_t mst_model_max_rows(const mst_model_config* c) {
+    double r = ceil((double)c->capacity_factor * (double)(c->batch * c->seq * c->top_k) / c->ep);
+    return r < 1 ? 1 : (int64_t)r;
+}
+
+/* ---- parameters ---------------------------------------------------------- */
+
+static int64_t take(int64_t* n, int64_t size) {
+    int64_t off = *n;
+    *n += size;
+    return off;
+}
+
+/* Matrices first (weight decay), then the norm weights. */
+static void layout(mst_model* m) {
+    const mst_model_config* c = &m->cfg;
+    const int64_t H = c->hidden, F = c->ffn, E = c->experts;
+    int64_t n = 0;
+    m->emb = take(&n, c->vocab * H);
+    m->proj = take(&n, H * 2 * H);
+    for (int32_t l = 0; l <= c->layers; l++) {
+        mst_layer_params* p = &m->lp[l];
+        p->wqkv = take(&n, 3 * H * H);
+        p->wo = take(&n, H * H);
+        p->wr = take(&n, E * H);
+        p->w1 = take(&n, E * 2 * F * H);
+        p->w2 = take(&n, E * H * F);
+    }
+    m->n_decay = n;
+    for (int32_t l = 0; l <= c->layers; l++) {
+        m->lp[l].ln1 = take(&n, H);
+        m->lp[l].ln2 = take(&n, H);
+    }
+    m->lnf = take(&n, H);
+    m->ln_e = take(&n, H);
+    m->ln_h = take(&n, H);
+    m->ln_mf = take(&n, H);
+    m->n_params = n;
+}
+
+static double rng_normal(uint64_t* s) { /* splitmix64 + Box-Muller */
+    uint64_t z[2];
+    for (int i = 0; i < 2; i++) {
+        uint64_t x = (*s += 0x9E3779B97F4A7C15ull);
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+        z[i] = x ^ (x >> 31);
+    }
+    double u = ((double)(z[0] >> 11) + 0.5) * 0x1.0p-53, v = (double)(z[1] >> 11) * 0x1.0p-53;
+    return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
+}
+
+static void fill_normal(float* p, int64_t n, double std, uint64_t* s) {
+    for (int64_t i = 0; i < n; i++) p[i] = (float)(rng_normal(s) * std);
+}
+
+/* Host init: normal(0, std) matrices (output projections scaled down by
+ * sqrt(2 (L+1))), norm weights 1. */
+static void init_host(const mst_model* m, float* p) {
+    const mst_model_config* c = &m->cfg;
+    const int64_t H = c->hidden, F = c->ffn, E = c->experts;
+    const double std = c->init_std, out_std = std / sqrt(2.0 * (c->layers + 1));
+    uint64_t s = c->seed * 0x2545F4914F6CDD1Dull + 1;
+    fill_normal(p + m->emb, c->vocab * H, std, &s);
+    fill_normal(p + m->proj, 2 * H * H, std, &s);
+    for (int32_t l = 0; l <= c->layers; l++) {
+        const mst_layer_params* q = &m->lp[l];
+        fill_normal(p + q->wqkv, 3 * H * H, std, &s);
+        fill_normal(p + q->wo, H * H, out_std, &s);
+        fill_normal(p + q->wr, E * H, std, &s);
+        fill_normal(p + q->w1, E * 2 * F * H, std, &s);
+        fill_normal(p + q->w2, E * H * F, out_std, &s);
+    }
+    for (int64_t i = m->n_decay; i < m->n_params; i++) p[i] = 1.0f;
+}
+
+/* ---- buffers ------------------------------------------------------------- */
+
+/* A backend buffer of category cat, owned by the model (freed by destroy). */
+static mst_status buf(mst_model* m, int cat, size_t n_bytes, void* out) {
+    if (m->n_owned == m->cap_owned) {
+        int cap = m->cap_owned ? 2 * m->cap_owned : 64;
+        void** o = (void**)realloc(m->owned, sizeof *o * (size_t)cap);
+        if (!o) return mst_set_error(MST_ERR_OOM, "model buffer table");
+        m->owned = o;
+        m->cap_owned = cap;
+    }
+    MST_TRY(mst_alloc(m->ctx, n_bytes, (void**)out));
+    m->owned[m->n_owned++] = *(void**)out;
+    m->mem[cat] += n_bytes;
+    return MST_OK;
+}
+
+static void unbuf(mst_model* m, int cat, void* ptr, size_t n_bytes) {
+    for (int i = 0; i < m->n_owned; i++)
+        if (m->owned[i] == ptr) {
+            m->owned[i] = m->owned[--m->n_owned];
+            mst_free(m->ctx, ptr);
+            m->mem[cat] -= n_bytes;
+            return;
+        }
+}
+
+#define BUF(cat, ptr, count) MST_TRY(buf(m, cat, sizeof(*(ptr)) * (size_t)(count), &(ptr)))
+
+static mst_status alloc_params(mst_model* m) {
+    const int64_t n = m->n_params;
+    BUF(MST_MEM_WEIGHTS, m->w, n);
+    BUF(MST_MEM_GRADS, m->grad, n);
+    BUF(MST_MEM_OPTIM, m->master, n);
+    BUF(MST_MEM_OPTIM, m->adam_m, n);
+    BUF(MST_MEM_OPTIM, m->adam_v, n);
+    BUF(MST_MEM_COMPUTE, m->gsumsq, 1);
+    float* host = (float*)malloc(sizeof(float) * (size_t)n);
+    uint16_t* host16 = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)n);
+    mst_status st = host && host16 ? MST_OK : mst_set_error(MST_ERR_OOM, "host parameter init (%lld)", (long long)n);
+    if (st == MST_OK) {
+        init_host(m, host);
+        mst_fp32_to_bf16_array(host16, host, (size_t)n);
+        for (int64_t i = 0; i < n; i++) host[i] = mst_bf16_to_fp32(host16[i]); /* master = weights */
+        st = mst_copy_h2b(m->ctx, m->master, host, sizeof(float) * (size_t)n);
+    }
+    if (st == MST_OK) st = mst_copy_h2b(m->ctx, m->w, host16, sizeof(uint16_t) * (size_t)n);
+    if (st == MST_OK) st = mst_fill(m->ctx, m->adam_m, 0, sizeof(float) * (size_t)n);
+    if (st == MST_OK) st = mst_fill(m->ctx, m->adam_v, 0, sizeof(float) * (size_t)n);
+    free(host);
+    free(host16);
+    return st;
+}
+
+static mst_status alloc_layer(mst_model* m, mst_layer_acts* a) {
+    const mst_model_config* c = &m->cfg;
+    const int64_t N = c->batch * c->seq, H = c->hidden, E = c->experts, K = c->top_k;
+    const int cat = MST_MEM_SAVED;
+    BUF(cat, a->a, N * H);
+    BUF(cat, a->rstd1, N);
+    BUF(cat, a->qkv, N * 3 * H);
+    BUF(cat, a->attp, c->batch * c->n_head * c->seq * c->seq);
+    BUF(cat, a->att, N * H);
+    BUF(cat, a->x1, N * H);
+    BUF(cat, a->b, N * H);
+    BUF(cat, a->rstd2, N);
+    BUF(cat, a->rlogits, N * E);
+    BUF(cat, a->rprobs, N * E);
+    BUF(cat, a->topk_idx, N * K);
+    BUF(cat, a->topk_w, N * K);
+    BUF(cat, a->pos, N * K);
+    BUF(cat, a->counts, E);
+    BUF(cat, a->load, E);
+    BUF(cat, a->aux, 1);
+    BUF(cat, a->out, N * H);
+    BUF(MST_MEM_COMPUTE, a->peak, c->ep);
+    MST_TRY(mst_fill(m->ctx, a->peak, 0, sizeof(int32_t) * (size_t)c->ep));
+    a->savers = (mst_saver_basic_t**)calloc((size_t)c->ep, sizeof *a->savers);
+    if (!a->savers) return mst_set_error(MST_ERR_OOM, "saver table");
+    return MST_OK;
+}
+
+static mst_status alloc_acts(mst_model* m) {
+    const mst_model_config* c = &m->cfg;
+    const int64_t N = c->batch * c->seq, H = c->hidden, V = c->vocab;
+    m->acts = (mst_layer_acts*)calloc((size_t)c->layers + 1, sizeof *m->acts);
+    if (!m->acts) return mst_set_error(MST_ERR_OOM, "layer table");
+    for (int32_t l = 0; l <= c->layers; l++) MST_TRY(alloc_layer(m, &m->acts[l]));
+    const int S = MST_MEM_SAVED, C = MST_MEM_COMPUTE;
+    BUF(C, m->tok, 3 * N);
+    BUF(S, m->x0, N * H);
+    BUF(S, m->xf, N * H);
+    BUF(S, m->rstdf, N);
+    BUF(S, m->e1, N * H);
+    BUF(S, m->ne, N * H);
+    BUF(S, m->nh, N * H);
+    BUF(S, m->rstd_e, N);
+    BUF(S, m->rstd_h, N);
+    BUF(S, m->p, N * H);
+    BUF(S, m->mf, N * H);
+    BUF(S, m->rstd_mf, N);
+    BUF(C, m->logits, N * V);
+    BUF(S, m->dl_main, N * V);
+    BUF(S, m->dl_mtp, N * V);
+    BUF(C, m->loss_main, m->n_micro * N);
+    BUF(C, m->loss_mtp, m->n_micro * N);
+    BUF(C, m->aux_sum, m->n_micro * (c->layers + 1));
+    BUF(C, m->dtopk, N * c->top_k);
+    BUF(C, m->drl, N * c->experts);
+    BUF(C, m->dqkv, N * 3 * H);
+    BUF(C, m->dh, N * H);
+    BUF(C, m->dm, N * H);
+    BUF(C, m->t1, N * H);
+    BUF(C, m->t2, N * H);
+    BUF(C, m->t3, N * H);
+    return MST_OK;
+}
+
+/* ---- grouped rows: the part that depends on R ------------------------------ */
+
+static void free_rows(mst_model* m) {
+    const mst_model_config* c = &m->cfg;
+    const size_t hb = (size_t)(m->max_rows * c->ep * c->hidden) * sizeof(uint16_t);
+    const size_t pb = (size_t)(m->max_rows * c->ep) * sizeof(float);
+    unbuf(m, MST_MEM_COMPUTE, m->rows, hb);
+    unbuf(m, MST_MEM_COMPUTE, m->yrows, hb);
+    unbuf(m, MST_MEM_COMPUTE, m->drows, hb);
+    unbuf(m, MST_MEM_COMPUTE, m->dxrows, hb);
+    unbuf(m, MST_MEM_COMPUTE, m->prow, pb);
+    unbuf(m, MST_MEM_COMPUTE, m->dprow, pb);
+    m->rows = m->yrows = m->drows = m->dxrows = NULL;
+    m->prow = m->dprow = NULL;
+    size_t before = 0, after = 0;
+    mst_ctx_mem(m->ctx, &before, NULL);
+    for (int32_t l = 0; m->acts && l <= c->layers; l++)
+        for (int32_t g = 0; g < c->ep; g++) {
+            mst_saver_basic_destroy(m->acts[l].savers[g]);
+            m->acts[l].savers[g] = NULL;
+        }
+    mst_ctx_mem(m->ctx, &after, NULL);
+    m->mem[MST_MEM_SAVED] -= before - after;
+    m->max_rows = 0;
+}
+
+mst_status mst_model_set_max_rows(mst_model* m, int64_t R) {
+    const mst_model_config* c = &m->cfg;
+    if (R == m->max_rows) return MST_OK;
+    if (m->max_rows > 0) free_rows(m);
+    const int64_t GR = R * c->ep, H = c->hidden;
+    const int C = MST_MEM_COMPUTE;
+    BUF(C, m->rows, GR * H);
+    BUF(C, m->yrows, GR * H);
+    BUF(C, m->drows, GR * H);
+    BUF(C, m->dxrows, GR * H);
+    BUF(C, m->prow, GR);
+    BUF(C, m->dprow, GR);
+    mst_mlp_config mc = mst_mlp_config_default(c->experts / c->ep, H, c->ffn);
+    const mst_policy keep[MST_N_SAVED] = {MST_POLICY_KEEP, MST_POLICY_KEEP, MST_POLICY_KEEP, MST_POLICY_KEEP};
+    size_t before = 0, after = 0;
+    mst_ctx_mem(m->ctx, &before, NULL);
+    for (int32_t l = 0; l <= c->layers; l++)
+        for (int32_t g = 0; g < c->ep; g++)
+            MST_TRY(mst_saver_basic_create(m->ctx, R, &mc, keep, &m->acts[l].savers[g]));
+    mst_ctx_mem(m->ctx, &after, NULL);
+    m->mem[MST_MEM_SAVED] += after - before;
+    m->max_rows = R;
+    return MST_OK;
+}
+
+mst_status mst_model_create(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t n_micro,
+                            mst_model** out) {
+    MST_TRY(mst_check_ctx(ctx));
+    MST_TRY(mst_model_config_check(cfg));
+    if (n_micro < 1 || n_micro > 4096) return BAD("--microbatches %d: expected 1 .. 4096", n_micro);
+    mst_model* m = (mst_model*)calloc(1, sizeof *m);
+    if (!m) return mst_set_error(MST_ERR_OOM, "model");
+    m->ctx = ctx;
+    m->cfg = *cfg;
+    m->n_micro = n_micro;
+    m->lp = (mst_layer_params*)calloc((size_t)cfg->layers + 1, sizeof *m->lp);
+    mst_status st = m->lp ? MST_OK : mst_set_error(MST_ERR_OOM, "layer parameter table");
+    if (st == MST_OK) {
+        layout(m);
+        st = alloc_params(m);
+    }
+    if (st == MST_OK) st = alloc_acts(m);
+    if (st == MST_OK) st = mst_model_set_max_rows(m, mst_model_max_rows(cfg));
+    if (st != MST_OK) {
+        mst_model_destroy(m);
+        return st;
+    }
+    *out = m;
+    return MST_OK;
+}
+
+void mst_model_destroy(mst_model* m) {
+    if (!m) return;
+    for (int32_t l = 0; m->acts && l <= m->cfg.layers; l++) {
+        for (int32_t g = 0; m->acts[l].savers && g < m->cfg.ep; g++)
+            mst_saver_basic_destroy(m->acts[l].savers[g]);
+        free(m->acts[l].savers);
+    }
+    for (int i = 0; i < m->n_owned; i++) mst_free(m->ctx, m->owned[i]);
+    free(m->owned);
+    free(m->acts);
+    free(m->lp);
+    free(m);
+}
+
+mst_status mst_model_peak_rows(mst_model* m, int32_t* peak) {
+    for (int32_t l = 0; l <= m->cfg.layers; l++)
+        MST_TRY(mst_copy_b2h(m->ctx, peak + (int64_t)l * m->cfg.ep, m->acts[l].peak,
+                             sizeof(int32_t) * (size_t)m->cfg.ep));
+    return MST_OK;
+}

@@ -1,0 +1,160 @@
+/*
+ * model.h — the MoE transformer language model that `moestash train` trains
+ * (DESIGN.md section 8): byte tokens, RMSNorm, causal multi-head attention,
+ * an MoE block in every layer (softmax router, top-k, load-balancing loss,
+ * dropless dispatch into the --ep groups' grouped-rows buffers, grouped MLP,
+ * combine), one multi-token-prediction (MTP) module, final norm and an output
+ * head tied to the embedding. bf16 weights and activations, fp32 master
+ * weights, main_grad and AdamW state.
+ *
+ * Shapes: V vocab, H hidden, F ffn, NH heads, B batch, T seq, N = B T tokens
+ * of one microbatch, L layers (+1: the MTP module's layer has index L),
+ * E experts, k top-k, G = --ep groups of E / G experts, R = max_rows of
+ * each group's grouped-rows buffer.
+ */
+#ifndef MST_MODEL_H
+#define MST_MODEL_H
+
+#include "../core/context.h"
+
+typedef struct mst_model_config {
+    int64_t vocab;          /* V (256: bytes)                                   */
+    int64_t hidden, ffn;    /* H, F                                             */
+    int64_t n_head;         /* NH (H % NH == 0)                                 */
+    int64_t seq, batch;     /* T, B                                             */
+    int32_t layers;         /* L                                                */
+    int32_t experts, top_k; /* E, k                                             */
+    int32_t ep;             /* G (E % G == 0)                                   */
+    float capacity_factor;  /* R = ceil(cf * N * k / G)                         */
+    float mtp_weight;       /* weight of the MTP loss                           */
+    float aux_coef;         /* load-balancing loss coefficient                  */
+    float norm_eps;
+    float init_std;
+    uint64_t seed;
+} mst_model_config;
+
+/* Checks sizes (each failure names the flag and its value). */
+mst_status mst_model_config_check(const mst_model_config* c);
+int64_t mst_model_max_rows(const mst_model_config* c);
+
+/* Element offsets of one transformer layer's parameters in the flat buffers. */
+typedef struct mst_layer_params {
+    int64_t ln1;   /* [H]           */
+    int64_t wqkv;  /* [3H, H]       */
+    int64_t wo;    /* [H, H]        */
+    int64_t ln2;   /* [H]           */
+    int64_t wr;    /* [E, H] router */
+    int64_t w1;    /* [E*2F, H]     */
+    int64_t w2;    /* [E*H, F]      */
+} mst_layer_params;
+
+/* Saved activations and plan of one layer for one microbatch. */
+typedef struct mst_layer_acts {
+    const uint16_t* in;  /* [N, H] the layer's input (another buffer, not owned) */
+    uint16_t* a;         /* [N, H] norm1 output                             */
+    float* rstd1;        /* [N]                                             */
+    uint16_t* qkv;       /* [N, 3H]                                         */
+    float* attp;         /* [B, NH, T, T] attention probabilities           */
+    uint16_t* att;       /* [N, H] attention output (before Wo)             */
+    uint16_t* x1;        /* [N, H] residual after attention                 */
+    uint16_t* b;         /* [N, H] norm2 output (router and MLP input)      */
+    float* rstd2;        /* [N]                                             */
+    float* rlogits;      /* [N, E] router logits                            */
+    float* rprobs;       /* [N, E] router softmax                           */
+    int32_t* topk_idx;   /* [N, k]                                          */
+    float* topk_w;       /* [N, k]                                          */
+    int32_t* pos;        /* [N, k] row in the [G*R] grouped-rows buffer     */
+    int32_t* counts;     /* [E] rows per expert for the grouped MLP         */
+    int32_t* load;       /* [E] token copies per expert                     */
+    int32_t* peak;       /* [G] peak rows per group over the run            */
+    float* aux;          /* [1] load-balancing loss                         */
+    uint16_t* out;       /* [N, H] the layer's output                       */
+    mst_saver_basic_t** savers; /* [G] saved MLP activations per group      */
+} mst_layer_acts;
+
+/* Memory by category, bytes (backend memory). */
+enum { MST_MEM_WEIGHTS = 0, MST_MEM_GRADS, MST_MEM_OPTIM, MST_MEM_SAVED, MST_MEM_COMPUTE, MST_N_MEM };
+const char* mst_mem_category_str(int cat);
+
+typedef struct mst_model {
+    mst_ctx_t* ctx;
+    mst_model_config cfg;
+    int64_t max_rows;        /* R in use now (static, or exact on a rerun)     */
+    /* parameters: one flat buffer per kind, matrices first (decayed) */
+    int64_t n_params, n_decay;
+    int64_t emb, lnf, ln_e, ln_h, proj, ln_mf; /* offsets: [V,H] [H] [H] [H] [H,2H] [H] */
+    mst_layer_params* lp;    /* [L+1]                                         */
+    uint16_t* w;             /* [n_params] bf16 weights                       */
+    float* master;           /* [n_params] fp32 master weights                */
+    float* grad;             /* [n_params] fp32 main_grad                     */
+    float* adam_m;           /* [n_params] fp32                               */
+    float* adam_v;           /* [n_params] fp32                               */
+    float* gsumsq;           /* [1] sum of squared gradients                  */
+    /* activations */
+    mst_layer_acts* acts;    /* [L+1]                                         */
+    int32_t* tok;            /* [3, N] inputs, next tokens, tokens after next */
+    uint16_t* x0;            /* [N, H] embedding of the inputs                */
+    uint16_t* xf;            /* [N, H] final norm output                      */
+    float* rstdf;            /* [N]                                           */
+    uint16_t* e1;            /* [N, H] MTP: embedding of the next tokens      */
+    uint16_t *ne, *nh;       /* [N, H] MTP: their norms / the hidden's norm   */
+    float *rstd_e, *rstd_h;  /* [N]                                           */
+    uint16_t* p;             /* [N, H] MTP projection output                  */
+    uint16_t* mf;            /* [N, H] MTP final norm output                  */
+    float* rstd_mf;          /* [N]                                           */
+    uint16_t* logits;        /* [N, V] (main, then MTP)                       */
+    uint16_t *dl_main, *dl_mtp; /* [N, V] d(loss)/d(logits)                   */
+    float *loss_main, *loss_mtp; /* [M, N] per-token losses of each microbatch */
+    float* aux_sum;          /* [M, L+1] load-balancing losses                */
+    int32_t n_micro;         /* M                                             */
+    /* compute buffers shared by layers */
+    uint16_t *rows, *yrows, *drows, *dxrows; /* [G*R, H]                      */
+    float *prow, *dprow;     /* [G*R] router probs of rows / their gradients  */
+    float* dtopk;            /* [N, k]                                        */
+    uint16_t* drl;           /* [N, E] d(router logits)                       */
+    uint16_t* dqkv;          /* [N, 3H]                                       */
+    uint16_t *dh, *dm, *t1, *t2, *t3; /* [N, H] gradients and scratch          */
+    size_t mem[MST_N_MEM];   /* bytes allocated by category                   */
+    void** owned;            /* [n_owned] backend buffers freed by destroy    */
+    int n_owned, cap_owned;
+} mst_model;
+
+mst_status mst_model_create(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t n_micro,
+                            mst_model** out);
+void mst_model_destroy(mst_model* m);
+/* Re-sizes every grouped-rows buffer and saver to R rows per group. */
+mst_status mst_model_set_max_rows(mst_model* m, int64_t max_rows);
+
+/* One microbatch: tokens [N, T+2]... host_tok [B, T+2] bytes of B windows.
+ * Forward and backward; gradients accumulate into main_grad. */
+mst_status mst_model_forward_backward(mst_model* m, const int32_t* host_tok, int32_t micro);
+
+/* Largest group of the run so far, over layers (reads device stats). */
+mst_status mst_model_peak_rows(mst_model* m, int32_t* peak /* [L+1, G] host */);
+
+/* ---- optimizer (optim.c) ---- */
+typedef struct mst_optim_config {
+    float lr, min_lr_frac, beta1, beta2, eps, weight_decay, clip;
+    int64_t warmup, steps;
+} mst_optim_config;
+float mst_optim_lr(const mst_optim_config* o, int64_t step);
+/* Zeroes main_grad (start of a step). */
+mst_status mst_optim_zero(mst_model* m);
+/* Clip by global norm and AdamW; skipped on the device when the step's
+ * error flag is set. step is 1-based. */
+mst_status mst_optim_step(mst_model* m, const mst_optim_config* o, int64_t step);
+
+/* ---- data (data.c) ---- */
+typedef struct mst_data {
+    uint8_t* bytes;          /* [n] corpus                                    */
+    int64_t n;
+    uint64_t rng;            /* window sampler state                          */
+} mst_data;
+/* The built-in synthetic corpus (deterministic in seed), or a text file. */
+mst_status mst_data_synthetic(mst_data* d, uint64_t seed, int64_t n_bytes);
+mst_status mst_data_file(mst_data* d, const char* path, int64_t min_bytes, uint64_t seed);
+/* Fills tok [B, T+2] with B random windows. */
+void mst_data_batch(mst_data* d, int64_t batch, int64_t seq, int32_t* tok);
+void mst_data_free(mst_data* d);
+
+#endif
