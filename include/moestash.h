@@ -507,6 +507,9 @@ mst_status mst_memmgr_step_check(mst_memmgr_t* m);
 /* Device int32: nonzero when this step overflowed (the optimizer skips). */
 const int32_t* mst_memmgr_overflow_flag(const mst_memmgr_t* m);
 mst_status mst_mem_report(const mst_memmgr_t* m, mst_mem_report_t* out);
+/* Syncs; checks every pool's invariant and, between steps, that no page is
+ * held (nothing leaked). */
+mst_status mst_memmgr_check(mst_memmgr_t* m);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,276 @@
+/*
+ * test_memmgr.c — the memory manager on a stack of grouped-MLP layers with
+ * random routing and max_rows > rows, several microbatches, every schedule,
+ * every policy, mixes of policies per tensor and per layer, and layer
+ * recompute: gradients bit-identical to all-KEEP; no page leaked after each
+ * step; an injected overflow detected and the rerun step bit-identical to a
+ * run with large pools; offload bytes equal the host pages used; bad input.
+ * On CUDA the sized steps run as one captured CUDA graph.
+ */
+#include <stdlib.h>
+#include <string.h>
+#ifdef MST_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#include "harness.h"
+#include "stash/mlp_stack.h"
+
+enum { L = 4, M = 4, E = 4, H = 32, F = 24, R = 200, PAGE = 16 };
+
+typedef struct setup {
+    const char* name;
+    mst_schedule_config sched;
+    const char* policy;   /* spec, or NULL for per-layer mixes            */
+    const char* recompute;
+} setup;
+
+/* Gradients of one step, downloaded: main_grads, dprobs, input grads. */
+typedef struct grads {
+    unsigned char* g;
+    size_t n;
+} grads;
+
+static void random_counts(mst_rng* rng, int32_t* counts, double fill) {
+    for (int mb = 0; mb < M; mb++) {
+        int64_t total = (int64_t)(R * fill * (0.6 + 0.4 * mst_rng_uniform(rng)));
+        for (int l = 0; l < L; l++)
+            mst_rng_counts(rng, counts + ((int64_t)l * M + mb) * E, E, total, l & 1 ? 1.0 : 0.3);
+    }
+}
+
+static grads download(mst_stack* s) {
+    const size_t probs = (size_t)L * M * R * 4, rows = (size_t)M * R * H * 2;
+    grads out = {malloc(s->gbuf_bytes + probs + rows), s->gbuf_bytes + probs + rows};
+    mst_copy_b2h(s->ctx, out.g, s->gbuf, s->gbuf_bytes);
+    for (int i = 0; i < L * M; i++)
+        mst_copy_b2h(s->ctx, out.g + s->gbuf_bytes + (size_t)i * R * 4, s->dprobs[i].data, R * 4);
+    /* input gradients: rows [0, n) of grad[chunk 0]; the rest is not data */
+    int32_t c[E];
+    for (int mb = 0; mb < M; mb++) {
+        mst_copy_b2h(s->ctx, c, s->counts[mb].data, sizeof c);
+        int64_t n = 0;
+        for (int g = 0; g < E; g++) n += c[g];
+        unsigned char* dst = out.g + s->gbuf_bytes + probs + (size_t)mb * R * H * 2;
+        memset(dst, 0, (size_t)R * H * 2);
+        mst_copy_b2h(s->ctx, dst, s->grad[mb].data, (size_t)n * H * 2);
+    }
+    /* dprobs past n are not data either: zero them on the host copy */
+    for (int i = 0; i < L * M; i++) {
+        mst_copy_b2h(s->ctx, c, s->counts[i].data, sizeof c);
+        int64_t n = 0;
+        for (int g = 0; g < E; g++) n += c[g];
+        memset(out.g + s->gbuf_bytes + (size_t)i * R * 4 + n * 4, 0, (size_t)(R - n) * 4);
+    }
+    return out;
+}
+
+/* A sized (non-measuring) step; on CUDA captured once in a graph and replayed. */
+static mst_status sized_step(mst_ctx_t* ctx, mst_stack* s, const mst_sched_entry* sch, int n) {
+#ifdef MST_HAVE_CUDA
+    if (mst_ctx_backend(ctx) == MST_BACKEND_CUDA) {
+        cudaStream_t st = (cudaStream_t)mst_ctx_stream(ctx);
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
+            return MST_ERR_BACKEND;
+        mst_status rs = mst_stack_step(s, sch, n, 0);
+        cudaError_t e = cudaStreamEndCapture(st, &g);
+        if (rs != MST_OK) return rs;
+        if (e != cudaSuccess) return MST_ERR_BACKEND;
+        if (cudaGraphInstantiate(&ge, g, 0) != cudaSuccess) return MST_ERR_BACKEND;
+        e = cudaGraphLaunch(ge, st);
+        cudaGraphExecDestroy(ge);
+        cudaGraphDestroy(g);
+        if (e != cudaSuccess) return MST_ERR_BACKEND;
+        return mst_ctx_sync(ctx);
+    }
+#else
+    (void)ctx;
+#endif
+    return mst_stack_step(s, sch, n, 0);
+}
+
+/* Runs a measuring step on counts a, then a sized step on counts b (rerun
+ * measuring on overflow, as the trainer does); returns the sized step's grads. */
+static grads run_setup(mst_ctx_t* ctx, mst_stack* s, const setup* su, const int32_t* a,
+                       const int32_t* b, int* overflowed, mst_mem_report_t* rep) {
+    int32_t n = 2 * su->sched.microbatches * su->sched.virtual_stages;
+    mst_sched_entry* sch = (mst_sched_entry*)malloc(sizeof *sch * (size_t)n);
+    CHECK_OK(mst_schedule_make(&su->sched, sch, n));
+    mst_memmgr_config mc = {L, M, su->sched.virtual_stages, R, H, F, sch, n, PAGE, 1.10, 0.0};
+    CHECK_OK(mst_memmgr_create(ctx, &mc, &s->mm));
+    if (su->policy) CHECK_OK(mst_memmgr_set_policy_spec(s->mm, su->policy));
+    else { /* a different mix on each layer */
+        for (int l = 0; l < L; l++)
+            for (int nm = 0; nm < MST_N_SAVED; nm++) {
+                mst_policy p = (mst_policy)((l + nm) % 3); /* keep, stash, offload */
+                CHECK_OK(mst_memmgr_set_policy(s->mm, l, (mst_saved_name)nm, p));
+            }
+        CHECK_OK(mst_memmgr_set_policy(s->mm, 1, MST_SAVED_FC2_INPUT, MST_POLICY_RECOMPUTE));
+    }
+    if (su->recompute) {
+        mst_recompute_config rc;
+        CHECK_OK(mst_recompute_parse(su->recompute, &rc));
+        CHECK_OK(mst_memmgr_set_recompute(s->mm, &rc));
+    }
+    CHECK_OK(mst_stack_route(s, a, 11));
+    CHECK_OK(mst_stack_step(s, sch, n, 1));
+    CHECK_OK(mst_memmgr_step_check(s->mm));
+    CHECK_OK(mst_memmgr_check(s->mm));
+    CHECK_OK(mst_stack_route(s, b, 22));
+    CHECK_OK(sized_step(ctx, s, sch, n));
+    CHECK_OK(mst_memmgr_check(s->mm));
+    mst_status st = mst_memmgr_step_check(s->mm);
+    *overflowed = st == MST_ERR_OVERFLOW;
+    CHECK(st == MST_OK || st == MST_ERR_OVERFLOW, "%s: step check %s (%s)", su->name, mst_status_str(st),
+          mst_last_error());
+    if (*overflowed) { /* rerun with exact shapes, which also resizes the pools */
+        CHECK_OK(mst_stack_step(s, sch, n, 1));
+        CHECK_OK(mst_memmgr_step_check(s->mm));
+        CHECK_OK(mst_memmgr_check(s->mm));
+    }
+    grads g = download(s);
+    CHECK_OK(mst_mem_report(s->mm, rep));
+    mst_memmgr_destroy(s->mm);
+    s->mm = NULL;
+    free(sch);
+    return g;
+}
+
+static void compare(const grads* base, const grads* got, const char* what) {
+    int64_t d = mst_first_diff(base->g, got->g, base->n);
+    CHECK(d < 0, "%s: gradients differ from all-KEEP at byte %lld of %zu", what, (long long)d, base->n);
+}
+
+static void policies_and_schedules(mst_ctx_t* ctx, const mst_mlp_config* mlp, mst_rng* rng) {
+    int32_t* a = (int32_t*)malloc(sizeof(int32_t) * L * M * E);
+    random_counts(rng, a, 0.8);
+    const mst_schedule_config scheds[] = {
+        {MST_SCHEDULE_PLAIN, 1, 0, M, 1},
+        {MST_SCHEDULE_1F1B, 4, 0, M, 1},
+        {MST_SCHEDULE_1F1B, 4, 2, M, 1},
+        {MST_SCHEDULE_INTERLEAVED, 2, 0, M, 2},
+    };
+    const char* specs[] = {"stash", "offload", "recompute", "fc1_input=stash,act_input=offload,fc2_input=recompute",
+                           "act_input=stash,probs=offload", NULL};
+    const char* recomputes[] = {"uniform:2", "block:1", "uniform:1"};
+    for (size_t si = 0; si < sizeof scheds / sizeof scheds[0]; si++) {
+        mst_stack stack, *s = &stack;
+        CHECK_OK(mst_stack_create(ctx, mlp, L, M, scheds[si].virtual_stages, R, 5, s));
+        setup keep = {"keep", scheds[si], "keep", NULL};
+        int ov;
+        mst_mem_report_t rk, r;
+        grads base = run_setup(ctx, s, &keep, a, a, &ov, &rk);
+        CHECK(!ov, "keep overflowed");
+        for (size_t pi = 0; pi < sizeof specs / sizeof specs[0]; pi++) {
+            setup su = {specs[pi] ? specs[pi] : "per-layer mix", scheds[si], specs[pi], NULL};
+            grads g = run_setup(ctx, s, &su, a, a, &ov, &r);
+            char what[160];
+            snprintf(what, sizeof what, "%s / %s S=%d r=%d V=%d", su.name,
+                     mst_schedule_kind_str(su.sched.kind), su.sched.stages, su.sched.rank, su.sched.virtual_stages);
+            compare(&base, &g, what);
+            CHECK(!ov, "%s: overflowed on the counts it was sized with", what);
+            if (specs[pi] && strcmp(specs[pi], "offload") == 0) {
+                CHECK(r.dev_pages_bytes == 0, "%s: offload took %zu device page bytes", what, r.dev_pages_bytes);
+                CHECK(r.host_pages_peak_bytes > 0, "%s: offload used no host pages", what);
+            }
+            if (specs[pi] && strcmp(specs[pi], "stash") == 0)
+                CHECK(r.dev_pages_peak_bytes > 0 && r.host_pages_bytes == 0, "%s: stash pages", what);
+            free(g.g);
+        }
+        for (size_t ri = 0; ri < sizeof recomputes / sizeof recomputes[0]; ri++) {
+            setup su = {recomputes[ri], scheds[si], "stash", recomputes[ri]};
+            grads g = run_setup(ctx, s, &su, a, a, &ov, &r);
+            char what[160];
+            snprintf(what, sizeof what, "recompute %s / %s S=%d V=%d", recomputes[ri],
+                     mst_schedule_kind_str(su.sched.kind), su.sched.stages, su.sched.virtual_stages);
+            compare(&base, &g, what);
+            CHECK(r.recompute_bytes > 0, "%s: no recompute savings reported", what);
+            free(g.g);
+        }
+        free(base.g);
+        mst_stack_destroy(s);
+    }
+    free(a);
+}
+
+/* Pools sized on light routing, then a heavier step: overflow detected,
+ * rerun with exact shapes gives the bits of a run sized for it. */
+static void overflow_rerun(mst_ctx_t* ctx, mst_stack* s, mst_rng* rng) {
+    int32_t* light = (int32_t*)malloc(sizeof(int32_t) * L * M * E);
+    int32_t* heavy = (int32_t*)malloc(sizeof(int32_t) * L * M * E);
+    random_counts(rng, light, 0.3);
+    random_counts(rng, heavy, 0.95);
+    setup su = {"stash overflow", {MST_SCHEDULE_1F1B, 4, 0, M, 1}, "stash", NULL};
+    int ov, ov2;
+    mst_mem_report_t r1, r2;
+    grads g_over = run_setup(ctx, s, &su, light, heavy, &ov, &r1);
+    CHECK(ov, "pools sized on light routing did not overflow on heavy routing");
+    CHECK(r1.overflows == 1 && r1.reruns == 1, "report: %d overflows, %d reruns", r1.overflows, r1.reruns);
+    grads g_big = run_setup(ctx, s, &su, heavy, heavy, &ov2, &r2);
+    CHECK(!ov2, "pools sized on heavy routing overflowed");
+    compare(&g_big, &g_over, "rerun after overflow");
+    setup keep = {"keep", su.sched, "keep", NULL};
+    mst_mem_report_t rk;
+    grads g_keep = run_setup(ctx, s, &keep, heavy, heavy, &ov2, &rk);
+    compare(&g_keep, &g_over, "rerun after overflow vs keep");
+    CHECK(rk.exact_bytes < rk.static_keep_bytes, "exact %zu >= static keep %zu", rk.exact_bytes, rk.static_keep_bytes);
+    free(g_over.g), free(g_big.g), free(g_keep.g), free(light), free(heavy);
+}
+
+static void bad_input(mst_ctx_t* ctx) {
+    mst_schedule_config sc = {MST_SCHEDULE_1F1B, 2, 0, 2, 1};
+    mst_sched_entry sch[4];
+    CHECK_OK(mst_schedule_make(&sc, sch, 4));
+    mst_memmgr_config mc = {2, 2, 1, 64, 16, 8, sch, 4, 16, 0, 0};
+    mst_memmgr_t* m = NULL;
+    mc.n_schedule = 3;
+    CHECK_STATUS(mst_memmgr_create(ctx, &mc, &m), MST_ERR_INVALID);
+    mc.n_schedule = 4;
+    mc.virtual_stages = 3; /* does not divide 2 layers */
+    CHECK_STATUS(mst_memmgr_create(ctx, &mc, &m), MST_ERR_INVALID);
+    mc.virtual_stages = 1;
+    mst_sched_entry swapped[4] = {{1, 0, 0}, {0, 0, 0}, {0, 0, 1}, {1, 0, 1}};
+    mc.schedule = swapped;
+    CHECK_STATUS(mst_memmgr_create(ctx, &mc, &m), MST_ERR_INVALID);
+    mc.schedule = sch;
+    CHECK_OK(mst_memmgr_create(ctx, &mc, &m));
+    CHECK_STATUS(mst_memmgr_set_policy_spec(m, "fc3_input=stash"), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "fc3_input") != NULL, "message names fc3_input: %s", mst_last_error());
+    CHECK_STATUS(mst_memmgr_set_policy_spec(m, "act_input=squash"), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "squash") != NULL, "message names squash: %s", mst_last_error());
+    CHECK_STATUS(mst_memmgr_set_policy(m, 0, MST_SAVED_ACT_INPUT, MST_POLICY_RECOMPUTE), MST_ERR_INVALID);
+    CHECK_STATUS(mst_memmgr_set_policy(m, 5, MST_SAVED_ACT_INPUT, MST_POLICY_KEEP), MST_ERR_INVALID);
+    mst_recompute_config rc = {MST_RECOMPUTE_BLOCK, 3};
+    CHECK_STATUS(mst_memmgr_set_recompute(m, &rc), MST_ERR_INVALID);
+    CHECK_STATUS(mst_memmgr_step_begin(m, 0), MST_ERR_STATE); /* first step must measure */
+    CHECK_OK(mst_memmgr_step_begin(m, 1));
+    const mst_saver* sv;
+    CHECK_STATUS(mst_memmgr_forward(m, 1, 0, &sv), MST_ERR_STATE); /* layer 0 comes first */
+    CHECK(strstr(mst_last_error(), "schedule mismatch") != NULL, "%s", mst_last_error());
+    CHECK_OK(mst_memmgr_forward(m, 0, 0, &sv));
+    mst_tensor t;
+    CHECK_STATUS(sv->fetch(sv->self, MST_SAVED_FC1_INPUT, &t), MST_ERR_STATE); /* not in a backward */
+    CHECK_OK(mst_memmgr_forward(m, 1, 0, &sv));
+    CHECK_OK(mst_memmgr_forward(m, 0, 1, &sv));
+    CHECK_OK(mst_memmgr_forward(m, 1, 1, &sv));
+    CHECK_OK(mst_memmgr_backward(m, 1, 0, &sv));
+    CHECK_STATUS(sv->fetch(sv->self, MST_SAVED_ACT_INPUT, &t), MST_ERR_STATE); /* never saved */
+    CHECK(strstr(mst_last_error(), "never saved") != NULL, "%s", mst_last_error());
+    CHECK_STATUS(mst_memmgr_step_end(m), MST_ERR_STATE); /* the schedule is not done */
+    mst_memmgr_destroy(m);
+}
+
+static void run(mst_ctx_t* ctx) {
+    mst_rng rng = {77};
+    mst_mlp_config mlp = mst_mlp_config_default(E, H, F);
+    mst_stack s;
+    CHECK_OK(mst_stack_create(ctx, &mlp, L, M, 1, R, 5, &s));
+    overflow_rerun(ctx, &s, &rng);
+    mst_stack_destroy(&s);
+    policies_and_schedules(ctx, &mlp, &rng);
+    bad_input(ctx);
+}
+
+int main(int argc, char** argv) { return mst_test_main(argc, argv, run); }
