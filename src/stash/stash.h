@@ -113,8 +113,8 @@ MST_HD uint32_t* mst_handle_table(mst_handle_state* hs) { return (uint32_t*)(hs 
 /* ---- page bookkeeping, shared by the CPU backend and the CUDA kernels ---- */
 
 MST_HD char* mst_page_ptr(char* const block[MST_N_BLK], uint32_t id, int64_t page_bytes) {
-    return id & MST_PAGE_HOST ? block[MST_BLK_HOST] + (int64_t)(id & ~MST_PAGE_HOST) * page_bytes
-                              : block[MST_BLK_DEV] + (int64_t)id * page_bytes;
+    char* base = id & MST_PAGE_HOST ? block[MST_BLK_HOST] : block[MST_BLK_DEV];
+    return base + (int64_t)(id & ~MST_PAGE_HOST) * page_bytes;
 }
 
 MST_HD int64_t mst_block_used(const mst_pool_state* st, const int64_t cap[MST_N_BLK], int b) {

@@ -5,6 +5,7 @@
  */
 #include <stdio.h>
 
+#include "../../stash/stash.h"
 #include "cuda_common.cuh"
 #include "cuda_ops.h"
 
@@ -147,4 +148,10 @@ extern "C" const mst_backend mst_backend_cuda = {
     .event_destroy = cuda_event_destroy,
     .event_record = cuda_event_record,
     .stream_wait = cuda_stream_wait,
+    /* paged stash */
+    .stash_reset = mst_cuda_stash_reset,
+    .stash_save = mst_cuda_stash_save,
+    .stash_restore = mst_cuda_stash_restore,
+    .host_alloc = mst_cuda_host_alloc,
+    .host_free = mst_cuda_host_free,
 };

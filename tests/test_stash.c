@@ -1,0 +1,638 @@
+/*
+ * test_stash.c — the paged stash (DESIGN.md section 6) on the backend named
+ * by --backend: random interleavings of save / restore over many handles
+ * (pipeline-like orders included), restores bit-exact with rows past n still
+ * poisoned and guard bytes intact, mst_pool_check and the counters compared
+ * with a host model after every operation, no page leaked at the end; spill,
+ * overflow (nothing taken or written, later saves no-ops, reset recovers),
+ * sizing from a measured peak, every bad-input case, and on CUDA a captured
+ * graph of a save / restore sequence replayed with different counts (the
+ * CPU backend runs the same sequence eagerly).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+
+#ifdef MST_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+/* ---- a host model of the pool's counters ---- */
+
+typedef struct model {
+    int64_t page_rows;
+    int64_t cap[2];      /* device, host pages                         */
+    int64_t used[2];     /* pages in live handles                      */
+    int64_t peak_total;  /* max of used[0] + used[1]                   */
+    int64_t spilled;     /* host pages taken since the last reset      */
+    int overflow;
+} model;
+
+/* One handle of a test: its expected content and pages. */
+typedef struct slot {
+    mst_stash_handle_t* h;
+    int64_t R;           /* max_rows of the handle and its buffers */
+    int live;            /* holds pages                            */
+    int64_t n;           /* rows saved                             */
+    int64_t pages[2];    /* pages held: device, host               */
+    unsigned char* want; /* [R, row_bytes] what the save packed    */
+} slot;
+
+static void model_save(model* m, slot* s, int64_t n) {
+    s->live = 0;
+    s->n = 0;
+    if (m->overflow) return;
+    const int64_t need = (n + m->page_rows - 1) / m->page_rows;
+    const int64_t dev = need < m->cap[0] - m->used[0] ? need : m->cap[0] - m->used[0];
+    if (need - dev > m->cap[1] - m->used[1]) {
+        m->overflow = 1;
+        return;
+    }
+    s->live = 1;
+    s->n = n;
+    s->pages[0] = dev;
+    s->pages[1] = need - dev;
+    m->used[0] += dev;
+    m->used[1] += need - dev;
+    m->spilled += need - dev;
+    if (m->used[0] + m->used[1] > m->peak_total) m->peak_total = m->used[0] + m->used[1];
+}
+
+static void model_restore(model* m, slot* s) {
+    if (s->live) {
+        m->used[0] -= s->pages[0];
+        m->used[1] -= s->pages[1];
+    }
+    s->live = 0;
+}
+
+/* ---- one pool under test ---- */
+
+typedef struct env {
+    mst_ctx_t* ctx;
+    mst_rng* rng;
+    mst_dtype dtype;
+    int64_t width, row_bytes;
+    mst_pool_t* pool;
+    model m;
+    int n_slots;
+    slot* slots;
+    mst_guarded src, dst, counts; /* [R_max, W] each, counts [E_MAX] */
+    int64_t R_max;
+    unsigned char* host;          /* [R_max, row_bytes] scratch */
+} env;
+
+enum { E_MAX = 16 };
+
+static void fill_random(env* e, void* buf, int64_t rows) {
+    const size_t n = (size_t)(rows * e->width);
+    if (e->dtype == MST_DTYPE_BF16) mst_rng_bf16(e->rng, (uint16_t*)buf, n, 1.0);
+    else mst_rng_fp32(e->rng, (float*)buf, n, -2.0, 2.0);
+}
+
+static int env_open(env* e, mst_ctx_t* ctx, mst_rng* rng, mst_dtype dt, int64_t width,
+                    const mst_pool_config* cfg, int n_slots, int64_t R_max) {
+    memset(e, 0, sizeof *e);
+    e->ctx = ctx;
+    e->rng = rng;
+    e->dtype = dt;
+    e->width = width;
+    e->row_bytes = width * (int64_t)mst_dtype_size(dt);
+    e->R_max = R_max;
+    mst_status st = mst_pool_create(ctx, dt, width, cfg, &e->pool);
+    CHECK(st == MST_OK, "pool create %s W=%lld: %s", mst_dtype_name(dt), (long long)width, mst_last_error());
+    if (st != MST_OK) return 0;
+    e->m.page_rows = cfg->page_rows;
+    e->m.cap[0] = cfg->n_dev_pages;
+    e->m.cap[1] = cfg->n_host_pages;
+    e->n_slots = n_slots;
+    e->slots = (slot*)calloc((size_t)n_slots, sizeof(slot));
+    for (int i = 0; i < n_slots; i++) {
+        e->slots[i].R = R_max - mst_rng_int(rng, 0, R_max / 3);
+        e->slots[i].want = (unsigned char*)malloc((size_t)(R_max * e->row_bytes));
+        CHECK_OK(mst_stash_handle_create(e->pool, e->slots[i].R, &e->slots[i].h));
+    }
+    e->src = mst_guarded_alloc(ctx, (size_t)(R_max * e->row_bytes));
+    e->dst = mst_guarded_alloc(ctx, (size_t)(R_max * e->row_bytes));
+    e->counts = mst_guarded_alloc(ctx, sizeof(int32_t) * E_MAX);
+    e->host = (unsigned char*)malloc((size_t)(R_max * e->row_bytes));
+    return 1;
+}
+
+static void env_close(env* e) {
+    for (int i = 0; i < e->n_slots; i++) {
+        mst_stash_handle_destroy(e->slots[i].h);
+        free(e->slots[i].want);
+    }
+    mst_pool_destroy(e->pool);
+    mst_guarded_free(e->ctx, &e->src);
+    mst_guarded_free(e->ctx, &e->dst);
+    mst_guarded_free(e->ctx, &e->counts);
+    free(e->slots);
+    free(e->host);
+}
+
+/* The pool's counters and invariants against the model. */
+static void expect_pool(env* e, const char* what) {
+    CHECK_STATUS(mst_pool_check(e->pool), MST_OK);
+    mst_pool_stats s;
+    CHECK_OK(mst_pool_stats_get(e->pool, &s));
+    CHECK(s.dev_used == e->m.used[0] && s.host_used == e->m.used[1],
+          "%s: %lld + %lld pages used, model %lld + %lld", what, (long long)s.dev_used,
+          (long long)s.host_used, (long long)e->m.used[0], (long long)e->m.used[1]);
+    CHECK(s.spilled_pages == e->m.spilled, "%s: %lld pages spilled, model %lld", what,
+          (long long)s.spilled_pages, (long long)e->m.spilled);
+    CHECK(s.overflowed == e->m.overflow, "%s: overflowed %d, model %d", what, s.overflowed, e->m.overflow);
+}
+
+/* Saves n rows (random counts over E groups) of fresh random data into slot
+ * i, overwriting the source right after so a restore must read the pages. */
+static void do_save(env* e, int i, int64_t n) {
+    slot* s = &e->slots[i];
+    int32_t counts[E_MAX];
+    const int E = (int)mst_rng_int(e->rng, 1, E_MAX);
+    mst_rng_counts(e->rng, counts, E, n, mst_rng_uniform(e->rng));
+    fill_random(e, e->host, s->R);
+    mst_guarded_put(e->ctx, &e->src, e->host);
+    mst_guarded_put(e->ctx, &e->counts, counts);
+    mst_tensor src = mst_tensor_make(e->src.data, e->dtype, s->R, e->width);
+    mst_tensor tc = mst_tensor_make(e->counts.data, MST_DTYPE_INT32, E, 1);
+    CHECK_OK(mst_stash_save(e->pool, s->h, &src, &tc));
+    model_save(&e->m, s, n);
+    if (s->live) memcpy(s->want, e->host, (size_t)(n * e->row_bytes));
+    fill_random(e, e->host, s->R);
+    mst_guarded_put(e->ctx, &e->src, e->host); /* the pages must not alias src */
+}
+
+/* Restores slot i into poisoned dst: rows [0, n) bit-exact, the rest (all of
+ * it when the slot holds nothing) still poisoned, guards intact. */
+static void do_restore(env* e, int i, const char* what) {
+    slot* s = &e->slots[i];
+    mst_guarded_put(e->ctx, &e->dst, NULL);
+    mst_tensor dst = mst_tensor_make(e->dst.data, e->dtype, s->R, e->width);
+    CHECK_OK(mst_stash_restore(e->pool, s->h, &dst));
+    const int64_t n = s->live ? s->n : 0;
+    mst_guarded_get(e->ctx, &e->dst, e->host);
+    const int64_t bytes = n * e->row_bytes;
+    int64_t d = mst_first_diff(e->host, s->want, (size_t)bytes);
+    CHECK(d < 0, "%s: %s W=%lld slot %d n=%lld: restored byte %lld differs", what,
+          mst_dtype_name(e->dtype), (long long)e->width, i, (long long)n, (long long)d);
+    int64_t bad = -1;
+    for (int64_t b = bytes; b < s->R * e->row_bytes && bad < 0; b++)
+        if (e->host[b] != MST_POISON) bad = b;
+    CHECK(bad < 0, "%s: slot %d n=%lld: byte %lld past the valid rows was written", what, i,
+          (long long)n, (long long)bad);
+    CHECK(mst_guarded_intact(e->ctx, &e->dst), "%s: dst guard bytes overwritten", what);
+    model_restore(&e->m, s);
+}
+
+static int64_t rand_rows(env* e, int i) {
+    const int64_t R = e->slots[i].R;
+    switch (mst_rng_int(e->rng, 0, 5)) {
+    case 0: return 0;
+    case 1: return R;
+    case 2: return e->m.page_rows * mst_rng_int(e->rng, 0, R / e->m.page_rows);
+    default: return mst_rng_int(e->rng, 1, R);
+    }
+}
+
+/* Random interleaving: each step saves into a free slot or restores a live
+ * one, in any order; every step checked. Ends with every page returned. */
+static void random_interleave(mst_ctx_t* ctx, mst_rng* rng, mst_dtype dt, int64_t width,
+                              int64_t page_rows, int n_slots, int n_ops, double dev_share) {
+    const int64_t R_max = 3 * page_rows + mst_rng_int(rng, 1, 2 * page_rows);
+    const int64_t worst = n_slots * ((R_max + page_rows - 1) / page_rows);
+    mst_pool_config cfg = {page_rows, (int64_t)(worst * dev_share), 0};
+    cfg.n_host_pages = worst - cfg.n_dev_pages; /* spills, never overflows */
+    env e;
+    if (!env_open(&e, ctx, rng, dt, width, &cfg, n_slots, R_max)) return;
+    char what[96];
+    snprintf(what, sizeof what, "interleave %s W=%lld pr=%lld dev %lld host %lld", mst_dtype_name(dt),
+             (long long)width, (long long)page_rows, (long long)cfg.n_dev_pages, (long long)cfg.n_host_pages);
+    for (int op = 0; op < n_ops; op++) {
+        const int i = (int)mst_rng_int(rng, 0, n_slots - 1);
+        if (e.slots[i].live) do_restore(&e, i, what);
+        else do_save(&e, i, rand_rows(&e, i));
+        expect_pool(&e, what);
+    }
+    for (int i = 0; i < n_slots; i++)
+        if (e.slots[i].live) do_restore(&e, i, what);
+    expect_pool(&e, what);
+    CHECK(e.m.used[0] + e.m.used[1] == 0, "%s: model still holds pages", what);
+    env_close(&e);
+}
+
+/* Pipeline-like: W warm-up saves, then one save and one restore each step
+ * with restores first-in-first-out (not the reverse of the saves), then the
+ * cool-down restores in reverse. */
+static void pipeline_order(mst_ctx_t* ctx, mst_rng* rng) {
+    enum { M = 12, W = 4 };
+    const int64_t pr = 16, R = 150;
+    mst_pool_config cfg = {pr, (W + 1) * ((R + pr - 1) / pr) / 2, (W + 1) * ((R + pr - 1) / pr)};
+    env e;
+    if (!env_open(&e, ctx, rng, MST_DTYPE_BF16, 40, &cfg, M, R)) return;
+    int order[M];
+    for (int i = 0; i < M; i++) order[i] = i;
+    int next_restore = 0;
+    for (int mb = 0; mb < M; mb++) {
+        do_save(&e, mb, mst_rng_int(rng, R / 2, e.slots[mb].R));
+        expect_pool(&e, "pipeline save");
+        if (mb >= W - 1 && mb < M - 1) {
+            do_restore(&e, order[next_restore++], "pipeline 1F1B restore");
+            expect_pool(&e, "pipeline restore");
+        }
+    }
+    for (int k = M - 1; k >= next_restore; k--) {
+        do_restore(&e, order[k], "pipeline cool-down restore");
+        expect_pool(&e, "pipeline cool-down");
+    }
+    env_close(&e);
+}
+
+/* Spill: device block of 3 pages, the rest page by page to the host block. */
+static void spill(mst_ctx_t* ctx, mst_rng* rng) {
+    const int64_t pr = 8;
+    mst_pool_config cfg = {pr, 3, 40};
+    env e;
+    if (!env_open(&e, ctx, rng, MST_DTYPE_BF16, 72, &cfg, 3, 100)) return;
+    do_save(&e, 0, 8 * pr + 3); /* 9 pages: 3 device, 6 host */
+    expect_pool(&e, "spill save");
+    CHECK(e.m.used[0] == 3 && e.m.used[1] == 6, "spill model: %lld + %lld", (long long)e.m.used[0],
+          (long long)e.m.used[1]);
+    do_save(&e, 1, 2 * pr); /* all host */
+    expect_pool(&e, "spill save 2");
+    do_restore(&e, 0, "spill restore");
+    expect_pool(&e, "spill restore");
+    do_save(&e, 2, 5 * pr - 1); /* 3 device + 2 host again */
+    expect_pool(&e, "spill save 3");
+    do_restore(&e, 2, "spill restore 3");
+    do_restore(&e, 1, "spill restore 2");
+    expect_pool(&e, "spill end");
+    env_close(&e);
+}
+
+static int32_t read_flag(mst_ctx_t* ctx, const int32_t* dev_flag) {
+    int32_t v = -1;
+    CHECK_OK(mst_copy_b2h(ctx, &v, dev_flag, sizeof v));
+    return v;
+}
+
+/* Overflow: both blocks short. Nothing taken, nothing written, later saves
+ * are no-ops, earlier handles restore intact, reset recovers. */
+static void overflow(mst_ctx_t* ctx, mst_rng* rng) {
+    const int64_t pr = 8;
+    mst_pool_config cfg = {pr, 3, 2};
+    env e;
+    if (!env_open(&e, ctx, rng, MST_DTYPE_BF16, 24, &cfg, 4, 80)) return;
+    CHECK_OK(mst_ctx_check(ctx));
+    do_save(&e, 0, 3 * pr + 1); /* 4 pages: 3 device + 1 host */
+    expect_pool(&e, "overflow: first save");
+    CHECK_OK(mst_pool_poll(e.pool));
+    do_save(&e, 1, 2 * pr); /* needs 2, 1 free: overflow */
+    CHECK(e.m.overflow && !e.slots[1].live, "overflow: the model did not overflow");
+    expect_pool(&e, "overflow: the save that overflowed");
+    CHECK_STATUS(mst_pool_poll(e.pool), MST_ERR_OVERFLOW);
+    CHECK_STATUS(mst_ctx_check(ctx), MST_ERR_OVERFLOW);
+    CHECK(read_flag(ctx, mst_pool_overflow_flag(e.pool)) != 0, "overflow flag not set on the device");
+    do_save(&e, 2, pr / 2); /* one page would be free: still a no-op */
+    CHECK(!e.slots[2].live, "overflow: the model took pages after the overflow");
+    expect_pool(&e, "overflow: save after overflow");
+    do_restore(&e, 1, "overflow: restore of the overflowed save"); /* writes nothing */
+    do_restore(&e, 2, "overflow: restore of a skipped save");
+    CHECK_OK(mst_ctx_check(ctx)); /* no state error: those handles hold nothing by design */
+    do_restore(&e, 0, "overflow: restore of the save before it");
+    expect_pool(&e, "overflow: after restores");
+    CHECK_STATUS(mst_pool_poll(e.pool), MST_ERR_OVERFLOW); /* until reset */
+
+    /* reset with a live handle: the handle holds nothing afterwards */
+    do_save(&e, 3, pr); /* still a no-op */
+    CHECK_OK(mst_pool_reset(e.pool));
+    e.m.overflow = 0;
+    e.m.spilled = 0;
+    CHECK_OK(mst_pool_poll(e.pool));
+    CHECK(read_flag(ctx, mst_pool_overflow_flag(e.pool)) == 0, "overflow flag still set after reset");
+    expect_pool(&e, "overflow: after reset");
+    do_save(&e, 0, 3 * pr + 2); /* 3 device + 1 host */
+    do_save(&e, 1, 1);          /* the last host page */
+    expect_pool(&e, "overflow: saves after reset");
+    CHECK_OK(mst_pool_reset(e.pool)); /* slots 0 and 1 are stale now */
+    e.m.used[0] = e.m.used[1] = e.m.spilled = 0;
+    e.slots[0].live = e.slots[1].live = 0;
+    expect_pool(&e, "overflow: reset with live handles");
+    mst_guarded_put(ctx, &e.dst, NULL);
+    mst_tensor dst = mst_tensor_make(e.dst.data, MST_DTYPE_BF16, e.slots[0].R, 24);
+    int cpu = mst_ctx_backend(ctx) == MST_BACKEND_CPU;
+    CHECK_STATUS(mst_stash_restore(e.pool, e.slots[0].h, &dst), cpu ? MST_ERR_STATE : MST_OK);
+    CHECK_STATUS(mst_pool_poll(e.pool), MST_ERR_STATE);
+    do_save(&e, 1, 3 * pr); /* a stale handle saves again */
+    do_restore(&e, 1, "overflow: save into a stale handle");
+    expect_pool(&e, "overflow: end");
+    env_close(&e);
+}
+
+/* Sizing: a measuring pool big enough for everything records the peak; a
+ * pool from that peak x 1.10 runs the same sequence without overflow; one
+ * from 0.5 device + 0.6 host spills and does not overflow either. */
+static void sizing(mst_ctx_t* ctx, mst_rng* rng) {
+    const int64_t pr = 16, R = 120;
+    enum { N = 6 };
+    int64_t rows[N];
+    for (int i = 0; i < N; i++) rows[i] = mst_rng_int(rng, 1, R - R / 3);
+    mst_pool_config measure = {pr, N * ((R + pr - 1) / pr), 0};
+    mst_pool_stats peak = {0};
+    const double factors[3][2] = {{0, 0}, {MST_POOL_DEV_FACTOR, MST_POOL_HOST_FACTOR}, {0.5, 0.6}};
+    for (int run = 0; run < 3; run++) {
+        mst_pool_config cfg = measure;
+        if (run > 0) CHECK_OK(mst_pool_config_from_peak(&peak, factors[run][0], factors[run][1], &cfg));
+        env e;
+        if (!env_open(&e, ctx, rng, MST_DTYPE_FP32, 1, &cfg, N, R)) return;
+        /* saves 0..3, restore 1, saves 4, 5, restore the rest out of order */
+        for (int i = 0; i < 4; i++) do_save(&e, i, rows[i]);
+        do_restore(&e, 1, "sizing");
+        do_save(&e, 4, rows[4]);
+        do_save(&e, 5, rows[5]);
+        const int rest[] = {3, 0, 5, 2, 4};
+        for (int k = 0; k < 5; k++) do_restore(&e, rest[k], "sizing");
+        expect_pool(&e, "sizing");
+        mst_pool_stats s;
+        CHECK_OK(mst_pool_stats_get(e.pool, &s));
+        CHECK(s.total_peak == e.m.peak_total, "sizing run %d: peak %lld pages, model %lld", run,
+              (long long)s.total_peak, (long long)e.m.peak_total);
+        CHECK(!s.overflowed, "sizing run %d overflowed", run);
+        if (run == 0) peak = s;
+        if (run == 1)
+            CHECK(cfg.n_dev_pages == (int64_t)ceil(peak.total_peak * 1.10) && cfg.n_host_pages == 0,
+                  "from_peak: %lld device / %lld host pages for peak %lld", (long long)cfg.n_dev_pages,
+                  (long long)cfg.n_host_pages, (long long)peak.total_peak);
+        if (run == 2) CHECK(s.spilled_pages > 0, "sizing at 0.5 device did not spill");
+        env_close(&e);
+    }
+}
+
+/* Bad input: clear statuses naming the argument; device-side cases flagged. */
+static void bad_input(mst_ctx_t* ctx, mst_rng* rng) {
+    const int cpu = mst_ctx_backend(ctx) == MST_BACKEND_CPU;
+    const int64_t pr = 8, W = 16;
+    mst_pool_config cfg = {pr, 20, 0};
+    mst_pool_t* p = NULL;
+    CHECK_STATUS(mst_pool_create(NULL, MST_DTYPE_BF16, W, &cfg, &p), MST_ERR_INVALID);
+    CHECK_STATUS(mst_pool_create(ctx, MST_DTYPE_INT32, W, &cfg, &p), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "dtype") != NULL, "message does not name dtype: %s", mst_last_error());
+    CHECK_STATUS(mst_pool_create(ctx, MST_DTYPE_BF16, 0, &cfg, &p), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "width") != NULL, "message does not name width: %s", mst_last_error());
+    CHECK_STATUS(mst_pool_create(ctx, MST_DTYPE_BF16, W, NULL, &p), MST_ERR_INVALID);
+    mst_pool_config bad = {12, 20, 0};
+    CHECK_STATUS(mst_pool_create(ctx, MST_DTYPE_BF16, W, &bad, &p), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "page_rows = 12") != NULL, "message: %s", mst_last_error());
+    bad = (mst_pool_config){8, 0, 0};
+    CHECK_STATUS(mst_pool_create(ctx, MST_DTYPE_BF16, W, &bad, &p), MST_ERR_INVALID);
+    bad = (mst_pool_config){8, -1, 5};
+    CHECK_STATUS(mst_pool_create(ctx, MST_DTYPE_BF16, W, &bad, &p), MST_ERR_INVALID);
+    CHECK(p == NULL, "a failed create left a pool");
+    mst_pool_config out;
+    mst_pool_stats st0 = {.page_rows = 64, .total_peak = 10};
+    CHECK_STATUS(mst_pool_config_from_peak(&st0, -1, 0, &out), MST_ERR_INVALID);
+    CHECK_STATUS(mst_pool_config_from_peak(&st0, 0, 0, &out), MST_ERR_INVALID);
+    CHECK_OK(mst_pool_config_from_peak(&st0, 1.10, 0.25, &out));
+    CHECK(out.n_dev_pages == 11 && out.n_host_pages == 3 && out.page_rows == 64, "from_peak: %lld / %lld",
+          (long long)out.n_dev_pages, (long long)out.n_host_pages);
+
+    env e;
+    if (!env_open(&e, ctx, rng, MST_DTYPE_BF16, W, &cfg, 3, 40)) return;
+    mst_stash_handle_t* h = NULL;
+    CHECK_STATUS(mst_stash_handle_create(e.pool, 0, &h), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "max_rows") != NULL, "message: %s", mst_last_error());
+    CHECK_STATUS(mst_stash_handle_create(NULL, 10, &h), MST_ERR_INVALID);
+    slot* s0 = &e.slots[0];
+    mst_tensor src = mst_tensor_make(e.src.data, MST_DTYPE_BF16, s0->R, W);
+    mst_tensor dst = mst_tensor_make(e.dst.data, MST_DTYPE_BF16, s0->R, W);
+    mst_tensor tc = mst_tensor_make(e.counts.data, MST_DTYPE_INT32, 2, 1);
+    mst_tensor t;
+    CHECK_STATUS(mst_stash_save(NULL, s0->h, &src, &tc), MST_ERR_INVALID);
+    CHECK_STATUS(mst_stash_save(e.pool, NULL, &src, &tc), MST_ERR_INVALID);
+    CHECK_STATUS(mst_stash_save(e.pool, s0->h, NULL, &tc), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "src") != NULL, "message does not name src: %s", mst_last_error());
+    CHECK_STATUS(mst_stash_save(e.pool, s0->h, &src, NULL), MST_ERR_INVALID);
+    t = src, t.dtype = MST_DTYPE_FP32;
+    CHECK_STATUS(mst_stash_save(e.pool, s0->h, &t, &tc), MST_ERR_INVALID);
+    t = src, t.cols = W + 1;
+    CHECK_STATUS(mst_stash_save(e.pool, s0->h, &t, &tc), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "width") != NULL, "message: %s", mst_last_error());
+    t = src, t.rows = s0->R + 1;
+    CHECK_STATUS(mst_stash_save(e.pool, s0->h, &t, &tc), MST_ERR_INVALID);
+    t = tc, t.cols = 2;
+    CHECK_STATUS(mst_stash_save(e.pool, s0->h, &src, &t), MST_ERR_INVALID);
+    t = dst, t.rows = s0->R - 1;
+    CHECK_STATUS(mst_stash_restore(e.pool, s0->h, &t), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "dst") != NULL, "message does not name dst: %s", mst_last_error());
+    CHECK_STATUS(mst_stash_restore(e.pool, s0->h, NULL), MST_ERR_INVALID);
+    expect_pool(&e, "bad arguments");
+
+    /* counts summing past src rows, and a negative count: nothing taken */
+    const int32_t past[2] = {(int32_t)s0->R, 1}, neg[2] = {5, -1};
+    const int32_t* cases[2] = {past, neg};
+    for (int c = 0; c < 2; c++) {
+        mst_guarded_put(ctx, &e.counts, cases[c]);
+        mst_guarded_put(ctx, &e.src, NULL);
+        CHECK_STATUS(mst_stash_save(e.pool, s0->h, &src, &tc), cpu ? MST_ERR_COUNTS : MST_OK);
+        CHECK_STATUS(mst_ctx_check(ctx), MST_ERR_COUNTS);
+        CHECK_OK(mst_pool_poll(e.pool));
+        expect_pool(&e, "bad counts");
+        do_restore(&e, 0, "restore after bad counts"); /* writes nothing, no error */
+        CHECK_OK(mst_pool_poll(e.pool));
+    }
+
+    /* restore of a never-saved handle, and twice */
+    dst.rows = e.R_max;
+    CHECK_STATUS(mst_stash_restore(e.pool, e.slots[1].h, &dst), cpu ? MST_ERR_STATE : MST_OK);
+    CHECK_STATUS(mst_pool_poll(e.pool), MST_ERR_STATE);
+    CHECK(strstr(mst_last_error(), "holds nothing") != NULL, "message: %s", mst_last_error());
+    CHECK_OK(mst_pool_poll(e.pool)); /* cleared by the poll */
+    do_save(&e, 1, 17);
+    do_restore(&e, 1, "restore once");
+    CHECK_OK(mst_pool_poll(e.pool));
+    mst_guarded_put(ctx, &e.dst, NULL);
+    CHECK_STATUS(mst_stash_restore(e.pool, e.slots[1].h, &dst), cpu ? MST_ERR_STATE : MST_OK);
+    CHECK_STATUS(mst_pool_poll(e.pool), MST_ERR_STATE);
+    mst_guarded_get(ctx, &e.dst, e.host);
+    int written = 0;
+    for (int64_t b = 0; b < e.R_max * e.row_bytes; b++) written |= e.host[b] != MST_POISON;
+    CHECK(!written, "a restore of a handle that holds nothing wrote into dst");
+    expect_pool(&e, "restore twice");
+
+    /* save into a handle that still holds pages: kept, flagged */
+    do_save(&e, 2, e.slots[2].R - 3);
+    mst_tensor src2 = mst_tensor_make(e.src.data, MST_DTYPE_BF16, e.slots[2].R, W);
+    CHECK_STATUS(mst_stash_save(e.pool, e.slots[2].h, &src2, &tc), cpu ? MST_ERR_STATE : MST_OK);
+    CHECK_STATUS(mst_pool_poll(e.pool), MST_ERR_STATE);
+    CHECK(strstr(mst_last_error(), "still holds") != NULL, "message: %s", mst_last_error());
+    expect_pool(&e, "save into a live handle");
+    do_restore(&e, 2, "restore after a rejected save"); /* the first save's rows */
+    expect_pool(&e, "bad input end");
+    CHECK_OK(mst_ctx_check(ctx));
+    env_close(&e);
+}
+
+/* Unaligned rows (a view one element in): the element-wise copy path. */
+static void unaligned(mst_ctx_t* ctx, mst_rng* rng) {
+    const int64_t pr = 8, W = 5, R = 61;
+    mst_pool_config cfg = {pr, 4, 8};
+    env e;
+    if (!env_open(&e, ctx, rng, MST_DTYPE_BF16, W, &cfg, 0, R + 1)) return;
+    const int64_t n = 53;
+    int32_t counts[3] = {20, 0, 33};
+    fill_random(&e, e.host, R + 1);
+    mst_guarded_put(ctx, &e.src, e.host);
+    mst_guarded_put(ctx, &e.counts, counts);
+    mst_tensor src = mst_tensor_make((char*)e.src.data + 2, MST_DTYPE_BF16, R, W);
+    mst_tensor tc = mst_tensor_make(e.counts.data, MST_DTYPE_INT32, 3, 1);
+    mst_stash_handle_t* h = NULL;
+    CHECK_OK(mst_stash_handle_create(e.pool, R, &h));
+    CHECK_OK(mst_stash_save(e.pool, h, &src, &tc));
+    mst_guarded_put(ctx, &e.dst, NULL);
+    mst_tensor dst = mst_tensor_make((char*)e.dst.data + 2, MST_DTYPE_BF16, R, W);
+    CHECK_OK(mst_stash_restore(e.pool, h, &dst));
+    unsigned char* got = (unsigned char*)malloc(e.dst.n_bytes);
+    mst_guarded_get(ctx, &e.dst, got);
+    CHECK(got[0] == MST_POISON && got[1] == MST_POISON, "unaligned: byte before dst written");
+    CHECK(mst_first_diff(got + 2, e.host + 2, (size_t)(n * W * 2)) < 0, "unaligned: restore differs");
+    int clean = 1;
+    for (int64_t b = 2 + n * W * 2; b < (int64_t)e.dst.n_bytes; b++) clean &= got[b] == MST_POISON;
+    CHECK(clean, "unaligned: rows past n written");
+    CHECK_OK(mst_pool_check(e.pool));
+    mst_stash_handle_destroy(h);
+    free(got);
+    env_close(&e);
+}
+
+/* ---- a save / restore sequence, captured on CUDA, eager on the CPU ---- */
+
+enum { G_SLOTS = 3 };
+
+typedef struct graph_seq {
+    env* e;
+    mst_guarded src[G_SLOTS], dst[G_SLOTS], counts[G_SLOTS];
+} graph_seq;
+
+/* save 0, save 1, restore 0, save 2, restore 2, restore 1 */
+static mst_status seq_enqueue(graph_seq* g) {
+    env* e = g->e;
+    mst_tensor src[G_SLOTS], dst[G_SLOTS], tc[G_SLOTS];
+    for (int i = 0; i < G_SLOTS; i++) {
+        src[i] = mst_tensor_make(g->src[i].data, e->dtype, e->slots[i].R, e->width);
+        dst[i] = mst_tensor_make(g->dst[i].data, e->dtype, e->slots[i].R, e->width);
+        tc[i] = mst_tensor_make(g->counts[i].data, MST_DTYPE_INT32, 4, 1);
+    }
+    mst_status st = mst_stash_save(e->pool, e->slots[0].h, &src[0], &tc[0]);
+    if (st == MST_OK) st = mst_stash_save(e->pool, e->slots[1].h, &src[1], &tc[1]);
+    if (st == MST_OK) st = mst_stash_restore(e->pool, e->slots[0].h, &dst[0]);
+    if (st == MST_OK) st = mst_stash_save(e->pool, e->slots[2].h, &src[2], &tc[2]);
+    if (st == MST_OK) st = mst_stash_restore(e->pool, e->slots[2].h, &dst[2]);
+    if (st == MST_OK) st = mst_stash_restore(e->pool, e->slots[1].h, &dst[1]);
+    return st;
+}
+
+static void graph_replay(mst_ctx_t* ctx, mst_rng* rng) {
+    const int64_t pr = 16, R = 200, W = 136;
+    mst_pool_config cfg = {pr, 14, 13}; /* two live saves of <= 13 pages: spills */
+    env e;
+    if (!env_open(&e, ctx, rng, MST_DTYPE_BF16, W, &cfg, G_SLOTS, R)) return;
+    graph_seq g = {&e, {{0}}, {{0}}, {{0}}};
+    for (int i = 0; i < G_SLOTS; i++) {
+        g.src[i] = mst_guarded_alloc(ctx, (size_t)(R * e.row_bytes));
+        g.dst[i] = mst_guarded_alloc(ctx, (size_t)(R * e.row_bytes));
+        g.counts[i] = mst_guarded_alloc(ctx, 4 * sizeof(int32_t));
+        int32_t c[4] = {1, 1, 1, 1};
+        mst_guarded_put(ctx, &g.counts[i], c);
+    }
+    int captured = 0;
+#ifdef MST_HAVE_CUDA
+    cudaGraphExec_t exec = NULL;
+    cudaStream_t stream = NULL;
+    if (mst_ctx_backend(ctx) == MST_BACKEND_CUDA) {
+        CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess, "stream");
+        CHECK_OK(mst_ctx_set_stream(ctx, stream));
+        cudaGraph_t graph = NULL;
+        CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess, "begin capture");
+        mst_status st = seq_enqueue(&g);
+        cudaError_t ce = cudaStreamEndCapture(stream, &graph);
+        CHECK(st == MST_OK && ce == cudaSuccess, "capture: %s / %s", mst_last_error(), cudaGetErrorString(ce));
+        if (ce == cudaSuccess) {
+            ce = cudaGraphInstantiate(&exec, graph, 0);
+            CHECK(ce == cudaSuccess, "instantiate: %s", cudaGetErrorString(ce));
+            cudaGraphDestroy(graph);
+        }
+        captured = exec != NULL;
+        CHECK_OK(mst_ctx_set_stream(ctx, NULL));
+        if (!captured) return;
+    }
+#endif
+    for (int rep = 0; rep < 4; rep++) {
+        int64_t n[G_SLOTS];
+        for (int i = 0; i < G_SLOTS; i++) {
+            slot* s = &e.slots[i];
+            n[i] = rep == 3 && i == 1 ? 0 : mst_rng_int(rng, 1, s->R);
+            int32_t c[4];
+            mst_rng_counts(rng, c, 4, n[i], 0.5);
+            fill_random(&e, s->want, s->R);
+            mst_guarded_put(ctx, &g.src[i], s->want);
+            mst_guarded_put(ctx, &g.counts[i], c);
+            mst_guarded_put(ctx, &g.dst[i], NULL);
+        }
+#ifdef MST_HAVE_CUDA
+        if (captured) {
+            CHECK(cudaGraphLaunch(exec, stream) == cudaSuccess, "graph launch");
+            CHECK(cudaStreamSynchronize(stream) == cudaSuccess, "graph sync");
+        }
+#endif
+        if (!captured) CHECK_OK(seq_enqueue(&g));
+        for (int i = 0; i < G_SLOTS; i++) {
+            mst_guarded_get(ctx, &g.dst[i], e.host);
+            const int64_t bytes = n[i] * e.row_bytes;
+            CHECK(mst_first_diff(e.host, e.slots[i].want, (size_t)bytes) < 0,
+                  "graph replay %d: slot %d (n = %lld) differs", rep, i, (long long)n[i]);
+            int clean = 1;
+            for (int64_t b = bytes; b < e.slots[i].R * e.row_bytes; b++) clean &= e.host[b] == MST_POISON;
+            CHECK(clean, "graph replay %d: slot %d rows past n written", rep, i);
+            CHECK(mst_guarded_intact(ctx, &g.dst[i]), "graph replay %d: guards", rep);
+        }
+        CHECK_OK(mst_pool_check(e.pool));
+        mst_pool_stats s;
+        CHECK_OK(mst_pool_stats_get(e.pool, &s));
+        CHECK(s.dev_used == 0 && s.host_used == 0 && !s.overflowed, "graph replay %d: %lld + %lld pages left",
+              rep, (long long)s.dev_used, (long long)s.host_used);
+        CHECK_OK(mst_pool_poll(e.pool));
+    }
+#ifdef MST_HAVE_CUDA
+    if (exec) cudaGraphExecDestroy(exec);
+    if (stream) cudaStreamDestroy(stream);
+#endif
+    for (int i = 0; i < G_SLOTS; i++) {
+        mst_guarded_free(ctx, &g.src[i]);
+        mst_guarded_free(ctx, &g.dst[i]);
+        mst_guarded_free(ctx, &g.counts[i]);
+    }
+    env_close(&e);
+}
+
+static void run(mst_ctx_t* ctx) {
+    mst_rng rng = {0x5157a5};
+    bad_input(ctx, &rng);
+    spill(ctx, &rng);
+    overflow(ctx, &rng);
+    sizing(ctx, &rng);
+    unaligned(ctx, &rng);
+    pipeline_order(ctx, &rng);
+    graph_replay(ctx, &rng);
+    /* widths: fp32 probs, bf16 of several widths (odd ones too), page sizes */
+    random_interleave(ctx, &rng, MST_DTYPE_FP32, 1, 64, 8, 120, 0.5);
+    random_interleave(ctx, &rng, MST_DTYPE_BF16, 8, 8, 10, 150, 0.3);
+    random_interleave(ctx, &rng, MST_DTYPE_BF16, 100, 16, 8, 120, 0.6);
+    random_interleave(ctx, &rng, MST_DTYPE_BF16, 264, 64, 6, 80, 1.0);
+    random_interleave(ctx, &rng, MST_DTYPE_BF16, 7, 24, 8, 100, 0.0);
+    random_interleave(ctx, &rng, MST_DTYPE_FP32, 33, 8, 8, 100, 0.7);
+}
+
+int main(int argc, char** argv) { return mst_test_main(argc, argv, run); }
