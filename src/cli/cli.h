@@ -18,6 +18,8 @@ typedef struct mst_bench_entry {
     int (*run)(int argc, char** argv);
 } mst_bench_entry;
 
+int mst_bench_mlp(int argc, char** argv); /* bench/bench_mlp.c */
+
 /* Parses --backend cpu|cuda (default: cuda when available); exit code 2 and a
  * one-line message naming the value otherwise. */
 int mst_cli_backend(const char* value, mst_backend_kind* out);

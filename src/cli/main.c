@@ -7,6 +7,7 @@
 #include "cli.h"
 
 static const mst_bench_entry benches[] = {
+    {"mlp", "grouped MLP forward/backward TFLOP/s, graph-replayed (CUDA)", mst_bench_mlp},
     {NULL, NULL, NULL},
 };
 

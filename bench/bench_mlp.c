@@ -1,0 +1,458 @@
+/*
+ * bench_mlp.c — `moestash bench mlp [--json FILE] [--iters N] [--shape I]`:
+ * the grouped MLP (fc1 -> SwiGLU * prob -> fc2) forward and backward on CUDA,
+ * each captured in one CUDA graph and replayed.
+ *
+ * Order of work: validate CUDA against the CPU reference on a ragged case;
+ * measure the roof (cuBLAS dense bf16 GEMM 8192^3) on the same card; then per
+ * shape the forward (6 rows H F FLOPs) and backward (12 rows H F FLOPs, wgrad
+ * ACCUMULATE into main_grad) graph replays, and the activation kernels alone
+ * (what fusing them into the GEMM epilogues would remove). The counts of every
+ * shape go into the JSON, so bench/torch/mlp.py runs the PyTorch baseline on
+ * the same counts and prints the ratio. A short table is printed last.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli/cli.h"
+#include "core/context.h"
+
+#ifdef MST_HAVE_CUDA
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+typedef struct mlp_shape {
+    int64_t rows, hidden, ffn;
+    int32_t E;
+    const char* what;
+} mlp_shape;
+
+static const mlp_shape shapes[] = {
+    {131072, 4096, 1024, 64, "32768 tokens top-4"},
+    {32768, 7168, 2048, 4, "DeepSeek-V3 EP rank, E=4"},
+    {32768, 7168, 2048, 8, "DeepSeek-V3 EP rank, E=8"},
+    {65536, 2048, 768, 128, "E=128"},
+};
+#define N_SHAPES (int)(sizeof shapes / sizeof shapes[0])
+
+typedef struct mlp_result {
+    double fwd_ms, bwd_ms, act_fwd_ms, act_bwd_ms;
+    double fwd_tflops, bwd_tflops;
+    double act_bytes_fwd, act_bytes_bwd; /* bytes the activation kernels move */
+} mlp_result;
+
+/* ---- small helpers ------------------------------------------------------- */
+
+static uint64_t lcg(uint64_t* s) {
+    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+    return *s >> 33;
+}
+
+static double unit_normal(uint64_t* s) {
+    double u = ((double)lcg(s) + 1.0) / 2147483649.0, v = (double)lcg(s) / 2147483648.0;
+    return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
+}
+
+/* Counts of `rows` (token, expert) pairs routed uniformly at random (top-k
+ * routing of rows/k tokens): near balanced with the usual spread. */
+static void make_counts(int32_t* counts, int E, int64_t rows, uint64_t seed) {
+    memset(counts, 0, sizeof(int32_t) * (size_t)E);
+    for (int64_t i = 0; i < rows; i++) counts[lcg(&seed) % (uint64_t)E]++;
+}
+
+/* Fills n bytes of backend memory with bf16 N(0, scale^2) (a 16 MiB host
+ * pattern repeated) — or fp32 U(lo, 1) when fp32 is set. */
+static mst_status fill_random(mst_ctx_t* ctx, void* dst, size_t n_bytes, double scale, int fp32,
+                              uint64_t seed) {
+    enum { CHUNK = 1 << 24 };
+    unsigned char* h = (unsigned char*)malloc(CHUNK);
+    if (!h) return mst_set_error(MST_ERR_OOM, "bench host pattern");
+    for (size_t i = 0; i < CHUNK / 4; i++) {
+        if (fp32) ((float*)h)[i] = (float)(0.05 + 0.95 * (double)lcg(&seed) / 2147483648.0);
+        else {
+            ((uint16_t*)h)[2 * i] = mst_fp32_to_bf16((float)(unit_normal(&seed) * scale));
+            ((uint16_t*)h)[2 * i + 1] = mst_fp32_to_bf16((float)(unit_normal(&seed) * scale));
+        }
+    }
+    mst_status st = MST_OK;
+    for (size_t off = 0; off < n_bytes && st == MST_OK; off += CHUNK)
+        st = mst_copy_h2b(ctx, (char*)dst + off, h, n_bytes - off < CHUNK ? n_bytes - off : CHUNK);
+    free(h);
+    return st;
+}
+
+/* ---- one MLP problem in backend memory ------------------------------------ */
+
+typedef struct mlp_bufs {
+    mst_mlp_config cfg;
+    mst_mlp_weights w;
+    mst_tensor x, p, counts, y, dy, dx, dp; /* x and p live in the saver's KEEP buffers */
+    mst_saver_basic_t* saver;
+    void* mem[16];                          /* allocations to free */
+    int n_mem;
+} mlp_bufs;
+
+static mst_status alloc_t(mst_ctx_t* ctx, mlp_bufs* b, mst_tensor* t, mst_dtype dt, int64_t rows,
+                          int64_t cols) {
+    void* p = NULL;
+    MST_TRY(mst_alloc(ctx, (size_t)rows * (size_t)cols * mst_dtype_size(dt), &p));
+    b->mem[b->n_mem++] = p;
+    *t = mst_tensor_make(p, dt, rows, cols);
+    return MST_OK;
+}
+
+static void bufs_free(mst_ctx_t* ctx, mlp_bufs* b) {
+    for (int i = 0; i < b->n_mem; i++) mst_free(ctx, b->mem[i]);
+    mst_saver_basic_destroy(b->saver);
+    memset(b, 0, sizeof *b);
+}
+
+/* Weights with biases, inputs produced straight into the saver's buffers. */
+static mst_status bufs_make(mst_ctx_t* ctx, const mlp_shape* s, const int32_t* counts, uint64_t seed,
+                            mlp_bufs* b) {
+    memset(b, 0, sizeof *b);
+    const int64_t R = s->rows, H = s->hidden, F = s->ffn, E = s->E;
+    b->cfg = mst_mlp_config_default(s->E, H, F);
+    mst_policy keep[MST_N_SAVED] = {MST_POLICY_KEEP, MST_POLICY_KEEP, MST_POLICY_KEEP, MST_POLICY_KEEP};
+    MST_TRY(mst_saver_basic_create(ctx, R, &b->cfg, keep, &b->saver));
+    const mst_saver* sv = mst_saver_basic_get(b->saver);
+    MST_TRY(sv->produce(sv->self, MST_SAVED_FC1_INPUT, R, H, MST_DTYPE_BF16, &b->x));
+    MST_TRY(sv->produce(sv->self, MST_SAVED_PROBS, R, 1, MST_DTYPE_FP32, &b->p));
+    MST_TRY(alloc_t(ctx, b, &b->counts, MST_DTYPE_INT32, E, 1));
+    MST_TRY(alloc_t(ctx, b, &b->y, MST_DTYPE_BF16, R, H));
+    MST_TRY(alloc_t(ctx, b, &b->dy, MST_DTYPE_BF16, R, H));
+    MST_TRY(alloc_t(ctx, b, &b->dx, MST_DTYPE_BF16, R, H));
+    MST_TRY(alloc_t(ctx, b, &b->dp, MST_DTYPE_FP32, R, 1));
+    MST_TRY(alloc_t(ctx, b, &b->w.w1, MST_DTYPE_BF16, E * 2 * F, H));
+    MST_TRY(alloc_t(ctx, b, &b->w.b1, MST_DTYPE_BF16, E, 2 * F));
+    MST_TRY(alloc_t(ctx, b, &b->w.w2, MST_DTYPE_BF16, E * H, F));
+    MST_TRY(alloc_t(ctx, b, &b->w.b2, MST_DTYPE_BF16, E, H));
+    MST_TRY(alloc_t(ctx, b, &b->w.g_w1, MST_DTYPE_FP32, E * 2 * F, H));
+    MST_TRY(alloc_t(ctx, b, &b->w.g_b1, MST_DTYPE_FP32, E, 2 * F));
+    MST_TRY(alloc_t(ctx, b, &b->w.g_w2, MST_DTYPE_FP32, E * H, F));
+    MST_TRY(alloc_t(ctx, b, &b->w.g_b2, MST_DTYPE_FP32, E, H));
+    MST_TRY(mst_copy_h2b(ctx, b->counts.data, counts, sizeof(int32_t) * (size_t)E));
+    MST_TRY(fill_random(ctx, b->x.data, mst_tensor_bytes(&b->x), 1.0, 0, seed + 1));
+    MST_TRY(fill_random(ctx, b->p.data, mst_tensor_bytes(&b->p), 0, 1, seed + 2));
+    MST_TRY(fill_random(ctx, b->dy.data, mst_tensor_bytes(&b->dy), 1.0, 0, seed + 3));
+    MST_TRY(fill_random(ctx, b->w.w1.data, mst_tensor_bytes(&b->w.w1), 1.0 / sqrt((double)H), 0, seed + 4));
+    MST_TRY(fill_random(ctx, b->w.b1.data, mst_tensor_bytes(&b->w.b1), 0.1, 0, seed + 5));
+    MST_TRY(fill_random(ctx, b->w.w2.data, mst_tensor_bytes(&b->w.w2), 1.0 / sqrt((double)F), 0, seed + 6));
+    MST_TRY(fill_random(ctx, b->w.b2.data, mst_tensor_bytes(&b->w.b2), 0.1, 0, seed + 7));
+    MST_TRY(mst_fill(ctx, b->w.g_w1.data, 0, mst_tensor_bytes(&b->w.g_w1)));
+    MST_TRY(mst_fill(ctx, b->w.g_b1.data, 0, mst_tensor_bytes(&b->w.g_b1)));
+    MST_TRY(mst_fill(ctx, b->w.g_w2.data, 0, mst_tensor_bytes(&b->w.g_w2)));
+    return mst_fill(ctx, b->w.g_b2.data, 0, mst_tensor_bytes(&b->w.g_b2));
+}
+
+static mst_status forward(mst_ctx_t* ctx, mlp_bufs* b) {
+    return mst_grouped_mlp_forward(ctx, &b->cfg, &b->w, &b->x, &b->p, &b->counts,
+                                   mst_saver_basic_get(b->saver), &b->y);
+}
+
+static mst_status backward(mst_ctx_t* ctx, mlp_bufs* b, mst_wgrad_mode mode) {
+    return mst_grouped_mlp_backward(ctx, &b->cfg, &b->w, &b->dy, &b->counts,
+                                    mst_saver_basic_get(b->saver), &b->dx, &b->dp, mode);
+}
+
+/* ---- 1. validation: CUDA against the CPU reference ------------------------ */
+
+static double rel_err(const float* got, const float* ref, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)got[i] - ref[i];
+        num += d * d;
+        den += (double)ref[i] * ref[i];
+    }
+    return isnan(num) ? INFINITY : sqrt(num / (den > 0 ? den : 1));
+}
+
+/* Downloads t's first n rows as fp32. */
+static float* fetch_rows(mst_ctx_t* ctx, const mst_tensor* t, int64_t n) {
+    size_t count = (size_t)(n * t->cols);
+    float* f = (float*)malloc(sizeof(float) * count);
+    void* raw = malloc(count * mst_dtype_size(t->dtype));
+    if (!f || !raw || mst_copy_b2h(ctx, raw, t->data, count * mst_dtype_size(t->dtype)) != MST_OK) {
+        free(f), free(raw);
+        return NULL;
+    }
+    if (t->dtype == MST_DTYPE_BF16) mst_bf16_to_fp32_array(f, (const uint16_t*)raw, count);
+    else memcpy(f, raw, count * sizeof(float));
+    free(raw);
+    return f;
+}
+
+/* Runs a ragged problem on both backends; the bf16 tolerance of the tests. */
+static int validate(mst_ctx_t* gpu) {
+    const mlp_shape s = {3000, 512, 256, 8, "validation"};
+    int32_t counts[8] = {900, 0, 13, 400, 777, 1, 300, 309}; /* 2700 of 3000 rows */
+    mst_ctx_t* cpu = NULL;
+    mlp_bufs bg, bc;
+    int ok = mst_ctx_create(MST_BACKEND_CPU, 0, &cpu) == MST_OK;
+    ok = ok && bufs_make(gpu, &s, counts, 42, &bg) == MST_OK && bufs_make(cpu, &s, counts, 42, &bc) == MST_OK;
+    bg.cfg.act = bc.cfg.act = MST_ACT_CLAMPED_SWIGLU;
+    mst_wgrad_mode m = MST_WGRAD_OVERWRITE;
+    ok = ok && forward(gpu, &bg) == MST_OK && backward(gpu, &bg, m) == MST_OK && mst_ctx_check(gpu) == MST_OK;
+    ok = ok && forward(cpu, &bc) == MST_OK && backward(cpu, &bc, m) == MST_OK;
+    if (!ok) {
+        fprintf(stderr, "bench mlp: validation run failed: %s\n", mst_last_error());
+        if (cpu) mst_ctx_destroy(cpu);
+        return 0;
+    }
+    const int64_t n = 2700;
+    const struct { mst_tensor *g, *c; int64_t rows; const char* name; } outs[] = {
+        {&bg.y, &bc.y, n, "y"}, {&bg.dx, &bc.dx, n, "dx"}, {&bg.dp, &bc.dp, n, "dprobs"},
+        {&bg.w.g_w1, &bc.w.g_w1, bg.w.g_w1.rows, "dW1"}, {&bg.w.g_w2, &bc.w.g_w2, bg.w.g_w2.rows, "dW2"},
+        {&bg.w.g_b2, &bc.w.g_b2, bg.w.g_b2.rows, "db2"},
+    };
+    for (size_t i = 0; i < sizeof outs / sizeof outs[0]; i++) {
+        float* g = fetch_rows(gpu, outs[i].g, outs[i].rows);
+        float* c = fetch_rows(cpu, outs[i].c, outs[i].rows);
+        double e = g && c ? rel_err(g, c, (size_t)(outs[i].rows * outs[i].g->cols)) : INFINITY;
+        printf("validate %-7s cuda vs cpu: rel err %.2e %s\n", outs[i].name, e, e < 1e-2 ? "ok" : "FAILED");
+        ok = ok && e < 1e-2;
+        free(g), free(c);
+    }
+    bufs_free(gpu, &bg);
+    bufs_free(cpu, &bc);
+    mst_ctx_destroy(cpu);
+    return ok;
+}
+
+/* ---- 2. timing -------------------------------------------------------------- */
+
+#define CUDA_BENCH(call)                                                                      \
+    do {                                                                                      \
+        cudaError_t e_ = (call);                                                              \
+        if (e_ != cudaSuccess)                                                                \
+            return mst_set_error(MST_ERR_BACKEND, "%s: %s", #call, cudaGetErrorString(e_));   \
+    } while (0)
+
+typedef enum { OP_FORWARD, OP_BACKWARD, OP_ACT_FORWARD, OP_ACT_BACKWARD } bench_op;
+
+/* The activation alone, through the backend slot, on b's saved h. */
+static mst_status act_alone(mst_ctx_t* ctx, mlp_bufs* b, int backward_pass) {
+    const mst_saver* sv = mst_saver_basic_get(b->saver);
+    mst_tensor h, z, dz, dh;
+    MST_TRY(sv->produce(sv->self, MST_SAVED_ACT_INPUT, b->x.rows, 2 * b->cfg.ffn, MST_DTYPE_BF16, &h));
+    MST_TRY(sv->produce(sv->self, MST_SAVED_FC2_INPUT, b->x.rows, b->cfg.ffn, MST_DTYPE_BF16, &z));
+    dz = z;     /* any [R, F] bf16 input will do for timing */
+    dh = b->dx; /* [R, H] >= [R, 2F] bytes for every shape here */
+    mst_act_args a = {0};
+    a.n_groups = b->cfg.n_groups, a.max_rows = b->x.rows, a.ffn = b->cfg.ffn, a.hidden = b->cfg.hidden;
+    a.counts = (const int32_t*)b->counts.data, a.h = (const uint16_t*)h.data, a.probs = (const float*)b->p.data;
+    a.act = b->cfg.act, a.limit = b->cfg.clamp_limit, a.alpha = b->cfg.clamp_alpha;
+    if (!backward_pass) {
+        a.z = (uint16_t*)z.data;
+        return ctx->be->act_forward(ctx, &a);
+    }
+    a.dz = (const uint16_t*)dz.data, a.dh = (uint16_t*)dh.data, a.dprobs = (float*)b->dp.data;
+    a.dy = (const uint16_t*)b->dy.data, a.b2 = (const uint16_t*)b->w.b2.data;
+    return ctx->be->act_backward(ctx, &a);
+}
+
+static mst_status enqueue(mst_ctx_t* ctx, mlp_bufs* b, bench_op op) {
+    switch (op) {
+    case OP_FORWARD: return forward(ctx, b);
+    case OP_BACKWARD: return backward(ctx, b, MST_WGRAD_ACCUMULATE);
+    case OP_ACT_FORWARD: return act_alone(ctx, b, 0);
+    case OP_ACT_BACKWARD: return act_alone(ctx, b, 1);
+    }
+    return MST_ERR_INVALID;
+}
+
+/* Captures `op` in a graph on `s` and returns the mean ms of `iters` replays. */
+static mst_status time_graph(mst_ctx_t* ctx, mlp_bufs* b, bench_op op, cudaStream_t s, int iters,
+                             double* ms) {
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t ge = NULL;
+    cudaEvent_t e0, e1;
+    MST_TRY(mst_ctx_set_stream(ctx, s));
+    CUDA_BENCH(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    mst_status st = enqueue(ctx, b, op);
+    cudaError_t ce = cudaStreamEndCapture(s, &g);
+    MST_TRY(mst_ctx_set_stream(ctx, NULL));
+    MST_TRY(st);
+    CUDA_BENCH(ce);
+    CUDA_BENCH(cudaGraphInstantiate(&ge, g, 0));
+    CUDA_BENCH(cudaEventCreate(&e0));
+    CUDA_BENCH(cudaEventCreate(&e1));
+    for (int i = 0; i < 3; i++) CUDA_BENCH(cudaGraphLaunch(ge, s)); /* warm */
+    CUDA_BENCH(cudaEventRecord(e0, s));
+    for (int i = 0; i < iters; i++) CUDA_BENCH(cudaGraphLaunch(ge, s));
+    CUDA_BENCH(cudaEventRecord(e1, s));
+    CUDA_BENCH(cudaEventSynchronize(e1));
+    float total = 0;
+    CUDA_BENCH(cudaEventElapsedTime(&total, e0, e1));
+    *ms = total / iters;
+    cudaEventDestroy(e0), cudaEventDestroy(e1);
+    cudaGraphExecDestroy(ge), cudaGraphDestroy(g);
+    return mst_ctx_check(ctx);
+}
+
+/* cuBLAS dense bf16 GEMM n^3 (fp32 accumulate): the roof on this card. */
+static mst_status roof_tflops(mst_ctx_t* ctx, cudaStream_t s, double* tflops) {
+    const int n = 8192, iters = 20;
+    void *a = NULL, *c = NULL;
+    MST_TRY(mst_alloc(ctx, (size_t)n * n * 2, &a));
+    MST_TRY(mst_alloc(ctx, (size_t)n * n * 2, &c));
+    MST_TRY(fill_random(ctx, a, (size_t)n * n * 2, 1.0, 0, 9));
+    cublasHandle_t h;
+    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) return mst_set_error(MST_ERR_BACKEND, "cublasCreate");
+    cublasSetStream(h, s);
+    const float one = 1.0f, zero = 0.0f;
+    cudaEvent_t e0, e1;
+    CUDA_BENCH(cudaEventCreate(&e0));
+    CUDA_BENCH(cudaEventCreate(&e1));
+    cublasStatus_t bs = CUBLAS_STATUS_SUCCESS;
+    for (int i = 0; i < iters + 3 && bs == CUBLAS_STATUS_SUCCESS; i++) {
+        if (i == 3) CUDA_BENCH(cudaEventRecord(e0, s));
+        bs = cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a, CUDA_R_16BF, n, a, CUDA_R_16BF,
+                          n, &zero, c, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    }
+    CUDA_BENCH(cudaEventRecord(e1, s));
+    CUDA_BENCH(cudaEventSynchronize(e1));
+    float ms = 0;
+    CUDA_BENCH(cudaEventElapsedTime(&ms, e0, e1));
+    cublasDestroy(h);
+    cudaEventDestroy(e0), cudaEventDestroy(e1);
+    mst_free(ctx, a), mst_free(ctx, c);
+    if (bs != CUBLAS_STATUS_SUCCESS) return mst_set_error(MST_ERR_BACKEND, "cublasGemmEx: status %d", (int)bs);
+    *tflops = 2.0 * n * (double)n * n / (ms / iters * 1e-3) / 1e12;
+    return MST_OK;
+}
+
+static mst_status run_shape(mst_ctx_t* ctx, const mlp_shape* s, const int32_t* counts, cudaStream_t st,
+                            int iters, mlp_result* r) {
+    mlp_bufs b;
+    mst_status e = bufs_make(ctx, s, counts, 1234, &b);
+    /* eager once: sizes the workspaces, so the captures allocate nothing */
+    if (e == MST_OK) e = forward(ctx, &b);
+    if (e == MST_OK) e = backward(ctx, &b, MST_WGRAD_ACCUMULATE);
+    if (e == MST_OK) e = mst_ctx_check(ctx);
+    if (e == MST_OK) e = time_graph(ctx, &b, OP_FORWARD, st, iters, &r->fwd_ms);
+    if (e == MST_OK) e = time_graph(ctx, &b, OP_BACKWARD, st, iters, &r->bwd_ms);
+    if (e == MST_OK) e = time_graph(ctx, &b, OP_ACT_FORWARD, st, iters, &r->act_fwd_ms);
+    if (e == MST_OK) e = time_graph(ctx, &b, OP_ACT_BACKWARD, st, iters, &r->act_bwd_ms);
+    bufs_free(ctx, &b);
+    const double flop = (double)s->rows * s->hidden * s->ffn;
+    r->fwd_tflops = 6 * flop / (r->fwd_ms * 1e-3) / 1e12;
+    r->bwd_tflops = 12 * flop / (r->bwd_ms * 1e-3) / 1e12;
+    /* act forward: read h, p; write z. backward: read h, dz, p, dy, b2; write dh, dprobs */
+    r->act_bytes_fwd = (double)s->rows * (4 * s->ffn + 2 * s->ffn + 4);
+    r->act_bytes_bwd = (double)s->rows * (4 * s->ffn + 2 * s->ffn + 4 * s->ffn + 2 * s->hidden + 8);
+    return e;
+}
+
+static void write_json(FILE* f, const char* device, double roof, const int* which, int n_which,
+                       int32_t* const* counts, const mlp_result* res) {
+    fprintf(f, "{\n  \"bench\": \"mlp\",\n  \"device\": \"%s\",\n  \"roof_cublas_tflops\": %.1f,\n  \"shapes\": [\n",
+            device, roof);
+    for (int k = 0; k < n_which; k++) {
+        const mlp_shape* s = &shapes[which[k]];
+        const mlp_result* r = &res[k];
+        fprintf(f, "    {\"rows\": %lld, \"hidden\": %lld, \"ffn\": %lld, \"E\": %d, \"act\": \"swiglu\", "
+                   "\"fwd_ms\": %.4f, \"bwd_ms\": %.4f, \"fwd_tflops\": %.1f, \"bwd_tflops\": %.1f, "
+                   "\"act_fwd_ms\": %.4f, \"act_bwd_ms\": %.4f, \"act_fwd_bytes\": %.0f, \"act_bwd_bytes\": %.0f, "
+                   "\"counts\": [",
+                (long long)s->rows, (long long)s->hidden, (long long)s->ffn, s->E, r->fwd_ms, r->bwd_ms,
+                r->fwd_tflops, r->bwd_tflops, r->act_fwd_ms, r->act_bwd_ms, r->act_bytes_fwd, r->act_bytes_bwd);
+        for (int g = 0; g < s->E; g++) fprintf(f, "%s%d", g ? ", " : "", counts[k][g]);
+        fprintf(f, "]}%s\n", k + 1 < n_which ? "," : "");
+    }
+    fprintf(f, "  ]\n}\n");
+}
+
+int mst_bench_mlp(int argc, char** argv) {
+    const char* json = NULL;
+    int iters = 20, only = -1;
+    for (int i = 0; i < argc; i++) {
+        if (strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
+        else if (strcmp(argv[i], "--iters") == 0 && i + 1 < argc) iters = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--shape") == 0 && i + 1 < argc) only = atoi(argv[++i]);
+        else {
+            fprintf(stderr, "bench mlp: unknown argument '%s' (--json FILE, --iters N, --shape 0..%d)\n",
+                    argv[i], N_SHAPES - 1);
+            return 2;
+        }
+    }
+    if (iters < 1 || only >= N_SHAPES) {
+        fprintf(stderr, "bench mlp: --iters %d / --shape %d out of range\n", iters, only);
+        return 2;
+    }
+    if (!mst_backend_available(MST_BACKEND_CUDA)) {
+        fprintf(stderr, "bench mlp: needs the cuda backend (no device or not built in)\n");
+        return 2;
+    }
+    mst_ctx_t* ctx = NULL;
+    if (mst_ctx_create(MST_BACKEND_CUDA, 0, &ctx) != MST_OK) {
+        fprintf(stderr, "bench mlp: %s\n", mst_last_error());
+        return 1;
+    }
+    printf("bench mlp on %s\n", mst_ctx_describe(ctx));
+    int rc = 1, which[N_SHAPES], n_which = 0;
+    int32_t* counts[N_SHAPES] = {0};
+    mlp_result res[N_SHAPES];
+    memset(res, 0, sizeof res);
+    double roof = 0;
+    cudaStream_t st = NULL;
+    if (!validate(ctx)) goto out;
+    if (cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) != cudaSuccess) goto out;
+    if (roof_tflops(ctx, st, &roof) != MST_OK) {
+        fprintf(stderr, "bench mlp: roof: %s\n", mst_last_error());
+        goto out;
+    }
+    for (int i = 0; i < N_SHAPES; i++)
+        if (only < 0 || only == i) which[n_which++] = i;
+    for (int k = 0; k < n_which; k++) {
+        const mlp_shape* s = &shapes[which[k]];
+        counts[k] = (int32_t*)malloc(sizeof(int32_t) * (size_t)s->E);
+        make_counts(counts[k], s->E, s->rows, 1000 + (uint64_t)which[k]);
+        if (run_shape(ctx, s, counts[k], st, iters, &res[k]) != MST_OK) {
+            fprintf(stderr, "bench mlp: shape %d: %s\n", which[k], mst_last_error());
+            goto out;
+        }
+        printf("shape %d (%s) done\n", which[k], s->what);
+    }
+    printf("\nroof: cuBLAS bf16 GEMM 8192^3 = %.0f TFLOP/s (same card, same run)\n", roof);
+    printf("%-7s %-5s %-5s %-4s | %-8s %-7s %-6s | %-8s %-7s %-6s | %-9s %-9s\n", "rows", "H", "F", "E",
+           "fwd ms", "TFLOP/s", "%roof", "bwd ms", "TFLOP/s", "%roof", "act f GB/s", "act b GB/s");
+    for (int k = 0; k < n_which; k++) {
+        const mlp_shape* s = &shapes[which[k]];
+        const mlp_result* r = &res[k];
+        printf("%-7lld %-5lld %-5lld %-4d | %-8.3f %-7.0f %-6.0f | %-8.3f %-7.0f %-6.0f | %-10.0f %-9.0f\n",
+               (long long)s->rows, (long long)s->hidden, (long long)s->ffn, s->E, r->fwd_ms, r->fwd_tflops,
+               100 * r->fwd_tflops / roof, r->bwd_ms, r->bwd_tflops, 100 * r->bwd_tflops / roof,
+               r->act_bytes_fwd / (r->act_fwd_ms * 1e6), r->act_bytes_bwd / (r->act_bwd_ms * 1e6));
+    }
+    printf("(act: the unfused activation kernels alone; fusing them into the fc1 / fc2-dgrad epilogues\n"
+           " would remove about their time, see docs/perf-notes.md; PyTorch ratio: bench/torch/mlp.py)\n");
+    if (json) {
+        FILE* f = fopen(json, "w");
+        if (!f) {
+            fprintf(stderr, "bench mlp: cannot write %s\n", json);
+            goto out;
+        }
+        write_json(f, mst_ctx_describe(ctx), roof, which, n_which, counts, res);
+        fclose(f);
+    }
+    rc = 0;
+out:
+    for (int k = 0; k < N_SHAPES; k++) free(counts[k]);
+    if (st) cudaStreamDestroy(st);
+    mst_ctx_destroy(ctx);
+    return rc;
+}
+
+#else /* no CUDA */
+
+int mst_bench_mlp(int argc, char** argv) {
+    (void)argc;
+    (void)argv;
+    fprintf(stderr, "bench mlp: needs the cuda backend (built without CUDA)\n");
+    return 2;
+}
+
+#endif
