@@ -43,19 +43,24 @@ static mst_status exact_rows(mst_model* m, int64_t* rows) {
     return st;
 }
 
-/* Step with the rerun: returns MST_OK once the step's results are valid. */
+/* Step with the reruns: returns MST_OK once the step's results are valid.
+ * A rerun sizes every group to the largest group seen; a layer after an
+ * over-budget one saw different inputs, so its group may still not fit:
+ * rerun again (each rerun fixes at least one more layer), and at the last
+ * attempt size the groups for every token copy (N k rows: cannot fail). */
 static mst_status step_checked(mst_model* m, const mst_train_config* cfg, const int32_t* tok,
                                int64_t step, mst_train_result* res) {
     MST_TRY(run_step(m, cfg, tok, step, step == cfg->force_over_budget));
     mst_status st = mst_ctx_check(m->ctx);
-    if (st != MST_ERR_COUNTS) return st;
-    res->reruns++;
-    const int64_t R = m->max_rows;
-    int64_t exact = 0;
-    MST_TRY(exact_rows(m, &exact));
-    MST_TRY(mst_model_set_max_rows(m, exact));
-    MST_TRY(run_step(m, cfg, tok, step, 0));
-    st = mst_ctx_check(m->ctx);
+    const int64_t R = m->max_rows, all = m->cfg.batch * m->cfg.seq * m->cfg.top_k;
+    for (int32_t attempt = 0; st == MST_ERR_COUNTS && attempt <= m->cfg.layers + 1; attempt++) {
+        res->reruns++;
+        int64_t exact = all;
+        if (attempt < m->cfg.layers + 1) MST_TRY(exact_rows(m, &exact));
+        MST_TRY(mst_model_set_max_rows(m, exact));
+        MST_TRY(run_step(m, cfg, tok, step, 0));
+        st = mst_ctx_check(m->ctx);
+    }
     if (st != MST_OK) return st;
     return mst_model_set_max_rows(m, R);
 }

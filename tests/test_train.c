@@ -1,0 +1,144 @@
+/*
+ * test_train.c — the trainer end to end on a tiny configuration: a 20-step
+ * run whose loss falls; the same run again gives the same bits; a step forced
+ * over budget, and a capacity factor so small that every step is over
+ * budget, are rerun with exact shapes and give bit-identical losses; two
+ * microbatches accumulate. Then every bad-input case of `moestash train`
+ * (the built program next to this test): exit code 2 and one line naming
+ * the flag and its value.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+#include "model/trainer.h"
+
+static const char* self_path; /* argv[0]: the moestash program is beside it */
+
+static mst_train_config tiny(void) {
+    mst_train_config t = {0};
+    mst_model_config m = {.vocab = 256, .hidden = 32, .ffn = 32, .n_head = 2, .seq = 16, .batch = 4,
+                          .layers = 1, .experts = 4, .top_k = 2, .ep = 2, .capacity_factor = 2.0f,
+                          .mtp_weight = 0.3f, .aux_coef = 0.01f, .norm_eps = 1e-5f, .init_std = 0.02f,
+                          .seed = 3};
+    mst_optim_config o = {.lr = 1e-2f, .min_lr_frac = 0.1f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f,
+                          .weight_decay = 0.1f, .clip = 1.0f, .warmup = 3, .steps = 20};
+    t.model = m;
+    t.optim = o;
+    t.microbatches = 1;
+    t.steps = 20;
+    return t;
+}
+
+static double mean(const double* v, int n) {
+    double s = 0;
+    for (int i = 0; i < n; i++) s += v[i];
+    return s / n;
+}
+
+static void same_losses(const mst_train_result* a, const mst_train_result* b, const char* what) {
+    CHECK(mst_first_diff(a->loss, b->loss, sizeof(double) * (size_t)a->steps) < 0 &&
+              mst_first_diff(a->mtp_loss, b->mtp_loss, sizeof(double) * (size_t)a->steps) < 0,
+          "%s: losses differ from the plain run (step 1: %.9g vs %.9g, last: %.9g vs %.9g)", what,
+          a->loss[0], b->loss[0], a->loss[a->steps - 1], b->loss[b->steps - 1]);
+}
+
+static void training(mst_ctx_t* ctx) {
+    mst_train_config cfg = tiny();
+    mst_train_result base = {0}, again = {0}, forced = {0}, small = {0}, micro = {0};
+    CHECK_OK(mst_train_run(ctx, &cfg, NULL, &base));
+    if (!base.loss) return;
+    printf("  20 steps: loss %.4f -> %.4f, mtp %.4f -> %.4f\n", base.loss[0], base.loss[19],
+           base.mtp_loss[0], base.mtp_loss[19]);
+    CHECK(mean(base.loss + 15, 5) < 0.8 * mean(base.loss, 5), "loss did not fall: first 5 %.4f, last 5 %.4f",
+          mean(base.loss, 5), mean(base.loss + 15, 5));
+    CHECK(mean(base.mtp_loss + 15, 5) < 0.8 * mean(base.mtp_loss, 5), "mtp loss did not fall");
+    CHECK(base.reruns == 0, "plain run had %lld reruns", (long long)base.reruns);
+
+    CHECK_OK(mst_train_run(ctx, &cfg, NULL, &again));
+    if (again.loss) same_losses(&base, &again, "second run");
+
+    cfg.force_over_budget = 4;
+    CHECK_OK(mst_train_run(ctx, &cfg, NULL, &forced));
+    CHECK(forced.reruns == 1, "forced over budget: %lld reruns, expected 1", (long long)forced.reruns);
+    if (forced.loss) same_losses(&base, &forced, "forced over budget");
+
+    cfg = tiny();
+    cfg.model.capacity_factor = 0.3f; /* R far below what a group gets */
+    CHECK_OK(mst_train_run(ctx, &cfg, NULL, &small));
+    CHECK(small.reruns >= cfg.steps, "capacity factor 0.3: %lld reruns, expected one or more per step (%lld)",
+          (long long)small.reruns, (long long)cfg.steps);
+    if (small.loss) same_losses(&base, &small, "capacity factor 0.3");
+
+    cfg = tiny();
+    cfg.microbatches = 2;
+    CHECK_OK(mst_train_run(ctx, &cfg, NULL, &micro));
+    if (micro.loss)
+        CHECK(mean(micro.loss + 15, 5) < 0.8 * mean(micro.loss, 5), "2 microbatches: loss did not fall");
+    mst_train_result* all[] = {&base, &again, &forced, &small, &micro};
+    for (int i = 0; i < 5; i++) mst_train_result_free(all[i]);
+}
+
+/* Runs `moestash train ARGS`; expects exit code 2 and one stderr line that
+ * contains each of `want` (the flag and its value). */
+static void bad_input(const char* args, const char* want1, const char* want2) {
+    char dir[1024], cmd[3072], err[1024] = "";
+    snprintf(dir, sizeof dir, "%s", self_path);
+    char* slash = strrchr(dir, '/');
+    if (slash) *slash = 0;
+    else snprintf(dir, sizeof dir, ".");
+    const char* log = "test_train_stderr.txt";
+    snprintf(cmd, sizeof cmd, "'%s/moestash' train --steps 1 --quiet %s >/dev/null 2>%s", dir, args, log);
+    int rc = system(cmd);
+    FILE* f = fopen(log, "r");
+    int lines = 0;
+    if (f) {
+        char line[1024];
+        while (fgets(line, sizeof line, f)) {
+            if (lines++ == 0) snprintf(err, sizeof err, "%s", line);
+        }
+        fclose(f);
+    }
+    remove(log);
+    CHECK(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 2, "train %s: exit status %d, expected 2", args,
+          rc != -1 && WIFEXITED(rc) ? WEXITSTATUS(rc) : -1);
+    CHECK(lines == 1, "train %s: %d lines on stderr, expected 1", args, lines);
+    CHECK(strstr(err, want1) && strstr(err, want2), "train %s: message '%s' does not name '%s' '%s'", args,
+          err, want1, want2);
+}
+
+static void cli(mst_ctx_t* ctx) {
+    const char* be = mst_ctx_backend(ctx) == MST_BACKEND_CUDA ? "--backend cuda" : "--backend cpu";
+    char a[512];
+#define BAD(args, w1, w2) (snprintf(a, sizeof a, "%s %s", be, args), bad_input(a, w1, w2))
+    BAD("--frobnicate 3", "--frobnicate", "3");
+    BAD("--steps", "--steps", "missing value");
+    BAD("--steps ten", "--steps", "ten");
+    BAD("--hidden 0", "--hidden", "0");
+    BAD("--hidden 64 --heads 3", "--heads", "3");
+    BAD("--experts 8 --ep 3", "--ep", "3");
+    BAD("--experts 4 --top-k 5", "--top-k", "5");
+    BAD("--capacity-factor -1", "--capacity-factor", "-1");
+    BAD("--mtp-weight nan", "--mtp-weight", "nan");
+    BAD("--policy sometimes", "--policy", "sometimes");
+    BAD("--schedule zigzag", "--schedule", "zigzag");
+    BAD("--data /nonexistent/corpus.txt", "--data", "/nonexistent/corpus.txt");
+    FILE* f = fopen("test_train_empty.txt", "w");
+    if (f) fclose(f);
+    BAD("--data test_train_empty.txt", "--data", "test_train_empty.txt");
+    remove("test_train_empty.txt");
+    BAD("--force-over-budget 5", "--force-over-budget", "5");
+#undef BAD
+    bad_input("--backend tpu", "--backend", "tpu");
+    if (!mst_backend_available(MST_BACKEND_CUDA)) bad_input("--backend cuda", "--backend", "cuda");
+}
+
+static void run(mst_ctx_t* ctx) {
+    training(ctx);
+    cli(ctx);
+}
+
+int main(int argc, char** argv) {
+    self_path = argv[0];
+    return mst_test_main(argc, argv, run);
+}
