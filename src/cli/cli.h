@@ -19,6 +19,8 @@ typedef struct mst_bench_entry {
 } mst_bench_entry;
 
 int mst_bench_mlp(int argc, char** argv); /* bench/bench_mlp.c */
+int mst_bench_step(int argc, char** argv); /* bench/bench_step.c */
+int mst_bench_stash(int argc, char** argv); /* bench/bench_stash.c */
 
 /* Parses --backend cpu|cuda (default: cuda when available); exit code 2 and a
  * one-line message naming the value otherwise. */

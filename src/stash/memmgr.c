@@ -71,7 +71,6 @@ struct mst_memmgr {
     slot* slots;                  /* [L, M, N_SAVED]                               */
     saver_ref* refs;              /* [L, M, N_MODES]                               */
     shared_bufs bufs[MST_N_SAVED];
-    int has_shared[MST_N_SAVED];  /* bufs[name] allocated                          */
     mst_tensor* recomp;           /* [L, N_SAVED] rerun buffers (recomputed layers) */
     void** chunk_in;              /* [L, M] [R, H] chunk inputs (chunk starts)      */
     mst_pool_t* pool[MST_N_SAVED][2]; /* [name][0 STASH device, 1 OFFLOAD host]     */
@@ -371,17 +370,17 @@ static mst_status alloc_tensor(mst_memmgr_t* m, mst_saved_name n, mst_tensor* t,
     return MST_OK;
 }
 
-static mst_status ensure_shared(mst_memmgr_t* m, mst_saved_name n) {
-    if (m->has_shared[n]) return MST_OK;
+/* The shared buffers of a name: compute buffers for produced tensors,
+ * restore buffers for every paged one; allocated on first use. */
+static mst_status ensure_shared(mst_memmgr_t* m, mst_saved_name n, int compute) {
     shared_bufs* b = &m->bufs[n];
+    mst_tensor* t = compute ? b->compute : b->restore;
     for (int k = 0; k < 2; k++) {
-        MST_TRY(alloc_tensor(m, n, &b->compute[k], &m->rep.compute_bytes));
-        MST_TRY(alloc_tensor(m, n, &b->restore[k], &m->rep.compute_bytes));
-        MST_TRY(ev_new(m, &b->compute_free[k]));
-        MST_TRY(ev_new(m, &b->restore_done[k]));
-        MST_TRY(ev_new(m, &b->restore_free[k]));
+        if (t[k].data) continue;
+        MST_TRY(alloc_tensor(m, n, &t[k], &m->rep.compute_bytes));
+        MST_TRY(ev_new(m, compute ? &b->compute_free[k] : &b->restore_done[k]));
+        if (!compute) MST_TRY(ev_new(m, &b->restore_free[k]));
     }
-    m->has_shared[n] = 1;
     return MST_OK;
 }
 
@@ -450,7 +449,7 @@ static mst_status sv_produce(void* self, mst_saved_name n, int64_t rows, int64_t
         return MST_OK;
     }
     if (r->mode == MODE_BWD) return mst_set_error(MST_ERR_STATE, "produce of %s in a backward", mst_saved_name_str(n));
-    MST_TRY(ensure_shared(m, n));
+    MST_TRY(ensure_shared(m, n, 1));
     shared_bufs* b = &m->bufs[n];
     int k = m->fwd_seq & 1;
     if (b->compute_pending[k]) { /* its last stash must have read it */
@@ -512,7 +511,7 @@ static mst_status sv_commit(void* self, mst_saved_name n, const mst_tensor* src,
         MST_TRY(alloc_tensor(m, n, &s->keep, &m->rep.kept_bytes));
         return s->keep.data == src->data ? MST_OK : mst_copy_b2b(m->ctx, s->keep.data, src->data, buf_bytes(m, n));
     }
-    MST_TRY(ensure_shared(m, n)); /* restore buffers, also for op inputs */
+    MST_TRY(ensure_shared(m, n, 0));
     int k = m->fwd_seq & 1;
     int from_compute = src->data == m->bufs[n].compute[k].data;
     if (from_compute && backward_follows(m, r->layer, r->mb)) { /* no stash: used right away */

@@ -1,0 +1,299 @@
+/*
+ * bench_step.c — `moestash bench step [--json FILE] [--small]`: one training
+ * step of a stack of grouped-MLP layers (8 layers, rows 32768, hidden 4096,
+ * ffn 1024, E 16, max_rows = 1.5 x rows, skewed counts) over 4 microbatches
+ * with the 1F1B schedule of a 4-stage pipeline's first rank, one CUDA graph
+ * per step, under each memory policy. Beside it, in the same run: the same
+ * work with exact shapes (host-known counts, exact-size saved tensors, no
+ * graph: the manager's measuring step) and the pinned host copy roof.
+ *
+ * Order: every policy's step is checked bit-identical to KEEP's (a hash of
+ * all main_grads and dprobs) before any figure is printed. Activation memory
+ * = saved activations + compute buffers (kept buffers, page blocks
+ * allocated, shared compute / restore buffers); weights, gradients and the
+ * stack's own input/output buffers are reported apart. A short table last.
+ */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cli/cli.h"
+#include "core/context.h"
+#include "stash/mlp_stack.h"
+
+#ifdef MST_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+typedef struct step_shape {
+    int32_t layers, micro, E, stages;
+    int64_t rows, hidden, ffn;
+} step_shape;
+
+static const step_shape full = {8, 4, 16, 4, 32768, 4096, 1024};
+static const step_shape small = {4, 4, 4, 4, 512, 64, 32};
+
+typedef struct step_result {
+    const char* policy;
+    double step_ms;        /* graph replay (CUDA) or eager step (CPU), median */
+    double exact_ms;       /* measuring step: exact shapes, eager, no graph   */
+    size_t act_bytes;      /* saved activations + compute buffers             */
+    size_t pages_peak;     /* device + host pages in use at peak               */
+    mst_mem_report_t rep;
+    uint64_t hash;         /* of main_grads and dprobs                         */
+} step_result;
+
+static double now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
+
+static int cmp_double(const void* a, const void* b) {
+    double x = *(const double*)a, y = *(const double*)b;
+    return (x > y) - (x < y);
+}
+
+/* Skewed (Zipf-like, shuffled) counts of `total` rows over E experts. */
+static void skewed_counts(int32_t* c, int32_t E, int64_t total, uint64_t* seed) {
+    double w[1024], sum = 0;
+    for (int32_t g = 0; g < E; g++) sum += (w[g] = 1.0 / pow(g + 1.0, 1.1));
+    int64_t given = 0;
+    for (int32_t g = 0; g < E; g++) given += (c[g] = (int32_t)(total * w[g] / sum));
+    c[0] += (int32_t)(total - given);
+    for (int32_t g = E - 1; g > 0; g--) {
+        *seed = *seed * 6364136223846793005ull + 1442695040888963407ull;
+        int32_t j = (int32_t)((*seed >> 33) % (uint64_t)(g + 1)), t = c[g];
+        c[g] = c[j], c[j] = t;
+    }
+}
+
+/* FNV-style hash of backend memory, downloaded in 64 MiB pieces. */
+static mst_status hash_buffer(mst_ctx_t* ctx, const void* p, size_t n_bytes, uint64_t* h) {
+    enum { PIECE = 64 << 20 };
+    uint64_t* buf = (uint64_t*)malloc(PIECE);
+    if (!buf) return mst_set_error(MST_ERR_OOM, "hash staging");
+    mst_status st = MST_OK;
+    for (size_t off = 0; off < n_bytes && st == MST_OK; off += PIECE) {
+        size_t len = n_bytes - off < PIECE ? n_bytes - off : PIECE;
+        st = mst_copy_b2h(ctx, buf, (const char*)p + off, len);
+        for (size_t i = 0; i < len / 8; i++) *h = (*h ^ buf[i]) * 0x100000001b3ull;
+    }
+    free(buf);
+    return st;
+}
+
+/* One sized step: on CUDA captured once and replayed `iters` times (median
+ * time); on the CPU run eagerly. */
+static mst_status timed_steps(mst_ctx_t* ctx, mst_stack* s, const mst_sched_entry* sch, int32_t n,
+                              int iters, double* ms) {
+    double t[16];
+#ifdef MST_HAVE_CUDA
+    if (mst_ctx_backend(ctx) == MST_BACKEND_CUDA) {
+        cudaStream_t st = (cudaStream_t)mst_ctx_stream(ctx);
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        cudaEvent_t e0, e1;
+        if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
+            return mst_set_error(MST_ERR_BACKEND, "begin capture");
+        mst_status rs = mst_stack_step(s, sch, n, 0);
+        cudaError_t e = cudaStreamEndCapture(st, &g);
+        if (rs != MST_OK) return rs;
+        if (e != cudaSuccess || cudaGraphInstantiate(&ge, g, 0) != cudaSuccess)
+            return mst_set_error(MST_ERR_BACKEND, "graph capture of a step: %s", cudaGetErrorString(e));
+        cudaEventCreate(&e0);
+        cudaEventCreate(&e1);
+        for (int i = 0; i <= iters; i++) { /* the first replay warms up */
+            cudaEventRecord(e0, st);
+            cudaGraphLaunch(ge, st);
+            cudaEventRecord(e1, st);
+            if ((e = cudaEventSynchronize(e1)) != cudaSuccess)
+                return mst_set_error(MST_ERR_BACKEND, "step replay: %s", cudaGetErrorString(e));
+            float f;
+            cudaEventElapsedTime(&f, e0, e1);
+            if (i) t[i - 1] = f;
+        }
+        cudaEventDestroy(e0), cudaEventDestroy(e1);
+        cudaGraphExecDestroy(ge), cudaGraphDestroy(g);
+        qsort(t, (size_t)iters, sizeof t[0], cmp_double);
+        *ms = t[iters / 2];
+        return MST_OK;
+    }
+#endif
+    for (int i = 0; i < iters; i++) {
+        double t0 = now_ms();
+        MST_TRY(mst_stack_step(s, sch, n, 0));
+        MST_TRY(mst_ctx_sync(ctx));
+        t[i] = now_ms() - t0;
+    }
+    qsort(t, (size_t)iters, sizeof t[0], cmp_double);
+    *ms = t[iters / 2];
+    return MST_OK;
+}
+
+static mst_status run_policy(mst_ctx_t* ctx, mst_stack* s, const mst_sched_entry* sch, int32_t n,
+                             const step_shape* sh, const char* policy, step_result* r) {
+    memset(r, 0, sizeof *r);
+    r->policy = policy;
+    mst_memmgr_config mc = {sh->layers, sh->micro, 1, s->max_rows, sh->hidden, sh->ffn, sch, n, 64, 1.10, 0};
+    MST_TRY(mst_memmgr_create(ctx, &mc, &s->mm));
+    mst_status st = mst_memmgr_set_policy_spec(s->mm, policy);
+    double t0 = now_ms();
+    if (st == MST_OK) st = mst_stack_step(s, sch, n, 1);
+    if (st == MST_OK) st = mst_ctx_sync(ctx);
+    r->exact_ms = now_ms() - t0;
+    if (st == MST_OK) st = mst_memmgr_step_check(s->mm);
+    if (st == MST_OK) st = timed_steps(ctx, s, sch, n, mst_ctx_backend(ctx) == MST_BACKEND_CUDA ? 5 : 3, &r->step_ms);
+    if (st == MST_OK) st = mst_memmgr_step_check(s->mm);
+    if (st == MST_OK) st = mst_memmgr_check(s->mm);
+    if (st == MST_OK) st = mst_mem_report(s->mm, &r->rep);
+    r->hash = 0xcbf29ce484222325ull;
+    if (st == MST_OK) st = hash_buffer(ctx, s->gbuf, s->gbuf_bytes, &r->hash);
+    for (int32_t i = 0; i < sh->layers * sh->micro && st == MST_OK; i++) /* rows past n stay as created */
+        st = hash_buffer(ctx, s->dprobs[i].data, (size_t)sh->rows * 4, &r->hash);
+    r->act_bytes = r->rep.kept_bytes + r->rep.compute_bytes + r->rep.dev_pages_bytes;
+    r->pages_peak = r->rep.dev_pages_peak_bytes + r->rep.host_pages_peak_bytes;
+    mst_memmgr_destroy(s->mm);
+    s->mm = NULL;
+    return st;
+}
+
+/* Pinned host <-> device copy roof, GB/s of one direction each. */
+static void pinned_roof(mst_ctx_t* ctx, double* d2h, double* h2d) {
+    *d2h = *h2d = 0;
+#ifdef MST_HAVE_CUDA
+    if (mst_ctx_backend(ctx) != MST_BACKEND_CUDA) return;
+    size_t n = (size_t)1 << 30;
+    void *h = NULL, *d = NULL;
+    if (cudaMallocHost(&h, n) != cudaSuccess || cudaMalloc(&d, n) != cudaSuccess) return;
+    cudaStream_t st = (cudaStream_t)mst_ctx_stream(ctx);
+    for (int dir = 0; dir < 2; dir++) {
+        double best = 1e30;
+        for (int i = 0; i < 4; i++) {
+            double t0 = now_ms();
+            if (dir) cudaMemcpyAsync(d, h, n, cudaMemcpyHostToDevice, st);
+            else cudaMemcpyAsync(h, d, n, cudaMemcpyDeviceToHost, st);
+            cudaStreamSynchronize(st);
+            double t = now_ms() - t0;
+            if (i && t < best) best = t;
+        }
+        *(dir ? h2d : d2h) = n / best / 1e6;
+    }
+    cudaFreeHost(h);
+    cudaFree(d);
+#else
+    (void)ctx;
+#endif
+}
+
+static double gib(size_t b) { return (double)b / (1 << 30); }
+
+static void write_json(const char* path, const step_shape* sh, const step_result* r, int n,
+                       double d2h, double h2d, const char* device) {
+    FILE* f = fopen(path, "w");
+    if (!f) {
+        fprintf(stderr, "bench step: cannot write %s\n", path);
+        return;
+    }
+    fprintf(f, "{\"bench\": \"step\", \"device\": \"%s\", \"layers\": %d, \"microbatches\": %d, \"rows\": %lld, "
+               "\"hidden\": %lld, \"ffn\": %lld, \"experts\": %d, \"schedule\": \"1f1b S=%d rank 0\", "
+               "\"pinned_d2h_gbs\": %.2f, \"pinned_h2d_gbs\": %.2f, \"policies\": [",
+            device, sh->layers, sh->micro, (long long)sh->rows, (long long)sh->hidden, (long long)sh->ffn, sh->E,
+            sh->stages, d2h, h2d);
+    for (int i = 0; i < n; i++)
+        fprintf(f, "%s{\"policy\": \"%s\", \"step_ms\": %.3f, \"exact_step_ms\": %.3f, \"act_bytes\": %zu, "
+                   "\"kept_bytes\": %zu, \"compute_bytes\": %zu, \"dev_pages_bytes\": %zu, \"dev_pages_peak_bytes\": %zu, "
+                   "\"host_pages_bytes\": %zu, \"host_pages_peak_bytes\": %zu, \"exact_bytes\": %zu, "
+                   "\"static_keep_bytes\": %zu, \"bit_identical_to_keep\": %s}",
+                i ? ", " : "", r[i].policy, r[i].step_ms, r[i].exact_ms, r[i].act_bytes, r[i].rep.kept_bytes,
+                r[i].rep.compute_bytes, r[i].rep.dev_pages_bytes, r[i].rep.dev_pages_peak_bytes,
+                r[i].rep.host_pages_bytes, r[i].rep.host_pages_peak_bytes, r[i].rep.exact_bytes,
+                r[i].rep.static_keep_bytes, r[i].hash == r[0].hash ? "true" : "false");
+    fprintf(f, "]}\n");
+    fclose(f);
+}
+
+int mst_bench_step(int argc, char** argv) {
+    const char* json = NULL;
+    const char* backend = NULL;
+    int use_small = 0;
+    for (int i = 0; i < argc; i++) {
+        if (strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
+        else if (strcmp(argv[i], "--backend") == 0 && i + 1 < argc) backend = argv[++i];
+        else if (strcmp(argv[i], "--small") == 0) use_small = 1;
+        else {
+            fprintf(stderr, "moestash bench step: unknown argument '%s' (--json FILE, --backend B, --small)\n", argv[i]);
+            return 2;
+        }
+    }
+    mst_backend_kind kind;
+    if (mst_cli_backend(backend, &kind)) return 2;
+    const step_shape* sh = kind == MST_BACKEND_CUDA && !use_small ? &full : &small;
+    mst_ctx_t* ctx;
+    if (mst_ctx_create(kind, 0, &ctx) != MST_OK) {
+        fprintf(stderr, "bench step: %s\n", mst_last_error());
+        return 1;
+    }
+    printf("bench step on %s\n", mst_ctx_describe(ctx));
+    mst_mlp_config mlp = mst_mlp_config_default(sh->E, sh->hidden, sh->ffn);
+    int64_t R = sh->rows * 3 / 2;
+    mst_stack s;
+    mst_schedule_config sc = {MST_SCHEDULE_1F1B, sh->stages, 0, sh->micro, 1};
+    int32_t n = 2 * sh->micro;
+    mst_sched_entry sch[64];
+    int32_t* counts = (int32_t*)malloc(sizeof(int32_t) * (size_t)(sh->layers * sh->micro * sh->E));
+    uint64_t seed = 2024;
+    for (int32_t i = 0; i < sh->layers * sh->micro; i++) skewed_counts(counts + (int64_t)i * sh->E, sh->E, sh->rows, &seed);
+    mst_status st = mst_schedule_make(&sc, sch, n);
+    if (st == MST_OK) st = mst_stack_create(ctx, &mlp, sh->layers, sh->micro, 1, R, 7, &s);
+    if (st == MST_OK) st = mst_stack_route(&s, counts, 9);
+    const char* policies[] = {"keep", "stash", "offload", "recompute",
+                              "fc1_input=offload,act_input=stash,fc2_input=recompute,probs=stash"};
+    enum { NP = 5 };
+    step_result r[NP];
+    int n_done = 0;
+    for (int i = 0; i < NP && st == MST_OK; i++, n_done++) {
+        st = run_policy(ctx, &s, sch, n, sh, policies[i], &r[i]);
+        if (st == MST_OK)
+            printf("  %-62s step %9.2f ms  exact-shape step %9.2f ms  activations %7.3f GiB  %s\n", policies[i],
+                   r[i].step_ms, r[i].exact_ms, gib(r[i].act_bytes), r[i].hash == r[0].hash ? "bit-identical" : "DIFFERS");
+    }
+    if (st != MST_OK) {
+        fprintf(stderr, "bench step: %s\n", mst_last_error());
+        mst_ctx_destroy(ctx);
+        free(counts);
+        return 1;
+    }
+    int same = 1;
+    for (int i = 1; i < NP; i++) same &= r[i].hash == r[0].hash;
+    double d2h, h2d;
+    pinned_roof(ctx, &d2h, &h2d);
+    size_t exact = r[0].rep.exact_bytes;
+    printf("\nweights %.2f GiB bf16, main_grads %.2f GiB fp32 (not counted below)\n",
+           gib(s.gbuf_bytes / 2), gib(s.gbuf_bytes));
+    printf("exact shapes: saved activations at peak %.3f GiB; all-KEEP static: %.3f GiB\n", gib(exact),
+           gib(r[0].rep.static_keep_bytes));
+    if (d2h > 0) printf("pinned copy roof: D2H %.1f GB/s, H2D %.1f GB/s\n", d2h, h2d);
+    printf("\n%-10s %10s %9s %12s %10s %10s %10s\n", "policy", "step ms", "vs keep", "act GiB", "vs exact",
+           "vs keep", "pages pk");
+    for (int i = 0; i < NP; i++)
+        printf("%-10.10s %10.2f %8.3fx %12.3f %9.3fx %9.3fx %10.3f\n", policies[i], r[i].step_ms,
+               r[i].step_ms / r[0].step_ms, gib(r[i].act_bytes), (double)r[i].act_bytes / exact,
+               (double)r[i].act_bytes / r[0].act_bytes, gib(r[i].pages_peak));
+    if (d2h > 0) { /* OFFLOAD moves each saved byte out and back within its step */
+        double bytes = 2.0 * (double)r[2].rep.host_pages_peak_bytes;
+        printf("offload: >= %.2f GB moved per step in %.2f ms: %.1f GB/s (%.0f%% of the pinned D2H roof)\n",
+               bytes / 1e9, r[2].step_ms, bytes / r[2].step_ms / 1e6, 100 * bytes / r[2].step_ms / 1e6 / d2h);
+    }
+    printf("targets: stash act <= 1.10x exact (%.3fx) and <= 0.75x keep (%.3fx); stash step <= 1.05x keep (%.3fx)\n",
+           (double)r[1].act_bytes / exact, (double)r[1].act_bytes / r[0].act_bytes, r[1].step_ms / r[0].step_ms);
+    printf("all policies bit-identical to keep: %s\n", same ? "yes" : "NO");
+    if (json) write_json(json, sh, r, NP, d2h, h2d, mst_ctx_describe(ctx));
+    mst_stack_destroy(&s);
+    mst_ctx_destroy(ctx);
+    free(counts);
+    return same ? 0 : 1;
+}
