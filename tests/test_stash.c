@@ -431,7 +431,7 @@ static void bad_input(mst_ctx_t* ctx, mst_rng* rng) {
     expect_pool(&e, "bad arguments");
 
     /* counts summing past src rows, and a negative count: nothing taken */
-    const int32_t past[2] = {(int32_t)s0->R, 1}, neg[2] = {5, -1};
+    const int32_t past[E_MAX] = {(int32_t)s0->R, 1}, neg[E_MAX] = {5, -1};
     const int32_t* cases[2] = {past, neg};
     for (int c = 0; c < 2; c++) {
         mst_guarded_put(ctx, &e.counts, cases[c]);
@@ -482,7 +482,7 @@ static void unaligned(mst_ctx_t* ctx, mst_rng* rng) {
     env e;
     if (!env_open(&e, ctx, rng, MST_DTYPE_BF16, W, &cfg, 0, R + 1)) return;
     const int64_t n = 53;
-    int32_t counts[3] = {20, 0, 33};
+    int32_t counts[E_MAX] = {20, 0, 33};
     fill_random(&e, e.host, R + 1);
     mst_guarded_put(ctx, &e.src, e.host);
     mst_guarded_put(ctx, &e.counts, counts);
