@@ -53,6 +53,17 @@ static mst_status scratch_make(mst_ctx_t* ctx, const mst_gl_args* a, gl_scratch*
     return MST_OK;
 }
 
+/* rows_b [n, n_out] = rows [n, k] . op(W[g]) in fp32: op = W^T for the
+ * forward (k = I, n_out = O), W for the dgrad (k = O, n_out = I). */
+static void rows_times_weight(gl_scratch* s, const mst_gl_args* a, int32_t g, const uint16_t* rows,
+                              int64_t n, int forward) {
+    const int64_t I = a->in, O = a->out, k = forward ? I : O, n_out = forward ? O : I;
+    mst_bf16_to_fp32_array(s->rows_a, rows, (size_t)(n * k));
+    mst_bf16_to_fp32_array(s->weight, a->w + (int64_t)g * O * I, (size_t)(O * I));
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, forward ? CblasTrans : CblasNoTrans, (int)n, (int)n_out,
+                (int)k, 1.0f, s->rows_a, (int)k, s->weight, (int)I, 0.0f, s->rows_b, (int)n_out);
+}
+
 mst_status mst_cpu_gl_forward(mst_ctx_t* ctx, const mst_gl_args* a) {
     gl_scratch s;
     MST_TRY(scratch_make(ctx, a, &s));
@@ -60,16 +71,11 @@ mst_status mst_cpu_gl_forward(mst_ctx_t* ctx, const mst_gl_args* a) {
     for (int32_t g = 0; g < a->n_groups; g++) {
         int64_t r0 = s.off[g], n = s.off[g + 1] - r0;
         if (n == 0) continue;
-        mst_bf16_to_fp32_array(s.rows_a, a->x + r0 * I, (size_t)(n * I));
-        mst_bf16_to_fp32_array(s.weight, a->w + (int64_t)g * O * I, (size_t)(O * I));
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)O, (int)I, 1.0f,
-                    s.rows_a, (int)I, s.weight, (int)I, 0.0f, s.rows_b, (int)O);
-        for (int64_t r = 0; r < n; r++) {
+        rows_times_weight(&s, a, g, a->x + r0 * I, n, 1);
+        for (int64_t r = 0; r < n && a->bias; r++) {
             float sc = a->scale ? a->scale[r0 + r] : 1.0f;
-            float* yr = s.rows_b + r * O;
-            if (a->bias)
-                for (int64_t o = 0; o < O; o++)
-                    yr[o] += mst_bf16_to_fp32(a->bias[(int64_t)g * O + o]) * sc;
+            for (int64_t o = 0; o < O; o++)
+                s.rows_b[r * O + o] += mst_bf16_to_fp32(a->bias[(int64_t)g * O + o]) * sc;
         }
         mst_fp32_to_bf16_array(a->y + r0 * O, s.rows_b, (size_t)(n * O));
     }
@@ -84,10 +90,7 @@ mst_status mst_cpu_gl_dgrad(mst_ctx_t* ctx, const mst_gl_args* a) {
     for (int32_t g = 0; g < a->n_groups; g++) {
         int64_t r0 = s.off[g], n = s.off[g + 1] - r0;
         if (n == 0) continue;
-        mst_bf16_to_fp32_array(s.rows_a, a->dy + r0 * O, (size_t)(n * O));
-        mst_bf16_to_fp32_array(s.weight, a->w + (int64_t)g * O * I, (size_t)(O * I));
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, (int)I, (int)O, 1.0f,
-                    s.rows_a, (int)O, s.weight, (int)I, 0.0f, s.rows_b, (int)I);
+        rows_times_weight(&s, a, g, a->dy + r0 * O, n, 0);
         mst_fp32_to_bf16_array(a->dx + r0 * I, s.rows_b, (size_t)(n * I));
     }
     scratch_free(&s);
