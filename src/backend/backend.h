@@ -134,7 +134,8 @@ typedef struct mst_xent_args {
 typedef struct mst_attn_args {
     int64_t batch, seq, n_head, head_dim; /* B, T, NH, D                     */
     const uint16_t* qkv;   /* [B*T, 3H] bf16                                 */
-    float* probs;          /* [B, NH, T, T] fp32 softmax (saved by forward)  */
+    float* probs;          /* [B, NH, T, T] fp32 softmax (saved by forward;
+                              backward may overwrite it with dS)             */
     uint16_t* out;         /* [B*T, H] bf16 (forward)                        */
     const uint16_t* dout;  /* [B*T, H] bf16 (backward)                       */
     uint16_t* dqkv;        /* [B*T, 3H] bf16 (backward)                      */
@@ -181,10 +182,14 @@ typedef struct mst_rows_args {
     float* dst_p;          /* (optional) gather: [G*R]; sum: [N, k] fp32     */
 } mst_rows_args;
 
-/* Sum of squares of n fp32 values into out [1], in a fixed order. */
+/* Sum of squares of n fp32 values into out [1], in a fixed order: the sums
+ * of MST_SUMSQ_PARTS contiguous chunks of ceil(n / parts) values, added in
+ * chunk order. */
+enum { MST_SUMSQ_PARTS = 1024 };
 typedef struct mst_sumsq_args {
     int64_t n;
     const float* x;        /* [n] fp32                                       */
+    float* partial;        /* [MST_SUMSQ_PARTS] fp32 scratch                 */
     float* out;            /* [1] fp32                                       */
 } mst_sumsq_args;
 

@@ -149,6 +149,7 @@ static mst_status alloc_params(mst_model* m) {
     BUF(MST_MEM_OPTIM, m->adam_m, n);
     BUF(MST_MEM_OPTIM, m->adam_v, n);
     BUF(MST_MEM_COMPUTE, m->gsumsq, 1);
+    BUF(MST_MEM_COMPUTE, m->gpartial, MST_SUMSQ_PARTS);
     float* host = (float*)malloc(sizeof(float) * (size_t)n);
     uint16_t* host16 = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)n);
     mst_status st = host && host16 ? MST_OK : mst_set_error(MST_ERR_OOM, "host parameter init (%lld)", (long long)n);

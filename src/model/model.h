@@ -90,6 +90,7 @@ typedef struct mst_model {
     float* adam_m;           /* [n_params] fp32                               */
     float* adam_v;           /* [n_params] fp32                               */
     float* gsumsq;           /* [1] sum of squared gradients                  */
+    float* gpartial;         /* [MST_SUMSQ_PARTS] its chunk sums              */
     /* activations */
     mst_layer_acts* acts;    /* [L+1]                                         */
     int32_t* tok;            /* [3, N] inputs, next tokens, tokens after next */

@@ -22,7 +22,7 @@ mst_status mst_optim_zero(mst_model* m) {
 }
 
 mst_status mst_optim_step(mst_model* m, const mst_optim_config* o, int64_t step) {
-    mst_sumsq_args ss = {.n = m->n_params, .x = m->grad, .out = m->gsumsq};
+    mst_sumsq_args ss = {.n = m->n_params, .x = m->grad, .partial = m->gpartial, .out = m->gsumsq};
     MST_TRY(MST_MODEL_OP(m->ctx, sumsq, &ss));
     /* [0, n_decay): matrices with weight decay; the rest: norm weights */
     const int64_t lo[2] = {0, m->n_decay}, hi[2] = {m->n_decay, m->n_params};

@@ -139,17 +139,19 @@ mst_status mst_cpu_xent(mst_ctx_t* ctx, const mst_xent_args* a) {
     return MST_OK;
 }
 
-/* Blocks of 4096 summed in fp32, block sums added in order (the CUDA
- * version uses the same blocking, so the two agree closely). */
+/* Chunk sums in fp32, then the chunk sums in chunk order (as CUDA does). */
 mst_status mst_cpu_sumsq(mst_ctx_t* ctx, const mst_sumsq_args* a) {
     (void)ctx;
-    float total = 0.0f;
-    for (int64_t b = 0; b < a->n; b += 4096) {
+    const int64_t chunk = (a->n + MST_SUMSQ_PARTS - 1) / MST_SUMSQ_PARTS;
+#pragma omp parallel for if (a->n > 1 << 20)
+    for (int64_t p = 0; p < MST_SUMSQ_PARTS; p++) {
         float part = 0.0f;
-        int64_t e = b + 4096 < a->n ? b + 4096 : a->n;
+        int64_t b = p * chunk, e = b + chunk < a->n ? b + chunk : a->n;
         for (int64_t i = b; i < e; i++) part += a->x[i] * a->x[i];
-        total += part;
+        a->partial[p] = part;
     }
+    float total = 0.0f;
+    for (int64_t p = 0; p < MST_SUMSQ_PARTS; p++) total += a->partial[p];
     *a->out = total;
     return MST_OK;
 }

@@ -1,0 +1,232 @@
+/*
+ * model_ops.cu — the CUDA versions of the trainer's row ops: matmul through
+ * cublasGemmEx (bf16 operands, fp32 compute), RMSNorm forward/backward,
+ * residual add, token embedding gather / scatter-add, softmax cross-entropy,
+ * sum of squares and AdamW. Same arguments as the CPU reference
+ * (model_ops.c). Every reduction runs in a fixed order: no floating-point
+ * atomics, the same bits on every run.
+ */
+#include "model_ops.cuh"
+
+/* ---- matmul ----------------------------------------------------------------
+ * Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: the
+ * row-major buffers read as column-major are the transposes, so the call
+ * swaps A and B and keeps each operand's transpose flag. */
+extern "C" mst_status mst_cuda_mm(mst_ctx_t* ctx, const mst_mm_args* a) {
+    mst_cuda_impl* c = mst_cuda(ctx);
+    const float alpha = 1.0f, beta = a->accumulate ? 1.0f : 0.0f;
+    void* C = a->c16 ? (void*)a->c16 : (void*)a->c32;
+    MST_CUBLAS_TRY(cublasGemmEx(c->blas, a->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                a->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, (int)a->n, (int)a->m, (int)a->k,
+                                &alpha, a->b, CUDA_R_16BF, (int)a->ldb, a->a, CUDA_R_16BF, (int)a->lda,
+                                &beta, C, a->c16 ? CUDA_R_16BF : CUDA_R_32F, (int)a->ldc,
+                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    return MST_OK;
+}
+
+/* ---- RMSNorm: one warp per row -------------------------------------------- */
+
+__global__ void norm_forward_kernel(mst_norm_args a) {
+    const int64_t r = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (r >= a.rows) return;
+    const int64_t H = a.cols;
+    const uint16_t* x = a.x + r * H;
+    float ss = 0.0f;
+    for (int64_t c = lane; c < H; c += 32) {
+        float v = mst_bf(x[c]);
+        ss += v * v;
+    }
+    for (int d = 16; d > 0; d >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, d);
+    const float rs = rsqrtf(ss / (float)H + a.eps);
+    if (lane == 0) a.rstd[r] = rs;
+    for (int64_t c = lane; c < H; c += 32) a.y[r * H + c] = mst_to_bf(mst_bf(x[c]) * rs * mst_bf(a.w[c]));
+}
+
+__global__ void norm_dx_kernel(mst_norm_args a) {
+    const int64_t r = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (r >= a.rows) return;
+    const int64_t H = a.cols;
+    const uint16_t *x = a.x + r * H, *dy = a.dy + r * H;
+    const float rs = a.rstd[r];
+    float dot = 0.0f;
+    for (int64_t c = lane; c < H; c += 32) dot += mst_bf(dy[c]) * mst_bf(a.w[c]) * mst_bf(x[c]);
+    for (int d = 16; d > 0; d >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, d);
+    const float k = dot * rs * rs * rs / (float)H;
+    for (int64_t c = lane; c < H; c += 32)
+        a.dx[r * H + c] = mst_to_bf(rs * mst_bf(dy[c]) * mst_bf(a.w[c]) - mst_bf(x[c]) * k);
+}
+
+/* Column sums over rows without atomics: block (32 columns x 16 row
+ * slices); slice s sums rows s, s+16, ... in order, then the 16 slice sums
+ * are added in slice order. */
+enum { COL_W = 32, COL_S = 16 };
+
+__global__ void norm_dw_kernel(mst_norm_args a) {
+    __shared__ float part[COL_S][COL_W];
+    const int64_t c = (int64_t)blockIdx.x * COL_W + threadIdx.x;
+    float acc = 0.0f;
+    if (c < a.cols)
+        for (int64_t r = threadIdx.y; r < a.rows; r += COL_S)
+            acc += mst_bf(a.dy[r * a.cols + c]) * mst_bf(a.x[r * a.cols + c]) * a.rstd[r];
+    part[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < a.cols) {
+        float s = 0.0f;
+        for (int i = 0; i < COL_S; i++) s += part[i][threadIdx.x];
+        a.dw[c] += s;
+    }
+}
+
+extern "C" mst_status mst_cuda_norm_forward(mst_ctx_t* ctx, const mst_norm_args* a) {
+    norm_forward_kernel<<<mst_blocks(a->rows, 8), 256, 0, mst_cuda(ctx)->stream>>>(*a);
+    MST_CUDA_LAUNCHED();
+    return MST_OK;
+}
+
+extern "C" mst_status mst_cuda_norm_backward(mst_ctx_t* ctx, const mst_norm_args* a) {
+    cudaStream_t s = mst_cuda(ctx)->stream;
+    norm_dx_kernel<<<mst_blocks(a->rows, 8), 256, 0, s>>>(*a);
+    MST_CUDA_LAUNCHED();
+    norm_dw_kernel<<<mst_blocks(a->cols, COL_W), dim3(COL_W, COL_S), 0, s>>>(*a);
+    MST_CUDA_LAUNCHED();
+    return MST_OK;
+}
+
+/* ---- elementwise ------------------------------------------------------------ */
+
+__global__ void add_kernel(mst_add_args a) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < a.n) a.y[i] = mst_to_bf(mst_bf(a.a[i]) + mst_bf(a.b[i]));
+}
+
+extern "C" mst_status mst_cuda_add(mst_ctx_t* ctx, const mst_add_args* a) {
+    add_kernel<<<mst_blocks(a->n, 256), 256, 0, mst_cuda(ctx)->stream>>>(*a);
+    MST_CUDA_LAUNCHED();
+    return MST_OK;
+}
+
+/* ---- embedding -------------------------------------------------------------- */
+
+__global__ void embed_forward_kernel(mst_embed_args a) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= a.n_tok * a.cols) return;
+    const int64_t t = i / a.cols, c = i % a.cols;
+    a.x[i] = a.table[(int64_t)a.tokens[t] * a.cols + c];
+}
+
+/* dtable[v][c] += sum over t with tokens[t] = v of dx[t][c]: block per
+ * (v, 32 columns); slices of tokens summed in token order, then in slice
+ * order (as norm_dw_kernel). */
+__global__ void embed_backward_kernel(mst_embed_args a) {
+    __shared__ float part[COL_S][COL_W];
+    const int64_t v = blockIdx.y, c = (int64_t)blockIdx.x * COL_W + threadIdx.x;
+    float acc = 0.0f;
+    int any = 0;
+    for (int64_t t = threadIdx.y; t < a.n_tok; t += COL_S)
+        if (a.tokens[t] == v) {
+            any = 1;
+            if (c < a.cols) acc += mst_bf(a.dx[t * a.cols + c]);
+        }
+    part[threadIdx.y][threadIdx.x] = acc;
+    any = __syncthreads_or(any);
+    if (any && threadIdx.y == 0 && c < a.cols) {
+        float s = 0.0f;
+        for (int i = 0; i < COL_S; i++) s += part[i][threadIdx.x];
+        a.dtable[v * a.cols + c] += s;
+    }
+}
+
+extern "C" mst_status mst_cuda_embed_forward(mst_ctx_t* ctx, const mst_embed_args* a) {
+    embed_forward_kernel<<<mst_blocks(a->n_tok * a->cols, 256), 256, 0, mst_cuda(ctx)->stream>>>(*a);
+    MST_CUDA_LAUNCHED();
+    return MST_OK;
+}
+
+extern "C" mst_status mst_cuda_embed_backward(mst_ctx_t* ctx, const mst_embed_args* a) {
+    if (a->vocab > 65535)
+        return mst_set_error(MST_ERR_INVALID, "embedding backward: vocab %lld > 65535", (long long)a->vocab);
+    dim3 grid(mst_blocks(a->cols, COL_W), (unsigned)a->vocab);
+    embed_backward_kernel<<<grid, dim3(COL_W, COL_S), 0, mst_cuda(ctx)->stream>>>(*a);
+    MST_CUDA_LAUNCHED();
+    return MST_OK;
+}
+
+/* ---- cross-entropy: one block per row -------------------------------------- */
+
+__global__ void xent_kernel(mst_xent_args a) {
+    __shared__ float shm[32];
+    const int64_t r = blockIdx.x, V = a.vocab;
+    const uint16_t* l = a.logits + r * V;
+    float mx = -INFINITY;
+    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) mx = fmaxf(mx, mst_bf(l[v]));
+    mx = mst_block_max(mx, shm);
+    float s = 0.0f;
+    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) s += expf(mst_bf(l[v]) - mx);
+    s = mst_block_sum(s, shm);
+    const int32_t tg = a.targets[r];
+    if (threadIdx.x == 0) a.loss[r] = logf(s) + mx - mst_bf(l[tg]);
+    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
+        float p = expf(mst_bf(l[v]) - mx) / s;
+        a.dlogits[r * V + v] = mst_to_bf((p - (v == tg ? 1.0f : 0.0f)) * a.scale);
+    }
+}
+
+extern "C" mst_status mst_cuda_xent(mst_ctx_t* ctx, const mst_xent_args* a) {
+    xent_kernel<<<(unsigned)a->rows, 256, 0, mst_cuda(ctx)->stream>>>(*a);
+    MST_CUDA_LAUNCHED();
+    return MST_OK;
+}
+
+/* ---- sum of squares: chunk sums, then the chunks in order ------------------ */
+
+__global__ void sumsq_chunks_kernel(mst_sumsq_args a, int64_t chunk) {
+    __shared__ float shm[32];
+    const int64_t b = (int64_t)blockIdx.x * chunk, e = min(b + chunk, a.n);
+    float s = 0.0f;
+    for (int64_t i = b + threadIdx.x; i < e; i += blockDim.x) s += a.x[i] * a.x[i];
+    s = mst_block_sum(s, shm);
+    if (threadIdx.x == 0) a.partial[blockIdx.x] = s;
+}
+
+__global__ void sumsq_total_kernel(mst_sumsq_args a) {
+    float s = 0.0f;
+    for (int p = 0; p < MST_SUMSQ_PARTS; p++) s += a.partial[p];
+    *a.out = s;
+}
+
+extern "C" mst_status mst_cuda_sumsq(mst_ctx_t* ctx, const mst_sumsq_args* a) {
+    cudaStream_t s = mst_cuda(ctx)->stream;
+    const int64_t chunk = (a->n + MST_SUMSQ_PARTS - 1) / MST_SUMSQ_PARTS;
+    sumsq_chunks_kernel<<<MST_SUMSQ_PARTS, 256, 0, s>>>(*a, chunk);
+    MST_CUDA_LAUNCHED();
+    sumsq_total_kernel<<<1, 1, 0, s>>>(*a);
+    MST_CUDA_LAUNCHED();
+    return MST_OK;
+}
+
+/* ---- AdamW -------------------------------------------------------------------- */
+
+__global__ void adamw_kernel(mst_adamw_args a, float bc1, float bc2) {
+    if (*a.flag != 0) return; /* the step's results are invalid: no update */
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= a.n) return;
+    const float norm = sqrtf(*a.grad_sumsq);
+    const float g = a.grad[i] * (norm > a.clip ? a.clip / norm : 1.0f);
+    const float m = a.beta1 * a.m[i] + (1.0f - a.beta1) * g;
+    const float v = a.beta2 * a.v[i] + (1.0f - a.beta2) * g * g;
+    a.m[i] = m;
+    a.v[i] = v;
+    float p = a.master[i] * (1.0f - a.lr * a.weight_decay);
+    p -= a.lr * (m / bc1) / (sqrtf(v / bc2) + a.eps);
+    a.master[i] = p;
+    a.w[i] = mst_to_bf(p);
+}
+
+extern "C" mst_status mst_cuda_adamw(mst_ctx_t* ctx, const mst_adamw_args* a) {
+    const float bc1 = 1.0f - powf(a->beta1, (float)a->step), bc2 = 1.0f - powf(a->beta2, (float)a->step);
+    adamw_kernel<<<mst_blocks(a->n, 256), 256, 0, mst_cuda(ctx)->stream>>>(*a, bc1, bc2);
+    MST_CUDA_LAUNCHED();
+    return MST_OK;
+}

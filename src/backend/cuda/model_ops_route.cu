@@ -1,0 +1,173 @@
+/*
+ * model_ops_route.cu — the MoE router and the token <-> grouped-rows moves on
+ * CUDA (the CPU reference is model_ops_route.c). Counts stay on the device:
+ *   route_token_kernel: softmax over experts and top-k, one thread per token;
+ *   route_plan_kernel (one block): per-expert loads counted in entry order
+ *     from shared-memory tiles of the top-k ids, per-group totals, the
+ *     over-budget flag and peak rows, each entry's row (expert, then token,
+ *     then slot order), and the load-balancing loss. Deterministic: each
+ *     expert's thread walks the entries in order; no atomics but the flag's
+ *     atomicOr.
+ *   route_backward_kernel: d(router logits), one thread per token.
+ *   rows gather / sum: dispatch and combine, one thread per element.
+ */
+#include "model_ops.cuh"
+
+enum { PLAN_THREADS = 1024, PLAN_TILE = 4096, MAX_EXPERTS = 1024 };
+
+__global__ void route_token_kernel(mst_route_args a) {
+    const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= a.n_tok) return;
+    const int32_t E = a.n_experts, K = a.top_k;
+    const float* l = a.logits + t * E;
+    float* p = a.probs + t * E;
+    float mx = -INFINITY, sum = 0.0f;
+    for (int32_t e = 0; e < E; e++) mx = fmaxf(mx, l[e]);
+    for (int32_t e = 0; e < E; e++) sum += (p[e] = expf(l[e] - mx));
+    for (int32_t e = 0; e < E; e++) p[e] /= sum;
+    for (int32_t s = 0; s < K; s++) {
+        int32_t best = -1;
+        for (int32_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int32_t u = 0; u < s; u++) taken |= a.topk_idx[t * K + u] == e;
+            if (!taken && (best < 0 || p[e] > p[best])) best = e;
+        }
+        a.topk_idx[t * K + s] = best;
+        a.topk_w[t * K + s] = p[best];
+    }
+}
+
+/* Walks the N k entries in tiles; thread e (and e + blockDim, ...) visits
+ * the entries of its experts in order. assign = 0: count; 1: write rows. */
+__device__ void plan_walk(const mst_route_args& a, int32_t* tile, int32_t* next, int32_t* load, int assign) {
+    const int64_t NK = a.n_tok * a.top_k;
+    for (int64_t base = 0; base < NK; base += PLAN_TILE) {
+        const int64_t n = min((int64_t)PLAN_TILE, NK - base);
+        __syncthreads();
+        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) tile[i] = a.topk_idx[base + i];
+        __syncthreads();
+        for (int32_t e = threadIdx.x; e < a.n_experts; e += blockDim.x) {
+            int32_t c = assign ? next[e] : load[e];
+            for (int64_t i = 0; i < n; i++) {
+                if (tile[i] != e) continue;
+                if (assign) a.pos[base + i] = c < 0 ? -1 : c++;
+                else c++;
+            }
+            if (assign) next[e] = c;
+            else load[e] = c;
+        }
+    }
+}
+
+__global__ void route_plan_kernel(mst_route_args a) {
+    __shared__ int32_t tile[PLAN_TILE];
+    __shared__ int32_t load[MAX_EXPERTS], next[MAX_EXPERTS];
+    __shared__ float pe[MAX_EXPERTS];
+    const int32_t E = a.n_experts, G = a.n_groups, EG = E / G;
+    const int64_t R = a.max_rows;
+    for (int32_t e = threadIdx.x; e < E; e += blockDim.x) load[e] = 0;
+    plan_walk(a, tile, next, load, 0);
+    __syncthreads();
+    for (int32_t g = threadIdx.x; g < G; g += blockDim.x) {
+        int64_t total = 0;
+        for (int32_t e = g * EG; e < (g + 1) * EG; e++) {
+            next[e] = (int32_t)(g * R + total);
+            total += load[e];
+        }
+        const int over = total > R;
+        if (over) mst_dev_flag(a.flag, MST_FLAG_COUNTS);
+        if (total > a.peak_rows[g]) a.peak_rows[g] = (int32_t)total;
+        for (int32_t e = g * EG; e < (g + 1) * EG; e++) {
+            a.counts[e] = over ? 0 : load[e];
+            a.load[e] = load[e];
+            if (over) next[e] = -1;
+        }
+    }
+    plan_walk(a, tile, next, load, 1);
+    /* load-balancing loss: P_e summed over tokens in order, then experts in order */
+    const double NK = (double)a.n_tok * a.top_k;
+    for (int32_t e = threadIdx.x; e < E; e += blockDim.x) {
+        float s = 0.0f;
+        for (int64_t t = 0; t < a.n_tok; t++) s += a.probs[t * E + e];
+        pe[e] = (float)(load[e] / NK) * (s / (float)a.n_tok);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float aux = 0.0f;
+        for (int32_t e = 0; e < E; e++) aux += pe[e];
+        *a.aux_loss = a.aux_coef * (float)E * aux;
+    }
+}
+
+extern "C" mst_status mst_cuda_route_forward(mst_ctx_t* ctx, const mst_route_args* a) {
+    if (a->n_experts > MAX_EXPERTS)
+        return mst_set_error(MST_ERR_INVALID, "router: %d experts, at most %d", a->n_experts, (int)MAX_EXPERTS);
+    cudaStream_t s = mst_cuda(ctx)->stream;
+    route_token_kernel<<<mst_blocks(a->n_tok, 128), 128, 0, s>>>(*a);
+    MST_CUDA_LAUNCHED();
+    route_plan_kernel<<<1, PLAN_THREADS, 0, s>>>(*a);
+    MST_CUDA_LAUNCHED();
+    return MST_OK;
+}
+
+/* dp[e] = coef E load[e] / (N k) / N + sum of dtopk_w over slots choosing e;
+ * dlogits = p (dp - sum_j p_j dp_j). */
+__global__ void route_backward_kernel(mst_route_args a) {
+    const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= a.n_tok) return;
+    const int32_t E = a.n_experts, K = a.top_k;
+    const float NK = (float)a.n_tok * (float)K;
+    const float* p = a.probs + t * E;
+    const int32_t* idx = a.topk_idx + t * K;
+    const float* dw = a.dtopk_w + t * K;
+    float dot = 0.0f;
+    for (int pass = 0; pass < 2; pass++)
+        for (int32_t e = 0; e < E; e++) {
+            float dp = a.aux_coef * (float)E * ((float)a.load[e] / NK) / (float)a.n_tok;
+            for (int32_t s = 0; s < K; s++)
+                if (idx[s] == e) dp += dw[s];
+            if (pass == 0) dot += p[e] * dp;
+            else a.dlogits[t * E + e] = mst_to_bf(p[e] * (dp - dot));
+        }
+}
+
+extern "C" mst_status mst_cuda_route_backward(mst_ctx_t* ctx, const mst_route_args* a) {
+    route_backward_kernel<<<mst_blocks(a->n_tok, 128), 128, 0, mst_cuda(ctx)->stream>>>(*a);
+    MST_CUDA_LAUNCHED();
+    return MST_OK;
+}
+
+__global__ void rows_gather_kernel(mst_rows_args a) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= a.n_tok * a.top_k * a.cols) return;
+    const int64_t entry = i / a.cols, c = i % a.cols;
+    const int32_t r = a.pos[entry];
+    if (r < 0) return;
+    a.dst[(int64_t)r * a.cols + c] = a.src[(entry / a.top_k) * a.cols + c];
+    if (a.dst_p && c == 0) a.dst_p[r] = a.src_p[entry];
+}
+
+__global__ void rows_sum_kernel(mst_rows_args a) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= a.n_tok * a.cols) return;
+    const int64_t t = i / a.cols, c = i % a.cols;
+    float acc = 0.0f;
+    for (int32_t s = 0; s < a.top_k; s++) {
+        const int32_t r = a.pos[t * a.top_k + s];
+        if (r >= 0) acc += mst_bf(a.src[(int64_t)r * a.cols + c]);
+        if (a.dst_p && c == 0) a.dst_p[t * a.top_k + s] = r >= 0 ? a.src_p[r] : 0.0f;
+    }
+    a.dst[i] = mst_to_bf(acc);
+}
+
+extern "C" mst_status mst_cuda_rows_gather(mst_ctx_t* ctx, const mst_rows_args* a) {
+    rows_gather_kernel<<<mst_blocks(a->n_tok * a->top_k * a->cols, 256), 256, 0, mst_cuda(ctx)->stream>>>(*a);
+    MST_CUDA_LAUNCHED();
+    return MST_OK;
+}
+
+extern "C" mst_status mst_cuda_rows_sum(mst_ctx_t* ctx, const mst_rows_args* a) {
+    rows_sum_kernel<<<mst_blocks(a->n_tok * a->cols, 256), 256, 0, mst_cuda(ctx)->stream>>>(*a);
+    MST_CUDA_LAUNCHED();
+    return MST_OK;
+}
