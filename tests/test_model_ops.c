@@ -1,0 +1,512 @@
+/*
+ * test_model_ops.c — every model op of the backend named by --backend
+ * against a float64 reference on the host: matmul (each transpose, strides,
+ * bf16 and fp32 outputs, accumulate), RMSNorm forward/backward, add,
+ * embedding gather / scatter-add, cross-entropy, attention forward/backward,
+ * router (softmax, top-k, dropless plan, over budget, load-balancing loss)
+ * and its backward, rows gather / sum, sum of squares, AdamW (and its skip
+ * on a raised flag). Fresh random inputs, outputs poisoned, guard bytes
+ * around every output; bf16 rel err < 1e-2, fp32 < 1e-5, integers exact.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+#include "core/context.h"
+
+static mst_rng rng = {977};
+
+/* A guarded backend copy of host data (poisoned when host is NULL). */
+static mst_guarded up(mst_ctx_t* ctx, const void* host, size_t n_bytes) {
+    mst_guarded g = mst_guarded_alloc(ctx, n_bytes);
+    mst_guarded_put(ctx, &g, host);
+    return g;
+}
+
+static void* down(mst_ctx_t* ctx, const mst_guarded* g, const char* what) {
+    void* h = malloc(g->n_bytes);
+    mst_guarded_get(ctx, g, h);
+    CHECK(mst_guarded_intact(ctx, g), "%s: guard bytes overwritten", what);
+    return h;
+}
+
+static uint16_t* rand_bf16(size_t n, double scale) {
+    uint16_t* p = (uint16_t*)malloc(sizeof(uint16_t) * n);
+    mst_rng_bf16(&rng, p, n, scale);
+    return p;
+}
+
+static double bf(uint16_t h) { return mst_bf16_to_fp32(h); }
+
+static void expect_bf16(mst_ctx_t* ctx, const mst_guarded* g, const double* ref, size_t n, const char* what) {
+    uint16_t* got = (uint16_t*)down(ctx, g, what);
+    double err = mst_rel_err_bf16(got, ref, n);
+    CHECK(err < MST_TOL_BF16, "%s: bf16 rel err %.3e", what, err);
+    free(got);
+}
+
+static void expect_fp32(mst_ctx_t* ctx, const mst_guarded* g, const double* ref, size_t n, double tol,
+                        const char* what) {
+    float* got = (float*)down(ctx, g, what);
+    double err = mst_rel_err_fp32(got, ref, n);
+    CHECK(err < tol, "%s: fp32 rel err %.3e", what, err);
+    free(got);
+}
+
+/* ---- matmul -------------------------------------------------------------- */
+
+static void mm_case(mst_ctx_t* ctx, int ta, int tb, int64_t M, int64_t N, int64_t K, int out32, int acc) {
+    const int64_t lda = (ta ? M : K) + 3, ldb = (tb ? K : N) + 5, ldc = N + (out32 ? 2 : 1);
+    const int64_t ar = ta ? K : M, br = tb ? N : K;
+    uint16_t *A = rand_bf16((size_t)(ar * lda), 1), *B = rand_bf16((size_t)(br * ldb), 1);
+    uint16_t* C16 = rand_bf16((size_t)(M * ldc), 1);
+    float* C32 = (float*)malloc(sizeof(float) * (size_t)(M * ldc));
+    mst_rng_fp32(&rng, C32, (size_t)(M * ldc), -1, 1);
+    double* ref = (double*)malloc(sizeof(double) * (size_t)(M * ldc));
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < ldc; j++) {
+            double s = acc || j >= N ? (out32 ? C32[i * ldc + j] : bf(C16[i * ldc + j])) : 0;
+            for (int64_t k = 0; j < N && k < K; k++)
+                s += bf(ta ? A[k * lda + i] : A[i * lda + k]) * bf(tb ? B[j * ldb + k] : B[k * ldb + j]);
+            ref[i * ldc + j] = s;
+        }
+    mst_guarded ga = up(ctx, A, sizeof(uint16_t) * (size_t)(ar * lda));
+    mst_guarded gb = up(ctx, B, sizeof(uint16_t) * (size_t)(br * ldb));
+    mst_guarded gc = out32 ? up(ctx, C32, sizeof(float) * (size_t)(M * ldc)) : up(ctx, C16, sizeof(uint16_t) * (size_t)(M * ldc));
+    mst_mm_args a = {.trans_a = ta, .trans_b = tb, .m = M, .n = N, .k = K, .a = (uint16_t*)ga.data, .lda = lda,
+                     .b = (uint16_t*)gb.data, .ldb = ldb, .ldc = ldc, .accumulate = acc};
+    if (out32) a.c32 = (float*)gc.data;
+    else a.c16 = (uint16_t*)gc.data;
+    CHECK_OK(ctx->be->mm(ctx, &a));
+    char what[96];
+    snprintf(what, sizeof what, "mm ta=%d tb=%d [%lld,%lld,%lld] %s acc=%d", ta, tb, (long long)M, (long long)N,
+             (long long)K, out32 ? "fp32" : "bf16", acc);
+    if (out32) expect_fp32(ctx, &gc, ref, (size_t)(M * ldc), MST_TOL_FP32, what);
+    else expect_bf16(ctx, &gc, ref, (size_t)(M * ldc), what);
+    mst_guarded_free(ctx, &ga);
+    mst_guarded_free(ctx, &gb);
+    mst_guarded_free(ctx, &gc);
+    free(A), free(B), free(C16), free(C32), free(ref);
+}
+
+static void test_mm(mst_ctx_t* ctx) {
+    for (int ta = 0; ta < 2; ta++)
+        for (int tb = 0; tb < 2; tb++) {
+            mm_case(ctx, ta, tb, 37, 29, 45, 0, 0);
+            mm_case(ctx, ta, tb, 37, 29, 45, 1, 1);
+        }
+    mm_case(ctx, 0, 1, 64, 48, 33, 0, 1);
+    mm_case(ctx, 1, 0, 20, 16, 70, 1, 0);
+}
+
+/* ---- RMSNorm ------------------------------------------------------------- */
+
+static void test_norm(mst_ctx_t* ctx) {
+    const int64_t N = 37, H = 72;
+    const double eps = 1e-5;
+    uint16_t *x = rand_bf16((size_t)(N * H), 1.5), *w = rand_bf16((size_t)H, 1), *dy = rand_bf16((size_t)(N * H), 1);
+    float* dw0 = (float*)malloc(sizeof(float) * (size_t)H);
+    mst_rng_fp32(&rng, dw0, (size_t)H, -1, 1);
+    double *y = (double*)malloc(sizeof(double) * (size_t)(N * H)), *dx = (double*)malloc(sizeof(double) * (size_t)(N * H));
+    double *rs = (double*)malloc(sizeof(double) * (size_t)N), *dw = (double*)malloc(sizeof(double) * (size_t)H);
+    for (int64_t c = 0; c < H; c++) dw[c] = dw0[c];
+    for (int64_t r = 0; r < N; r++) {
+        double ss = 0, dot = 0;
+        for (int64_t c = 0; c < H; c++) ss += bf(x[r * H + c]) * bf(x[r * H + c]);
+        rs[r] = 1 / sqrt(ss / H + eps);
+        for (int64_t c = 0; c < H; c++) {
+            y[r * H + c] = bf(x[r * H + c]) * rs[r] * bf(w[c]);
+            dot += bf(dy[r * H + c]) * bf(w[c]) * bf(x[r * H + c]);
+            dw[c] += bf(dy[r * H + c]) * bf(x[r * H + c]) * rs[r];
+        }
+        for (int64_t c = 0; c < H; c++)
+            dx[r * H + c] = rs[r] * bf(dy[r * H + c]) * bf(w[c]) - bf(x[r * H + c]) * dot * rs[r] * rs[r] * rs[r] / H;
+    }
+    mst_guarded gx = up(ctx, x, sizeof(uint16_t) * (size_t)(N * H)), gw = up(ctx, w, sizeof(uint16_t) * (size_t)H);
+    mst_guarded gy = up(ctx, NULL, sizeof(uint16_t) * (size_t)(N * H)), grs = up(ctx, NULL, sizeof(float) * (size_t)N);
+    mst_guarded gdy = up(ctx, dy, sizeof(uint16_t) * (size_t)(N * H)), gdx = up(ctx, NULL, sizeof(uint16_t) * (size_t)(N * H));
+    mst_guarded gdw = up(ctx, dw0, sizeof(float) * (size_t)H);
+    mst_norm_args a = {.rows = N, .cols = H, .eps = (float)eps, .x = (uint16_t*)gx.data, .w = (uint16_t*)gw.data,
+                       .y = (uint16_t*)gy.data, .rstd = (float*)grs.data, .dy = (uint16_t*)gdy.data,
+                       .dx = (uint16_t*)gdx.data, .dw = (float*)gdw.data};
+    CHECK_OK(ctx->be->norm_forward(ctx, &a));
+    expect_bf16(ctx, &gy, y, (size_t)(N * H), "norm forward y");
+    expect_fp32(ctx, &grs, rs, (size_t)N, MST_TOL_FP32, "norm forward rstd");
+    CHECK_OK(ctx->be->norm_backward(ctx, &a));
+    expect_bf16(ctx, &gdx, dx, (size_t)(N * H), "norm backward dx");
+    expect_fp32(ctx, &gdw, dw, (size_t)H, MST_TOL_FP32, "norm backward dw (accumulated)");
+    mst_guarded* all[] = {&gx, &gw, &gy, &grs, &gdy, &gdx, &gdw};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++) mst_guarded_free(ctx, all[i]);
+    free(x), free(w), free(dy), free(dw0), free(y), free(dx), free(rs), free(dw);
+}
+
+/* ---- add, embedding, cross-entropy ------------------------------------------- */
+
+static void test_add_embed(mst_ctx_t* ctx) {
+    const int64_t N = 45, V = 50, H = 40;
+    uint16_t *a = rand_bf16((size_t)(N * H), 1), *b = rand_bf16((size_t)(N * H), 1), *tab = rand_bf16((size_t)(V * H), 1);
+    int32_t* tok = (int32_t*)malloc(sizeof(int32_t) * (size_t)N);
+    for (int64_t t = 0; t < N; t++) tok[t] = (int32_t)mst_rng_int(&rng, 0, 12); /* repeats */
+    float* dt0 = (float*)malloc(sizeof(float) * (size_t)(V * H));
+    mst_rng_fp32(&rng, dt0, (size_t)(V * H), -1, 1);
+    double *sum = (double*)malloc(sizeof(double) * (size_t)(N * H)), *emb = (double*)malloc(sizeof(double) * (size_t)(N * H));
+    double* dt = (double*)malloc(sizeof(double) * (size_t)(V * H));
+    for (int64_t i = 0; i < V * H; i++) dt[i] = dt0[i];
+    for (int64_t t = 0; t < N; t++)
+        for (int64_t c = 0; c < H; c++) {
+            sum[t * H + c] = bf(a[t * H + c]) + bf(b[t * H + c]);
+            emb[t * H + c] = bf(tab[tok[t] * H + c]);
+            dt[tok[t] * H + c] += bf(a[t * H + c]);
+        }
+    mst_guarded ga = up(ctx, a, sizeof(uint16_t) * (size_t)(N * H)), gb = up(ctx, b, sizeof(uint16_t) * (size_t)(N * H));
+    mst_guarded gy = up(ctx, NULL, sizeof(uint16_t) * (size_t)(N * H)), gtab = up(ctx, tab, sizeof(uint16_t) * (size_t)(V * H));
+    mst_guarded gtok = up(ctx, tok, sizeof(int32_t) * (size_t)N), gdt = up(ctx, dt0, sizeof(float) * (size_t)(V * H));
+    mst_add_args ad = {.n = N * H, .a = (uint16_t*)ga.data, .b = (uint16_t*)gb.data, .y = (uint16_t*)gy.data};
+    CHECK_OK(ctx->be->add(ctx, &ad));
+    expect_bf16(ctx, &gy, sum, (size_t)(N * H), "add");
+    mst_embed_args e = {.n_tok = N, .vocab = V, .cols = H, .tokens = (int32_t*)gtok.data, .table = (uint16_t*)gtab.data,
+                        .x = (uint16_t*)gy.data, .dx = (uint16_t*)ga.data, .dtable = (float*)gdt.data};
+    mst_guarded_put(ctx, &gy, NULL);
+    CHECK_OK(ctx->be->embed_forward(ctx, &e));
+    uint16_t* got = (uint16_t*)down(ctx, &gy, "embed forward");
+    int exact = 1;
+    for (int64_t t = 0; t < N; t++) exact &= memcmp(got + t * H, tab + tok[t] * H, sizeof(uint16_t) * (size_t)H) == 0;
+    CHECK(exact, "embed forward: rows are not exact copies of the table");
+    free(got);
+    CHECK_OK(ctx->be->embed_backward(ctx, &e));
+    expect_fp32(ctx, &gdt, dt, (size_t)(V * H), MST_TOL_FP32, "embed backward (scatter-add)");
+    mst_guarded* all[] = {&ga, &gb, &gy, &gtab, &gtok, &gdt};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++) mst_guarded_free(ctx, all[i]);
+    free(a), free(b), free(tab), free(tok), free(dt0), free(sum), free(emb), free(dt);
+}
+
+static void test_xent(mst_ctx_t* ctx) {
+    const int64_t N = 33, V = 300;
+    const float scale = 0.37f;
+    uint16_t* l = rand_bf16((size_t)(N * V), 3);
+    int32_t* tg = (int32_t*)malloc(sizeof(int32_t) * (size_t)N);
+    double *loss = (double*)malloc(sizeof(double) * (size_t)N), *dl = (double*)malloc(sizeof(double) * (size_t)(N * V));
+    for (int64_t r = 0; r < N; r++) {
+        tg[r] = (int32_t)mst_rng_int(&rng, 0, V - 1);
+        double mx = -INFINITY, s = 0;
+        for (int64_t v = 0; v < V; v++) mx = fmax(mx, bf(l[r * V + v]));
+        for (int64_t v = 0; v < V; v++) s += exp(bf(l[r * V + v]) - mx);
+        loss[r] = log(s) + mx - bf(l[r * V + tg[r]]);
+        for (int64_t v = 0; v < V; v++) dl[r * V + v] = (exp(bf(l[r * V + v]) - mx) / s - (v == tg[r])) * scale;
+    }
+    mst_guarded gl = up(ctx, l, sizeof(uint16_t) * (size_t)(N * V)), gt = up(ctx, tg, sizeof(int32_t) * (size_t)N);
+    mst_guarded gloss = up(ctx, NULL, sizeof(float) * (size_t)N), gdl = up(ctx, NULL, sizeof(uint16_t) * (size_t)(N * V));
+    mst_xent_args a = {.rows = N, .vocab = V, .scale = scale, .logits = (uint16_t*)gl.data, .targets = (int32_t*)gt.data,
+                       .loss = (float*)gloss.data, .dlogits = (uint16_t*)gdl.data};
+    CHECK_OK(ctx->be->xent(ctx, &a));
+    expect_fp32(ctx, &gloss, loss, (size_t)N, MST_TOL_FP32, "xent loss");
+    expect_bf16(ctx, &gdl, dl, (size_t)(N * V), "xent dlogits");
+    mst_guarded* all[] = {&gl, &gt, &gloss, &gdl};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++) mst_guarded_free(ctx, all[i]);
+    free(l), free(tg), free(loss), free(dl);
+}
+
+/* ---- attention --------------------------------------------------------------- */
+
+static void test_attn(mst_ctx_t* ctx) {
+    const int64_t B = 2, T = 13, NH = 3, D = 8, H = NH * D, N = B * T;
+    uint16_t *qkv = rand_bf16((size_t)(N * 3 * H), 1), *dout = rand_bf16((size_t)(N * H), 1);
+    double* P = (double*)calloc((size_t)(B * NH * T * T), sizeof(double));
+    double *out = (double*)calloc((size_t)(N * H), sizeof(double)), *dqkv = (double*)calloc((size_t)(N * 3 * H), sizeof(double));
+    const double sc = 1 / sqrt((double)D);
+#define Q(b, t, h, d) bf(qkv[((b) * T + (t)) * 3 * H + (h) * D + (d)])
+#define K_(b, t, h, d) bf(qkv[((b) * T + (t)) * 3 * H + H + (h) * D + (d)])
+#define V_(b, t, h, d) bf(qkv[((b) * T + (t)) * 3 * H + 2 * H + (h) * D + (d)])
+#define G(b, t, h, d) bf(dout[((b) * T + (t)) * H + (h) * D + (d)])
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < NH; h++) {
+            double* p = P + (b * NH + h) * T * T;
+            for (int64_t i = 0; i < T; i++) {
+                double mx = -INFINITY, s = 0, dot = 0;
+                for (int64_t j = 0; j <= i; j++) {
+                    double a = 0;
+                    for (int64_t d = 0; d < D; d++) a += Q(b, i, h, d) * K_(b, j, h, d);
+                    p[i * T + j] = a * sc;
+                    mx = fmax(mx, a * sc);
+                }
+                for (int64_t j = 0; j <= i; j++) s += (p[i * T + j] = exp(p[i * T + j] - mx));
+                for (int64_t j = 0; j <= i; j++) p[i * T + j] /= s;
+                for (int64_t d = 0; d < D; d++)
+                    for (int64_t j = 0; j <= i; j++) out[(b * T + i) * H + h * D + d] += p[i * T + j] * V_(b, j, h, d);
+                double* dp = (double*)malloc(sizeof(double) * (size_t)T);
+                for (int64_t j = 0; j <= i; j++) {
+                    dp[j] = 0;
+                    for (int64_t d = 0; d < D; d++) dp[j] += G(b, i, h, d) * V_(b, j, h, d);
+                    dot += p[i * T + j] * dp[j];
+                }
+                for (int64_t j = 0; j <= i; j++) {
+                    double ds = p[i * T + j] * (dp[j] - dot);
+                    for (int64_t d = 0; d < D; d++) {
+                        dqkv[(b * T + i) * 3 * H + h * D + d] += ds * K_(b, j, h, d) * sc;
+                        dqkv[(b * T + j) * 3 * H + H + h * D + d] += ds * Q(b, i, h, d) * sc;
+                        dqkv[(b * T + j) * 3 * H + 2 * H + h * D + d] += p[i * T + j] * G(b, i, h, d);
+                    }
+                }
+                free(dp);
+            }
+        }
+    mst_guarded gq = up(ctx, qkv, sizeof(uint16_t) * (size_t)(N * 3 * H));
+    mst_guarded gp = up(ctx, NULL, sizeof(float) * (size_t)(B * NH * T * T));
+    mst_guarded go = up(ctx, NULL, sizeof(uint16_t) * (size_t)(N * H)), gd = up(ctx, dout, sizeof(uint16_t) * (size_t)(N * H));
+    mst_guarded gdq = up(ctx, NULL, sizeof(uint16_t) * (size_t)(N * 3 * H));
+    mst_attn_args a = {.batch = B, .seq = T, .n_head = NH, .head_dim = D, .qkv = (uint16_t*)gq.data,
+                       .probs = (float*)gp.data, .out = (uint16_t*)go.data, .dout = (uint16_t*)gd.data,
+                       .dqkv = (uint16_t*)gdq.data};
+    CHECK_OK(ctx->be->attn_forward(ctx, &a));
+    expect_bf16(ctx, &go, out, (size_t)(N * H), "attention forward out");
+    expect_fp32(ctx, &gp, P, (size_t)(B * NH * T * T), MST_TOL_FP32, "attention forward probs (0 above the diagonal)");
+    CHECK_OK(ctx->be->attn_backward(ctx, &a));
+    expect_bf16(ctx, &gdq, dqkv, (size_t)(N * 3 * H), "attention backward dqkv");
+    mst_guarded* all[] = {&gq, &gp, &go, &gd, &gdq};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++) mst_guarded_free(ctx, all[i]);
+    free(qkv), free(dout), free(P), free(out), free(dqkv);
+#undef Q
+#undef K_
+#undef V_
+#undef G
+}
+
+/* ---- router ------------------------------------------------------------------ */
+
+typedef struct route_bufs {
+    mst_guarded logits, probs, idx, w, pos, counts, load, peak, aux, dw, dl;
+} route_bufs;
+
+/* The plan on the host from top-k ids: rows in expert, token, slot order. */
+static void ref_plan(const int32_t* idx, int64_t NK, int E, int G, int64_t R, int32_t* load, int32_t* counts,
+                     int32_t* pos, int* over_any) {
+    const int EG = E / G;
+    memset(load, 0, sizeof(int32_t) * (size_t)E);
+    for (int64_t i = 0; i < NK; i++) load[idx[i]]++;
+    *over_any = 0;
+    for (int64_t i = 0; i < NK; i++) pos[i] = -1;
+    for (int g = 0; g < G; g++) {
+        int64_t total = 0;
+        for (int e = g * EG; e < (g + 1) * EG; e++) total += load[e];
+        int over = total > R;
+        *over_any |= over;
+        int64_t row = g * R;
+        for (int e = g * EG; e < (g + 1) * EG; e++) {
+            counts[e] = over ? 0 : load[e];
+            for (int64_t i = 0; i < NK && !over; i++)
+                if (idx[i] == e) pos[i] = (int32_t)row++;
+        }
+    }
+}
+
+static void route_case(mst_ctx_t* ctx, int64_t N, int E, int K, int G, int64_t R) {
+    const int64_t NK = N * K;
+    const float coef = 0.05f;
+    float* logits = (float*)malloc(sizeof(float) * (size_t)(N * E));
+    mst_rng_fp32(&rng, logits, (size_t)(N * E), -3, 3);
+    for (int64_t t = 0; t < N; t++) logits[t * E] += 1.5f; /* skew toward expert 0 (group 0) */
+    float* dw = (float*)malloc(sizeof(float) * (size_t)NK);
+    mst_rng_fp32(&rng, dw, (size_t)NK, -1, 1);
+    double* probs = (double*)malloc(sizeof(double) * (size_t)(N * E));
+    int32_t* idx = (int32_t*)malloc(sizeof(int32_t) * (size_t)NK);
+    for (int64_t t = 0; t < N; t++) {
+        double mx = -INFINITY, s = 0;
+        for (int e = 0; e < E; e++) mx = fmax(mx, logits[t * E + e]);
+        for (int e = 0; e < E; e++) s += (probs[t * E + e] = exp(logits[t * E + e] - mx));
+        for (int e = 0; e < E; e++) probs[t * E + e] /= s;
+        for (int k = 0; k < K; k++) {
+            int best = -1;
+            for (int e = 0; e < E; e++) {
+                int taken = 0;
+                for (int u = 0; u < k; u++) taken |= idx[t * K + u] == e;
+                if (!taken && (best < 0 || probs[t * E + e] > probs[t * E + best])) best = e;
+            }
+            idx[t * K + k] = best;
+        }
+    }
+    int32_t *load = (int32_t*)malloc(sizeof(int32_t) * (size_t)E), *counts = (int32_t*)malloc(sizeof(int32_t) * (size_t)E);
+    int32_t* pos = (int32_t*)malloc(sizeof(int32_t) * (size_t)NK);
+    int over = 0;
+    ref_plan(idx, NK, E, G, R, load, counts, pos, &over);
+    double aux = 0, *dl = (double*)malloc(sizeof(double) * (size_t)(N * E)), *tw = (double*)malloc(sizeof(double) * (size_t)NK);
+    for (int e = 0; e < E; e++) {
+        double pe = 0;
+        for (int64_t t = 0; t < N; t++) pe += probs[t * E + e];
+        aux += (double)load[e] / (double)NK * pe / (double)N;
+    }
+    aux *= coef * E;
+    for (int64_t t = 0; t < N; t++) {
+        double dp[64], dot = 0;
+        for (int e = 0; e < E; e++) dp[e] = coef * E * (double)load[e] / (double)NK / (double)N;
+        for (int k = 0; k < K; k++) dp[idx[t * K + k]] += dw[t * K + k], tw[t * K + k] = probs[t * E + idx[t * K + k]];
+        for (int e = 0; e < E; e++) dot += probs[t * E + e] * dp[e];
+        for (int e = 0; e < E; e++) dl[t * E + e] = probs[t * E + e] * (dp[e] - dot);
+    }
+    int32_t peak0[8] = {3, 100000, 0, 0, 0, 0, 0, 0}; /* a high peak must stay */
+    route_bufs b = {up(ctx, logits, sizeof(float) * (size_t)(N * E)), up(ctx, NULL, sizeof(float) * (size_t)(N * E)),
+                    up(ctx, NULL, sizeof(int32_t) * (size_t)NK), up(ctx, NULL, sizeof(float) * (size_t)NK),
+                    up(ctx, NULL, sizeof(int32_t) * (size_t)NK), up(ctx, NULL, sizeof(int32_t) * (size_t)E),
+                    up(ctx, NULL, sizeof(int32_t) * (size_t)E), up(ctx, peak0, sizeof(int32_t) * (size_t)G),
+                    up(ctx, NULL, sizeof(float)), up(ctx, dw, sizeof(float) * (size_t)NK),
+                    up(ctx, NULL, sizeof(uint16_t) * (size_t)(N * E))};
+    mst_route_args a = {.n_tok = N, .n_experts = E, .top_k = K, .n_groups = G, .max_rows = R, .aux_coef = coef,
+                        .logits = (float*)b.logits.data, .probs = (float*)b.probs.data, .topk_idx = (int32_t*)b.idx.data,
+                        .topk_w = (float*)b.w.data, .pos = (int32_t*)b.pos.data, .counts = (int32_t*)b.counts.data,
+                        .load = (int32_t*)b.load.data, .peak_rows = (int32_t*)b.peak.data, .aux_loss = (float*)b.aux.data,
+                        .flag = ctx->err_flag, .dtopk_w = (float*)b.dw.data, .dlogits = (uint16_t*)b.dl.data};
+    CHECK_OK(ctx->be->route_forward(ctx, &a));
+    char what[128];
+    snprintf(what, sizeof what, "route N=%lld E=%d k=%d G=%d R=%lld", (long long)N, E, K, G, (long long)R);
+    CHECK_STATUS(mst_ctx_check(ctx), over ? MST_ERR_COUNTS : MST_OK);
+    CHECK(over == (R < NK), "%s: test case expected %s", what, R < NK ? "over budget" : "no overflow");
+    expect_fp32(ctx, &b.probs, probs, (size_t)(N * E), MST_TOL_FP32, what);
+    expect_fp32(ctx, &b.w, tw, (size_t)NK, MST_TOL_FP32, what);
+    double aux_ref[1] = {aux};
+    expect_fp32(ctx, &b.aux, aux_ref, 1, MST_TOL_FP32, what);
+    int32_t *gi = (int32_t*)down(ctx, &b.idx, what), *gp = (int32_t*)down(ctx, &b.pos, what);
+    int32_t *gc = (int32_t*)down(ctx, &b.counts, what), *gl = (int32_t*)down(ctx, &b.load, what);
+    int32_t* gk = (int32_t*)down(ctx, &b.peak, what);
+    CHECK(memcmp(gi, idx, sizeof(int32_t) * (size_t)NK) == 0, "%s: top-k ids differ", what);
+    CHECK(memcmp(gp, pos, sizeof(int32_t) * (size_t)NK) == 0, "%s: rows differ", what);
+    CHECK(memcmp(gc, counts, sizeof(int32_t) * (size_t)E) == 0, "%s: counts differ", what);
+    CHECK(memcmp(gl, load, sizeof(int32_t) * (size_t)E) == 0, "%s: loads differ", what);
+    for (int g = 0; g < G; g++) {
+        int64_t total = 0;
+        for (int e = g * (E / G); e < (g + 1) * (E / G); e++) total += load[e];
+        int64_t want = total > peak0[g] ? total : peak0[g];
+        CHECK(gk[g] == want, "%s: peak rows of group %d: %d, expected %lld", what, g, gk[g], (long long)want);
+    }
+    CHECK_OK(ctx->be->route_backward(ctx, &a));
+    expect_bf16(ctx, &b.dl, dl, (size_t)(N * E), what);
+    free(gi), free(gp), free(gc), free(gl), free(gk);
+    mst_guarded* all = &b.logits;
+    for (size_t i = 0; i < sizeof b / sizeof b.logits; i++) mst_guarded_free(ctx, &all[i]);
+    free(logits), free(dw), free(probs), free(idx), free(load), free(counts), free(pos), free(dl), free(tw);
+}
+
+static void test_route(mst_ctx_t* ctx) {
+    route_case(ctx, 300, 8, 2, 2, 600);  /* R = N k: never over budget */
+    route_case(ctx, 300, 8, 2, 2, 200);  /* group 0 over budget (skewed) */
+    route_case(ctx, 5000, 16, 3, 4, 15000); /* more entries than one plan tile */
+    route_case(ctx, 77, 6, 1, 3, 77);
+}
+
+/* ---- rows gather / sum ----------------------------------------------------- */
+
+static void test_rows(mst_ctx_t* ctx) {
+    const int64_t N = 50, K = 3, H = 24, GR = 200;
+    uint16_t *x = rand_bf16((size_t)(N * H), 1), *rows = rand_bf16((size_t)(GR * H), 1);
+    float *p = (float*)malloc(sizeof(float) * (size_t)(N * K)), *prow = (float*)malloc(sizeof(float) * (size_t)GR);
+    mst_rng_fp32(&rng, p, (size_t)(N * K), 0, 1);
+    mst_rng_fp32(&rng, prow, (size_t)GR, -1, 1);
+    int32_t* pos = (int32_t*)malloc(sizeof(int32_t) * (size_t)(N * K));
+    for (int64_t i = 0; i < N * K; i++) pos[i] = i % 7 == 3 ? -1 : (int32_t)((i * 37) % GR); /* distinct rows */
+    double *sum = (double*)malloc(sizeof(double) * (size_t)(N * H)), *dp = (double*)malloc(sizeof(double) * (size_t)(N * K));
+    for (int64_t t = 0; t < N; t++) {
+        for (int64_t c = 0; c < H; c++) {
+            double s = 0;
+            for (int64_t k = 0; k < K; k++)
+                if (pos[t * K + k] >= 0) s += bf(rows[pos[t * K + k] * H + c]);
+            sum[t * H + c] = s;
+        }
+        for (int64_t k = 0; k < K; k++) dp[t * K + k] = pos[t * K + k] >= 0 ? prow[pos[t * K + k]] : 0;
+    }
+    mst_guarded gx = up(ctx, x, sizeof(uint16_t) * (size_t)(N * H)), gp = up(ctx, p, sizeof(float) * (size_t)(N * K));
+    mst_guarded gpos = up(ctx, pos, sizeof(int32_t) * (size_t)(N * K));
+    mst_guarded grows = up(ctx, NULL, sizeof(uint16_t) * (size_t)(GR * H)), gprow = up(ctx, NULL, sizeof(float) * (size_t)GR);
+    mst_rows_args a = {.n_tok = N, .top_k = (int32_t)K, .cols = H, .pos = (int32_t*)gpos.data, .src = (uint16_t*)gx.data,
+                       .dst = (uint16_t*)grows.data, .src_p = (float*)gp.data, .dst_p = (float*)gprow.data};
+    CHECK_OK(ctx->be->rows_gather(ctx, &a));
+    uint16_t* gr = (uint16_t*)down(ctx, &grows, "rows gather");
+    float* gq = (float*)down(ctx, &gprow, "rows gather probs");
+    int ok = 1, untouched = 1;
+    unsigned char* written = (unsigned char*)calloc((size_t)GR, 1);
+    for (int64_t i = 0; i < N * K; i++) {
+        if (pos[i] < 0) continue;
+        written[pos[i]] = 1;
+        ok &= memcmp(gr + pos[i] * H, x + (i / K) * H, sizeof(uint16_t) * (size_t)H) == 0 &&
+              memcmp(&gq[pos[i]], &p[i], sizeof(float)) == 0;
+    }
+    for (int64_t r = 0; r < GR; r++)
+        if (!written[r]) untouched &= gr[r * H] == 0xFFFF && gr[r * H + H - 1] == 0xFFFF;
+    CHECK(ok, "rows gather: rows or probs are not exact copies");
+    CHECK(untouched, "rows gather wrote a row that no entry maps to");
+    free(gr), free(gq), free(written);
+    mst_guarded gsrc = up(ctx, rows, sizeof(uint16_t) * (size_t)(GR * H)), gsp = up(ctx, prow, sizeof(float) * (size_t)GR);
+    mst_guarded gsum = up(ctx, NULL, sizeof(uint16_t) * (size_t)(N * H)), gdp = up(ctx, NULL, sizeof(float) * (size_t)(N * K));
+    mst_rows_args s = {.n_tok = N, .top_k = (int32_t)K, .cols = H, .pos = (int32_t*)gpos.data, .src = (uint16_t*)gsrc.data,
+                       .dst = (uint16_t*)gsum.data, .src_p = (float*)gsp.data, .dst_p = (float*)gdp.data};
+    CHECK_OK(ctx->be->rows_sum(ctx, &s));
+    expect_bf16(ctx, &gsum, sum, (size_t)(N * H), "rows sum");
+    expect_fp32(ctx, &gdp, dp, (size_t)(N * K), MST_TOL_FP32, "rows sum probs");
+    mst_guarded* all[] = {&gx, &gp, &gpos, &grows, &gprow, &gsrc, &gsp, &gsum, &gdp};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++) mst_guarded_free(ctx, all[i]);
+    free(x), free(rows), free(p), free(prow), free(pos), free(sum), free(dp);
+}
+
+/* ---- sum of squares and AdamW ----------------------------------------------- */
+
+static void test_optim(mst_ctx_t* ctx) {
+    const int64_t n = 5003;
+    float *g = (float*)malloc(sizeof(float) * (size_t)n), *w = (float*)malloc(sizeof(float) * (size_t)n);
+    float *m = (float*)malloc(sizeof(float) * (size_t)n), *v = (float*)malloc(sizeof(float) * (size_t)n);
+    mst_rng_fp32(&rng, g, (size_t)n, -0.5, 0.5);
+    mst_rng_fp32(&rng, w, (size_t)n, -1, 1);
+    mst_rng_fp32(&rng, m, (size_t)n, -0.1, 0.1);
+    mst_rng_fp32(&rng, v, (size_t)n, 0, 0.01);
+    double ss = 0;
+    for (int64_t i = 0; i < n; i++) ss += (double)g[i] * g[i];
+    const float lr = 0.01f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.1f, clip = 1.0f;
+    const int64_t step = 7;
+    const double gs = sqrt(ss) > clip ? clip / sqrt(ss) : 1.0, c1 = 1 - pow(b1, step), c2 = 1 - pow(b2, step);
+    double *rw = (double*)malloc(sizeof(double) * (size_t)n), *rm = (double*)malloc(sizeof(double) * (size_t)n);
+    double *rv = (double*)malloc(sizeof(double) * (size_t)n), *rw16 = (double*)malloc(sizeof(double) * (size_t)n);
+    for (int64_t i = 0; i < n; i++) {
+        double gg = g[i] * gs;
+        rm[i] = b1 * m[i] + (1 - b1) * gg;
+        rv[i] = b2 * v[i] + (1 - b2) * gg * gg;
+        rw[i] = w[i] * (1 - lr * wd) - lr * (rm[i] / c1) / (sqrt(rv[i] / c2) + eps);
+        rw16[i] = rw[i];
+    }
+    mst_guarded gg = up(ctx, g, sizeof(float) * (size_t)n), gw = up(ctx, w, sizeof(float) * (size_t)n);
+    mst_guarded gm = up(ctx, m, sizeof(float) * (size_t)n), gv = up(ctx, v, sizeof(float) * (size_t)n);
+    mst_guarded g16 = up(ctx, NULL, sizeof(uint16_t) * (size_t)n), gss = up(ctx, NULL, sizeof(float));
+    mst_guarded gpart = up(ctx, NULL, sizeof(float) * MST_SUMSQ_PARTS);
+    mst_sumsq_args sa = {.n = n, .x = (float*)gg.data, .partial = (float*)gpart.data, .out = (float*)gss.data};
+    CHECK_OK(ctx->be->sumsq(ctx, &sa));
+    expect_fp32(ctx, &gss, &ss, 1, MST_TOL_FP32, "sum of squares");
+    mst_adamw_args a = {.n = n, .lr = lr, .beta1 = b1, .beta2 = b2, .eps = eps, .weight_decay = wd, .clip = clip,
+                        .step = step, .master = (float*)gw.data, .grad = (float*)gg.data, .m = (float*)gm.data,
+                        .v = (float*)gv.data, .w = (uint16_t*)g16.data, .grad_sumsq = (float*)gss.data,
+                        .flag = ctx->err_flag};
+    /* a raised flag: nothing moves */
+    const int32_t bits = 1;
+    CHECK_OK(mst_copy_h2b(ctx, ctx->err_flag, &bits, sizeof bits));
+    CHECK_OK(ctx->be->adamw(ctx, &a));
+    CHECK_STATUS(mst_ctx_check(ctx), MST_ERR_COUNTS);
+    float* same = (float*)down(ctx, &gw, "adamw skipped");
+    CHECK(memcmp(same, w, sizeof(float) * (size_t)n) == 0, "adamw updated the weights although the flag was set");
+    free(same);
+    CHECK_OK(ctx->be->adamw(ctx, &a));
+    expect_fp32(ctx, &gw, rw, (size_t)n, MST_TOL_FP32, "adamw master");
+    expect_fp32(ctx, &gm, rm, (size_t)n, MST_TOL_FP32, "adamw m");
+    expect_fp32(ctx, &gv, rv, (size_t)n, MST_TOL_FP32, "adamw v");
+    expect_bf16(ctx, &g16, rw16, (size_t)n, "adamw bf16 weights");
+    mst_guarded* all[] = {&gg, &gw, &gm, &gv, &g16, &gss, &gpart};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++) mst_guarded_free(ctx, all[i]);
+    free(g), free(w), free(m), free(v), free(rw), free(rm), free(rv), free(rw16);
+}
+
+static void run(mst_ctx_t* ctx) {
+    test_mm(ctx);
+    test_norm(ctx);
+    test_add_embed(ctx);
+    test_xent(ctx);
+    test_attn(ctx);
+    test_route(ctx);
+    test_rows(ctx);
+    test_optim(ctx);
+}
+
+int main(int argc, char** argv) { return mst_test_main(argc, argv, run); }
