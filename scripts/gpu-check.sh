@@ -31,6 +31,10 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
       summary+=("memcheck $(basename "$t"): $([ $? = 0 ] && echo clean || echo ERRORS)")
     done
   fi
+  # trainer end to end: CUDA vs CPU first losses, determinism, over-budget rerun, GPU default
+  scripts/train-check.sh build-gpu >"$out/train-check.log" 2>&1
+  summary+=("train-check: $([ $? = 0 ] && echo ok || echo 'FAILED (see train-check.log)')")
+  tail -24 "$out/train-check.log"
 fi
 
 if [ "$what" = all ] || [ "$what" = bench ]; then
