@@ -21,6 +21,7 @@ typedef struct mst_bench_entry {
 int mst_bench_mlp(int argc, char** argv); /* bench/bench_mlp.c */
 int mst_bench_step(int argc, char** argv); /* bench/bench_step.c */
 int mst_bench_stash(int argc, char** argv); /* bench/bench_stash.c */
+int mst_bench_gemm(int argc, char** argv); /* bench/bench_gemm.c */
 
 /* Parses --backend cpu|cuda (default: cuda when available); exit code 2 and a
  * one-line message naming the value otherwise. */

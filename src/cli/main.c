@@ -9,6 +9,7 @@
 static const mst_bench_entry benches[] = {
     {"mlp", "grouped MLP forward/backward TFLOP/s, graph-replayed (CUDA)", mst_bench_mlp},
     {"stash", "paged stash save/restore/spill GB/s beside cudaMemcpyAsync (CUDA)", mst_bench_stash},
+    {"gemm", "grouped linear fwd/dgrad/wgrad TFLOP/s, graph-replayed, vs cuBLAS loop/grouped/dense (CUDA)", mst_bench_gemm},
     {"step", "memory-manager step per policy: time and activation memory vs keep and exact shapes", mst_bench_step},
     {NULL, NULL, NULL},
 };

@@ -1,0 +1,505 @@
+/*
+ * bench_gemm.c — `moestash bench gemm [--json FILE] [--reps N]`: the CUDA
+ * grouped linear (forward TN, dgrad NN, wgrad NT with ACCUMULATE) with
+ * device-side counts, graph-replayed, beside three cuBLAS baselines measured
+ * in the same run on the same buffers:
+ *   loop    per-expert cublasGemmEx with host-known counts
+ *   grouped cublasGemmGroupedBatchedEx (one group per expert, host sizes)
+ *   roof    one dense cublasGemmEx of the same total FLOPs
+ * Every variant is captured in a CUDA graph and replayed (launch gaps out of
+ * the figures); a variant that cannot be captured is timed eagerly and says
+ * so. Shapes (total rows x in -> out, E) with balanced and skewed (Zipf-like)
+ * counts, buffers of max_rows = 1.5 x rows. Before timing, sampled outputs
+ * of ours and of the loop are checked against float64 references.
+ * A short table is printed last; --json writes every figure.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli/cli.h"
+#include "moestash.h"
+
+#ifdef MST_HAVE_CUDA
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+typedef struct gemm_shape {
+    int64_t rows, in, out; /* T, I, O */
+    int32_t E;
+} gemm_shape;
+
+static const gemm_shape shapes[] = {
+    {32768, 4096, 4096, 8},
+    {65536, 7168, 4096, 32},
+    {16384, 2048, 2816, 64},
+    {131072, 4096, 2048, 64},
+};
+#define N_SHAPES (int)(sizeof shapes / sizeof shapes[0])
+
+enum { OP_FWD, OP_DGRAD, OP_WGRAD, N_OPS };
+enum { V_OURS, V_LOOP, V_GROUPED, V_ROOF, N_VARIANTS };
+static const char* op_names[N_OPS] = {"forward", "dgrad", "wgrad"};
+static const char* variant_names[N_VARIANTS] = {"ours", "cublas_loop", "cublas_grouped", "dense_roof"};
+
+#define BLK (1 << 22) /* elements of the random block every input repeats */
+
+typedef struct gemm_bufs {
+    int64_t R, I, O;
+    int32_t E;
+    int32_t* counts_h;        /* [E] host                        */
+    int64_t* off_h;           /* [E+1] host                      */
+    mst_tensor counts;        /* [E, 1] int32 device             */
+    mst_tensor x, w, dy;      /* [R,I] [E*O,I] [R,O] bf16        */
+    mst_tensor y, dx, mg;     /* [R,O] [R,I] bf16, [E*O,I] fp32  */
+    uint16_t *hx, *hw, *hdy;  /* [BLK] host blocks the inputs repeat */
+    void** ptrs_d;            /* [3 * E] device pointer arrays (grouped) */
+} gemm_bufs;
+
+typedef struct gemm_fig {
+    double ms[N_VARIANTS];
+    int graphed[N_VARIANTS];
+} gemm_fig;
+
+/* ---- inputs --------------------------------------------------------------- */
+
+static uint64_t rng_next(uint64_t* s) { /* splitmix64 */
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static double rng_unit(uint64_t* s) { return (double)(rng_next(s) >> 11) * 0x1.0p-53; }
+
+static uint16_t* random_block(uint64_t seed, double scale) {
+    uint16_t* b = (uint16_t*)malloc(sizeof(uint16_t) * BLK);
+    for (int i = 0; i < BLK; i++) b[i] = mst_fp32_to_bf16((float)((2 * rng_unit(&seed) - 1) * scale));
+    return b;
+}
+
+/* Fills a device bf16 buffer of n elements with the host block repeated:
+ * element e = blk[e % BLK]. */
+static int fill_repeat(mst_ctx_t* ctx, uint16_t* dst, const uint16_t* blk, int64_t n) {
+    int64_t have = n < BLK ? n : BLK;
+    if (mst_copy_h2b(ctx, dst, blk, (size_t)have * 2) != MST_OK) return 0;
+    while (have < n) {
+        int64_t c = have <= n - have ? have : n - have;
+        if (mst_copy_b2b(ctx, dst + have, dst, (size_t)c * 2) != MST_OK) return 0;
+        have += c;
+    }
+    return 1;
+}
+
+/* Balanced: T/E each with a +-5% jitter; skewed: Zipf-like weights
+ * 1/(g+1)^1.2, shuffled. Sums to T exactly. */
+static void make_counts(int32_t* c, int E, int64_t T, int skewed, uint64_t seed) {
+    double* wt = (double*)malloc(sizeof(double) * E);
+    double sum = 0;
+    for (int g = 0; g < E; g++) {
+        wt[g] = skewed ? 1.0 / pow(g + 1.0, 1.2) : 0.95 + 0.1 * rng_unit(&seed);
+        sum += wt[g];
+    }
+    int64_t given = 0;
+    for (int g = 0; g < E; g++) given += c[g] = (int32_t)floor((double)T * wt[g] / sum);
+    for (int g = 0; given < T; g = (g + 1) % E, given++) c[g]++;
+    for (int g = E - 1; g > 0; g--) {
+        int j = (int)(rng_next(&seed) % (uint64_t)(g + 1));
+        int32_t t = c[g];
+        c[g] = c[j], c[j] = t;
+    }
+    free(wt);
+}
+
+/* ---- the variants ---------------------------------------------------------- */
+
+typedef struct bench_run {
+    mst_ctx_t* ctx;
+    cublasHandle_t blas;
+    gemm_bufs* b;
+    int op;
+    int variant;
+} bench_run;
+
+static double bf(uint16_t v) { return (double)mst_bf16_to_fp32(v); }
+
+static cublasStatus_t gemm_ex(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+                              int k, const void* a, int lda, const void* b, int ldb, void* c, int ldc,
+                              int c_fp32, float beta) {
+    const float alpha = 1.0f;
+    return cublasGemmEx(h, ta, tb, m, n, k, &alpha, a, CUDA_R_16BF, lda, b, CUDA_R_16BF, ldb, &beta, c,
+                        c_fp32 ? CUDA_R_32F : CUDA_R_16BF, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+}
+
+/* One cuBLAS GEMM of `rows` grouped rows starting at row r0 with weight
+ * slice g (column-major view of the row-major buffers). */
+static cublasStatus_t gemm_rows(bench_run* br, int64_t r0, int rows, int g) {
+    gemm_bufs* b = br->b;
+    const int I = (int)b->I, O = (int)b->O;
+    const uint16_t* x = (const uint16_t*)b->x.data + r0 * I;
+    const uint16_t* dy = (const uint16_t*)b->dy.data + r0 * O;
+    const uint16_t* w = (const uint16_t*)b->w.data + (int64_t)g * O * I;
+    if (br->op == OP_FWD)
+        return gemm_ex(br->blas, CUBLAS_OP_T, CUBLAS_OP_N, O, rows, I, w, I, x, I,
+                       (uint16_t*)b->y.data + r0 * O, O, 0, 0.0f);
+    if (br->op == OP_DGRAD)
+        return gemm_ex(br->blas, CUBLAS_OP_N, CUBLAS_OP_N, I, rows, O, w, I, dy, O,
+                       (uint16_t*)b->dx.data + r0 * I, I, 0, 0.0f);
+    return gemm_ex(br->blas, CUBLAS_OP_N, CUBLAS_OP_T, I, O, rows, x, I, dy, O,
+                   (float*)b->mg.data + (int64_t)g * O * I, I, 1, 1.0f);
+}
+
+/* Per group (nonempty only): m, n, k, lda, ldb, ldc, ops and pointers of
+ * the same GEMMs as gemm_rows, for cublasGemmGroupedBatchedEx. */
+static cublasStatus_t grouped(bench_run* br) {
+    gemm_bufs* b = br->b;
+    const int I = (int)b->I, O = (int)b->O, E = b->E;
+    int m[E], n[E], k[E], lda[E], ldb[E], ldc[E], size[E];
+    cublasOperation_t ta[E], tb[E];
+    float alpha[E], beta[E];
+    const void* hp[3 * E];
+    int q = 0;
+    for (int g = 0; g < E; g++) {
+        int rows = b->counts_h[g];
+        int64_t r0 = b->off_h[g];
+        if (rows == 0) continue;
+        const uint16_t* x = (const uint16_t*)b->x.data + r0 * I;
+        const uint16_t* dy = (const uint16_t*)b->dy.data + r0 * O;
+        const uint16_t* w = (const uint16_t*)b->w.data + (int64_t)g * O * I;
+        size[q] = 1, alpha[q] = 1.0f, beta[q] = br->op == OP_WGRAD ? 1.0f : 0.0f;
+        if (br->op == OP_FWD) {
+            ta[q] = CUBLAS_OP_T, tb[q] = CUBLAS_OP_N, m[q] = O, n[q] = rows, k[q] = I;
+            hp[q] = w, lda[q] = I, hp[E + q] = x, ldb[q] = I;
+            hp[2 * E + q] = (uint16_t*)b->y.data + r0 * O, ldc[q] = O;
+        } else if (br->op == OP_DGRAD) {
+            ta[q] = CUBLAS_OP_N, tb[q] = CUBLAS_OP_N, m[q] = I, n[q] = rows, k[q] = O;
+            hp[q] = w, lda[q] = I, hp[E + q] = dy, ldb[q] = O;
+            hp[2 * E + q] = (uint16_t*)b->dx.data + r0 * I, ldc[q] = I;
+        } else {
+            ta[q] = CUBLAS_OP_N, tb[q] = CUBLAS_OP_T, m[q] = I, n[q] = O, k[q] = rows;
+            hp[q] = x, lda[q] = I, hp[E + q] = dy, ldb[q] = O;
+            hp[2 * E + q] = (float*)b->mg.data + (int64_t)g * O * I, ldc[q] = I;
+        }
+        q++;
+    }
+    /* pointer arrays live on the device: A at [0, q), B at [E, E+q), C at [2E, 2E+q);
+     * uploaded by the eager warm-up, already in place when capturing */
+    cudaStream_t s = (cudaStream_t)mst_ctx_stream(br->ctx);
+    enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    cudaStreamIsCapturing(s, &cs);
+    if (cs == cudaStreamCaptureStatusNone &&
+        (cudaMemcpyAsync(b->ptrs_d, hp, sizeof(void*) * 3 * E, cudaMemcpyHostToDevice, s) != cudaSuccess ||
+         cudaStreamSynchronize(s) != cudaSuccess))
+        return CUBLAS_STATUS_EXECUTION_FAILED;
+    return cublasGemmGroupedBatchedEx(br->blas, ta, tb, m, n, k, alpha, (const void* const*)b->ptrs_d,
+                                      CUDA_R_16BF, lda, (const void* const*)(b->ptrs_d + E), CUDA_R_16BF,
+                                      ldb, beta, b->ptrs_d + 2 * E,
+                                      br->op == OP_WGRAD ? CUDA_R_32F : CUDA_R_16BF, ldc, q, size,
+                                      CUBLAS_COMPUTE_32F);
+}
+
+/* Enqueues one variant of one op on the context's stream; 0 on success. */
+static int enqueue(bench_run* br) {
+    gemm_bufs* b = br->b;
+    if (br->variant == V_OURS) {
+        mst_status st;
+        if (br->op == OP_FWD) st = mst_grouped_linear_forward(br->ctx, &b->x, &b->w, NULL, NULL, &b->counts, &b->y);
+        else if (br->op == OP_DGRAD) st = mst_grouped_linear_dgrad(br->ctx, &b->dy, &b->w, &b->counts, &b->dx);
+        else
+            st = mst_grouped_linear_wgrad(br->ctx, &b->dy, &b->x, NULL, NULL, &b->counts, &b->mg, NULL, NULL,
+                                          MST_WGRAD_ACCUMULATE);
+        if (st != MST_OK) fprintf(stderr, "bench gemm: ours %s: %s\n", op_names[br->op], mst_last_error());
+        return st != MST_OK;
+    }
+    if (br->variant == V_GROUPED) return grouped(br) != CUBLAS_STATUS_SUCCESS;
+    if (br->variant == V_ROOF) { /* all rows as one group, weight 0: same FLOPs */
+        int64_t T = b->off_h[b->E];
+        return gemm_rows(br, 0, (int)T, 0) != CUBLAS_STATUS_SUCCESS;
+    }
+    for (int g = 0; g < b->E; g++)
+        if (b->counts_h[g] && gemm_rows(br, b->off_h[g], b->counts_h[g], g) != CUBLAS_STATUS_SUCCESS) return 1;
+    return 0;
+}
+
+/* Median time in ms of `reps` graph replays (eager runs if capture fails). */
+static double time_variant(bench_run* br, int reps, int* graphed) {
+    cudaStream_t s = (cudaStream_t)mst_ctx_stream(br->ctx);
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    *graphed = 0;
+    if (enqueue(br)) return -1; /* warm-up, eager (sizes workspaces) */
+    if (cudaStreamSynchronize(s) != cudaSuccess) return -1;
+    if (cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) == cudaSuccess) {
+        int bad = enqueue(br);
+        cudaError_t e = cudaStreamEndCapture(s, &graph);
+        if (!bad && e == cudaSuccess && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) *graphed = 1;
+        if (graph) cudaGraphDestroy(graph);
+        cudaGetLastError();
+    }
+    cudaEvent_t ev[2];
+    cudaEventCreate(&ev[0]);
+    cudaEventCreate(&ev[1]);
+    double* t = (double*)malloc(sizeof(double) * reps);
+    int ok = 1;
+    for (int i = 0; i < reps + 2 && ok; i++) {
+        cudaEventRecord(ev[0], s);
+        ok = *graphed ? cudaGraphLaunch(exec, s) == cudaSuccess : !enqueue(br);
+        cudaEventRecord(ev[1], s);
+        ok = ok && cudaEventSynchronize(ev[1]) == cudaSuccess;
+        float ms = 0;
+        cudaEventElapsedTime(&ms, ev[0], ev[1]);
+        if (i >= 2) t[i - 2] = ms; /* two more warm-ups */
+    }
+    for (int i = 1; i < reps; i++) /* insertion sort for the median */
+        for (int j = i; j > 0 && t[j] < t[j - 1]; j--) {
+            double u = t[j];
+            t[j] = t[j - 1], t[j - 1] = u;
+        }
+    double med = ok ? t[reps / 2] : -1;
+    free(t);
+    if (exec) cudaGraphExecDestroy(exec);
+    cudaEventDestroy(ev[0]);
+    cudaEventDestroy(ev[1]);
+    return med;
+}
+
+/* ---- correctness ------------------------------------------------------------ */
+
+/* Input element values from the repeated host blocks. */
+static double xv(const gemm_bufs* b, int64_t r, int64_t i) { return bf(b->hx[(r * b->I + i) % BLK]); }
+static double wv(const gemm_bufs* b, int g, int64_t o, int64_t i) {
+    return bf(b->hw[(((int64_t)g * b->O + o) * b->I + i) % BLK]);
+}
+static double dyv(const gemm_bufs* b, int64_t r, int64_t o) { return bf(b->hdy[(r * b->O + o) % BLK]); }
+
+static int row_group(const gemm_bufs* b, int64_t r) {
+    int g = 0;
+    while (b->off_h[g + 1] <= r) g++;
+    return g;
+}
+
+/* Runs `variant` of `op` once (wgrad as OVERWRITE from NaN for ours, and
+ * from zeros + beta 1 for cuBLAS) and compares 256 sampled outputs with
+ * float64; returns the relative norm error. */
+static double check_variant(bench_run* br, uint64_t seed) {
+    gemm_bufs* b = br->b;
+    const int64_t T = b->off_h[b->E];
+    if (br->op == OP_WGRAD) {
+        mst_fill(br->ctx, b->mg.data, br->variant == V_OURS ? 0xFF : 0, mst_tensor_bytes(&b->mg));
+        if (br->variant == V_OURS) {
+            if (mst_grouped_linear_wgrad(br->ctx, &b->dy, &b->x, NULL, NULL, &b->counts, &b->mg, NULL, NULL,
+                                         MST_WGRAD_OVERWRITE) != MST_OK)
+                return INFINITY;
+        } else if (enqueue(br))
+            return INFINITY;
+    } else {
+        mst_tensor* out = br->op == OP_FWD ? &b->y : &b->dx;
+        mst_fill(br->ctx, out->data, 0xFF, mst_tensor_bytes(out));
+        if (enqueue(br)) return INFINITY;
+    }
+    if (mst_ctx_check(br->ctx) != MST_OK) return INFINITY;
+    double num = 0, den = 0;
+    for (int q = 0; q < 256; q++) {
+        double ref = 0, got;
+        if (br->op == OP_WGRAD) {
+            int g = (int)(rng_next(&seed) % (uint64_t)b->E);
+            int64_t o = (int64_t)(rng_next(&seed) % (uint64_t)b->O), i = (int64_t)(rng_next(&seed) % (uint64_t)b->I);
+            for (int64_t r = b->off_h[g]; r < b->off_h[g + 1]; r++) ref += dyv(b, r, o) * xv(b, r, i);
+            float v;
+            mst_copy_b2h(br->ctx, &v, (float*)b->mg.data + ((int64_t)g * b->O + o) * b->I + i, 4);
+            got = v;
+        } else {
+            int64_t r = (int64_t)(rng_next(&seed) % (uint64_t)T);
+            int g = row_group(b, r);
+            int64_t n = br->op == OP_FWD ? b->O : b->I;
+            int64_t c = (int64_t)(rng_next(&seed) % (uint64_t)n);
+            if (br->op == OP_FWD)
+                for (int64_t i = 0; i < b->I; i++) ref += xv(b, r, i) * wv(b, g, c, i);
+            else
+                for (int64_t o = 0; o < b->O; o++) ref += dyv(b, r, o) * wv(b, g, o, c);
+            uint16_t v;
+            const uint16_t* base = (const uint16_t*)(br->op == OP_FWD ? b->y.data : b->dx.data);
+            mst_copy_b2h(br->ctx, &v, base + r * n + c, 2);
+            got = bf(v);
+        }
+        num += (got - ref) * (got - ref);
+        den += ref * ref;
+    }
+    return isnan(num) ? INFINITY : sqrt(num / (den > 0 ? den : 1));
+}
+
+/* ---- buffers ---------------------------------------------------------------- */
+
+static int bufs_alloc(mst_ctx_t* ctx, gemm_bufs* b, const gemm_shape* s) {
+    memset(b, 0, sizeof *b);
+    b->R = s->rows * 3 / 2, b->I = s->in, b->O = s->out, b->E = s->E;
+    void *c, *x, *w, *dy, *y, *dx, *mg;
+    mst_status st = mst_alloc(ctx, 4 * (size_t)b->E, &c);
+    if (st == MST_OK) st = mst_alloc(ctx, 2 * (size_t)(b->R * b->I), &x);
+    if (st == MST_OK) st = mst_alloc(ctx, 2 * (size_t)(b->E * b->O * b->I), &w);
+    if (st == MST_OK) st = mst_alloc(ctx, 2 * (size_t)(b->R * b->O), &dy);
+    if (st == MST_OK) st = mst_alloc(ctx, 2 * (size_t)(b->R * b->O), &y);
+    if (st == MST_OK) st = mst_alloc(ctx, 2 * (size_t)(b->R * b->I), &dx);
+    if (st == MST_OK) st = mst_alloc(ctx, 4 * (size_t)(b->E * b->O * b->I), &mg);
+    if (st == MST_OK) st = mst_alloc(ctx, sizeof(void*) * 3 * (size_t)b->E, (void**)&b->ptrs_d);
+    if (st != MST_OK) {
+        fprintf(stderr, "bench gemm: %s\n", mst_last_error());
+        return 0;
+    }
+    b->counts = mst_tensor_make(c, MST_DTYPE_INT32, b->E, 1);
+    b->x = mst_tensor_make(x, MST_DTYPE_BF16, b->R, b->I);
+    b->w = mst_tensor_make(w, MST_DTYPE_BF16, b->E * b->O, b->I);
+    b->dy = mst_tensor_make(dy, MST_DTYPE_BF16, b->R, b->O);
+    b->y = mst_tensor_make(y, MST_DTYPE_BF16, b->R, b->O);
+    b->dx = mst_tensor_make(dx, MST_DTYPE_BF16, b->R, b->I);
+    b->mg = mst_tensor_make(mg, MST_DTYPE_FP32, b->E * b->O, b->I);
+    b->counts_h = (int32_t*)malloc(sizeof(int32_t) * b->E);
+    b->off_h = (int64_t*)malloc(sizeof(int64_t) * (b->E + 1));
+    b->hx = random_block(11 + (uint64_t)s->in, 1.0);
+    b->hw = random_block(23 + (uint64_t)s->out, 1.0 / sqrt((double)s->in));
+    b->hdy = random_block(37 + (uint64_t)s->E, 1.0);
+    return fill_repeat(ctx, (uint16_t*)x, b->hx, b->R * b->I) && fill_repeat(ctx, (uint16_t*)w, b->hw, b->E * b->O * b->I) &&
+           fill_repeat(ctx, (uint16_t*)dy, b->hdy, b->R * b->O) &&
+           mst_fill(ctx, mg, 0, mst_tensor_bytes(&b->mg)) == MST_OK;
+}
+
+static void bufs_free(mst_ctx_t* ctx, gemm_bufs* b) {
+    void* p[] = {b->counts.data, b->x.data, b->w.data, b->dy.data, b->y.data, b->dx.data, b->mg.data, b->ptrs_d};
+    for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) mst_free(ctx, p[i]);
+    free(b->counts_h), free(b->off_h), free(b->hx), free(b->hw), free(b->hdy);
+}
+
+static int set_counts(mst_ctx_t* ctx, gemm_bufs* b, int64_t T, int skewed) {
+    make_counts(b->counts_h, b->E, T, skewed, 1234 + (uint64_t)b->E);
+    b->off_h[0] = 0;
+    for (int g = 0; g < b->E; g++) b->off_h[g + 1] = b->off_h[g] + b->counts_h[g];
+    return mst_copy_h2b(ctx, b->counts.data, b->counts_h, sizeof(int32_t) * b->E) == MST_OK;
+}
+
+/* ---- report ------------------------------------------------------------------ */
+
+static double tflops(const gemm_shape* s, double ms) {
+    return ms > 0 ? 2.0 * (double)s->rows * (double)s->in * (double)s->out / (ms * 1e-3) / 1e12 : 0;
+}
+
+static void write_json(FILE* f, const char* device, const gemm_fig (*fig)[2][N_OPS], const double (*err)[2][N_OPS][2]) {
+    fprintf(f, "{\n  \"bench\": \"gemm\",\n  \"device\": \"%s\",\n  \"results\": [\n", device);
+    int first = 1;
+    for (int si = 0; si < N_SHAPES; si++)
+        for (int d = 0; d < 2; d++)
+            for (int op = 0; op < N_OPS; op++) {
+                const gemm_shape* s = &shapes[si];
+                const gemm_fig* fg = &fig[si][d][op];
+                fprintf(f, "%s    {\"rows\": %lld, \"in\": %lld, \"out\": %lld, \"E\": %d, \"counts\": \"%s\", \"op\": \"%s\", "
+                           "\"err_ours\": %.3g, \"err_loop\": %.3g",
+                        first ? "" : ",\n", (long long)s->rows, (long long)s->in, (long long)s->out, s->E,
+                        d ? "skewed" : "balanced", op_names[op], err[si][d][op][0], err[si][d][op][1]);
+                for (int v = 0; v < N_VARIANTS; v++)
+                    fprintf(f, ", \"%s_ms\": %.4f, \"%s_tflops\": %.1f, \"%s_graph\": %d", variant_names[v],
+                            fg->ms[v], variant_names[v], tflops(s, fg->ms[v]), variant_names[v], fg->graphed[v]);
+                fprintf(f, ", \"ours_over_roof\": %.3f}", fg->ms[V_OURS] > 0 ? fg->ms[V_ROOF] / fg->ms[V_OURS] : 0);
+                first = 0;
+            }
+    fprintf(f, "\n  ]\n}\n");
+}
+
+int mst_bench_gemm(int argc, char** argv) {
+    const char* json = NULL;
+    int reps = 20;
+    for (int i = 0; i < argc; i++) {
+        if (strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
+        else if (strcmp(argv[i], "--reps") == 0 && i + 1 < argc) reps = atoi(argv[++i]);
+        else {
+            fprintf(stderr, "bench gemm: unknown argument '%s' (--json FILE, --reps N)\n", argv[i]);
+            return 2;
+        }
+    }
+    if (reps < 3) reps = 3;
+    if (!mst_backend_available(MST_BACKEND_CUDA)) {
+        fprintf(stderr, "bench gemm: needs the CUDA backend and a device\n");
+        return 2;
+    }
+    mst_ctx_t* ctx = NULL;
+    if (mst_ctx_create(MST_BACKEND_CUDA, 0, &ctx) != MST_OK) {
+        fprintf(stderr, "bench gemm: %s\n", mst_last_error());
+        return 1;
+    }
+    printf("bench gemm on %s\n", mst_ctx_describe(ctx));
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    void* blas_ws = NULL;
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    mst_ctx_set_stream(ctx, stream);
+    cublasCreate(&blas);
+    cublasSetStream(blas, stream);
+    if (mst_alloc(ctx, 64u << 20, &blas_ws) == MST_OK) cublasSetWorkspace(blas, blas_ws, 64u << 20);
+
+    static gemm_fig fig[N_SHAPES][2][N_OPS];
+    static double err[N_SHAPES][2][N_OPS][2];
+    int fails = 0;
+    for (int si = 0; si < N_SHAPES; si++) {
+        const gemm_shape* s = &shapes[si];
+        gemm_bufs b;
+        if (!bufs_alloc(ctx, &b, s)) return 1;
+        for (int d = 0; d < 2; d++) {
+            if (!set_counts(ctx, &b, s->rows, d)) return 1;
+            for (int op = 0; op < N_OPS; op++) {
+                bench_run br = {ctx, blas, &b, op, V_OURS};
+                err[si][d][op][0] = check_variant(&br, 99 + (uint64_t)op);
+                br.variant = V_LOOP;
+                err[si][d][op][1] = check_variant(&br, 99 + (uint64_t)op);
+                for (int k = 0; k < 2; k++) fails += !(err[si][d][op][k] < 1e-2);
+                for (int v = 0; v < N_VARIANTS; v++) {
+                    br.variant = v;
+                    fig[si][d][op].ms[v] = time_variant(&br, reps, &fig[si][d][op].graphed[v]);
+                }
+                const gemm_fig* f = &fig[si][d][op];
+                printf("%6lld x %4lld -> %4lld E=%3d %-8s %-7s err %.1e/%.1e  ours %6.1f  loop %6.1f  grouped %6.1f  "
+                       "roof %6.1f TFLOP/s  ours/roof %.2f\n",
+                       (long long)s->rows, (long long)s->in, (long long)s->out, s->E, d ? "skewed" : "balanced",
+                       op_names[op], err[si][d][op][0], err[si][d][op][1], tflops(s, f->ms[V_OURS]),
+                       tflops(s, f->ms[V_LOOP]), tflops(s, f->ms[V_GROUPED]), tflops(s, f->ms[V_ROOF]),
+                       f->ms[V_OURS] > 0 ? f->ms[V_ROOF] / f->ms[V_OURS] : 0);
+                fflush(stdout);
+            }
+        }
+        bufs_free(ctx, &b);
+    }
+    if (json) {
+        FILE* f = fopen(json, "w");
+        if (!f) fprintf(stderr, "bench gemm: cannot write %s\n", json), fails++;
+        else write_json(f, mst_ctx_describe(ctx), fig, err), fclose(f);
+    }
+    printf("\n%-24s %-8s | %-24s | %-24s | %-24s\n", "shape (T x I -> O, E)", "counts", "forward ours/roof (TF)",
+           "dgrad ours/roof (TF)", "wgrad acc ours/roof (TF)");
+    for (int si = 0; si < N_SHAPES; si++)
+        for (int d = 0; d < 2; d++) {
+            const gemm_shape* s = &shapes[si];
+            char name[40];
+            snprintf(name, sizeof name, "%lldx%lld->%lld E%d", (long long)s->rows, (long long)s->in,
+                     (long long)s->out, s->E);
+            printf("%-24s %-8s", name, d ? "skewed" : "balanced");
+            for (int op = 0; op < N_OPS; op++) {
+                const gemm_fig* f = &fig[si][d][op];
+                printf(" | %4.2f (%5.0f / %5.0f)     ", f->ms[V_OURS] > 0 ? f->ms[V_ROOF] / f->ms[V_OURS] : 0,
+                       tflops(s, f->ms[V_OURS]), tflops(s, f->ms[V_ROOF]));
+            }
+            printf("\n");
+        }
+    printf("correctness: %s\n", fails ? "FAILED (see err columns)" : "all sampled outputs within 1e-2 of float64");
+    mst_ctx_set_stream(ctx, NULL);
+    cublasDestroy(blas);
+    mst_ctx_destroy(ctx);
+    cudaStreamDestroy(stream);
+    return fails ? 1 : 0;
+}
+
+#else
+
+int mst_bench_gemm(int argc, char** argv) {
+    (void)argc, (void)argv;
+    fprintf(stderr, "bench gemm: built without the CUDA backend\n");
+    return 2;
+}
+
+#endif
