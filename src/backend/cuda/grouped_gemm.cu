@@ -50,7 +50,7 @@ __device__ __forceinline__ int32_t group_tiles(int32_t count, int32_t rows_tile,
     return count > 0 || include_empty ? tiles_fixed : 0;
 }
 
-/* One block: validate counts, offsets, order groups by work (largest first,
+/* One block: validate counts, offsets, order groups by rows (largest first,
  * ties by index: deterministic), tile offsets, reset the tile counter. */
 __global__ void schedule_kernel(const int32_t* counts, int32_t n_groups, int64_t max_rows,
                                 int32_t rows_tile, int32_t tiles_fixed, int include_empty,
@@ -70,8 +70,8 @@ __global__ void schedule_kernel(const int32_t* counts, int32_t n_groups, int64_t
     __syncthreads();
     for (int g = threadIdx.x; g < n_groups; g += blockDim.x) {
         int rank = 0;
-        for (int h = 0; h < n_groups; h++)
-            rank += work[h] > work[g] || (work[h] == work[g] && h < g);
+        for (int h = 0; h < n_groups; h++) /* by rows: the tile count or the K length */
+            rank += cnt[h] > cnt[g] || (cnt[h] == cnt[g] && h < g);
         s.order[rank] = g;
     }
     __syncthreads(); /* order visible to warp 0 (global writes of this block) */
@@ -214,8 +214,12 @@ static mst_status gg_run(mst_ctx_t* ctx, const mst_gl_args* a, int op) {
                              "at most 2^31 - 1 of each",
                              (long long)a->max_rows, (long long)a->in, (long long)a->out);
     const gg_problem p = make_problem(a, op);
+    int major = 0;
+    MST_CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->device));
+    const int hopper = p.vec && major == 9; /* wgmma + TMA need 16-byte rows */
     int bm, bn;
-    gg_mma_tile(&bm, &bn);
+    if (hopper) gg_wgmma_tile(&bm, &bn);
+    else gg_mma_tile(&bm, &bn);
     gg_sched s;
     MST_TRY(sched_make(ctx, a->n_groups, &s));
     const int32_t rows_tile = op == GG_WGRAD ? 0 : bm;
@@ -229,7 +233,8 @@ static mst_status gg_run(mst_ctx_t* ctx, const mst_gl_args* a, int op) {
                                                       tiles_fixed, op == GG_WGRAD && !a->accumulate,
                                                       s, ctx->err_flag);
     MST_CUDA_LAUNCHED();
-    MST_TRY(gg_launch_mma(&p, &s, c->n_sm, c->stream));
+    if (hopper) MST_TRY(gg_launch_wgmma(&p, &s, a->max_rows, c->n_sm, c->stream));
+    else MST_TRY(gg_launch_mma(&p, &s, c->n_sm, c->stream));
     if (op == GG_WGRAD) MST_TRY(bias_grads(ctx, a, &s));
     return MST_OK;
 }

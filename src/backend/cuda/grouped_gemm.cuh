@@ -27,7 +27,7 @@ enum { GG_H_TILES = 0, GG_H_NEXT = 1, GG_H_OK = 2, GG_H_WORDS = 4 };
  *   hdr[GG_H_OK]    = 1 when counts are valid
  * Invariants (valid counts): off[0] = 0, off[g+1] = off[g] + counts[g] <= R;
  * tile_off[0] = 0, tile_off[s+1] - tile_off[s] = tiles of group order[s];
- * order is a permutation of [0, E) by decreasing tile work (largest first). */
+ * order is a permutation of [0, E) by decreasing rows (largest first). */
 typedef struct gg_sched {
     int32_t* hdr;      /* [GG_H_WORDS]                           */
     int32_t* off;      /* [E+1] row offsets, group order         */
@@ -102,12 +102,50 @@ __device__ __forceinline__ int32_t gg_next_tile(const gg_sched& s) {
     return atomicAdd(s.hdr + GG_H_NEXT, 1);
 }
 
+/* Epilogue of every kernel: writes one accumulator pair (row m, cols n,
+ * n+1 of the group's C): y / dx in bf16 (forward adds bias[g] * s[r]), or
+ * main_grad_w in fp32 (= or += by mode). Masked to the group's extents. */
+template <int OP>
+__device__ __forceinline__ void gg_store_pair(const gg_problem& p, const gg_tile& t, int m, int n,
+                                           float v0, float v1) {
+    if (m >= t.m_lim || n >= t.n_lim) return;
+    bool two = n + 1 < t.n_lim;
+    if (OP == GG_WGRAD) {
+        float* c = (float*)p.c + ((int64_t)t.g * p.M + m) * p.ldc + n;
+        if (two && p.vec) {
+            float2 o = p.accumulate ? *(float2*)c : make_float2(0.f, 0.f);
+            *(float2*)c = make_float2(o.x + v0, o.y + v1);
+        } else {
+            c[0] = p.accumulate ? c[0] + v0 : v0;
+            if (two) c[1] = p.accumulate ? c[1] + v1 : v1;
+        }
+        return;
+    }
+    int64_t r = (int64_t)t.row0 + m;
+    if (OP == GG_FWD && p.bias) {
+        float s = p.scale ? p.scale[r] : 1.0f;
+        const __nv_bfloat16* bg = (const __nv_bfloat16*)p.bias + (int64_t)t.g * p.N + n;
+        v0 += __bfloat162float(bg[0]) * s;
+        if (two) v1 += __bfloat162float(bg[1]) * s;
+    }
+    __nv_bfloat16* c = (__nv_bfloat16*)p.c + r * p.ldc + n;
+    if (two && p.vec) *(__nv_bfloat162*)c = __floats2bfloat162_rn(v0, v1);
+    else {
+        c[0] = __float2bfloat16_rn(v0);
+        if (two) c[1] = __float2bfloat16_rn(v1);
+    }
+}
+
 #ifdef __cplusplus
 extern "C" {
 #endif
 /* Launchers (grouped_gemm_*.cu): enqueue the GEMM of `p` on `stream`. */
 mst_status gg_launch_mma(const gg_problem* p, const gg_sched* s, int n_sm, cudaStream_t stream);
 void gg_mma_tile(int* bm, int* bn); /* the mma kernel's CTA tile */
+/* Hopper path: operands through TMA (needs rows 16-byte aligned: p->vec). */
+mst_status gg_launch_wgmma(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm,
+                           cudaStream_t stream);
+void gg_wgmma_tile(int* bm, int* bn);
 #ifdef __cplusplus
 }
 #endif

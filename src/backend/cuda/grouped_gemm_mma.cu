@@ -133,38 +133,6 @@ __device__ __forceinline__ void load_stage(const gg_problem& p, const gg_tile& t
     else load_tile<BK, BN>(sb, b, p.ldb, k0, t.n0, t.k_len, t.n_lim, p.vec);
 }
 
-/* Writes one accumulator pair (row m, cols n, n+1 of the group's C). */
-template <int OP>
-__device__ __forceinline__ void store_pair(const gg_problem& p, const gg_tile& t, int m, int n,
-                                           float v0, float v1) {
-    if (m >= t.m_lim || n >= t.n_lim) return;
-    bool two = n + 1 < t.n_lim;
-    if (OP == GG_WGRAD) {
-        float* c = (float*)p.c + ((int64_t)t.g * p.M + m) * p.ldc + n;
-        if (two && p.vec) {
-            float2 o = p.accumulate ? *(float2*)c : make_float2(0.f, 0.f);
-            *(float2*)c = make_float2(o.x + v0, o.y + v1);
-        } else {
-            c[0] = p.accumulate ? c[0] + v0 : v0;
-            if (two) c[1] = p.accumulate ? c[1] + v1 : v1;
-        }
-        return;
-    }
-    int64_t r = (int64_t)t.row0 + m;
-    if (OP == GG_FWD && p.bias) {
-        float s = p.scale ? p.scale[r] : 1.0f;
-        const __nv_bfloat16* bg = (const __nv_bfloat16*)p.bias + (int64_t)t.g * p.N + n;
-        v0 += __bfloat162float(bg[0]) * s;
-        if (two) v1 += __bfloat162float(bg[1]) * s;
-    }
-    __nv_bfloat16* c = (__nv_bfloat16*)p.c + r * p.ldc + n;
-    if (two && p.vec) *(__nv_bfloat162*)c = __floats2bfloat162_rn(v0, v1);
-    else {
-        c[0] = __float2bfloat16_rn(v0);
-        if (two) c[1] = __float2bfloat16_rn(v1);
-    }
-}
-
 template <int OP>
 __global__ void __launch_bounds__(THREADS) mma_kernel(const gg_problem p, const gg_sched s) {
     using L = layout<OP>;
@@ -231,8 +199,8 @@ __global__ void __launch_bounds__(THREADS) mma_kernel(const gg_problem p, const 
         for (int x = 0; x < MT * NT; x++) {
             const int i = x / NT, j = x % NT;
             int m = t.m0 + wm + i * 16 + (lane >> 2), n = t.n0 + wn + j * 8 + (lane & 3) * 2;
-            store_pair<OP>(p, t, m, n, acc[i][j][0], acc[i][j][1]);
-            store_pair<OP>(p, t, m + 8, n, acc[i][j][2], acc[i][j][3]);
+            gg_store_pair<OP>(p, t, m, n, acc[i][j][0], acc[i][j][1]);
+            gg_store_pair<OP>(p, t, m + 8, n, acc[i][j][2], acc[i][j][3]);
         }
     }
 }

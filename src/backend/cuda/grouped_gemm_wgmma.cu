@@ -1,0 +1,328 @@
+/*
+ * grouped_gemm_wgmma.cu — the Hopper (sm_90a) grouped GEMM: a persistent,
+ * warp-specialized kernel of three warpgroups. Warpgroup 0 (one thread)
+ * feeds a GG_W_STAGES-deep ring of shared-memory stages with TMA
+ * (cp.async.bulk.tensor, 128-byte swizzle) completing on mbarriers;
+ * warpgroups 1 and 2 each multiply 64 rows of the 128 x 256 tile with
+ * wgmma.m64n256k16 (operands straight from shared memory, M/N-major ones
+ * through the descriptor's transpose bit) and write the epilogue from
+ * registers. Tiles come from the device schedule, striding over the grid.
+ *
+ * Rows: TMA boxes are placed at the group's first row, so a box may run
+ * into the next group's rows (or padding rows up to max_rows; TMA zero-fills
+ * past max_rows). For forward and dgrad such rows only reach accumulator rows
+ * that the epilogue never stores. For wgrad, where rows are the K dimension,
+ * the consumers zero the stage rows past the group's count before the MMA,
+ * so no row outside the group contributes.
+ */
+#include <cuda.h>
+
+#include "grouped_gemm.cuh"
+
+namespace {
+
+constexpr int BM = 128, BN = 256, BK = 64;            /* CTA tile; BK = one 128-byte swizzle row */
+constexpr int GG_W_STAGES = 4;
+constexpr int THREADS = 384;                          /* producer WG + 2 consumer WGs */
+constexpr int CONSUMERS = 256;
+constexpr uint32_t A_BYTES = BM * BK * 2;             /* 16 KiB per stage */
+constexpr uint32_t B_BYTES = BN * BK * 2;             /* 32 KiB per stage */
+constexpr uint32_t BOX_BYTES = 64 * BK * 2;           /* one [BK rows][64] M/N-major box */
+constexpr uint32_t ROW_BYTES = 128;                   /* one swizzled smem row */
+constexpr size_t SMEM_BYTES = GG_W_STAGES * (A_BYTES + B_BYTES) + 1024; /* + alignment slack */
+
+template <int OP>
+struct layout {
+    static constexpr int A_MN = OP == GG_WGRAD; /* A is M-major (transposed) */
+    static constexpr int B_MN = OP != GG_FWD;   /* B is N-major (transposed) */
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+/* ---- mbarriers ---- */
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nwait_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait_%=;\n}\n" ::"r"(smem_u32(bar)),
+        "r"(parity)
+        : "memory");
+}
+
+/* ---- TMA ---- */
+__device__ __forceinline__ void tma_2d(void* dst, const CUtensorMap* map, int c0, int c1, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+            smem_u32(dst)),
+        "l"(map), "r"(c0), "r"(c1), "r"(smem_u32(bar))
+        : "memory");
+}
+__device__ __forceinline__ void tma_3d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(
+            smem_u32(dst)),
+        "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
+        : "memory");
+}
+
+/* ---- wgmma ---- */
+/* Shared-memory matrix descriptor, 128-byte swizzle: lbo / sbo in bytes. */
+__device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)((lbo >> 4) & 0x3FFF) << 16 |
+           (uint64_t)((sbo >> 4) & 0x3FFF) << 32 | 1ull << 62;
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+/* Keeps the compiler from moving accumulator reads or writes across the
+ * asynchronous MMA (a dependency on every register). */
+__device__ __forceinline__ void fence_acc(float (&d)[128]) {
+#pragma unroll
+    for (int i = 0; i < 128; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_256(float (&d)[128], uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+        "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db), "r"(1), "n"(TA), "n"(TB));
+}
+
+/* Descriptors of k-step kk (16 columns of K) for consumer warpgroup wg.
+ * K-major tiles: rows of 64 K values (128 B), 8-row atoms 1024 B apart; a
+ * k-step moves 32 B inside the row. M/N-major tiles: boxes of [BK][64],
+ * BOX_BYTES apart along M/N (leading offset), 8-row atoms 1024 B apart
+ * along K (stride offset); a k-step moves 16 rows. */
+template <int OP>
+__device__ __forceinline__ uint64_t desc_a(uint32_t sa, int wg, int kk) {
+    if (layout<OP>::A_MN) return desc(sa + wg * BOX_BYTES + kk * 16 * ROW_BYTES, BOX_BYTES, 8 * ROW_BYTES);
+    return desc(sa + wg * 64 * ROW_BYTES + kk * 32, 16, 8 * ROW_BYTES);
+}
+template <int OP>
+__device__ __forceinline__ uint64_t desc_b(uint32_t sb, int kk) {
+    if (layout<OP>::B_MN) return desc(sb + kk * 16 * ROW_BYTES, BOX_BYTES, 8 * ROW_BYTES);
+    return desc(sb + kk * 32, 16, 8 * ROW_BYTES);
+}
+
+/* The producer's loads of k-block k0 of tile t into one stage. */
+template <int OP>
+__device__ __forceinline__ void load_stage(const CUtensorMap* ma, const CUtensorMap* mb, const gg_tile& t,
+                                           int k0, uint8_t* sa, uint8_t* sb, uint64_t* full) {
+    mbar_expect_tx(full, A_BYTES + B_BYTES);
+    if (OP == GG_WGRAD) { /* A: dy rows [row0 + k0, +BK) x cols [m0, m0 + BM), two boxes */
+        tma_2d(sa, ma, t.m0, t.row0 + k0, full);
+        tma_2d(sa + BOX_BYTES, ma, t.m0 + 64, t.row0 + k0, full);
+    } else { /* A: rows [row0 + m0, +BM) x K [k0, +BK), one box */
+        tma_2d(sa, ma, k0, t.row0 + t.m0, full);
+    }
+    if (OP == GG_FWD) { /* B: W[g] rows [n0, +BN) x K [k0, +BK), one box */
+        tma_3d(sb, mb, k0, t.n0, t.g, full);
+    } else {
+#pragma unroll
+        for (int j = 0; j < BN / 64; j++) {
+            if (OP == GG_DGRAD) tma_3d(sb + j * BOX_BYTES, mb, t.n0 + 64 * j, k0, t.g, full); /* W[g] [O][I] */
+            else tma_2d(sb + j * BOX_BYTES, mb, t.n0 + 64 * j, t.row0 + k0, full);          /* x rows */
+        }
+    }
+}
+
+/* wgrad: zero the stage rows [valid, BK) of every box (rows past the
+ * group's count), then make the writes visible to the tensor cores. */
+__device__ __forceinline__ void zero_tail_rows(uint8_t* sa, uint8_t* sb, int valid, int ct) {
+    const int per_box = (BK - valid) * (ROW_BYTES / 16);
+    const int boxes = (A_BYTES + B_BYTES) / BOX_BYTES;
+    for (int i = ct; i < boxes * per_box; i += CONSUMERS) {
+        int box = i / per_box, rem = i % per_box;
+        uint8_t* base = box < 2 ? sa + box * BOX_BYTES : sb + (box - 2) * BOX_BYTES;
+        *(uint4*)(base + (valid + rem / 8) * ROW_BYTES + (rem % 8) * 16) = make_uint4(0, 0, 0, 0);
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory");
+}
+
+template <int OP>
+__global__ void __launch_bounds__(THREADS, 1)
+    wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                 const gg_problem p, const gg_sched s) {
+    extern __shared__ uint8_t smem_raw[];
+    __shared__ __align__(8) uint64_t full[GG_W_STAGES], empty[GG_W_STAGES];
+    uint8_t* smem = (uint8_t*)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023); /* swizzle atoms */
+    uint8_t* sa = smem;                             /* [STAGES][A_BYTES] */
+    uint8_t* sb = smem + GG_W_STAGES * A_BYTES;     /* [STAGES][B_BYTES] */
+    const int wg = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < GG_W_STAGES; i++) {
+            mbar_init(&full[i], 1);
+            mbar_init(&empty[i], CONSUMERS / 32); /* one arrival per consumer warp */
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    const int32_t n_tiles = s.hdr[GG_H_TILES];
+
+    if (wg == 0) { /* producer */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        if (threadIdx.x != 0) return;
+        int st = 0;
+        uint32_t ph = 0;
+        for (int32_t ti = blockIdx.x; ti < n_tiles; ti += gridDim.x) {
+            const gg_tile t = gg_decode(p, s, ti, BM, BN);
+            for (int k0 = 0; k0 < t.k_len; k0 += BK) {
+                mbar_wait(&empty[st], ph ^ 1);
+                load_stage<OP>(&map_a, &map_b, t, k0, sa + st * A_BYTES, sb + st * B_BYTES, &full[st]);
+                if (++st == GG_W_STAGES) st = 0, ph ^= 1;
+            }
+        }
+        return;
+    }
+
+    /* consumers */
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int cw = wg - 1, ct = threadIdx.x - 128, lane = threadIdx.x & 31, warp = (ct >> 5) & 3;
+    float acc[128];
+    int st = 0;
+    uint32_t ph = 0;
+    for (int32_t ti = blockIdx.x; ti < n_tiles; ti += gridDim.x) {
+        const gg_tile t = gg_decode(p, s, ti, BM, BN);
+#pragma unroll
+        for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+        fence_acc(acc);
+        int prev = -1;
+        for (int k0 = 0; k0 < t.k_len; k0 += BK) {
+            mbar_wait(&full[st], ph);
+            uint8_t* a = sa + st * A_BYTES;
+            uint8_t* b = sb + st * B_BYTES;
+            if (OP == GG_WGRAD && t.k_len - k0 < BK) zero_tail_rows(a, b, t.k_len - k0, ct);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; kk++)
+                wgmma_256<layout<OP>::A_MN, layout<OP>::B_MN>(acc, desc_a<OP>(smem_u32(a), cw, kk),
+                                                              desc_b<OP>(smem_u32(b), kk));
+            wgmma_commit();
+            wgmma_wait<1>(); /* the previous stage's MMAs are done: hand it back */
+            fence_acc(acc);
+            if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+            prev = st;
+            if (++st == GG_W_STAGES) st = 0, ph ^= 1;
+        }
+        wgmma_wait<0>();
+        fence_acc(acc);
+        if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+
+        const int m = t.m0 + cw * 64 + warp * 16 + (lane >> 2);
+        const int n = t.n0 + (lane & 3) * 2;
+#pragma unroll
+        for (int i = 0; i < BN / 8; i++) {
+            gg_store_pair<OP>(p, t, m, n + 8 * i, acc[4 * i], acc[4 * i + 1]);
+            gg_store_pair<OP>(p, t, m + 8, n + 8 * i, acc[4 * i + 2], acc[4 * i + 3]);
+        }
+    }
+}
+
+/* ---- host ---- */
+
+/* cuTensorMapEncodeTiled through the runtime's driver entry point, so the
+ * library does not link libcuda (CPU-only machines load it without one). */
+typedef CUresult (*encode_tiled_fn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                    const cuuint64_t*, const cuuint32_t*, const cuuint32_t*,
+                                    CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion,
+                                    CUtensorMapFloatOOBfill);
+
+mst_status encoder(encode_tiled_fn* out) {
+    static encode_tiled_fn fn = NULL;
+    if (!fn) {
+        cudaDriverEntryPointQueryResult q;
+        void* f = NULL;
+        MST_CUDA_TRY(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
+        if (q != cudaDriverEntryPointSuccess || !f)
+            return mst_set_error(MST_ERR_BACKEND, "cuTensorMapEncodeTiled not found in the driver (query %d)", (int)q);
+        fn = (encode_tiled_fn)f;
+    }
+    *out = fn;
+    return MST_OK;
+}
+
+/* A bf16 tensor map of rank 2 ([rows][cols]) or 3 ([groups][rows][cols])
+ * with a box of box_cols (<= 64: one swizzle row) x box_rows. */
+mst_status make_map(CUtensorMap* map, const void* base, int rank, int64_t cols, int64_t rows, int64_t groups,
+                    uint32_t box_cols, uint32_t box_rows) {
+    cuuint64_t dim[3] = {(cuuint64_t)cols, (cuuint64_t)rows, (cuuint64_t)groups};
+    cuuint64_t stride[2] = {(cuuint64_t)cols * 2, (cuuint64_t)(cols * rows) * 2};
+    cuuint32_t box[3] = {box_cols, box_rows, 1}, estride[3] = {1, 1, 1};
+    encode_tiled_fn encode = NULL;
+    MST_TRY(encoder(&encode));
+    CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, (void*)base, dim,
+                                        stride, box, estride, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+        return mst_set_error(MST_ERR_BACKEND, "cuTensorMapEncodeTiled (%lld x %lld x %lld, box %u x %u) failed: %d",
+                             (long long)groups, (long long)rows, (long long)cols, box_rows, box_cols, (int)r);
+    return MST_OK;
+}
+
+/* Tensor maps of the op's operands: K-major boxes are [BM or BN rows][BK];
+ * M/N-major boxes are [BK rows][64]. */
+mst_status make_maps(const gg_problem* p, int64_t max_rows, CUtensorMap* ma, CUtensorMap* mb) {
+    const int64_t E = p->n_groups;
+    if (p->op == GG_FWD) { /* x [R][I], W [E][O][I] */
+        MST_TRY(make_map(ma, p->a, 2, p->lda, max_rows, 1, BK, BM));
+        return make_map(mb, p->b, 3, p->ldb, p->N, E, BK, BN);
+    }
+    if (p->op == GG_DGRAD) { /* dy [R][O], W [E][O][I] */
+        MST_TRY(make_map(ma, p->a, 2, p->lda, max_rows, 1, BK, BM));
+        return make_map(mb, p->b, 3, p->ldb, p->K, E, 64, BK);
+    }
+    MST_TRY(make_map(ma, p->a, 2, p->lda, max_rows, 1, 64, BK)); /* dy [R][O] */
+    return make_map(mb, p->b, 2, p->ldb, max_rows, 1, 64, BK);    /* x  [R][I] */
+}
+
+template <int OP>
+mst_status launch(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm, cudaStream_t stream) {
+    CUtensorMap ma, mb;
+    MST_TRY(make_maps(p, max_rows, &ma, &mb));
+    static int ready = 0; /* attribute set once, on the first (eager) call */
+    if (!ready) {
+        MST_CUDA_TRY(cudaFuncSetAttribute(wgmma_kernel<OP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          (int)SMEM_BYTES));
+        ready = 1;
+    }
+    wgmma_kernel<OP><<<n_sm, THREADS, SMEM_BYTES, stream>>>(ma, mb, *p, *s);
+    MST_CUDA_LAUNCHED();
+    return MST_OK;
+}
+
+} // namespace
+
+extern "C" mst_status gg_launch_wgmma(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm,
+                                      cudaStream_t stream) {
+    switch (p->op) {
+    case GG_FWD: return launch<GG_FWD>(p, s, max_rows, n_sm, stream);
+    case GG_DGRAD: return launch<GG_DGRAD>(p, s, max_rows, n_sm, stream);
+    default: return launch<GG_WGRAD>(p, s, max_rows, n_sm, stream);
+    }
+}
+
+extern "C" void gg_wgmma_tile(int* bm, int* bn) {
+    *bm = BM;
+    *bn = BN;
+}
