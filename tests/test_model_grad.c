@@ -245,7 +245,7 @@ static void run(mst_ctx_t* ctx) {
                           .mtp_weight = 0.3f, .aux_coef = 0.1f, .norm_eps = 1e-5f,
                           .init_std = 0.3f, .seed = 7};
     mst_model* m = NULL;
-    CHECK_OK(mst_model_create(ctx, &c, 1, &m));
+    CHECK_OK(mst_model_create(ctx, &c, 1, NULL, &m));
     if (!m) return;
     mst_rng rng = {20240611};
     const int64_t W = c.seq + 2, H = c.hidden;
@@ -259,8 +259,7 @@ static void run(mst_ctx_t* ctx) {
     for (int64_t i = 0; i < nn; i++) nw[i] = mst_fp32_to_bf16(1.0f + mst_bf16_to_fp32(nw[i]));
     CHECK_OK(mst_copy_h2b(ctx, m->w + m->n_decay, nw, sizeof(uint16_t) * (size_t)nn));
     free(nw);
-    CHECK_OK(mst_optim_zero(m));
-    CHECK_OK(mst_model_forward_backward(m, tok, 0));
+    CHECK_OK(mst_model_step(m, tok, 1));
     CHECK_OK(mst_ctx_check(ctx));
     float* grad = (float*)malloc(sizeof(float) * (size_t)m->n_params);
     uint16_t* w16 = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)m->n_params);

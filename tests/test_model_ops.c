@@ -278,7 +278,8 @@ typedef struct route_bufs {
     mst_guarded logits, probs, idx, w, pos, counts, load, peak, aux, dw, dl;
 } route_bufs;
 
-/* The plan on the host from top-k ids: rows in expert, token, slot order. */
+/* The plan on the host from top-k ids: groups packed in order, rows in
+ * expert, token, slot order. */
 static void ref_plan(const int32_t* idx, int64_t NK, int E, int G, int64_t R, int32_t* load, int32_t* counts,
                      int32_t* pos, int* over_any) {
     const int EG = E / G;
@@ -286,12 +287,12 @@ static void ref_plan(const int32_t* idx, int64_t NK, int E, int G, int64_t R, in
     for (int64_t i = 0; i < NK; i++) load[idx[i]]++;
     *over_any = 0;
     for (int64_t i = 0; i < NK; i++) pos[i] = -1;
+    int64_t row = 0;
     for (int g = 0; g < G; g++) {
         int64_t total = 0;
         for (int e = g * EG; e < (g + 1) * EG; e++) total += load[e];
         int over = total > R;
         *over_any |= over;
-        int64_t row = g * R;
         for (int e = g * EG; e < (g + 1) * EG; e++) {
             counts[e] = over ? 0 : load[e];
             for (int64_t i = 0; i < NK && !over; i++)

@@ -2,10 +2,12 @@
  * test_train.c — the trainer end to end on a tiny configuration: a 20-step
  * run whose loss falls; the same run again gives the same bits; a step forced
  * over budget, and a capacity factor so small that every step is over
- * budget, are rerun with exact shapes and give bit-identical losses; two
- * microbatches accumulate. Then every bad-input case of `moestash train`
- * (the built program next to this test): exit code 2 and one line naming
- * the flag and its value.
+ * budget, are rerun with exact shapes and give bit-identical losses; a
+ * forced stash-pool overflow, and pools sized below their measured peak, are
+ * rerun as measuring steps with bit-identical losses; two microbatches under
+ * each schedule; --check-policies. Then every bad-input case of
+ * `moestash train` (the built program next to this test): exit code 2 and
+ * one line naming the flag and its value.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -25,6 +27,7 @@ static mst_train_config tiny(void) {
                           .weight_decay = 0.1f, .clip = 1.0f, .warmup = 3, .steps = 20};
     t.model = m;
     t.optim = o;
+    t.mem = mst_mem_config_default();
     t.microbatches = 1;
     t.steps = 20;
     return t;
@@ -45,7 +48,7 @@ static void same_losses(const mst_train_result* a, const mst_train_result* b, co
 
 static void training(mst_ctx_t* ctx) {
     mst_train_config cfg = tiny();
-    mst_train_result base = {0}, again = {0}, forced = {0}, small = {0}, micro = {0};
+    mst_train_result base = {0}, again = {0}, forced = {0}, small = {0};
     CHECK_OK(mst_train_run(ctx, &cfg, NULL, &base));
     if (!base.loss) return;
     printf("  20 steps: loss %.4f -> %.4f, mtp %.4f -> %.4f\n", base.loss[0], base.loss[19],
@@ -70,13 +73,56 @@ static void training(mst_ctx_t* ctx) {
           (long long)small.reruns, (long long)cfg.steps);
     if (small.loss) same_losses(&base, &small, "capacity factor 0.3");
 
+    mst_train_result overflow = {0}, tight = {0};
     cfg = tiny();
+    cfg.force_overflow = 5;
+    CHECK_OK(mst_train_run(ctx, &cfg, NULL, &overflow));
+    CHECK(overflow.reruns == 1 && overflow.over_budget == 0, "forced overflow: %lld reruns (%lld over budget), expected 1 (0)",
+          (long long)overflow.reruns, (long long)overflow.over_budget);
+    if (overflow.loss) same_losses(&base, &overflow, "forced overflow");
+
+    cfg = tiny();
+    cfg.mem.policy = "stash";
+    cfg.mem.pool_factor = 0.5; /* pools at half the measured peak: every sized step overflows */
+    CHECK_OK(mst_train_run(ctx, &cfg, NULL, &tight));
+    CHECK(tight.reruns == cfg.steps - 1 && tight.mem.manager.overflows == cfg.steps - 1,
+          "stash pools at half their peak: %lld reruns, %d overflows, expected %lld", (long long)tight.reruns,
+          tight.mem.manager.overflows, (long long)(cfg.steps - 1));
+    if (tight.loss) same_losses(&base, &tight, "stash pool overflows");
+    mst_train_result_free(&overflow);
+    mst_train_result_free(&tight);
+
+    const mst_schedule_kind kinds[] = {MST_SCHEDULE_PLAIN, MST_SCHEDULE_1F1B, MST_SCHEDULE_INTERLEAVED};
+    for (int k = 0; k < 3; k++) {
+        cfg = tiny();
+        cfg.microbatches = 2;
+        cfg.mem.schedule = kinds[k];
+        cfg.mem.virtual_stages = kinds[k] == MST_SCHEDULE_INTERLEAVED ? 2 : 1;
+        cfg.mem.policy = "stash";
+        mst_train_result r = {0};
+        CHECK_OK(mst_train_run(ctx, &cfg, NULL, &r));
+        if (r.loss)
+            CHECK(mean(r.loss + 15, 5) < 0.8 * mean(r.loss, 5), "2 microbatches, %s: loss did not fall",
+                  mst_schedule_kind_str(kinds[k]));
+        mst_train_result_free(&r);
+    }
+    mst_train_result* all[] = {&base, &again, &forced, &small};
+    for (int i = 0; i < 4; i++) mst_train_result_free(all[i]);
+
+    cfg = tiny();
+    cfg.steps = 4;
     cfg.microbatches = 2;
-    CHECK_OK(mst_train_run(ctx, &cfg, NULL, &micro));
-    if (micro.loss)
-        CHECK(mean(micro.loss + 15, 5) < 0.8 * mean(micro.loss, 5), "2 microbatches: loss did not fall");
-    mst_train_result* all[] = {&base, &again, &forced, &small, &micro};
-    for (int i = 0; i < 5; i++) mst_train_result_free(all[i]);
+    cfg.mem.schedule = MST_SCHEDULE_1F1B;
+    FILE* out = tmpfile();
+    CHECK_OK(mst_train_check_policies(ctx, &cfg, out ? out : stdout));
+    if (out) {
+        rewind(out);
+        char line[512];
+        int n = 0, identical = 0;
+        while (fgets(line, sizeof line, out)) n++, identical += strstr(line, "bit-identical") != NULL;
+        CHECK(n == 7 && identical == 6, "--check-policies: %d lines, %d bit-identical (expected 7, 6)", n, identical);
+        fclose(out);
+    }
 }
 
 /* Runs `moestash train ARGS`; expects exit code 2 and one stderr line that
@@ -128,6 +174,14 @@ static void cli(mst_ctx_t* ctx) {
     BAD("--data test_train_empty.txt", "--data", "test_train_empty.txt");
     remove("test_train_empty.txt");
     BAD("--force-over-budget 5", "--force-over-budget", "5");
+    BAD("--force-overflow 9", "--force-overflow", "9");
+    BAD("--policy fc1_input=recompute", "--policy", "fc1_input=recompute");
+    BAD("--policy fc3_input=keep", "--policy", "fc3_input=keep");
+    BAD("--recompute uniform:0", "--recompute", "uniform:0");
+    BAD("--recompute block:9", "--recompute", "block:9");
+    BAD("--check-policies --policy stash", "--policy", "stash");
+    BAD("--schedule interleaved --layers 2", "--schedule", "interleaved");
+    BAD("--microbatches 0", "--microbatches", "0");
 #undef BAD
     bad_input("--backend tpu", "--backend", "tpu");
     if (!mst_backend_available(MST_BACKEND_CUDA)) bad_input("--backend cuda", "--backend", "cuda");

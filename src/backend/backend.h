@@ -142,9 +142,10 @@ typedef struct mst_attn_args {
 } mst_attn_args;
 
 /* Router: softmax over E experts, top-k (ties to the lower index), the
- * dropless plan into G groups of E/G experts (group g's rows start at g * R
- * of the [G*R] grouped-rows buffer, ordered by expert, then token, then
- * slot), and the load-balancing loss coef * E * sum_e f_e P_e
+ * dropless plan into G groups of E/G experts (groups packed in order into
+ * one [G*R] grouped-rows buffer, each group limited to R rows; rows ordered
+ * by expert, then token, then slot), and the load-balancing loss
+ * coef * E * sum_e f_e P_e
  * (f_e = load_e / (N k), P_e = mean_t probs[t][e]). A group with more than R
  * rows is over budget: its counts are zeroed, its positions set to -1, and
  * MST_FLAG_COUNTS raised in `flag`; nothing is written past the buffers. */
@@ -157,7 +158,7 @@ typedef struct mst_route_args {
     float* probs;          /* [N, E] fp32 softmax                            */
     int32_t* topk_idx;     /* [N, k] int32 expert ids                        */
     float* topk_w;         /* [N, k] fp32 probs of the chosen experts        */
-    int32_t* pos;          /* [N, k] int32 row in [0, G*R), or -1            */
+    int32_t* pos;          /* [N, k] int32 row in [0, sum(counts)), or -1    */
     int32_t* counts;       /* [E] int32 rows per expert for the grouped MLP  */
     int32_t* load;         /* [E] int32 token copies routed to each expert   */
     int32_t* peak_rows;    /* [G] int32 max over calls of each group's rows  */

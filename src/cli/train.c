@@ -28,6 +28,7 @@ static void defaults(mst_train_config* t, mst_backend_kind kind) {
     t->optim = o;
     t->microbatches = 1;
     t->steps = 200;
+    t->mem = mst_mem_config_default();
 }
 
 static void help(const mst_train_config* c, const mst_train_config* g) {
@@ -47,9 +48,13 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            "  --ep G                    expert groups playing expert-parallel ranks, must divide E (%d / %d)\n"
            "  --capacity-factor C       max_rows per group = ceil(C * tokens * K / G) (%g)\n"
            "  --microbatches M          microbatches per step, gradients accumulated (%d)\n"
-           "  --schedule plain          order of forward/backward over microbatches (plain)\n"
-           "  --policy keep             saved MLP activations: keep (only keep until the memory manager is wired)\n"
-           "  --recompute none          layer recompute: none (uniform:N | block:N need the memory manager)\n"
+           "  --schedule S              plain | 1f1b | interleaved (2 chunks of layers; --layers + 1 even) (plain)\n"
+           "  --policy P                saved grouped-MLP activations: keep | stash | offload | recompute,\n"
+           "                            or per tensor: fc1_input=stash,act_input=offload,fc2_input=recompute,probs=keep (keep)\n"
+           "  --recompute R             layer recompute: none | uniform:N | block:N (none)\n"
+           "  --check-policies          train --steps under every policy and layer recompute; check losses and\n"
+           "                            final weights are bit-identical; one line each, exit 1 if not\n"
+           "  --pool-factor X           stash pool pages over the measured peak (1.1; below 1 forces overflows)\n"
            "  --mtp-weight W            weight of the multi-token-prediction loss (%g)\n"
            "  --lr LR                   peak learning rate, warmup then cosine to 10%% (%g / %g)\n"
            "  --warmup N                warmup steps (%lld)\n"
@@ -57,6 +62,7 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            "  --seed S                  seed of weights and data (%llu)\n"
            "  --json FILE               write losses, timings and the memory table as JSON\n"
            "  --force-over-budget STEP  flag STEP over budget once to exercise the rerun (0: off)\n"
+           "  --force-overflow STEP     flag STEP as a stash-pool overflow once (0: off)\n"
            "  --quiet                   no progress lines\n",
            (long long)c->steps, (long long)c->model.seq, (long long)g->model.seq,
            (long long)c->model.batch, (long long)g->model.batch, c->model.layers, g->model.layers,
@@ -105,8 +111,29 @@ typedef struct train_cli {
     mst_train_config cfg;
     const char* backend;   /* NULL: default */
     const char* json;
-    int quiet;
+    const char* policy;    /* --policy as given (NULL: not given) */
+    const char* recompute; /* --recompute as given */
+    int quiet, check_policies;
 } train_cli;
+
+/* keep | stash | offload | recompute, or NAME=POLICY,... (syntax only: the
+ * memory manager checks what it accepts). */
+static int check_policy_spec(const char* v) {
+    char buf[512];
+    if (!v || !*v || strlen(v) >= sizeof buf) return bad("--policy", v, "expected keep, stash, offload, recompute or NAME=POLICY,...");
+    mst_policy p;
+    if (!strchr(v, '=')) return mst_policy_parse(v, &p) == MST_OK ? 0 : bad("--policy", v, mst_last_error());
+    snprintf(buf, sizeof buf, "%s", v);
+    for (char* item = strtok(buf, ","); item; item = strtok(NULL, ",")) {
+        char* eq = strchr(item, '=');
+        mst_saved_name n;
+        if (!eq) return bad("--policy", v, "expected NAME=POLICY items separated by commas");
+        *eq = 0;
+        if (mst_saved_name_parse(item, &n) != MST_OK || mst_policy_parse(eq + 1, &p) != MST_OK)
+            return bad("--policy", v, mst_last_error());
+    }
+    return 0;
+}
 
 /* One flag with its value; returns 0 or the exit code 2. */
 static int parse_flag(train_cli* t, const char* f, const char* v) {
@@ -129,33 +156,43 @@ static int parse_flag(train_cli* t, const char* f, const char* v) {
     INT_FLAG("--warmup", 0, 100000000, t->cfg.optim.warmup);
     INT_FLAG("--seed", 0, INT64_MAX, m->seed);
     INT_FLAG("--force-over-budget", 0, INT64_MAX, t->cfg.force_over_budget);
+    INT_FLAG("--force-overflow", 0, INT64_MAX, t->cfg.force_overflow);
 #undef INT_FLAG
     if (strcmp(f, "--capacity-factor") == 0) return parse_f32(f, v, 1e-6, 1024, &m->capacity_factor);
     if (strcmp(f, "--mtp-weight") == 0) return parse_f32(f, v, 0, 100, &m->mtp_weight);
     if (strcmp(f, "--lr") == 0) return parse_f32(f, v, 0, 10, &t->cfg.optim.lr);
+    if (strcmp(f, "--pool-factor") == 0) {
+        float x = 0;
+        rc = parse_f32(f, v, 0.01, 100, &x);
+        t->cfg.mem.pool_factor = x;
+        return rc;
+    }
     if (strcmp(f, "--backend") == 0) return (t->backend = v, 0);
     if (strcmp(f, "--json") == 0) return v && *v ? (t->json = v, 0) : bad(f, v, "expected a file name");
     if (strcmp(f, "--data") == 0) return v && *v ? (t->cfg.data_path = v, 0) : bad(f, v, "expected a file name");
     if (strcmp(f, "--schedule") == 0) {
-        mst_schedule_kind k;
-        if (mst_schedule_kind_parse(v, &k) != MST_OK) return bad(f, v, "expected plain, 1f1b or interleaved");
-        return k == MST_SCHEDULE_PLAIN ? 0 : bad(f, v, "only plain until the memory manager is wired in");
+        if (mst_schedule_kind_parse(v, &t->cfg.mem.schedule) != MST_OK)
+            return bad(f, v, "expected plain, 1f1b or interleaved");
+        t->cfg.mem.virtual_stages = t->cfg.mem.schedule == MST_SCHEDULE_INTERLEAVED ? 2 : 1;
+        return 0;
     }
-    if (strcmp(f, "--policy") == 0) {
-        mst_policy p;
-        if (mst_policy_parse(v, &p) != MST_OK) return bad(f, v, "expected keep, stash, offload, recompute or NAME=POLICY,...");
-        return p == MST_POLICY_KEEP ? 0 : bad(f, v, "only keep until the memory manager is wired in");
+    if (strcmp(f, "--policy") == 0) return (t->policy = v, t->cfg.mem.policy = v, check_policy_spec(v));
+    if (strcmp(f, "--recompute") == 0) {
+        t->recompute = v;
+        return mst_recompute_parse(v, &t->cfg.mem.recompute) == MST_OK ? 0 : bad(f, v, "expected none, uniform:N or block:N");
     }
-    if (strcmp(f, "--recompute") == 0)
-        return v && strcmp(v, "none") == 0 ? 0 : bad(f, v, "only none until the memory manager is wired in");
     return bad(f, v, "unknown flag (see moestash train --help)");
 }
 
-static int is_switch(const char* f) { return strcmp(f, "--quiet") == 0 || strcmp(f, "--help") == 0 || strcmp(f, "-h") == 0; }
+static int is_switch(const char* f) {
+    return strcmp(f, "--quiet") == 0 || strcmp(f, "--check-policies") == 0 || strcmp(f, "--help") == 0 ||
+           strcmp(f, "-h") == 0;
+}
 
 static int parse(int argc, char** argv, train_cli* t) {
     for (int i = 0; i < argc; i++) {
         if (strcmp(argv[i], "--quiet") == 0) t->quiet = 1;
+        if (strcmp(argv[i], "--check-policies") == 0) t->check_policies = 1;
         if (is_switch(argv[i])) continue;
         if (strncmp(argv[i], "--", 2) != 0) return bad("argument", argv[i], "not a flag");
         if (i + 1 >= argc) return bad(argv[i], "", "missing value");
@@ -192,6 +229,14 @@ int mst_cmd_train(int argc, char** argv) {
         fprintf(stderr, "moestash train: %s\n", mst_last_error());
         return 2;
     }
+    if (t.check_policies && (t.policy || t.recompute))
+        return bad(t.policy ? "--policy" : "--recompute", t.policy ? t.policy : t.recompute,
+                   "contradicts --check-policies (which runs every policy itself)");
+    if (t.cfg.force_overflow > t.cfg.steps) {
+        char v[32];
+        snprintf(v, sizeof v, "%lld", (long long)t.cfg.force_overflow);
+        return bad("--force-overflow", v, "after the last step (--steps)");
+    }
     if (t.cfg.force_over_budget > t.cfg.steps) {
         char v[32];
         snprintf(v, sizeof v, "%lld", (long long)t.cfg.force_over_budget);
@@ -205,15 +250,26 @@ int mst_cmd_train(int argc, char** argv) {
     const mst_model_config* m = &t.cfg.model;
     if (!t.quiet)
         printf("moestash train on %s\n  H=%lld F=%lld heads=%lld T=%lld B=%lld M=%d L=%d E=%d k=%d ep=%d cf=%g "
-               "max_rows=%lld mtp-weight=%g steps=%lld data=%s\n",
+               "max_rows=%lld mtp-weight=%g steps=%lld data=%s\n  schedule %s, policy %s, recompute %s\n",
                mst_ctx_describe(ctx), (long long)m->hidden, (long long)m->ffn, (long long)m->n_head,
                (long long)m->seq, (long long)m->batch, t.cfg.microbatches, m->layers, m->experts,
                m->top_k, m->ep, (double)m->capacity_factor, (long long)mst_model_max_rows(m),
-               (double)m->mtp_weight, (long long)t.cfg.steps, t.cfg.data_path ? t.cfg.data_path : "synthetic");
+               (double)m->mtp_weight, (long long)t.cfg.steps, t.cfg.data_path ? t.cfg.data_path : "synthetic",
+               mst_schedule_kind_str(t.cfg.mem.schedule), t.cfg.mem.policy, t.recompute ? t.recompute : "none");
     mst_train_result res = {0};
-    mst_status st = mst_train_run(ctx, &t.cfg, t.quiet ? NULL : stdout, &res);
+    mst_status st = MST_OK;
     int rc = 0;
-    if (st == MST_OK) {
+    if (t.check_policies) {
+        st = mst_train_check_policies(ctx, &t.cfg, stdout);
+        if (st == MST_ERR_STATE) {
+            fprintf(stderr, "moestash train: --check-policies: %s\n", mst_last_error());
+            mst_ctx_destroy(ctx);
+            return 1;
+        }
+    } else {
+        st = mst_train_run(ctx, &t.cfg, t.quiet ? NULL : stdout, &res);
+    }
+    if (st == MST_OK && !t.check_policies) {
         if (!t.quiet) mst_train_print_memory(stdout, &res);
         printf("loss %.4f -> %.4f (mtp %.4f -> %.4f) in %lld steps, %.1f s, %lld reruns\n", res.loss[0],
                res.loss[res.steps - 1], res.mtp_loss[0], res.mtp_loss[res.steps - 1], (long long)res.steps,

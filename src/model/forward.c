@@ -1,17 +1,21 @@
 /*
- * forward.c — one microbatch through the whole model, forward then backward:
- * embedding, L layers, final norm and the tied output head (loss on the next
- * token), and the MTP module (seed 004): norms of the next token's embedding
- * and of the last hidden state, their concatenation projected 2H -> H, one
- * transformer layer, its own final norm, the shared head, loss on the token
- * after next weighted by --mtp-weight.
+ * forward.c — one training step's passes along the schedule: for each entry
+ * (forward or backward of a chunk of layers for a microbatch) the layers of
+ * the chunk, with the memory manager's savers. Around the layers: the
+ * embedding (before layer 0), the final norm and the tied output head (loss
+ * on the next token, after the last main layer L-1), and the MTP module
+ * (seed 004) around layer L: norms of the next token's embedding and of the
+ * last hidden state, their concatenation projected 2H -> H, the layer, its
+ * own final norm, the shared head, loss on the token after next weighted by
+ * --mtp-weight. A layer in a recompute chunk is rerun from its kept input
+ * just before the backward of the chunk's last layer.
  */
 #include <string.h>
 
 #include "moe.h"
 #include "ops.h"
 
-static mst_status upload_tokens(mst_model* m, const int32_t* host_tok) {
+static mst_status upload_tokens(mst_model* m, const int32_t* host_tok, mst_micro* u) {
     const mst_model_config* c = &m->cfg;
     const int64_t T = c->seq, N = c->batch * T, V = c->vocab;
     int32_t* t = (int32_t*)malloc(sizeof(int32_t) * 3 * (size_t)N);
@@ -27,107 +31,168 @@ static mst_status upload_tokens(mst_model* m, const int32_t* host_tok) {
                 }
                 t[j * N + b * T + i] = v;
             }
-    mst_status st = mst_copy_h2b(m->ctx, m->tok, t, sizeof(int32_t) * 3 * (size_t)N);
+    mst_status st = mst_copy_h2b(m->ctx, u->tok, t, sizeof(int32_t) * 3 * (size_t)N);
     free(t);
     return st;
 }
 
+static int64_t n_tok(const mst_model* m) { return m->cfg.batch * m->cfg.seq; }
+
 /* logits = x emb^T, then cross-entropy forward and backward into dl. */
-static mst_status head_forward(mst_model* m, const uint16_t* x, const int32_t* targets,
-                               float scale, float* loss, uint16_t* dl) {
+static mst_status head_forward(mst_model* m, const uint16_t* x, const int32_t* targets, float scale,
+                               float* loss, uint16_t* dl) {
     const mst_model_config* c = &m->cfg;
-    const int64_t N = c->batch * c->seq;
-    MST_TRY(mst_op_linear(m->ctx, N, c->hidden, c->vocab, x, m->w + m->emb, m->logits, 0));
-    mst_xent_args a = {.rows = N, .vocab = c->vocab, .scale = scale, .logits = m->logits,
+    MST_TRY(mst_op_linear(m->ctx, n_tok(m), c->hidden, c->vocab, x, m->w + m->emb, m->logits, 0));
+    mst_xent_args a = {.rows = n_tok(m), .vocab = c->vocab, .scale = scale, .logits = m->logits,
                        .targets = targets, .loss = loss, .dlogits = dl};
     return MST_MODEL_OP(m->ctx, xent, &a);
 }
 
-/* d(x) [N, H] = dl emb; g(emb) += dl^T x. */
+/* dx [N, H] = dl emb; g(emb) += dl^T x. */
 static mst_status head_backward(mst_model* m, const uint16_t* dl, const uint16_t* x, uint16_t* dx) {
     const mst_model_config* c = &m->cfg;
-    const int64_t N = c->batch * c->seq;
-    MST_TRY(mst_op_linear_wgrad(m->ctx, N, c->hidden, c->vocab, dl, x, m->grad + m->emb, c->hidden));
-    return mst_op_linear_dgrad(m->ctx, N, c->hidden, c->vocab, dl, m->w + m->emb, c->hidden, dx);
+    MST_TRY(mst_op_linear_wgrad(m->ctx, n_tok(m), c->hidden, c->vocab, dl, x, m->grad + m->emb, c->hidden));
+    return mst_op_linear_dgrad(m->ctx, n_tok(m), c->hidden, c->vocab, dl, m->w + m->emb, c->hidden, dx);
 }
 
 static mst_status embed(mst_model* m, const int32_t* tok, uint16_t* x) {
     const mst_model_config* c = &m->cfg;
-    mst_embed_args a = {.n_tok = c->batch * c->seq, .vocab = c->vocab, .cols = c->hidden,
-                        .tokens = tok, .table = m->w + m->emb, .x = x};
+    mst_embed_args a = {.n_tok = n_tok(m), .vocab = c->vocab, .cols = c->hidden, .tokens = tok,
+                        .table = m->w + m->emb, .x = x};
     return MST_MODEL_OP(m->ctx, embed_forward, &a);
 }
 
 static mst_status embed_bwd(mst_model* m, const int32_t* tok, const uint16_t* dx) {
     const mst_model_config* c = &m->cfg;
-    mst_embed_args a = {.n_tok = c->batch * c->seq, .vocab = c->vocab, .cols = c->hidden,
-                        .tokens = tok, .dx = dx, .dtable = m->grad + m->emb};
+    mst_embed_args a = {.n_tok = n_tok(m), .vocab = c->vocab, .cols = c->hidden, .tokens = tok,
+                        .dx = dx, .dtable = m->grad + m->emb};
     return MST_MODEL_OP(m->ctx, embed_backward, &a);
 }
 
-static mst_status forward(mst_model* m, int32_t micro) {
-    const mst_model_config* c = &m->cfg;
+static float loss_scale(const mst_model* m) { return 1.0f / (float)(n_tok(m) * m->n_micro); }
+
+/* After the last main layer: final norm, head, loss on the next tokens. */
+static mst_status main_head(mst_model* m, int32_t mb) {
+    mst_micro* u = &m->micro[mb];
+    const uint16_t* h = u->acts[m->cfg.layers - 1].out;
+    MST_TRY(mst_op_norm(m->ctx, n_tok(m), m->cfg.hidden, m->cfg.norm_eps, h, m->w + m->lnf, u->xf, u->rstdf));
+    return head_forward(m, u->xf, u->tok + n_tok(m), loss_scale(m), m->loss_main + mb * n_tok(m), u->dl_main);
+}
+
+/* MTP input: p = [norm_e(emb(next)) | norm_h(h)] Wproj^T. */
+static mst_status mtp_input(mst_model* m, int32_t mb) {
     mst_ctx_t* ctx = m->ctx;
-    const int64_t N = c->batch * c->seq, H = c->hidden, L = c->layers;
-    const float inv = 1.0f / (float)(N * m->n_micro);
-    MST_TRY(embed(m, m->tok, m->x0));
-    const uint16_t* h = m->x0;
-    for (int32_t l = 0; l < L; l++) {
-        MST_TRY(mst_layer_forward(m, l, h));
-        h = m->acts[l].out;
-    }
-    MST_TRY(mst_op_norm(ctx, N, H, c->norm_eps, h, m->w + m->lnf, m->xf, m->rstdf));
-    MST_TRY(head_forward(m, m->xf, m->tok + N, inv, m->loss_main + micro * N, m->dl_main));
-    /* MTP: p = [norm_e(emb(next)) | norm_h(h)] Wproj^T */
-    MST_TRY(embed(m, m->tok + N, m->e1));
-    MST_TRY(mst_op_norm(ctx, N, H, c->norm_eps, m->e1, m->w + m->ln_e, m->ne, m->rstd_e));
-    MST_TRY(mst_op_norm(ctx, N, H, c->norm_eps, h, m->w + m->ln_h, m->nh, m->rstd_h));
-    mst_mm_args pe = {.trans_b = 1, .m = N, .n = H, .k = H, .a = m->ne, .lda = H,
-                      .b = m->w + m->proj, .ldb = 2 * H, .c16 = m->p, .ldc = H};
+    mst_micro* u = &m->micro[mb];
+    const int64_t N = n_tok(m), H = m->cfg.hidden;
+    const float eps = m->cfg.norm_eps;
+    MST_TRY(embed(m, u->tok + N, u->e1));
+    MST_TRY(mst_op_norm(ctx, N, H, eps, u->e1, m->w + m->ln_e, u->ne, u->rstd_e));
+    MST_TRY(mst_op_norm(ctx, N, H, eps, u->acts[m->cfg.layers - 1].out, m->w + m->ln_h, u->nh, u->rstd_h));
+    mst_mm_args pe = {.trans_b = 1, .m = N, .n = H, .k = H, .a = u->ne, .lda = H, .b = m->w + m->proj,
+                      .ldb = 2 * H, .c16 = u->p, .ldc = H};
     MST_TRY(MST_MODEL_OP(ctx, mm, &pe));
-    mst_mm_args ph = pe;
-    ph.a = m->nh;
-    ph.b = m->w + m->proj + H;
-    ph.accumulate = 1;
-    MST_TRY(MST_MODEL_OP(ctx, mm, &ph));
-    MST_TRY(mst_layer_forward(m, (int32_t)L, m->p));
-    MST_TRY(mst_op_norm(ctx, N, H, c->norm_eps, m->acts[L].out, m->w + m->ln_mf, m->mf, m->rstd_mf));
-    MST_TRY(head_forward(m, m->mf, m->tok + 2 * N, c->mtp_weight * inv, m->loss_mtp + micro * N, m->dl_mtp));
-    for (int32_t l = 0; l <= L; l++)
-        MST_TRY(mst_copy_b2b(ctx, m->aux_sum + micro * (L + 1) + l, m->acts[l].aux, sizeof(float)));
+    pe.a = u->nh;
+    pe.b = m->w + m->proj + H;
+    pe.accumulate = 1;
+    return MST_MODEL_OP(ctx, mm, &pe);
+}
+
+static mst_status mtp_head(mst_model* m, int32_t mb) {
+    mst_micro* u = &m->micro[mb];
+    const int64_t N = n_tok(m);
+    MST_TRY(mst_op_norm(m->ctx, N, m->cfg.hidden, m->cfg.norm_eps, u->acts[m->cfg.layers].out, m->w + m->ln_mf,
+                        u->mf, u->rstd_mf));
+    return head_forward(m, u->mf, u->tok + 2 * N, m->cfg.mtp_weight * loss_scale(m), m->loss_mtp + mb * N,
+                        u->dl_mtp);
+}
+
+static const uint16_t* layer_input(const mst_model* m, const mst_micro* u, int32_t l) {
+    return l == 0 ? u->x0 : l == m->cfg.layers ? u->p : u->acts[l - 1].out;
+}
+
+static mst_status forward_chunk(mst_model* m, int32_t chunk, int32_t mb) {
+    const int32_t L = m->cfg.layers, first = chunk * m->layers_per_chunk;
+    mst_micro* u = &m->micro[mb];
+    for (int32_t l = first; l < first + m->layers_per_chunk; l++) {
+        const mst_saver* sv;
+        MST_TRY(mst_memmgr_forward(m->mm, l, mb, &sv));
+        if (l == 0) MST_TRY(embed(m, u->tok, u->x0));
+        if (l == L) MST_TRY(mtp_input(m, mb));
+        MST_TRY(mst_layer_forward(m, l, &u->acts[l], layer_input(m, u, l), sv));
+        MST_TRY(mst_copy_b2b(m->ctx, m->aux_sum + mb * (L + 1) + l, u->acts[l].aux, sizeof(float)));
+        if (l == L - 1) MST_TRY(main_head(m, mb));
+        if (l == L) MST_TRY(mtp_head(m, mb));
+    }
     return MST_OK;
 }
 
-static mst_status backward(mst_model* m) {
-    const mst_model_config* c = &m->cfg;
+/* MTP backward around layer L: head and norm, the layer, the projection;
+ * d(h) starts here (u->dh), d(next-token embedding) goes to the table. */
+static mst_status mtp_backward(mst_model* m, int32_t mb, const mst_saver* sv) {
     mst_ctx_t* ctx = m->ctx;
-    const int64_t N = c->batch * c->seq, H = c->hidden, L = c->layers;
-    const uint16_t* h = m->acts[L - 1].out;
-    /* MTP head and layer */
-    MST_TRY(head_backward(m, m->dl_mtp, m->mf, m->t3));
-    MST_TRY(mst_op_norm_bwd(ctx, N, H, m->acts[L].out, m->w + m->ln_mf, m->rstd_mf, m->t3, m->dm,
-                            m->grad + m->ln_mf));
-    MST_TRY(mst_layer_backward(m, (int32_t)L, m->dm));
-    /* projection: d(ne), d(nh) and g(Wproj) halves */
-    MST_TRY(mst_op_linear_wgrad(ctx, N, H, H, m->dm, m->ne, m->grad + m->proj, 2 * H));
-    MST_TRY(mst_op_linear_wgrad(ctx, N, H, H, m->dm, m->nh, m->grad + m->proj + H, 2 * H));
+    mst_micro* u = &m->micro[mb];
+    const int32_t L = m->cfg.layers;
+    const int64_t N = n_tok(m), H = m->cfg.hidden;
+    MST_TRY(head_backward(m, u->dl_mtp, u->mf, m->t3));
+    MST_TRY(mst_op_norm_bwd(ctx, N, H, u->acts[L].out, m->w + m->ln_mf, u->rstd_mf, m->t3, m->dm, m->grad + m->ln_mf));
+    MST_TRY(mst_layer_backward(m, L, &u->acts[L], sv, m->dm));
+    MST_TRY(mst_op_linear_wgrad(ctx, N, H, H, m->dm, u->ne, m->grad + m->proj, 2 * H));
+    MST_TRY(mst_op_linear_wgrad(ctx, N, H, H, m->dm, u->nh, m->grad + m->proj + H, 2 * H));
     MST_TRY(mst_op_linear_dgrad(ctx, N, H, H, m->dm, m->w + m->proj, 2 * H, m->t3));
-    MST_TRY(mst_op_norm_bwd(ctx, N, H, m->e1, m->w + m->ln_e, m->rstd_e, m->t3, m->t1, m->grad + m->ln_e));
-    MST_TRY(embed_bwd(m, m->tok + N, m->t1));
+    MST_TRY(mst_op_norm_bwd(ctx, N, H, u->e1, m->w + m->ln_e, u->rstd_e, m->t3, m->t1, m->grad + m->ln_e));
+    MST_TRY(embed_bwd(m, u->tok + N, m->t1));
     MST_TRY(mst_op_linear_dgrad(ctx, N, H, H, m->dm, m->w + m->proj + H, 2 * H, m->t3));
-    MST_TRY(mst_op_norm_bwd(ctx, N, H, h, m->w + m->ln_h, m->rstd_h, m->t3, m->dh, m->grad + m->ln_h));
-    /* main head */
-    MST_TRY(head_backward(m, m->dl_main, m->xf, m->t3));
-    MST_TRY(mst_op_norm_bwd(ctx, N, H, h, m->w + m->lnf, m->rstdf, m->t3, m->t1, m->grad + m->lnf));
-    MST_TRY(mst_op_add(ctx, N * H, m->dh, m->t1, m->dh));
-    for (int32_t l = (int32_t)L - 1; l >= 0; l--) MST_TRY(mst_layer_backward(m, l, m->dh));
-    return embed_bwd(m, m->tok, m->dh);
+    return mst_op_norm_bwd(ctx, N, H, u->acts[L - 1].out, m->w + m->ln_h, u->rstd_h, m->t3, u->dh, m->grad + m->ln_h);
 }
 
-mst_status mst_model_forward_backward(mst_model* m, const int32_t* host_tok, int32_t micro) {
-    if (micro < 0 || micro >= m->n_micro)
-        return mst_set_error(MST_ERR_INVALID, "microbatch %d: expected 0 .. %d", micro, m->n_micro - 1);
-    MST_TRY(upload_tokens(m, host_tok));
-    MST_TRY(forward(m, micro));
-    return backward(m);
+/* Main head backward: d(h) += norm_f'(head'(dl)). */
+static mst_status main_head_backward(mst_model* m, int32_t mb) {
+    mst_micro* u = &m->micro[mb];
+    const int64_t N = n_tok(m), H = m->cfg.hidden;
+    MST_TRY(head_backward(m, u->dl_main, u->xf, m->t3));
+    MST_TRY(mst_op_norm_bwd(m->ctx, N, H, u->acts[m->cfg.layers - 1].out, m->w + m->lnf, u->rstdf, m->t3, m->t1,
+                            m->grad + m->lnf));
+    return mst_op_add(m->ctx, N * H, u->dh, m->t1, u->dh);
+}
+
+/* Reruns the forward of recompute chunk [cs, last] from the kept inputs. */
+static mst_status rerun(mst_model* m, int32_t cs, int32_t last, int32_t mb) {
+    mst_micro* u = &m->micro[mb];
+    for (int32_t l = cs; l <= last; l++) {
+        const mst_saver* sv;
+        MST_TRY(mst_memmgr_recompute(m->mm, l, mb, &sv));
+        MST_TRY(mst_layer_forward(m, l, &u->acts[l], layer_input(m, u, l), sv));
+    }
+    return MST_OK;
+}
+
+static mst_status backward_chunk(mst_model* m, int32_t chunk, int32_t mb) {
+    const int32_t L = m->cfg.layers, first = chunk * m->layers_per_chunk, top = first + m->layers_per_chunk - 1;
+    mst_micro* u = &m->micro[mb];
+    for (int32_t l = top; l >= first; l--) {
+        int32_t cs = mst_memmgr_recompute_chunk(m->mm, l);
+        if (cs >= 0 && (l == top || mst_memmgr_recompute_chunk(m->mm, l + 1) != cs)) MST_TRY(rerun(m, cs, l, mb));
+        const mst_saver* sv;
+        MST_TRY(mst_memmgr_backward(m->mm, l, mb, &sv));
+        if (l == L) {
+            MST_TRY(mtp_backward(m, mb, sv));
+            continue;
+        }
+        if (l == L - 1) MST_TRY(main_head_backward(m, mb));
+        MST_TRY(mst_layer_backward(m, l, &u->acts[l], sv, u->dh));
+        if (l == 0) MST_TRY(embed_bwd(m, u->tok, u->dh));
+    }
+    return MST_OK;
+}
+
+mst_status mst_model_step(mst_model* m, const int32_t* host_tok, int measuring) {
+    const int64_t per = m->cfg.batch * (m->cfg.seq + 2);
+    for (int32_t mb = 0; mb < m->n_micro; mb++) MST_TRY(upload_tokens(m, host_tok + mb * per, &m->micro[mb]));
+    MST_TRY(mst_optim_zero(m));
+    MST_TRY(mst_memmgr_step_begin(m->mm, measuring));
+    for (int32_t i = 0; i < m->n_sched; i++) {
+        const mst_sched_entry e = m->sched[i];
+        MST_TRY(e.backward ? backward_chunk(m, e.chunk, e.microbatch) : forward_chunk(m, e.chunk, e.microbatch));
+    }
+    return mst_memmgr_step_end(m->mm);
 }

@@ -1,7 +1,8 @@
 /*
  * layer.c — one pre-norm transformer layer, forward and backward side by
  * side:  x1 = in + Wo attn(Wqkv norm1(in));  out = x1 + MoE(norm2(x1)).
- * Activations saved for backward live in m->acts[l] (KEEP).
+ * The attention, norm and router activations stay in the layer's acts; the
+ * grouped MLP's go through the saver.
  */
 #include "moe.h"
 #include "ops.h"
@@ -13,10 +14,10 @@ static mst_attn_args attn_args(const mst_model* m, const mst_layer_acts* a) {
     return r;
 }
 
-mst_status mst_layer_forward(mst_model* m, int32_t l, const uint16_t* in) {
+mst_status mst_layer_forward(mst_model* m, int32_t l, mst_layer_acts* a, const uint16_t* in,
+                             const mst_saver* saver) {
     const mst_model_config* c = &m->cfg;
     mst_ctx_t* ctx = m->ctx;
-    mst_layer_acts* a = &m->acts[l];
     const mst_layer_params* p = &m->lp[l];
     const int64_t N = c->batch * c->seq, H = c->hidden;
     a->in = in;
@@ -28,18 +29,17 @@ mst_status mst_layer_forward(mst_model* m, int32_t l, const uint16_t* in) {
     MST_TRY(mst_op_linear(ctx, N, H, H, a->att, m->w + p->wo, a->x1, 0));
     MST_TRY(mst_op_add(ctx, N * H, a->x1, in, a->x1));
     MST_TRY(mst_op_norm(ctx, N, H, c->norm_eps, a->x1, m->w + p->ln2, a->b, a->rstd2));
-    MST_TRY(mst_moe_forward(m, l, a->out));
+    MST_TRY(mst_moe_forward(m, l, a, saver, a->out));
     return mst_op_add(ctx, N * H, a->out, a->x1, a->out);
 }
 
-mst_status mst_layer_backward(mst_model* m, int32_t l, uint16_t* d) {
+mst_status mst_layer_backward(mst_model* m, int32_t l, mst_layer_acts* a, const mst_saver* saver, uint16_t* d) {
     const mst_model_config* c = &m->cfg;
     mst_ctx_t* ctx = m->ctx;
-    mst_layer_acts* a = &m->acts[l];
     const mst_layer_params* p = &m->lp[l];
     const int64_t N = c->batch * c->seq, H = c->hidden;
     /* MoE block: d(x1) = d + norm2'(MoE'(d)) */
-    MST_TRY(mst_moe_backward(m, l, d, m->t1));
+    MST_TRY(mst_moe_backward(m, l, a, saver, d, m->t1));
     MST_TRY(mst_op_norm_bwd(ctx, N, H, a->x1, m->w + p->ln2, a->rstd2, m->t1, m->t2, m->grad + p->ln2));
     MST_TRY(mst_op_add(ctx, N * H, d, m->t2, d));
     /* attention block: d(in) = d(x1) + norm1'(Wqkv'(attn'(Wo'(d(x1))))) */

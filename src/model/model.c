@@ -1,7 +1,8 @@
 /*
  * model.c — the model's configuration checks, parameter layout and
- * initialisation, and the backend buffers of its activations, by memory
- * category (weights, gradients, optimizer, saved activations, compute).
+ * initialisation, the backend buffers of its activations by memory category
+ * (weights, gradients, optimizer, saved activations, compute), and its
+ * memory manager (grouped-MLP activations) with the schedule it follows.
  */
 #include <math.h>
 #include <string.h>
@@ -34,6 +35,11 @@ mst_status mst_model_config_check(const mst_model_config* c) {
     if (c->batch * c->seq * c->top_k > INT32_MAX / 4)
         return BAD("--batch %lld x --seq %lld: too many tokens", (long long)c->batch, (long long)c->seq);
     return MST_OK;
+}
+
+mst_mem_config mst_mem_config_default(void) {
+    mst_mem_config c = {.policy = "keep", .schedule = MST_SCHEDULE_PLAIN, .virtual_stages = 1, .pool_factor = 1.10};
+    return c;
 }
 
 int64_t mst_model_max_rows(const mst_model_config* c) {
@@ -188,42 +194,50 @@ static mst_status alloc_layer(mst_model* m, mst_layer_acts* a) {
     BUF(cat, a->load, E);
     BUF(cat, a->aux, 1);
     BUF(cat, a->out, N * H);
-    BUF(MST_MEM_COMPUTE, a->peak, c->ep);
-    MST_TRY(mst_fill(m->ctx, a->peak, 0, sizeof(int32_t) * (size_t)c->ep));
-    a->savers = (mst_saver_basic_t**)calloc((size_t)c->ep, sizeof *a->savers);
-    if (!a->savers) return mst_set_error(MST_ERR_OOM, "saver table");
+    return MST_OK;
+}
+
+static mst_status alloc_micro(mst_model* m, mst_micro* u) {
+    const mst_model_config* c = &m->cfg;
+    const int64_t N = c->batch * c->seq, H = c->hidden, V = c->vocab;
+    const int S = MST_MEM_SAVED;
+    u->acts = (mst_layer_acts*)calloc((size_t)c->layers + 1, sizeof *u->acts);
+    if (!u->acts) return mst_set_error(MST_ERR_OOM, "layer table");
+    for (int32_t l = 0; l <= c->layers; l++) MST_TRY(alloc_layer(m, &u->acts[l]));
+    BUF(S, u->tok, 3 * N);
+    BUF(S, u->x0, N * H);
+    BUF(S, u->xf, N * H);
+    BUF(S, u->rstdf, N);
+    BUF(S, u->e1, N * H);
+    BUF(S, u->ne, N * H);
+    BUF(S, u->nh, N * H);
+    BUF(S, u->rstd_e, N);
+    BUF(S, u->rstd_h, N);
+    BUF(S, u->p, N * H);
+    BUF(S, u->mf, N * H);
+    BUF(S, u->rstd_mf, N);
+    BUF(S, u->dl_main, N * V);
+    BUF(S, u->dl_mtp, N * V);
+    BUF(MST_MEM_COMPUTE, u->dh, N * H);
     return MST_OK;
 }
 
 static mst_status alloc_acts(mst_model* m) {
     const mst_model_config* c = &m->cfg;
-    const int64_t N = c->batch * c->seq, H = c->hidden, V = c->vocab;
-    m->acts = (mst_layer_acts*)calloc((size_t)c->layers + 1, sizeof *m->acts);
-    if (!m->acts) return mst_set_error(MST_ERR_OOM, "layer table");
-    for (int32_t l = 0; l <= c->layers; l++) MST_TRY(alloc_layer(m, &m->acts[l]));
-    const int S = MST_MEM_SAVED, C = MST_MEM_COMPUTE;
-    BUF(C, m->tok, 3 * N);
-    BUF(S, m->x0, N * H);
-    BUF(S, m->xf, N * H);
-    BUF(S, m->rstdf, N);
-    BUF(S, m->e1, N * H);
-    BUF(S, m->ne, N * H);
-    BUF(S, m->nh, N * H);
-    BUF(S, m->rstd_e, N);
-    BUF(S, m->rstd_h, N);
-    BUF(S, m->p, N * H);
-    BUF(S, m->mf, N * H);
-    BUF(S, m->rstd_mf, N);
+    const int64_t N = c->batch * c->seq, H = c->hidden, V = c->vocab, M = m->n_micro;
+    m->micro = (mst_micro*)calloc((size_t)M, sizeof *m->micro);
+    if (!m->micro) return mst_set_error(MST_ERR_OOM, "microbatch table");
+    for (int64_t mb = 0; mb < M; mb++) MST_TRY(alloc_micro(m, &m->micro[mb]));
+    const int C = MST_MEM_COMPUTE;
+    BUF(C, m->peak, (c->layers + 1) * c->ep);
+    MST_TRY(mst_fill(m->ctx, m->peak, 0, sizeof(int32_t) * (size_t)((c->layers + 1) * c->ep)));
     BUF(C, m->logits, N * V);
-    BUF(S, m->dl_main, N * V);
-    BUF(S, m->dl_mtp, N * V);
-    BUF(C, m->loss_main, m->n_micro * N);
-    BUF(C, m->loss_mtp, m->n_micro * N);
-    BUF(C, m->aux_sum, m->n_micro * (c->layers + 1));
+    BUF(C, m->loss_main, M * N);
+    BUF(C, m->loss_mtp, M * N);
+    BUF(C, m->aux_sum, M * (c->layers + 1));
     BUF(C, m->dtopk, N * c->top_k);
     BUF(C, m->drl, N * c->experts);
     BUF(C, m->dqkv, N * 3 * H);
-    BUF(C, m->dh, N * H);
     BUF(C, m->dm, N * H);
     BUF(C, m->t1, N * H);
     BUF(C, m->t2, N * H);
@@ -231,59 +245,85 @@ static mst_status alloc_acts(mst_model* m) {
     return MST_OK;
 }
 
+/* ---- memory manager and schedule ------------------------------------------ */
+
+static mst_status make_schedule(mst_model* m) {
+    const mst_mem_config* mc = &m->mem_cfg;
+    const int32_t L1 = m->cfg.layers + 1, V = mc->virtual_stages;
+    if (V < 1 || L1 % V)
+        return BAD("--schedule %s: %d chunks do not divide the %d layers (--layers + the MTP layer)",
+                   mst_schedule_kind_str(mc->schedule), V, L1);
+    mst_schedule_config sc = {mc->schedule, 1, 0, m->n_micro, V};
+    m->n_sched = 2 * m->n_micro * V;
+    m->layers_per_chunk = L1 / V;
+    m->sched = (mst_sched_entry*)malloc(sizeof *m->sched * (size_t)m->n_sched);
+    if (!m->sched) return mst_set_error(MST_ERR_OOM, "schedule");
+    return mst_schedule_make(&sc, m->sched, m->n_sched);
+}
+
+/* A manager for rows of R per group (G R in all), with the run's policies. */
+static mst_status make_memmgr(mst_model* m, int64_t R, mst_memmgr_t** out) {
+    const mst_model_config* c = &m->cfg;
+    mst_memmgr_config mc = {.n_layers = c->layers + 1, .n_microbatches = m->n_micro,
+                            .virtual_stages = m->mem_cfg.virtual_stages, .max_rows = R * c->ep,
+                            .hidden = c->hidden, .ffn = c->ffn, .schedule = m->sched,
+                            .n_schedule = m->n_sched, .page_rows = 64,
+                            .dev_factor = m->mem_cfg.pool_factor, .host_factor = 0.0};
+    MST_TRY(mst_memmgr_create(m->ctx, &mc, out));
+    const char* spec = m->mem_cfg.policy ? m->mem_cfg.policy : "keep";
+    const char* flag = "--policy";
+    mst_status st = mst_memmgr_set_policy_spec(*out, spec);
+    if (st == MST_OK && m->mem_cfg.recompute.method != MST_RECOMPUTE_NONE) {
+        flag = "--recompute";
+        st = mst_memmgr_set_recompute(*out, &m->mem_cfg.recompute);
+    }
+    if (st != MST_OK) {
+        char why[512];
+        snprintf(why, sizeof why, "%s", mst_last_error());
+        mst_memmgr_destroy(*out);
+        *out = NULL;
+        const mst_recompute_config* rc = &m->mem_cfg.recompute;
+        char value[64];
+        snprintf(value, sizeof value, "%s:%d", rc->method == MST_RECOMPUTE_UNIFORM ? "uniform" : "block", rc->num_layers);
+        return mst_set_error(st, "%s '%s': %s", flag, flag[2] == 'p' ? spec : value, why);
+    }
+    return MST_OK;
+}
+
 /* ---- grouped rows: the part that depends on R ------------------------------ */
 
 static void free_rows(mst_model* m) {
-    const mst_model_config* c = &m->cfg;
-    const size_t hb = (size_t)(m->max_rows * c->ep * c->hidden) * sizeof(uint16_t);
-    const size_t pb = (size_t)(m->max_rows * c->ep) * sizeof(float);
-    unbuf(m, MST_MEM_COMPUTE, m->rows, hb);
+    const size_t hb = (size_t)(m->max_rows * m->cfg.ep * m->cfg.hidden) * sizeof(uint16_t);
     unbuf(m, MST_MEM_COMPUTE, m->yrows, hb);
     unbuf(m, MST_MEM_COMPUTE, m->drows, hb);
     unbuf(m, MST_MEM_COMPUTE, m->dxrows, hb);
-    unbuf(m, MST_MEM_COMPUTE, m->prow, pb);
-    unbuf(m, MST_MEM_COMPUTE, m->dprow, pb);
-    m->rows = m->yrows = m->drows = m->dxrows = NULL;
-    m->prow = m->dprow = NULL;
-    size_t before = 0, after = 0;
-    mst_ctx_mem(m->ctx, &before, NULL);
-    for (int32_t l = 0; m->acts && l <= c->layers; l++)
-        for (int32_t g = 0; g < c->ep; g++) {
-            mst_saver_basic_destroy(m->acts[l].savers[g]);
-            m->acts[l].savers[g] = NULL;
-        }
-    mst_ctx_mem(m->ctx, &after, NULL);
-    m->mem[MST_MEM_SAVED] -= before - after;
+    unbuf(m, MST_MEM_COMPUTE, m->dprow, (size_t)(m->max_rows * m->cfg.ep) * sizeof(float));
+    m->yrows = m->drows = m->dxrows = NULL;
+    m->dprow = NULL;
+    if (m->mm != m->mm_static) mst_memmgr_destroy(m->mm);
+    m->mm = NULL;
     m->max_rows = 0;
 }
 
 mst_status mst_model_set_max_rows(mst_model* m, int64_t R) {
-    const mst_model_config* c = &m->cfg;
     if (R == m->max_rows) return MST_OK;
+    if (R < 1 || R > INT32_MAX / m->cfg.ep) return BAD("max_rows %lld per group", (long long)R);
     if (m->max_rows > 0) free_rows(m);
-    const int64_t GR = R * c->ep, H = c->hidden;
+    const int64_t GR = R * m->cfg.ep, H = m->cfg.hidden;
     const int C = MST_MEM_COMPUTE;
-    BUF(C, m->rows, GR * H);
     BUF(C, m->yrows, GR * H);
     BUF(C, m->drows, GR * H);
     BUF(C, m->dxrows, GR * H);
-    BUF(C, m->prow, GR);
     BUF(C, m->dprow, GR);
-    mst_mlp_config mc = mst_mlp_config_default(c->experts / c->ep, H, c->ffn);
-    const mst_policy keep[MST_N_SAVED] = {MST_POLICY_KEEP, MST_POLICY_KEEP, MST_POLICY_KEEP, MST_POLICY_KEEP};
-    size_t before = 0, after = 0;
-    mst_ctx_mem(m->ctx, &before, NULL);
-    for (int32_t l = 0; l <= c->layers; l++)
-        for (int32_t g = 0; g < c->ep; g++)
-            MST_TRY(mst_saver_basic_create(m->ctx, R, &mc, keep, &m->acts[l].savers[g]));
-    mst_ctx_mem(m->ctx, &after, NULL);
-    m->mem[MST_MEM_SAVED] += after - before;
+    if (R == m->static_rows && !m->mm_static) MST_TRY(make_memmgr(m, R, &m->mm_static));
+    if (R == m->static_rows) m->mm = m->mm_static;
+    else MST_TRY(make_memmgr(m, R, &m->mm));
     m->max_rows = R;
     return MST_OK;
 }
 
 mst_status mst_model_create(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t n_micro,
-                            mst_model** out) {
+                            const mst_mem_config* mem, mst_model** out) {
     MST_TRY(mst_check_ctx(ctx));
     MST_TRY(mst_model_config_check(cfg));
     if (n_micro < 1 || n_micro > 4096) return BAD("--microbatches %d: expected 1 .. 4096", n_micro);
@@ -292,14 +332,17 @@ mst_status mst_model_create(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t
     m->ctx = ctx;
     m->cfg = *cfg;
     m->n_micro = n_micro;
+    m->mem_cfg = mem ? *mem : mst_mem_config_default();
+    m->static_rows = mst_model_max_rows(cfg);
     m->lp = (mst_layer_params*)calloc((size_t)cfg->layers + 1, sizeof *m->lp);
     mst_status st = m->lp ? MST_OK : mst_set_error(MST_ERR_OOM, "layer parameter table");
+    if (st == MST_OK) st = make_schedule(m);
     if (st == MST_OK) {
         layout(m);
         st = alloc_params(m);
     }
     if (st == MST_OK) st = alloc_acts(m);
-    if (st == MST_OK) st = mst_model_set_max_rows(m, mst_model_max_rows(cfg));
+    if (st == MST_OK) st = mst_model_set_max_rows(m, m->static_rows);
     if (st != MST_OK) {
         mst_model_destroy(m);
         return st;
@@ -310,21 +353,17 @@ mst_status mst_model_create(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t
 
 void mst_model_destroy(mst_model* m) {
     if (!m) return;
-    for (int32_t l = 0; m->acts && l <= m->cfg.layers; l++) {
-        for (int32_t g = 0; m->acts[l].savers && g < m->cfg.ep; g++)
-            mst_saver_basic_destroy(m->acts[l].savers[g]);
-        free(m->acts[l].savers);
-    }
+    if (m->mm != m->mm_static) mst_memmgr_destroy(m->mm);
+    mst_memmgr_destroy(m->mm_static);
+    for (int32_t mb = 0; m->micro && mb < m->n_micro; mb++) free(m->micro[mb].acts);
     for (int i = 0; i < m->n_owned; i++) mst_free(m->ctx, m->owned[i]);
     free(m->owned);
-    free(m->acts);
+    free(m->micro);
+    free(m->sched);
     free(m->lp);
     free(m);
 }
 
 mst_status mst_model_peak_rows(mst_model* m, int32_t* peak) {
-    for (int32_t l = 0; l <= m->cfg.layers; l++)
-        MST_TRY(mst_copy_b2h(m->ctx, peak + (int64_t)l * m->cfg.ep, m->acts[l].peak,
-                             sizeof(int32_t) * (size_t)m->cfg.ep));
-    return MST_OK;
+    return mst_copy_b2h(m->ctx, peak, m->peak, sizeof(int32_t) * (size_t)((m->cfg.layers + 1) * m->cfg.ep));
 }

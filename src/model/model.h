@@ -2,15 +2,20 @@
  * model.h — the MoE transformer language model that `moestash train` trains
  * (DESIGN.md section 8): byte tokens, RMSNorm, causal multi-head attention,
  * an MoE block in every layer (softmax router, top-k, load-balancing loss,
- * dropless dispatch into the --ep groups' grouped-rows buffers, grouped MLP,
+ * dropless dispatch into the --ep groups' grouped rows, grouped MLP,
  * combine), one multi-token-prediction (MTP) module, final norm and an output
  * head tied to the embedding. bf16 weights and activations, fp32 master
  * weights, main_grad and AdamW state.
  *
+ * The grouped MLP's saved activations go through the memory manager (policy
+ * per name, layer recompute, schedules); the model keeps its own attention,
+ * norm and router activations per (microbatch, layer).
+ *
  * Shapes: V vocab, H hidden, F ffn, NH heads, B batch, T seq, N = B T tokens
- * of one microbatch, L layers (+1: the MTP module's layer has index L),
- * E experts, k top-k, G = --ep groups of E / G experts, R = max_rows of
- * each group's grouped-rows buffer.
+ * of one microbatch, M microbatches, L layers (+1: the MTP module's layer has
+ * index L), E experts, k top-k, G = --ep groups of E / G experts, R = max_rows
+ * of each group; the groups' rows are packed into one [G R] grouped-rows
+ * buffer (group g after the groups before it), each group limited to R rows.
  */
 #ifndef MST_MODEL_H
 #define MST_MODEL_H
@@ -33,6 +38,19 @@ typedef struct mst_model_config {
     uint64_t seed;
 } mst_model_config;
 
+/* How the grouped MLP's activations are saved (the memory manager). */
+typedef struct mst_mem_config {
+    const char* policy;             /* "keep" | "stash" | "offload" | "recompute" |
+                                       "fc1_input=stash,..." (NULL: keep)        */
+    mst_recompute_config recompute; /* layer recompute (method NONE: off)        */
+    mst_schedule_kind schedule;     /* order of forward/backward over microbatches */
+    int32_t virtual_stages;         /* chunks of layers (interleaved: >= 2)      */
+    double pool_factor;             /* stash pages over the measured peak (1.10) */
+} mst_mem_config;
+
+/* keep, plain schedule, no layer recompute, pool factor 1.10. */
+mst_mem_config mst_mem_config_default(void);
+
 /* Checks sizes (each failure names the flag and its value). */
 mst_status mst_model_config_check(const mst_model_config* c);
 int64_t mst_model_max_rows(const mst_model_config* c);
@@ -48,7 +66,7 @@ typedef struct mst_layer_params {
     int64_t w2;    /* [E*H, F]      */
 } mst_layer_params;
 
-/* Saved activations and plan of one layer for one microbatch. */
+/* Saved activations and routing plan of one layer for one microbatch. */
 typedef struct mst_layer_acts {
     const uint16_t* in;  /* [N, H] the layer's input (another buffer, not owned) */
     uint16_t* a;         /* [N, H] norm1 output                             */
@@ -63,23 +81,41 @@ typedef struct mst_layer_acts {
     float* rprobs;       /* [N, E] router softmax                           */
     int32_t* topk_idx;   /* [N, k]                                          */
     float* topk_w;       /* [N, k]                                          */
-    int32_t* pos;        /* [N, k] row in the [G*R] grouped-rows buffer     */
+    int32_t* pos;        /* [N, k] row in the [G*R] grouped rows, or -1     */
     int32_t* counts;     /* [E] rows per expert for the grouped MLP         */
     int32_t* load;       /* [E] token copies per expert                     */
-    int32_t* peak;       /* [G] peak rows per group over the run            */
     float* aux;          /* [1] load-balancing loss                         */
     uint16_t* out;       /* [N, H] the layer's output                       */
-    mst_saver_basic_t** savers; /* [G] saved MLP activations per group      */
 } mst_layer_acts;
 
-/* Memory by category, bytes (backend memory). */
+/* One microbatch's activations. */
+typedef struct mst_micro {
+    int32_t* tok;            /* [3, N] inputs, next tokens, tokens after next */
+    uint16_t* x0;            /* [N, H] embedding of the inputs                */
+    uint16_t* xf;            /* [N, H] final norm output                      */
+    float* rstdf;            /* [N]                                           */
+    uint16_t* e1;            /* [N, H] MTP: embedding of the next tokens      */
+    uint16_t *ne, *nh;       /* [N, H] MTP: its norm / the last hidden's norm */
+    float *rstd_e, *rstd_h;  /* [N]                                           */
+    uint16_t* p;             /* [N, H] MTP projection output (layer L input)  */
+    uint16_t* mf;            /* [N, H] MTP final norm output                  */
+    float* rstd_mf;          /* [N]                                           */
+    uint16_t *dl_main, *dl_mtp; /* [N, V] d(loss)/d(logits)                   */
+    uint16_t* dh;            /* [N, H] gradient flowing down the main layers  */
+    mst_layer_acts* acts;    /* [L+1]                                         */
+} mst_micro;
+
+/* Memory by category, bytes (backend memory the model allocated itself). */
 enum { MST_MEM_WEIGHTS = 0, MST_MEM_GRADS, MST_MEM_OPTIM, MST_MEM_SAVED, MST_MEM_COMPUTE, MST_N_MEM };
 const char* mst_mem_category_str(int cat);
 
 typedef struct mst_model {
     mst_ctx_t* ctx;
     mst_model_config cfg;
+    mst_mem_config mem_cfg;
     int64_t max_rows;        /* R in use now (static, or exact on a rerun)     */
+    int64_t static_rows;     /* R from the capacity factor                    */
+    int32_t n_micro;         /* M                                             */
     /* parameters: one flat buffer per kind, matrices first (decayed) */
     int64_t n_params, n_decay;
     int64_t emb, lnf, ln_e, ln_h, proj, ln_mf; /* offsets: [V,H] [H] [H] [H] [H,2H] [H] */
@@ -91,47 +127,45 @@ typedef struct mst_model {
     float* adam_v;           /* [n_params] fp32                               */
     float* gsumsq;           /* [1] sum of squared gradients                  */
     float* gpartial;         /* [MST_SUMSQ_PARTS] its chunk sums              */
+    int32_t* peak;           /* [L+1, G] peak rows per group over the run     */
     /* activations */
-    mst_layer_acts* acts;    /* [L+1]                                         */
-    int32_t* tok;            /* [3, N] inputs, next tokens, tokens after next */
-    uint16_t* x0;            /* [N, H] embedding of the inputs                */
-    uint16_t* xf;            /* [N, H] final norm output                      */
-    float* rstdf;            /* [N]                                           */
-    uint16_t* e1;            /* [N, H] MTP: embedding of the next tokens      */
-    uint16_t *ne, *nh;       /* [N, H] MTP: their norms / the hidden's norm   */
-    float *rstd_e, *rstd_h;  /* [N]                                           */
-    uint16_t* p;             /* [N, H] MTP projection output                  */
-    uint16_t* mf;            /* [N, H] MTP final norm output                  */
-    float* rstd_mf;          /* [N]                                           */
-    uint16_t* logits;        /* [N, V] (main, then MTP)                       */
-    uint16_t *dl_main, *dl_mtp; /* [N, V] d(loss)/d(logits)                   */
-    float *loss_main, *loss_mtp; /* [M, N] per-token losses of each microbatch */
+    mst_micro* micro;        /* [M]                                           */
+    float *loss_main, *loss_mtp; /* [M, N] per-token losses                   */
     float* aux_sum;          /* [M, L+1] load-balancing losses                */
-    int32_t n_micro;         /* M                                             */
+    /* the memory manager of the grouped MLP's saved activations */
+    mst_memmgr_t* mm;        /* active: mm_static, or one for exact shapes    */
+    mst_memmgr_t* mm_static; /* sized for R = static_rows                     */
+    mst_sched_entry* sched;  /* [n_sched]                                     */
+    int32_t n_sched, layers_per_chunk;
     /* compute buffers shared by layers */
-    uint16_t *rows, *yrows, *drows, *dxrows; /* [G*R, H]                      */
-    float *prow, *dprow;     /* [G*R] router probs of rows / their gradients  */
+    uint16_t* logits;        /* [N, V]                                        */
+    uint16_t *yrows, *drows, *dxrows; /* [G*R, H]                             */
+    float* dprow;            /* [G*R] gradients of the rows' router probs     */
     float* dtopk;            /* [N, k]                                        */
     uint16_t* drl;           /* [N, E] d(router logits)                       */
     uint16_t* dqkv;          /* [N, 3H]                                       */
-    uint16_t *dh, *dm, *t1, *t2, *t3; /* [N, H] gradients and scratch          */
+    uint16_t *dm, *t1, *t2, *t3; /* [N, H] gradient and scratch               */
     size_t mem[MST_N_MEM];   /* bytes allocated by category                   */
     void** owned;            /* [n_owned] backend buffers freed by destroy    */
     int n_owned, cap_owned;
 } mst_model;
 
+/* mem: NULL for mst_mem_config_default(). */
 mst_status mst_model_create(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t n_micro,
-                            mst_model** out);
+                            const mst_mem_config* mem, mst_model** out);
 void mst_model_destroy(mst_model* m);
-/* Re-sizes every grouped-rows buffer and saver to R rows per group. */
+/* Sizes every group to R rows (a memory manager of its own when R is not
+ * the static R; its first step must be measuring). */
 mst_status mst_model_set_max_rows(mst_model* m, int64_t max_rows);
 
-/* One microbatch: tokens [N, T+2]... host_tok [B, T+2] bytes of B windows.
- * Forward and backward; gradients accumulate into main_grad. */
-mst_status mst_model_forward_backward(mst_model* m, const int32_t* host_tok, int32_t micro);
+/* One step's forward and backward passes over M microbatches along the
+ * schedule; gradients (zeroed first) accumulate into main_grad.
+ * host_tok [M, B, T+2]: B windows of T+2 bytes per microbatch.
+ * measuring: the memory manager's measuring step (the first, and reruns). */
+mst_status mst_model_step(mst_model* m, const int32_t* host_tok, int measuring);
 
-/* Largest group of the run so far, over layers (reads device stats). */
-mst_status mst_model_peak_rows(mst_model* m, int32_t* peak /* [L+1, G] host */);
+/* Peak rows per group over the run, [L+1, G] host (reads device stats). */
+mst_status mst_model_peak_rows(mst_model* m, int32_t* peak);
 
 /* ---- optimizer (optim.c) ---- */
 typedef struct mst_optim_config {

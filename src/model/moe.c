@@ -2,97 +2,86 @@
  * moe.c — the MoE block of a layer, forward and backward side by side:
  * router logits (matmul), route (softmax, top-k, dropless plan with counts
  * on the backend, over-budget flag, load-balancing loss), dispatch of token
- * copies into the --ep groups' grouped-rows buffers, one grouped MLP call per
- * group, combine (the MLP already scales each row by its router prob).
+ * copies into the --ep groups' packed grouped rows (written straight into
+ * the buffers the memory manager hands out for fc1_input and probs), one
+ * grouped MLP over every expert, combine (the MLP already scales each row by
+ * its router prob, so combine is a sum over the k slots).
  */
 #include "moe.h"
 
 #include "ops.h"
 
-/* The grouped MLP's view of group g: its experts' weights, gradients, rows. */
-typedef struct group_view {
-    mst_mlp_config cfg;
-    mst_mlp_weights w;
-    mst_tensor counts;  /* [E/G, 1] int32 */
-} group_view;
+static mst_mlp_config mlp_config(const mst_model* m) {
+    return mst_mlp_config_default(m->cfg.experts, m->cfg.hidden, m->cfg.ffn);
+}
 
-static group_view group(mst_model* m, int32_t l, int32_t g) {
+static mst_mlp_weights mlp_weights(const mst_model* m, int32_t l) {
     const mst_model_config* c = &m->cfg;
-    const int64_t H = c->hidden, F = c->ffn, EG = c->experts / c->ep;
+    const int64_t H = c->hidden, F = c->ffn, E = c->experts;
     const mst_layer_params* p = &m->lp[l];
-    group_view v;
-    v.cfg = mst_mlp_config_default((int32_t)EG, H, F);
     mst_mlp_weights w = {0};
-    w.w1 = mst_tensor_make(m->w + p->w1 + g * EG * 2 * F * H, MST_DTYPE_BF16, EG * 2 * F, H);
-    w.w2 = mst_tensor_make(m->w + p->w2 + g * EG * H * F, MST_DTYPE_BF16, EG * H, F);
-    w.g_w1 = mst_tensor_make(m->grad + p->w1 + g * EG * 2 * F * H, MST_DTYPE_FP32, EG * 2 * F, H);
-    w.g_w2 = mst_tensor_make(m->grad + p->w2 + g * EG * H * F, MST_DTYPE_FP32, EG * H, F);
-    w.b1.dtype = w.b2.dtype = MST_DTYPE_BF16;
+    w.w1 = mst_tensor_make(m->w + p->w1, MST_DTYPE_BF16, E * 2 * F, H);
+    w.w2 = mst_tensor_make(m->w + p->w2, MST_DTYPE_BF16, E * H, F);
+    w.g_w1 = mst_tensor_make(m->grad + p->w1, MST_DTYPE_FP32, E * 2 * F, H);
+    w.g_w2 = mst_tensor_make(m->grad + p->w2, MST_DTYPE_FP32, E * H, F);
+    w.b1.dtype = w.b2.dtype = MST_DTYPE_BF16; /* no biases */
     w.g_b1.dtype = w.g_b2.dtype = MST_DTYPE_FP32;
-    v.w = w;
-    v.counts = mst_tensor_make(m->acts[l].counts + g * EG, MST_DTYPE_INT32, EG, 1);
-    return v;
+    return w;
 }
 
-static mst_tensor rows_of(void* base, mst_dtype dt, int64_t R, int64_t g, int64_t cols) {
-    return mst_tensor_make((char*)base + (size_t)(g * R * cols) * mst_dtype_size(dt), dt, R, cols);
-}
-
-static mst_route_args route_args(mst_model* m, mst_layer_acts* a) {
+static mst_route_args route_args(mst_model* m, int32_t l, mst_layer_acts* a) {
     const mst_model_config* c = &m->cfg;
     mst_route_args r = {.n_tok = c->batch * c->seq, .n_experts = c->experts, .top_k = c->top_k,
                         .n_groups = c->ep, .max_rows = m->max_rows, .aux_coef = c->aux_coef,
                         .logits = a->rlogits, .probs = a->rprobs, .topk_idx = a->topk_idx,
                         .topk_w = a->topk_w, .pos = a->pos, .counts = a->counts, .load = a->load,
-                        .peak_rows = a->peak, .aux_loss = a->aux, .flag = m->ctx->err_flag};
+                        .peak_rows = m->peak + (int64_t)l * c->ep, .aux_loss = a->aux,
+                        .flag = m->ctx->err_flag};
     return r;
 }
 
-mst_status mst_moe_forward(mst_model* m, int32_t l, uint16_t* y) {
+mst_status mst_moe_forward(mst_model* m, int32_t l, mst_layer_acts* a, const mst_saver* saver, uint16_t* y) {
     const mst_model_config* c = &m->cfg;
     mst_ctx_t* ctx = m->ctx;
-    mst_layer_acts* a = &m->acts[l];
-    const int64_t N = c->batch * c->seq, H = c->hidden, R = m->max_rows;
+    const int64_t N = c->batch * c->seq, H = c->hidden, GR = m->max_rows * c->ep;
     mst_mm_args lg = {.trans_b = 1, .m = N, .n = c->experts, .k = H, .a = a->b, .lda = H,
                       .b = m->w + m->lp[l].wr, .ldb = H, .c32 = a->rlogits, .ldc = c->experts};
     MST_TRY(MST_MODEL_OP(ctx, mm, &lg));
-    mst_route_args r = route_args(m, a);
+    mst_route_args r = route_args(m, l, a);
     MST_TRY(MST_MODEL_OP(ctx, route_forward, &r));
+    mst_tensor x, p;
+    MST_TRY(saver->produce(saver->self, MST_SAVED_FC1_INPUT, GR, H, MST_DTYPE_BF16, &x));
+    MST_TRY(saver->produce(saver->self, MST_SAVED_PROBS, GR, 1, MST_DTYPE_FP32, &p));
     mst_rows_args d = {.n_tok = N, .top_k = c->top_k, .cols = H, .pos = a->pos, .src = a->b,
-                       .dst = m->rows, .src_p = a->topk_w, .dst_p = m->prow};
+                       .dst = (uint16_t*)x.data, .src_p = a->topk_w, .dst_p = (float*)p.data};
     MST_TRY(MST_MODEL_OP(ctx, rows_gather, &d));
-    for (int32_t g = 0; g < c->ep; g++) {
-        group_view v = group(m, l, g);
-        mst_tensor x = rows_of(m->rows, MST_DTYPE_BF16, R, g, H);
-        mst_tensor p = rows_of(m->prow, MST_DTYPE_FP32, R, g, 1);
-        mst_tensor yr = rows_of(m->yrows, MST_DTYPE_BF16, R, g, H);
-        MST_TRY(mst_grouped_mlp_forward(ctx, &v.cfg, &v.w, &x, &p, &v.counts,
-                                        mst_saver_basic_get(a->savers[g]), &yr));
-    }
+    mst_mlp_config mc = mlp_config(m);
+    mst_mlp_weights w = mlp_weights(m, l);
+    mst_tensor counts = mst_tensor_make(a->counts, MST_DTYPE_INT32, c->experts, 1);
+    mst_tensor yr = mst_tensor_make(m->yrows, MST_DTYPE_BF16, GR, H);
+    MST_TRY(mst_grouped_mlp_forward(ctx, &mc, &w, &x, &p, &counts, saver, &yr));
     mst_rows_args s = {.n_tok = N, .top_k = c->top_k, .cols = H, .pos = a->pos, .src = m->yrows, .dst = y};
     return MST_MODEL_OP(ctx, rows_sum, &s);
 }
 
-mst_status mst_moe_backward(mst_model* m, int32_t l, const uint16_t* dy, uint16_t* dx) {
+mst_status mst_moe_backward(mst_model* m, int32_t l, mst_layer_acts* a, const mst_saver* saver,
+                            const uint16_t* dy, uint16_t* dx) {
     const mst_model_config* c = &m->cfg;
     mst_ctx_t* ctx = m->ctx;
-    mst_layer_acts* a = &m->acts[l];
-    const int64_t N = c->batch * c->seq, H = c->hidden, R = m->max_rows, E = c->experts;
+    const int64_t N = c->batch * c->seq, H = c->hidden, E = c->experts, GR = m->max_rows * c->ep;
     mst_rows_args d = {.n_tok = N, .top_k = c->top_k, .cols = H, .pos = a->pos, .src = dy, .dst = m->drows};
     MST_TRY(MST_MODEL_OP(ctx, rows_gather, &d));
-    for (int32_t g = 0; g < c->ep; g++) {
-        group_view v = group(m, l, g);
-        mst_tensor dyr = rows_of(m->drows, MST_DTYPE_BF16, R, g, H);
-        mst_tensor dxr = rows_of(m->dxrows, MST_DTYPE_BF16, R, g, H);
-        mst_tensor dp = rows_of(m->dprow, MST_DTYPE_FP32, R, g, 1);
-        MST_TRY(mst_grouped_mlp_backward(ctx, &v.cfg, &v.w, &dyr, &v.counts,
-                                         mst_saver_basic_get(a->savers[g]), &dxr, &dp,
-                                         MST_WGRAD_ACCUMULATE));
-    }
+    mst_mlp_config mc = mlp_config(m);
+    mst_mlp_weights w = mlp_weights(m, l);
+    mst_tensor counts = mst_tensor_make(a->counts, MST_DTYPE_INT32, E, 1);
+    mst_tensor dyr = mst_tensor_make(m->drows, MST_DTYPE_BF16, GR, H);
+    mst_tensor dxr = mst_tensor_make(m->dxrows, MST_DTYPE_BF16, GR, H);
+    mst_tensor dp = mst_tensor_make(m->dprow, MST_DTYPE_FP32, GR, 1);
+    MST_TRY(mst_grouped_mlp_backward(ctx, &mc, &w, &dyr, &counts, saver, &dxr, &dp, MST_WGRAD_ACCUMULATE));
     mst_rows_args s = {.n_tok = N, .top_k = c->top_k, .cols = H, .pos = a->pos, .src = m->dxrows,
                        .dst = dx, .src_p = m->dprow, .dst_p = m->dtopk};
     MST_TRY(MST_MODEL_OP(ctx, rows_sum, &s));
-    mst_route_args r = route_args(m, a);
+    mst_route_args r = route_args(m, l, a);
     r.aux_coef = c->aux_coef / (float)m->n_micro; /* the loss is the mean over microbatches */
     r.dtopk_w = m->dtopk;
     r.dlogits = m->drl;

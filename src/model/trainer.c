@@ -1,10 +1,12 @@
 /*
- * trainer.c — the training loop (see trainer.h). A step: zero main_grad, M
- * microbatches of forward + backward, clip + AdamW (skipped on the backend
- * when the step's flag is set), then one host check of the flag. A step
- * flagged over budget (a group got more rows than max_rows) is rerun with
- * grouped-rows buffers of exact size — the largest group seen — and the
- * static buffers come back for the next step. Losses are read once per step.
+ * trainer.c — the training loop (see trainer.h). A step: M microbatches of
+ * forward + backward along the schedule (main_grad zeroed first), clip +
+ * AdamW (skipped on the backend when the step's flag is set), then one host
+ * check of the flag. A step flagged over budget (a group got more rows than
+ * max_rows) is rerun with exact shapes: every group sized to the largest
+ * group seen, with its own memory manager, and the static buffers come back
+ * for the next step. A step whose stash pool overflowed is rerun as a
+ * measuring step, which resizes the pools. Losses are read once per step.
  */
 #include <math.h>
 #include <string.h>
@@ -18,16 +20,10 @@ static double now_s(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-static mst_status run_step(mst_model* m, const mst_train_config* cfg, const int32_t* tok,
-                           int64_t step, int force_flag) {
-    const int64_t per = cfg->model.batch * (cfg->model.seq + 2);
-    MST_TRY(mst_optim_zero(m));
-    for (int32_t mb = 0; mb < cfg->microbatches; mb++)
-        MST_TRY(mst_model_forward_backward(m, tok + mb * per, mb));
-    if (force_flag) {
-        const int32_t bits = MST_FLAG_COUNTS;
-        MST_TRY(mst_copy_h2b(m->ctx, m->ctx->err_flag, &bits, sizeof bits));
-    }
+static mst_status run_step(mst_model* m, const mst_train_config* cfg, const int32_t* tok, int64_t step,
+                           int measuring, int32_t inject) {
+    MST_TRY(mst_model_step(m, tok, measuring));
+    if (inject) MST_TRY(mst_copy_h2b(m->ctx, m->ctx->err_flag, &inject, sizeof inject));
     return mst_optim_step(m, &cfg->optim, step);
 }
 
@@ -43,26 +39,31 @@ static mst_status exact_rows(mst_model* m, int64_t* rows) {
     return st;
 }
 
-/* Step with the reruns: returns MST_OK once the step's results are valid.
- * A rerun sizes every group to the largest group seen; a layer after an
- * over-budget one saw different inputs, so its group may still not fit:
- * rerun again (each rerun fixes at least one more layer), and at the last
- * attempt size the groups for every token copy (N k rows: cannot fail). */
-static mst_status step_checked(mst_model* m, const mst_train_config* cfg, const int32_t* tok,
-                               int64_t step, mst_train_result* res) {
-    MST_TRY(run_step(m, cfg, tok, step, step == cfg->force_over_budget));
-    mst_status st = mst_ctx_check(m->ctx);
-    const int64_t R = m->max_rows, all = m->cfg.batch * m->cfg.seq * m->cfg.top_k;
-    for (int32_t attempt = 0; st == MST_ERR_COUNTS && attempt <= m->cfg.layers + 1; attempt++) {
+/* Step with its reruns; MST_OK once the step's results are valid. A layer
+ * after an over-budget one saw other inputs, so its group may still not fit
+ * the first exact size: rerun again (each rerun fixes at least one more
+ * layer); the last attempt sizes groups for every token copy (N k rows). */
+static mst_status step_checked(mst_model* m, const mst_train_config* cfg, const int32_t* tok, int64_t step,
+                               mst_train_result* res) {
+    int32_t inject = step == cfg->force_over_budget ? MST_FLAG_COUNTS : 0;
+    inject |= step == cfg->force_overflow ? MST_FLAG_OVERFLOW : 0;
+    MST_TRY(run_step(m, cfg, tok, step, step == 1, inject));
+    mst_status st = mst_memmgr_step_check(m->mm);
+    const int64_t all = m->cfg.batch * m->cfg.seq * m->cfg.top_k;
+    for (int32_t attempt = 0; (st == MST_ERR_COUNTS || st == MST_ERR_OVERFLOW) && attempt <= m->cfg.layers + 1;
+         attempt++) {
         res->reruns++;
-        int64_t exact = all;
-        if (attempt < m->cfg.layers + 1) MST_TRY(exact_rows(m, &exact));
-        MST_TRY(mst_model_set_max_rows(m, exact));
-        MST_TRY(run_step(m, cfg, tok, step, 0));
-        st = mst_ctx_check(m->ctx);
+        if (st == MST_ERR_COUNTS) {
+            res->over_budget++;
+            int64_t exact = all;
+            if (attempt < m->cfg.layers + 1) MST_TRY(exact_rows(m, &exact));
+            MST_TRY(mst_model_set_max_rows(m, exact > m->max_rows ? exact : m->max_rows + 1));
+        }
+        MST_TRY(run_step(m, cfg, tok, step, 1, 0));
+        st = mst_memmgr_step_check(m->mm);
     }
     if (st != MST_OK) return st;
-    return mst_model_set_max_rows(m, R);
+    return mst_model_set_max_rows(m, m->static_rows);
 }
 
 static mst_status read_losses(mst_model* m, int64_t i, mst_train_result* res) {
@@ -85,42 +86,81 @@ static mst_status read_losses(mst_model* m, int64_t i, mst_train_result* res) {
     return st;
 }
 
-/* Bytes of one routed row in the grouped MLP's saved activations (x, h, z
- * bf16; prob fp32) and in the shared grouped-rows compute buffers. */
-static size_t saved_row_bytes(const mst_model_config* c) {
-    return (size_t)(c->hidden + 3 * c->ffn) * 2 + 4;
+/* ---- memory report ------------------------------------------------------------ */
+
+static const char* const row_names[MST_N_ROWS] = {
+    "weights (bf16)", "gradients (fp32 main_grad)", "optimizer (master, m, v)",
+    "saved: attention, norms, router", "saved: grouped MLP, kept", "saved: grouped MLP, stash pages",
+    "saved: grouped MLP, offload (host)", "compute buffers", "op workspaces, context"};
+const char* mst_mem_row_str(int row) { return row >= 0 && row < MST_N_ROWS ? row_names[row] : "?"; }
+
+/* Bytes of one routed row of the grouped MLP's saved tensors (x, h, z bf16;
+ * prob fp32) and of the shared grouped-rows compute buffers (y, dy, dx
+ * bf16; dprob fp32). */
+static size_t saved_row_bytes(const mst_model_config* c) { return (size_t)(c->hidden + 3 * c->ffn) * 2 + 4; }
+static size_t compute_row_bytes(const mst_model_config* c) { return (size_t)c->hidden * 6 + 4; }
+
+static uint64_t fnv1a(uint64_t h, const void* p, size_t n) {
+    const unsigned char* b = (const unsigned char*)p;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001B3ull;
+    return h;
 }
-static size_t compute_row_bytes(const mst_model_config* c) { return (size_t)c->hidden * 8 + 8; }
+
+static mst_status weights_hash(mst_model* m, uint64_t* out) {
+    const size_t n = (size_t)m->n_params;
+    void* h = malloc(n * sizeof(float));
+    if (!h) return mst_set_error(MST_ERR_OOM, "weights readback");
+    uint64_t x = 0xCBF29CE484222325ull;
+    mst_status st = mst_copy_b2h(m->ctx, h, m->master, n * sizeof(float));
+    if (st == MST_OK) x = fnv1a(x, h, n * sizeof(float));
+    if (st == MST_OK) st = mst_copy_b2h(m->ctx, h, m->w, n * sizeof(uint16_t));
+    if (st == MST_OK) x = fnv1a(x, h, n * sizeof(uint16_t));
+    free(h);
+    *out = x;
+    return st;
+}
 
 static mst_status memory_table(mst_model* m, mst_train_result* res) {
     const mst_model_config* c = &m->cfg;
-    const int64_t G = c->ep, L1 = c->layers + 1, R = m->max_rows;
+    const int64_t G = c->ep, L1 = c->layers + 1, R = m->static_rows, M = m->n_micro;
     res->peak_rows = (int32_t*)malloc(sizeof(int32_t) * (size_t)(L1 * G));
     if (!res->peak_rows) return mst_set_error(MST_ERR_OOM, "peak rows");
     MST_TRY(mst_model_peak_rows(m, res->peak_rows));
-    size_t exact_saved = 0, exact_compute = 0;
+    MST_TRY(mst_mem_report(m->mm, &res->mem.manager));
+    size_t exact_saved = 0, exact_rows_max = 0;
     for (int64_t l = 0; l < L1; l++) {
         size_t layer_rows = 0;
         for (int64_t g = 0; g < G; g++) layer_rows += (size_t)res->peak_rows[l * G + g];
-        exact_saved += layer_rows * saved_row_bytes(c);
-        if (layer_rows * compute_row_bytes(c) > exact_compute) exact_compute = layer_rows * compute_row_bytes(c);
+        exact_saved += layer_rows * (size_t)M * saved_row_bytes(c);
+        if (layer_rows > exact_rows_max) exact_rows_max = layer_rows;
     }
-    const size_t keep_saved = (size_t)(L1 * G * R) * saved_row_bytes(c);
-    const size_t keep_compute = (size_t)(G * R) * compute_row_bytes(c);
     mst_mem_table* t = &res->mem;
-    size_t in_use = 0, total = 0;
+    const mst_mem_report_t* r = &t->manager;
+    const size_t rows_compute = (size_t)(G * R) * compute_row_bytes(c);
+    const int cats[] = {MST_MEM_WEIGHTS, MST_MEM_GRADS, MST_MEM_OPTIM, MST_MEM_SAVED};
+    for (int k = 0; k < 4; k++) t->run[k] = t->keep[k] = t->exact[k] = m->mem[cats[k]];
+    t->run[MST_ROW_MLP_KEPT] = r->kept_bytes;
+    t->keep[MST_ROW_MLP_KEPT] = (size_t)(L1 * M * G * R) * saved_row_bytes(c);
+    t->exact[MST_ROW_MLP_KEPT] = exact_saved;
+    t->run[MST_ROW_MLP_DEV_PAGES] = r->dev_pages_bytes;
+    t->run[MST_ROW_MLP_HOST_PAGES] = r->host_pages_bytes;
+    t->dev_pages_peak = r->dev_pages_peak_bytes;
+    t->host_pages_peak = r->host_pages_peak_bytes;
+    t->run[MST_ROW_COMPUTE] = m->mem[MST_MEM_COMPUTE] + r->compute_bytes;
+    t->keep[MST_ROW_COMPUTE] = m->mem[MST_MEM_COMPUTE];
+    t->exact[MST_ROW_COMPUTE] = m->mem[MST_MEM_COMPUTE] - rows_compute + exact_rows_max * compute_row_bytes(c);
+    size_t in_use = 0, known = 0;
     mst_ctx_mem(m->ctx, &in_use, &t->peak);
-    for (int k = 0; k < MST_N_MEM; k++) {
-        t->run[k] = t->keep[k] = t->exact[k] = m->mem[k];
-        total += m->mem[k];
-    }
-    t->other = in_use > total ? in_use - total : 0;
-    /* the run holds KEEP buffers: the KEEP column is the run's */
-    t->exact[MST_MEM_SAVED] = t->run[MST_MEM_SAVED] - keep_saved + exact_saved;
-    t->exact[MST_MEM_COMPUTE] = t->run[MST_MEM_COMPUTE] - keep_compute + exact_compute;
+    for (int k = 0; k < MST_ROW_OTHER; k++)
+        if (k != MST_ROW_MLP_HOST_PAGES) known += t->run[k];
+    t->run[MST_ROW_OTHER] = t->keep[MST_ROW_OTHER] = t->exact[MST_ROW_OTHER] = in_use > known ? in_use - known : 0;
     res->max_rows = R;
-    return MST_OK;
+    res->n_layers = L1;
+    res->n_groups = G;
+    return weights_hash(m, &res->weights_hash);
 }
+
+/* ---- the loop ------------------------------------------------------------------ */
 
 static mst_status load_data(const mst_train_config* cfg, mst_data* d) {
     if (!cfg->data_path) return mst_data_synthetic(d, cfg->model.seed, 1 << 20);
@@ -165,6 +205,7 @@ static mst_status train_loop(mst_model* m, mst_data* d, const mst_train_config* 
     }
     res->seconds = now_s() - t0;
     free(tok);
+    if (st == MST_OK) st = mst_memmgr_check(m->mm);
     return st == MST_OK ? memory_table(m, res) : st;
 }
 
@@ -176,7 +217,7 @@ mst_status mst_train_run(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* prog
     mst_data d;
     MST_TRY(load_data(cfg, &d));
     mst_model* m = NULL;
-    mst_status st = mst_model_create(ctx, &cfg->model, cfg->microbatches, &m);
+    mst_status st = mst_model_create(ctx, &cfg->model, cfg->microbatches, &cfg->mem, &m);
     if (st == MST_OK) st = train_loop(m, &d, cfg, progress, res);
     mst_model_destroy(m);
     mst_data_free(&d);
@@ -192,41 +233,83 @@ void mst_train_result_free(mst_train_result* res) {
     memset(res, 0, sizeof *res);
 }
 
+/* ---- --check-policies ------------------------------------------------------------ */
+
+mst_status mst_train_check_policies(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* out) {
+    static const struct { const char* policy; const char* recompute; } runs[] = {
+        {"keep", "none"}, {"stash", "none"}, {"offload", "none"}, {"recompute", "none"},
+        {"fc1_input=stash,act_input=offload,fc2_input=recompute,probs=keep", "none"},
+        {"keep", "uniform:1"}, {"stash", "block:1"},
+    };
+    const int n = (int)(sizeof runs / sizeof *runs);
+    mst_train_result base = {0};
+    int bad = 0;
+    mst_status st = MST_OK;
+    for (int i = 0; i < n && st == MST_OK; i++) {
+        mst_train_config c = *cfg;
+        c.mem.policy = runs[i].policy;
+        st = mst_recompute_parse(runs[i].recompute, &c.mem.recompute);
+        mst_train_result r = {0};
+        if (st == MST_OK) st = mst_train_run(ctx, &c, NULL, &r);
+        if (st != MST_OK) {
+            fprintf(out, "check-policies: %-66s --recompute %-9s FAILED: %s\n", runs[i].policy, runs[i].recompute,
+                    mst_last_error());
+            mst_train_result_free(&r);
+            break;
+        }
+        int same = i == 0 || (r.weights_hash == base.weights_hash &&
+                              memcmp(r.loss, base.loss, sizeof(double) * (size_t)r.steps) == 0 &&
+                              memcmp(r.mtp_loss, base.mtp_loss, sizeof(double) * (size_t)r.steps) == 0);
+        bad |= !same;
+        fprintf(out, "check-policies: %-66s --recompute %-9s loss %.6f, weights %016llx, reruns %lld: %s\n",
+                runs[i].policy, runs[i].recompute, r.loss[r.steps - 1], (unsigned long long)r.weights_hash,
+                (long long)r.reruns, i == 0 ? "reference" : same ? "bit-identical" : "DIFFERS");
+        if (i == 0) base = r;
+        else mst_train_result_free(&r);
+    }
+    mst_train_result_free(&base);
+    if (st != MST_OK) return st;
+    return bad ? mst_set_error(MST_ERR_STATE, "a policy changed the losses or the final weights") : MST_OK;
+}
+
+/* ---- output -------------------------------------------------------------------- */
+
 static double mib(size_t b) { return (double)b / (1 << 20); }
 
 void mst_train_print_memory(FILE* f, const mst_train_result* r) {
     const mst_mem_table* t = &r->mem;
-    size_t tot[3] = {t->other, t->other, t->other};
-    fprintf(f, "\nmemory by category (MiB)       this run   KEEP (static max_rows = %lld)   exact shapes\n",
-            (long long)r->max_rows);
-    for (int k = 0; k < MST_N_MEM; k++) {
-        fprintf(f, "  %-26s %10.2f   %29.2f   %12.2f\n", mst_mem_category_str(k), mib(t->run[k]),
-                mib(t->keep[k]), mib(t->exact[k]));
+    size_t tot[3] = {0, 0, 0};
+    fprintf(f, "\nmemory (MiB)                          this run   KEEP, static max_rows   exact shapes\n");
+    for (int k = 0; k < MST_N_ROWS; k++) {
+        fprintf(f, "  %-34s %10.2f   %21.2f   %12.2f", mst_mem_row_str(k), mib(t->run[k]), mib(t->keep[k]),
+                mib(t->exact[k]));
+        if (k == MST_ROW_MLP_DEV_PAGES && t->run[k]) fprintf(f, "   (peak in use %.2f)", mib(t->dev_pages_peak));
+        if (k == MST_ROW_MLP_HOST_PAGES && t->run[k]) fprintf(f, "   (peak in use %.2f; not in total)", mib(t->host_pages_peak));
+        fprintf(f, "\n");
+        if (k == MST_ROW_MLP_HOST_PAGES) continue;
         tot[0] += t->run[k];
         tot[1] += t->keep[k];
         tot[2] += t->exact[k];
     }
-    fprintf(f, "  %-26s %10.2f   %29.2f   %12.2f\n", "op workspaces, context", mib(t->other),
-            mib(t->other), mib(t->other));
-    fprintf(f, "  %-26s %10.2f   %29.2f   %12.2f\n", "total", mib(tot[0]), mib(tot[1]), mib(tot[2]));
-    fprintf(f, "  backend peak %.2f MiB; steps rerun with exact shapes: %lld\n", mib(t->peak),
-            (long long)r->reruns);
+    fprintf(f, "  %-34s %10.2f   %21.2f   %12.2f\n", "total", mib(tot[0]), mib(tot[1]), mib(tot[2]));
+    fprintf(f, "  max_rows %lld per group; peak rows per group over the run, by layer:", (long long)r->max_rows);
+    const int64_t G = r->n_groups;
+    for (int64_t i = 0; r->peak_rows && i < r->n_layers * G; i++)
+        fprintf(f, "%s%d%s", i % G ? " " : " [", r->peak_rows[i], i % G == G - 1 ? "]" : "");
+    fprintf(f, "\n  backend peak %.2f MiB; reruns %lld (over budget %lld, overflow %lld)\n", mib(t->peak),
+            (long long)r->reruns, (long long)r->over_budget, (long long)(r->reruns - r->over_budget));
 }
 
-static void json_array(FILE* f, const char* name, const double* v, int64_t n, int last) {
+static void json_array(FILE* f, const char* name, const double* v, int64_t n) {
     fprintf(f, "  \"%s\": [", name);
     for (int64_t i = 0; i < n; i++) fprintf(f, "%s%.9g", i ? ", " : "", v[i]);
-    fprintf(f, "]%s\n", last ? "" : ",");
+    fprintf(f, "],\n");
 }
 
-static void json_mem(FILE* f, const char* name, const size_t* v, size_t other) {
+static void json_mem(FILE* f, const char* name, const size_t* v) {
     fprintf(f, "    \"%s\": {", name);
-    size_t tot = other;
-    for (int k = 0; k < MST_N_MEM; k++) {
-        fprintf(f, "\"%s\": %zu, ", mst_mem_category_str(k), v[k]);
-        tot += v[k];
-    }
-    fprintf(f, "\"other\": %zu, \"total\": %zu}", other, tot);
+    for (int k = 0; k < MST_N_ROWS; k++) fprintf(f, "%s\"%s\": %zu", k ? ", " : "", mst_mem_row_str(k), v[k]);
+    fprintf(f, "},\n");
 }
 
 mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
@@ -237,27 +320,37 @@ mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
     fprintf(f, "{\n  \"device\": \"%s\",\n", device);
     fprintf(f, "  \"config\": {\"hidden\": %lld, \"ffn\": %lld, \"heads\": %lld, \"seq\": %lld, "
                "\"batch\": %lld, \"layers\": %d, \"experts\": %d, \"top_k\": %d, \"ep\": %d, "
-               "\"capacity_factor\": %g, \"microbatches\": %d, \"mtp_weight\": %g, \"steps\": %lld, "
-               "\"lr\": %g, \"seed\": %llu, \"data\": \"%s\"},\n",
+               "\"capacity_factor\": %g, \"microbatches\": %d, \"schedule\": \"%s\", \"policy\": \"%s\", "
+               "\"recompute\": [%d, %d], \"mtp_weight\": %g, \"steps\": %lld, \"lr\": %g, \"seed\": %llu, "
+               "\"data\": \"%s\"},\n",
             (long long)c->hidden, (long long)c->ffn, (long long)c->n_head, (long long)c->seq,
             (long long)c->batch, c->layers, c->experts, c->top_k, c->ep, (double)c->capacity_factor,
-            cfg->microbatches, (double)c->mtp_weight, (long long)cfg->steps, (double)cfg->optim.lr,
-            (unsigned long long)c->seed, cfg->data_path ? "file" : "synthetic");
-    json_array(f, "loss", r->loss, r->steps, 0);
-    json_array(f, "mtp_loss", r->mtp_loss, r->steps, 0);
-    json_array(f, "aux_loss", r->aux_loss, r->steps, 0);
-    json_array(f, "tokens_per_s", r->tok_per_s, r->steps, 0);
-    fprintf(f, "  \"reruns\": %lld,\n  \"seconds\": %.3f,\n  \"max_rows\": %lld,\n  \"peak_rows\": [",
-            (long long)r->reruns, r->seconds, (long long)r->max_rows);
+            cfg->microbatches, mst_schedule_kind_str(cfg->mem.schedule), cfg->mem.policy ? cfg->mem.policy : "keep",
+            (int)cfg->mem.recompute.method, cfg->mem.recompute.num_layers, (double)c->mtp_weight,
+            (long long)cfg->steps, (double)cfg->optim.lr, (unsigned long long)c->seed,
+            cfg->data_path ? "file" : "synthetic");
+    json_array(f, "loss", r->loss, r->steps);
+    json_array(f, "mtp_loss", r->mtp_loss, r->steps);
+    json_array(f, "aux_loss", r->aux_loss, r->steps);
+    json_array(f, "tokens_per_s", r->tok_per_s, r->steps);
+    fprintf(f, "  \"reruns\": %lld,\n  \"over_budget_reruns\": %lld,\n  \"seconds\": %.3f,\n  \"max_rows\": %lld,\n"
+               "  \"weights_hash\": \"%016llx\",\n  \"peak_rows\": [",
+            (long long)r->reruns, (long long)r->over_budget, r->seconds, (long long)r->max_rows,
+            (unsigned long long)r->weights_hash);
     for (int64_t i = 0; i < (int64_t)(c->layers + 1) * c->ep; i++)
         fprintf(f, "%s%d", i ? ", " : "", r->peak_rows ? r->peak_rows[i] : 0);
     fprintf(f, "],\n  \"memory_bytes\": {\n");
-    json_mem(f, "run", r->mem.run, r->mem.other);
-    fprintf(f, ",\n");
-    json_mem(f, "keep_static", r->mem.keep, r->mem.other);
-    fprintf(f, ",\n");
-    json_mem(f, "exact_shapes", r->mem.exact, r->mem.other);
-    fprintf(f, ",\n    \"backend_peak\": %zu\n  }\n}\n", r->mem.peak);
+    json_mem(f, "run", r->mem.run);
+    json_mem(f, "keep_static", r->mem.keep);
+    json_mem(f, "exact_shapes", r->mem.exact);
+    const mst_mem_report_t* q = &r->mem.manager;
+    fprintf(f, "    \"dev_pages_peak\": %zu,\n    \"host_pages_peak\": %zu,\n    \"backend_peak\": %zu,\n",
+            r->mem.dev_pages_peak, r->mem.host_pages_peak, r->mem.peak);
+    fprintf(f, "    \"manager\": {\"kept\": %zu, \"compute\": %zu, \"dev_pages\": %zu, \"host_pages\": %zu, "
+               "\"recompute_not_saved\": %zu, \"static_keep\": %zu, \"exact_measured\": %zu, \"overflows\": %d, "
+               "\"reruns\": %d}\n  }\n}\n",
+            q->kept_bytes, q->compute_bytes, q->dev_pages_bytes, q->host_pages_bytes, q->recompute_bytes,
+            q->static_keep_bytes, q->exact_bytes, q->overflows, q->reruns);
     int bad = ferror(f);
     bad |= fclose(f) != 0;
     return bad ? mst_set_error(MST_ERR_IO, "--json '%s': write failed", path) : MST_OK;

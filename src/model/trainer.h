@@ -1,7 +1,9 @@
 /*
  * trainer.h — the training loop of `moestash train`: steps of M microbatches
- * (gradient accumulation), AdamW, the over-budget rerun with exact shapes,
- * a progress line per step, and the memory report by category.
+ * along a schedule (gradient accumulation), AdamW, reruns of steps that went
+ * over budget (exact shapes) or overflowed a stash pool (measuring step that
+ * resizes the pools), a progress line per step, the memory report by
+ * category, and --check-policies.
  */
 #ifndef MST_TRAINER_H
 #define MST_TRAINER_H
@@ -13,23 +15,30 @@
 typedef struct mst_train_config {
     mst_model_config model;
     mst_optim_config optim;
-    int32_t microbatches;     /* M                                               */
+    mst_mem_config mem;
+    int32_t microbatches;      /* M                                               */
     int64_t steps;
-    const char* data_path;    /* NULL: the synthetic corpus                      */
-    int64_t force_over_budget;/* step (1-based) whose results are flagged over
-                                 budget once, to exercise the rerun; 0: never    */
+    const char* data_path;     /* NULL: the synthetic corpus                      */
+    int64_t force_over_budget; /* step (1-based) flagged over budget once; 0: never */
+    int64_t force_overflow;    /* step flagged as a stash-pool overflow once      */
 } mst_train_config;
 
-/* Memory of the run by category, with the same routing's needs under KEEP
- * (static max_rows buffers) and exact shapes (rows really routed, peak over
- * the run per group). Bytes. */
+/* Memory of the run by row of the table, with the same routing's needs under
+ * KEEP (static max_rows buffers) and exact shapes (rows really routed: each
+ * group at its peak over the run). Bytes. */
+enum {
+    MST_ROW_WEIGHTS = 0, MST_ROW_GRADS, MST_ROW_OPTIM, MST_ROW_SAVED, MST_ROW_MLP_KEPT,
+    MST_ROW_MLP_DEV_PAGES, MST_ROW_MLP_HOST_PAGES, MST_ROW_COMPUTE, MST_ROW_OTHER, MST_N_ROWS
+};
 typedef struct mst_mem_table {
-    size_t run[MST_N_MEM];
-    size_t keep[MST_N_MEM];
-    size_t exact[MST_N_MEM];
-    size_t other;             /* op workspaces and context memory (all columns) */
-    size_t peak;              /* backend memory peak of the context            */
+    size_t run[MST_N_ROWS];
+    size_t keep[MST_N_ROWS];
+    size_t exact[MST_N_ROWS];
+    size_t dev_pages_peak, host_pages_peak; /* pages in use at peak            */
+    size_t peak;               /* backend memory peak of the context            */
+    mst_mem_report_t manager;  /* the memory manager's own report               */
 } mst_mem_table;
+const char* mst_mem_row_str(int row);
 
 typedef struct mst_train_result {
     double* loss;             /* [steps] main next-token loss (mean)           */
@@ -37,9 +46,12 @@ typedef struct mst_train_result {
     double* aux_loss;         /* [steps] load-balancing loss (sum over layers) */
     double* tok_per_s;        /* [steps]                                       */
     int64_t steps;
-    int64_t reruns;           /* steps rerun with exact shapes                 */
+    int64_t reruns;           /* step reruns: over budget or overflow          */
+    int64_t over_budget;      /* of which over budget                          */
     int64_t max_rows;         /* static R per group                            */
     int32_t* peak_rows;       /* [L+1, G] peak rows per group                  */
+    int64_t n_layers, n_groups; /* L+1, G                                      */
+    uint64_t weights_hash;    /* FNV-1a of the final fp32 master and bf16 weights */
     mst_mem_table mem;
     double seconds;
 } mst_train_result;
@@ -51,5 +63,9 @@ void mst_train_result_free(mst_train_result* res);
 void mst_train_print_memory(FILE* f, const mst_train_result* res);
 mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
                                 const mst_train_result* res, const char* device);
+/* The same steps under every policy, a mixed per-name spec and layer
+ * recompute; one line each to `out`; MST_ERR_STATE when any run's losses or
+ * final weights differ in a bit from the keep run's. */
+mst_status mst_train_check_policies(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* out);
 
 #endif

@@ -35,25 +35,25 @@ static void route_token(const mst_route_args* a, int64_t t) {
     }
 }
 
-/* Counts, positions and over-budget flags from topk_idx, in entry order. */
+/* Counts, positions and over-budget flags from topk_idx, in entry order.
+ * Groups are packed: group g's rows follow those of the groups before it. */
 static void route_plan(const mst_route_args* a) {
     const int32_t E = a->n_experts, G = a->n_groups, EG = E / G;
     const int64_t NK = a->n_tok * a->top_k, R = a->max_rows;
     memset(a->load, 0, sizeof(int32_t) * (size_t)E);
     for (int64_t i = 0; i < NK; i++) a->load[a->topk_idx[i]]++;
     int32_t* next = (int32_t*)malloc(sizeof(int32_t) * (size_t)E); /* next row of expert e */
+    int64_t base = 0;
     for (int32_t g = 0; g < G; g++) {
         int64_t total = 0;
-        for (int32_t e = g * EG; e < (g + 1) * EG; e++) {
-            next[e] = (int32_t)(g * R + total);
-            total += a->load[e];
-        }
-        int over = total > R;
+        for (int32_t e = g * EG; e < (g + 1) * EG; e++) total += a->load[e];
+        const int over = total > R;
         if (over) *a->flag |= MST_FLAG_COUNTS;
         if (total > a->peak_rows[g]) a->peak_rows[g] = (int32_t)total;
         for (int32_t e = g * EG; e < (g + 1) * EG; e++) {
             a->counts[e] = over ? 0 : a->load[e];
-            if (over) next[e] = -1;
+            next[e] = over ? -1 : (int32_t)base;
+            base += a->counts[e];
         }
     }
     for (int64_t i = 0; i < NK; i++) {

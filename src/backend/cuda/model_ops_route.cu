@@ -4,8 +4,9 @@
  *   route_token_kernel: softmax over experts and top-k, one thread per token;
  *   route_plan_kernel (one block): per-expert loads counted in entry order
  *     from shared-memory tiles of the top-k ids, per-group totals, the
- *     over-budget flag and peak rows, each entry's row (expert, then token,
- *     then slot order), and the load-balancing loss. Deterministic: each
+ *     over-budget flag and peak rows, each entry's row (groups packed in
+ *     order; expert, then token, then slot order within), and the
+ *     load-balancing loss. Deterministic: each
  *     expert's thread walks the entries in order; no atomics but the flag's
  *     atomicOr.
  *   route_backward_kernel: d(router logits), one thread per token.
@@ -68,19 +69,20 @@ __global__ void route_plan_kernel(mst_route_args a) {
     for (int32_t e = threadIdx.x; e < E; e += blockDim.x) load[e] = 0;
     plan_walk(a, tile, next, load, 0);
     __syncthreads();
-    for (int32_t g = threadIdx.x; g < G; g += blockDim.x) {
-        int64_t total = 0;
-        for (int32_t e = g * EG; e < (g + 1) * EG; e++) {
-            next[e] = (int32_t)(g * R + total);
-            total += load[e];
-        }
-        const int over = total > R;
-        if (over) mst_dev_flag(a.flag, MST_FLAG_COUNTS);
-        if (total > a.peak_rows[g]) a.peak_rows[g] = (int32_t)total;
-        for (int32_t e = g * EG; e < (g + 1) * EG; e++) {
-            a.counts[e] = over ? 0 : load[e];
-            a.load[e] = load[e];
-            if (over) next[e] = -1;
+    if (threadIdx.x == 0) { /* groups packed in order: a few hundred adds at most */
+        int64_t base = 0;
+        for (int32_t g = 0; g < G; g++) {
+            int64_t total = 0;
+            for (int32_t e = g * EG; e < (g + 1) * EG; e++) total += load[e];
+            const int over = total > R;
+            if (over) mst_dev_flag(a.flag, MST_FLAG_COUNTS);
+            if (total > a.peak_rows[g]) a.peak_rows[g] = (int32_t)total;
+            for (int32_t e = g * EG; e < (g + 1) * EG; e++) {
+                a.counts[e] = over ? 0 : load[e];
+                a.load[e] = load[e];
+                next[e] = over ? -1 : (int32_t)base;
+                base += over ? 0 : load[e];
+            }
         }
     }
     plan_walk(a, tile, next, load, 1);
