@@ -72,15 +72,17 @@ class Mlp:
         return y + self.b2[self.gidx] * self.p[:, None].to(y.dtype)
 
     def loop(self):
-        out, r0 = [], 0
-        for e, n in enumerate(self.counts):
-            if n == 0:
+        # split / unbind (not indexing): one backward for all the pieces, no
+        # full-size zero gradient per expert
+        out = []
+        xs, ps = self.x.split(self.counts), self.p.split(self.counts)
+        w1, b1, w2, b2 = self.w1.unbind(0), self.b1.unbind(0), self.w2.unbind(0), self.b2.unbind(0)
+        for e, (x, p) in enumerate(zip(xs, ps)):
+            if x.shape[0] == 0:
                 continue
-            x, p = self.x[r0 : r0 + n], self.p[r0 : r0 + n]
-            h = x @ self.w1[e].t() + self.b1[e]
+            h = x @ w1[e].t() + b1[e]
             z = self.act(h, p)
-            out.append(z @ self.w2[e].t() + self.b2[e] * p[:, None].to(z.dtype))
-            r0 += n
+            out.append(z @ w2[e].t() + b2[e] * p[:, None].to(z.dtype))
         return torch.cat(out)
 
 
