@@ -4,7 +4,7 @@
 run:
 	scripts/setup.sh
 	./build/moestash info
-	./build/moestash selfcheck
+	./build/moestash train
 
 test:
 	scripts/test.sh

@@ -144,7 +144,7 @@ static void test_norm(mst_ctx_t* ctx) {
 /* ---- add, embedding, cross-entropy ------------------------------------------- */
 
 static void test_add_embed(mst_ctx_t* ctx) {
-    const int64_t N = 45, V = 50, H = 40;
+    const int64_t N = 4500, V = 50, H = 40; /* more tokens than one bucketing tile */
     uint16_t *a = rand_bf16((size_t)(N * H), 1), *b = rand_bf16((size_t)(N * H), 1), *tab = rand_bf16((size_t)(V * H), 1);
     int32_t* tok = (int32_t*)malloc(sizeof(int32_t) * (size_t)N);
     for (int64_t t = 0; t < N; t++) tok[t] = (int32_t)mst_rng_int(&rng, 0, 12); /* repeats */
@@ -162,11 +162,13 @@ static void test_add_embed(mst_ctx_t* ctx) {
     mst_guarded ga = up(ctx, a, sizeof(uint16_t) * (size_t)(N * H)), gb = up(ctx, b, sizeof(uint16_t) * (size_t)(N * H));
     mst_guarded gy = up(ctx, NULL, sizeof(uint16_t) * (size_t)(N * H)), gtab = up(ctx, tab, sizeof(uint16_t) * (size_t)(V * H));
     mst_guarded gtok = up(ctx, tok, sizeof(int32_t) * (size_t)N), gdt = up(ctx, dt0, sizeof(float) * (size_t)(V * H));
+    mst_guarded gord = up(ctx, NULL, sizeof(int32_t) * (size_t)(V + 1 + N));
     mst_add_args ad = {.n = N * H, .a = (uint16_t*)ga.data, .b = (uint16_t*)gb.data, .y = (uint16_t*)gy.data};
     CHECK_OK(ctx->be->add(ctx, &ad));
     expect_bf16(ctx, &gy, sum, (size_t)(N * H), "add");
     mst_embed_args e = {.n_tok = N, .vocab = V, .cols = H, .tokens = (int32_t*)gtok.data, .table = (uint16_t*)gtab.data,
-                        .x = (uint16_t*)gy.data, .dx = (uint16_t*)ga.data, .dtable = (float*)gdt.data};
+                        .x = (uint16_t*)gy.data, .dx = (uint16_t*)ga.data, .dtable = (float*)gdt.data,
+                        .order = (int32_t*)gord.data};
     mst_guarded_put(ctx, &gy, NULL);
     CHECK_OK(ctx->be->embed_forward(ctx, &e));
     uint16_t* got = (uint16_t*)down(ctx, &gy, "embed forward");
@@ -176,7 +178,7 @@ static void test_add_embed(mst_ctx_t* ctx) {
     free(got);
     CHECK_OK(ctx->be->embed_backward(ctx, &e));
     expect_fp32(ctx, &gdt, dt, (size_t)(V * H), MST_TOL_FP32, "embed backward (scatter-add)");
-    mst_guarded* all[] = {&ga, &gb, &gy, &gtab, &gtok, &gdt};
+    mst_guarded* all[] = {&ga, &gb, &gy, &gtab, &gtok, &gdt, &gord};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) mst_guarded_free(ctx, all[i]);
     free(a), free(b), free(tab), free(tok), free(dt0), free(sum), free(emb), free(dt);
 }

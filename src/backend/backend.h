@@ -115,6 +115,8 @@ typedef struct mst_embed_args {
     uint16_t* x;           /* [N, H] bf16 (forward)                          */
     const uint16_t* dx;    /* [N, H] bf16 (backward)                         */
     float* dtable;         /* [V, H] fp32 main_grad (backward, +=)           */
+    int32_t* order;        /* [V + 1 + N] scratch (backward): token ids
+                              bucketed by vocabulary entry, in token order   */
 } mst_embed_args;
 
 /* Softmax cross-entropy per row, forward and backward in one pass:

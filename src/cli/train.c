@@ -56,6 +56,7 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            "                            final weights are bit-identical; one line each, exit 1 if not\n"
            "  --pool-factor X           stash pool pages over the measured peak (1.1; below 1 forces overflows)\n"
            "  --mtp-weight W            weight of the multi-token-prediction loss (%g)\n"
+           "  --aux-weight A            load-balancing loss coefficient (%g)\n"
            "  --lr LR                   peak learning rate, warmup then cosine to 10%% (%g / %g)\n"
            "  --warmup N                warmup steps (%lld)\n"
            "  --data FILE               train on a text file (default: built-in synthetic corpus)\n"
@@ -70,7 +71,7 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            (long long)g->model.n_head, (long long)c->model.ffn, (long long)g->model.ffn,
            c->model.experts, g->model.experts, c->model.top_k, c->model.ep, g->model.ep,
            (double)c->model.capacity_factor, c->microbatches, (double)c->model.mtp_weight,
-           (double)c->optim.lr, (double)g->optim.lr, (long long)c->optim.warmup,
+           (double)c->model.aux_coef, (double)c->optim.lr, (double)g->optim.lr, (long long)c->optim.warmup,
            (unsigned long long)c->model.seed);
 }
 
@@ -160,6 +161,7 @@ static int parse_flag(train_cli* t, const char* f, const char* v) {
 #undef INT_FLAG
     if (strcmp(f, "--capacity-factor") == 0) return parse_f32(f, v, 1e-6, 1024, &m->capacity_factor);
     if (strcmp(f, "--mtp-weight") == 0) return parse_f32(f, v, 0, 100, &m->mtp_weight);
+    if (strcmp(f, "--aux-weight") == 0) return parse_f32(f, v, 0, 100, &m->aux_coef);
     if (strcmp(f, "--lr") == 0) return parse_f32(f, v, 0, 10, &t->cfg.optim.lr);
     if (strcmp(f, "--pool-factor") == 0) {
         float x = 0;

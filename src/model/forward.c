@@ -65,7 +65,7 @@ static mst_status embed(mst_model* m, const int32_t* tok, uint16_t* x) {
 static mst_status embed_bwd(mst_model* m, const int32_t* tok, const uint16_t* dx) {
     const mst_model_config* c = &m->cfg;
     mst_embed_args a = {.n_tok = n_tok(m), .vocab = c->vocab, .cols = c->hidden, .tokens = tok,
-                        .dx = dx, .dtable = m->grad + m->emb};
+                        .dx = dx, .dtable = m->grad + m->emb, .order = m->emb_order};
     return MST_MODEL_OP(m->ctx, embed_backward, &a);
 }
 

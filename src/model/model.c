@@ -237,6 +237,7 @@ static mst_status alloc_acts(mst_model* m) {
     BUF(C, m->aux_sum, M * (c->layers + 1));
     BUF(C, m->dtopk, N * c->top_k);
     BUF(C, m->drl, N * c->experts);
+    BUF(C, m->emb_order, V + 1 + N);
     BUF(C, m->dqkv, N * 3 * H);
     BUF(C, m->dm, N * H);
     BUF(C, m->t1, N * H);

@@ -143,6 +143,7 @@ typedef struct mst_model {
     float* dprow;            /* [G*R] gradients of the rows' router probs     */
     float* dtopk;            /* [N, k]                                        */
     uint16_t* drl;           /* [N, E] d(router logits)                       */
+    int32_t* emb_order;      /* [V + 1 + N] embedding backward scratch        */
     uint16_t* dqkv;          /* [N, 3H]                                       */
     uint16_t *dm, *t1, *t2, *t3; /* [N, H] gradient and scratch               */
     size_t mem[MST_N_MEM];   /* bytes allocated by category                   */

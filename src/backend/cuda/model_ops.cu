@@ -1,7 +1,9 @@
 /*
  * model_ops.cu — the CUDA versions of the trainer's row ops: matmul through
  * cublasGemmEx (bf16 operands, fp32 compute), RMSNorm forward/backward,
- * residual add, token embedding gather / scatter-add, softmax cross-entropy,
+ * residual add, token embedding gather / scatter-add (tokens bucketed by
+ * vocabulary entry first, so each entry's sum runs in token order),
+ * softmax cross-entropy,
  * sum of squares and AdamW. Same arguments as the CPU reference
  * (model_ops.c). Every reduction runs in a fixed order: no floating-point
  * atomics, the same bits on every run.
@@ -116,26 +118,58 @@ __global__ void embed_forward_kernel(mst_embed_args a) {
     a.x[i] = a.table[(int64_t)a.tokens[t] * a.cols + c];
 }
 
-/* dtable[v][c] += sum over t with tokens[t] = v of dx[t][c]: block per
- * (v, 32 columns); slices of tokens summed in token order, then in slice
- * order (as norm_dw_kernel). */
-__global__ void embed_backward_kernel(mst_embed_args a) {
-    __shared__ float part[COL_S][COL_W];
-    const int64_t v = blockIdx.y, c = (int64_t)blockIdx.x * COL_W + threadIdx.x;
-    float acc = 0.0f;
-    int any = 0;
-    for (int64_t t = threadIdx.y; t < a.n_tok; t += COL_S)
-        if (a.tokens[t] == v) {
-            any = 1;
-            if (c < a.cols) acc += mst_bf(a.dx[t * a.cols + c]);
+/* Buckets token ids by vocabulary entry, in token order, without atomics:
+ * order[v] = first slot of entry v (order[V] = N), order[V + 1 + slot] = t.
+ * One block; thread v counts, then places, its entry's tokens from
+ * shared-memory tiles of the token ids. */
+enum { EMB_TILE = 4096 };
+
+__global__ void embed_bucket_kernel(mst_embed_args a) {
+    __shared__ int32_t tile[EMB_TILE];
+    int32_t* start = a.order;
+    int32_t* list = a.order + a.vocab + 1;
+    for (int pass = 0; pass < 2; pass++) {
+        for (int64_t v = threadIdx.x; v < a.vocab; v += blockDim.x) /* pass 0: counts */
+            if (pass == 0) start[v] = 0;
+        for (int64_t base = 0; base < a.n_tok; base += EMB_TILE) {
+            const int64_t n = min((int64_t)EMB_TILE, a.n_tok - base);
+            __syncthreads();
+            for (int64_t i = threadIdx.x; i < n; i += blockDim.x) tile[i] = a.tokens[base + i];
+            __syncthreads();
+            for (int64_t v = threadIdx.x; v < a.vocab; v += blockDim.x) {
+                int32_t c = start[v];
+                for (int64_t i = 0; i < n; i++)
+                    if (tile[i] == v) {
+                        if (pass == 1) list[c] = (int32_t)(base + i);
+                        c++;
+                    }
+                start[v] = c;
+            }
         }
-    part[threadIdx.y][threadIdx.x] = acc;
-    any = __syncthreads_or(any);
-    if (any && threadIdx.y == 0 && c < a.cols) {
-        float s = 0.0f;
-        for (int i = 0; i < COL_S; i++) s += part[i][threadIdx.x];
-        a.dtable[v * a.cols + c] += s;
+        __syncthreads();
+        if (threadIdx.x == 0) { /* pass 0: counts -> starts; pass 1: ends -> starts */
+            int32_t run = 0;
+            for (int64_t v = 0; v < a.vocab; v++) {
+                int32_t n_v = pass == 0 ? start[v] : start[v] - run;
+                start[v] = run;
+                run += n_v;
+            }
+            start[a.vocab] = run;
+        }
+        __syncthreads();
     }
+}
+
+/* dtable[v][c] += sum of dx[t][c] over entry v's tokens in token order: one
+ * block per (v, 256 columns). */
+__global__ void embed_backward_kernel(mst_embed_args a) {
+    const int64_t v = blockIdx.y, c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int32_t* list = a.order + a.vocab + 1;
+    const int32_t b = a.order[v], e = a.order[v + 1];
+    if (c >= a.cols || b == e) return;
+    float acc = 0.0f;
+    for (int32_t i = b; i < e; i++) acc += mst_bf(a.dx[(int64_t)list[i] * a.cols + c]);
+    a.dtable[v * a.cols + c] += acc;
 }
 
 extern "C" mst_status mst_cuda_embed_forward(mst_ctx_t* ctx, const mst_embed_args* a) {
@@ -147,8 +181,10 @@ extern "C" mst_status mst_cuda_embed_forward(mst_ctx_t* ctx, const mst_embed_arg
 extern "C" mst_status mst_cuda_embed_backward(mst_ctx_t* ctx, const mst_embed_args* a) {
     if (a->vocab > 65535)
         return mst_set_error(MST_ERR_INVALID, "embedding backward: vocab %lld > 65535", (long long)a->vocab);
-    dim3 grid(mst_blocks(a->cols, COL_W), (unsigned)a->vocab);
-    embed_backward_kernel<<<grid, dim3(COL_W, COL_S), 0, mst_cuda(ctx)->stream>>>(*a);
+    cudaStream_t s = mst_cuda(ctx)->stream;
+    embed_bucket_kernel<<<1, 1024, 0, s>>>(*a);
+    MST_CUDA_LAUNCHED();
+    embed_backward_kernel<<<dim3(mst_blocks(a->cols, 256), (unsigned)a->vocab), 256, 0, s>>>(*a);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }

@@ -86,11 +86,23 @@ __global__ void route_plan_kernel(mst_route_args a) {
         }
     }
     plan_walk(a, tile, next, load, 1);
-    /* load-balancing loss: P_e summed over tokens in order, then experts in order */
+    /* load-balancing loss: P_e over tokens in S = blockDim / E interleaved
+     * slices (each in token order), the slices in order, then experts in
+     * order */
     const double NK = (double)a.n_tok * a.top_k;
+    const int32_t S = max(1, (int32_t)blockDim.x / E);
+    __syncthreads(); /* tile is reused for the slice sums */
+    float* part = (float*)tile;
+    if ((int32_t)threadIdx.x < S * E) {
+        const int32_t e = threadIdx.x % E, sl = threadIdx.x / E;
+        float s = 0.0f;
+        for (int64_t t = sl; t < a.n_tok; t += S) s += a.probs[t * E + e];
+        part[threadIdx.x] = s;
+    }
+    __syncthreads();
     for (int32_t e = threadIdx.x; e < E; e += blockDim.x) {
         float s = 0.0f;
-        for (int64_t t = 0; t < a.n_tok; t++) s += a.probs[t * E + e];
+        for (int32_t sl = 0; sl < S; sl++) s += part[sl * E + e];
         pe[e] = (float)(load[e] / NK) * (s / (float)a.n_tok);
     }
     __syncthreads();
