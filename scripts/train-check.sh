@@ -2,8 +2,9 @@
 # The trainer's end-to-end check on a GPU machine: the same small
 # configuration trained on the CPU and on CUDA, first steps' losses compared
 # (within bf16 tolerance), the CUDA run repeated for bit-identical losses, a
-# forced over-budget step on CUDA, then the GPU default configuration with its
-# memory table. Logs and JSON under $OUT (or out/).
+# forced over-budget step on CUDA, --check-policies on CUDA, then the GPU
+# default configuration under keep and under stash (1F1B, 2 microbatches)
+# with their memory tables. Logs and JSON under $OUT (or out/).
 # usage: scripts/train-check.sh [build dir]   (default build-gpu, built if missing)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +45,12 @@ fell = gpu["loss"][-1] < gpu["loss"][0]
 print(f"cuda loss {gpu['loss'][0]:.4f} -> {gpu['loss'][-1]:.4f}")
 sys.exit(0 if ok and same and fsame and fell else 1)
 PY
+"$bin" train --backend cuda $small --steps 6 --check-policies >"$out/train-cuda-policies.log" 2>&1 || rc=1
+grep check-policies "$out/train-cuda-policies.log"
 "$bin" train --backend cuda --steps ${TRAIN_STEPS:-60} --json "$out/train-cuda-default.json" >"$out/train-cuda-default.log" 2>&1 || rc=1
-tail -14 "$out/train-cuda-default.log"
+tail -17 "$out/train-cuda-default.log"
+"$bin" train --backend cuda --steps ${TRAIN_STEPS:-60} --policy stash --microbatches 2 --schedule 1f1b \
+  --json "$out/train-cuda-stash.json" >"$out/train-cuda-stash.log" 2>&1 || rc=1
+tail -17 "$out/train-cuda-stash.log"
 echo "train-check: $([ $rc = 0 ] && echo ok || echo FAILED)"
 exit $rc
