@@ -261,7 +261,11 @@ mst_status mst_grouped_mlp_forward(mst_ctx_t* ctx, const mst_mlp_config* cfg,
                                    const mst_saver* saver, mst_tensor* y);
 /* dy [R, H] bf16 -> dx [R, H] bf16, dprobs [R, 1] fp32; weight and bias
  * gradients into w->g_* through `mode`. Fetches and releases every saved
- * tensor it used. */
+ * tensor it used. Its scratch (dz, dh, a recomputed z) is the context's MLP
+ * workspace, sized by R on the first call: run forward and backward once
+ * before capturing them in a CUDA graph. With MST_WGRAD_DEFERRED the queued
+ * wgrads read that scratch: mst_wgrad_flush() before the next backward on the
+ * context (MST_ERR_STATE otherwise). */
 mst_status mst_grouped_mlp_backward(mst_ctx_t* ctx, const mst_mlp_config* cfg,
                                     const mst_mlp_weights* w, const mst_tensor* dy,
                                     const mst_tensor* counts, const mst_saver* saver,
