@@ -19,7 +19,7 @@ static void defaults(mst_train_config* t, mst_backend_kind kind) {
     mst_model_config m = {.vocab = 256, .hidden = gpu ? 512 : 64, .ffn = gpu ? 1024 : 128,
                           .n_head = gpu ? 8 : 4, .seq = gpu ? 256 : 64, .batch = gpu ? 16 : 8,
                           .layers = gpu ? 4 : 2, .experts = gpu ? 16 : 8, .top_k = 2, .ep = gpu ? 4 : 2,
-                          .capacity_factor = 2.0f, .mtp_weight = 0.3f, .aux_coef = 0.01f,
+                          .capacity_factor = 0.0f /* = --ep */, .mtp_weight = 0.3f, .aux_coef = 0.01f,
                           .norm_eps = 1e-5f, .init_std = 0.02f, .seed = 1};
     mst_optim_config o = {.lr = gpu ? 1e-3f : 3e-3f, .min_lr_frac = 0.1f, .beta1 = 0.9f, .beta2 = 0.95f,
                           .eps = 1e-8f, .weight_decay = 0.1f, .clip = 1.0f, .warmup = 20, .steps = 200};
@@ -34,7 +34,7 @@ static void defaults(mst_train_config* t, mst_backend_kind kind) {
 static void help(const mst_train_config* c, const mst_train_config* g) {
     printf("usage: moestash train [FLAGS]\n"
            "Trains a small MoE transformer language model with multi-token prediction (byte tokens).\n"
-           "Defaults: cpu / cuda.\n"
+           "Where two defaults are shown: the CPU backend's / the CUDA backend's.\n"
            "  --backend cpu|cuda        backend (default: cuda when a GPU is present, else cpu)\n"
            "  --steps N                 optimizer steps (%lld)\n"
            "  --seq T                   tokens per sequence (%lld / %lld)\n"
@@ -46,7 +46,9 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            "  --experts E               experts per MoE block (%d / %d)\n"
            "  --top-k K                 experts per token (%d)\n"
            "  --ep G                    expert groups playing expert-parallel ranks, must divide E (%d / %d)\n"
-           "  --capacity-factor C       max_rows per group = ceil(C * tokens * K / G) (%g)\n"
+           "  --capacity-factor C       max_rows per group = ceil(C * tokens * K / G); a group routed more\n"
+           "                            rows is over budget and the step reruns with exact shapes\n"
+           "                            (default: --ep, the dropless worst case: never over budget)\n"
            "  --microbatches M          microbatches per step, gradients accumulated (%d)\n"
            "  --schedule S              plain | 1f1b | interleaved (2 chunks of layers; --layers + 1 even) (plain)\n"
            "  --policy P                saved grouped-MLP activations: keep | stash | offload | recompute,\n"
@@ -70,7 +72,7 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            (long long)c->model.hidden, (long long)g->model.hidden, (long long)c->model.n_head,
            (long long)g->model.n_head, (long long)c->model.ffn, (long long)g->model.ffn,
            c->model.experts, g->model.experts, c->model.top_k, c->model.ep, g->model.ep,
-           (double)c->model.capacity_factor, c->microbatches, (double)c->model.mtp_weight,
+           c->microbatches, (double)c->model.mtp_weight,
            (double)c->model.aux_coef, (double)c->optim.lr, (double)g->optim.lr, (long long)c->optim.warmup,
            (unsigned long long)c->model.seed);
 }
@@ -227,6 +229,7 @@ int mst_cmd_train(int argc, char** argv) {
     defaults(&t.cfg, kind);
     if (parse(argc, argv, &t)) return 2;
     t.cfg.optim.steps = t.cfg.steps;
+    if (t.cfg.model.capacity_factor == 0.0f) t.cfg.model.capacity_factor = (float)t.cfg.model.ep;
     if (mst_model_config_check(&t.cfg.model) != MST_OK) {
         fprintf(stderr, "moestash train: %s\n", mst_last_error());
         return 2;
