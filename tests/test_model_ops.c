@@ -257,15 +257,17 @@ static void test_attn(mst_ctx_t* ctx) {
     mst_guarded gp = up(ctx, NULL, sizeof(float) * (size_t)(B * NH * T * T));
     mst_guarded go = up(ctx, NULL, sizeof(uint16_t) * (size_t)(N * H)), gd = up(ctx, dout, sizeof(uint16_t) * (size_t)(N * H));
     mst_guarded gdq = up(ctx, NULL, sizeof(uint16_t) * (size_t)(N * 3 * H));
+    mst_guarded g32 = up(ctx, NULL, sizeof(float) * (size_t)(B * NH * T * T));
+    mst_guarded g16 = up(ctx, NULL, sizeof(uint16_t) * (size_t)(B * NH * T * T));
     mst_attn_args a = {.batch = B, .seq = T, .n_head = NH, .head_dim = D, .qkv = (uint16_t*)gq.data,
                        .probs = (float*)gp.data, .out = (uint16_t*)go.data, .dout = (uint16_t*)gd.data,
-                       .dqkv = (uint16_t*)gdq.data};
+                       .dqkv = (uint16_t*)gdq.data, .scratch32 = (float*)g32.data, .scratch16 = (uint16_t*)g16.data};
     CHECK_OK(ctx->be->attn_forward(ctx, &a));
     expect_bf16(ctx, &go, out, (size_t)(N * H), "attention forward out");
     expect_fp32(ctx, &gp, P, (size_t)(B * NH * T * T), MST_TOL_FP32, "attention forward probs (0 above the diagonal)");
     CHECK_OK(ctx->be->attn_backward(ctx, &a));
     expect_bf16(ctx, &gdq, dqkv, (size_t)(N * 3 * H), "attention backward dqkv");
-    mst_guarded* all[] = {&gq, &gp, &go, &gd, &gdq};
+    mst_guarded* all[] = {&gq, &gp, &go, &gd, &gdq, &g32, &g16};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) mst_guarded_free(ctx, all[i]);
     free(qkv), free(dout), free(P), free(out), free(dqkv);
 #undef Q

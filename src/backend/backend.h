@@ -141,6 +141,8 @@ typedef struct mst_attn_args {
     uint16_t* out;         /* [B*T, H] bf16 (forward)                        */
     const uint16_t* dout;  /* [B*T, H] bf16 (backward)                       */
     uint16_t* dqkv;        /* [B*T, 3H] bf16 (backward)                      */
+    float* scratch32;      /* [B, NH, T, T] fp32 scratch (CUDA: dP)          */
+    uint16_t* scratch16;   /* [B, NH, T, T] bf16 scratch (CUDA: P, dS)       */
 } mst_attn_args;
 
 /* Router: softmax over E experts, top-k (ties to the lower index), the

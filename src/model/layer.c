@@ -10,7 +10,8 @@
 static mst_attn_args attn_args(const mst_model* m, const mst_layer_acts* a) {
     const mst_model_config* c = &m->cfg;
     mst_attn_args r = {.batch = c->batch, .seq = c->seq, .n_head = c->n_head,
-                       .head_dim = c->hidden / c->n_head, .qkv = a->qkv, .probs = a->attp};
+                       .head_dim = c->hidden / c->n_head, .qkv = a->qkv, .probs = a->attp,
+                       .scratch32 = m->att32, .scratch16 = m->att16};
     return r;
 }
 
