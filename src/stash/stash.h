@@ -59,12 +59,11 @@ typedef struct mst_pool_state {
 /* Handle state in backend memory, followed by its table [max_pages] uint32. */
 typedef struct mst_handle_state {
     int64_t n_rows;             /* rows held (state STASHED)                     */
-    int64_t xfer_rows;          /* rows the save's copy moves: n_rows or 0       */
     int32_t n_pages[MST_N_BLK]; /* pages held from each block                    */
     int32_t state;              /* MST_HANDLE_*                                  */
     uint32_t epoch;             /* pool epoch at the save                        */
-    uint32_t done_blocks;       /* CUDA restore: blocks finished (last returns)  */
-    uint32_t pad;
+    uint32_t done_blocks;       /* CUDA save / restore: blocks finished; the
+                                   last one commits                              */
 } mst_handle_state;
 
 /* One save, restore or reset, as the backend slots receive it. */
@@ -126,54 +125,78 @@ MST_HD int mst_handle_live(const mst_pool_state* st, const mst_handle_state* hs)
     return hs->state == MST_HANDLE_STASHED && hs->epoch == st->epoch;
 }
 
-/* Outcome of mst_reserve. */
+/* Outcome of a save's plan. */
 enum { MST_RESERVE_TAKEN = 0, MST_RESERVE_SKIPPED, MST_RESERVE_OVERFLOW, MST_RESERVE_COUNTS,
        MST_RESERVE_STATE };
 
-/* The single-threaded part of a save: n = sum(counts), or -1 for bad counts.
- * Takes ceil(n / page_rows) pages, device first, then host; on success fills
- * pos[b] (ring position of the first id taken) and take[b]. Anything but
- * MST_RESERVE_TAKEN takes nothing and leaves xfer_rows 0. */
-MST_HD int mst_reserve(mst_pool_state* st, mst_handle_state* hs, const int64_t cap[MST_N_BLK],
-                       int64_t page_rows, int64_t n, int32_t handle_id, uint64_t pos[MST_N_BLK],
-                       int64_t take[MST_N_BLK]) {
-    take[MST_BLK_DEV] = take[MST_BLK_HOST] = 0;
-    hs->xfer_rows = 0;
-    if (mst_handle_live(st, hs)) { /* would leak its pages: keep them, flag */
-        st->bad_state |= MST_BAD_SAVE;
-        st->bad_handle = handle_id;
-        return MST_RESERVE_STATE;
+/* What a save does, decided before it changes anything: every CUDA block of
+ * the save kernel computes the same plan from the same state. */
+typedef struct mst_plan {
+    int64_t n;                 /* rows to pack (TAKEN), else 0                  */
+    int64_t take[MST_N_BLK];   /* pages taken from each block                   */
+    uint64_t pos[MST_N_BLK];   /* ring position of the first id taken           */
+    int64_t first[MST_N_BLK];  /* pos[b] % cap[b]: ring index of that id        */
+    int32_t outcome;           /* MST_RESERVE_*                                 */
+} mst_plan;
+
+/* The plan of a save of n = sum(counts) rows (n = -1: bad counts): ceil(n /
+ * page_rows) pages, device first, then host; anything but TAKEN takes none. */
+MST_HD void mst_reserve_plan(const mst_pool_state* st, const mst_handle_state* hs,
+                             const int64_t cap[MST_N_BLK], int64_t page_rows, int64_t n, mst_plan* p) {
+    p->n = 0;
+    for (int b = 0; b < MST_N_BLK; b++) {
+        p->take[b] = 0;
+        p->pos[b] = st->head[b];
+        p->first[b] = cap[b] ? (int64_t)(st->head[b] % (uint64_t)cap[b]) : 0;
     }
-    hs->state = MST_HANDLE_VOID;
-    hs->epoch = st->epoch;
-    hs->n_rows = 0;
-    hs->n_pages[MST_BLK_DEV] = hs->n_pages[MST_BLK_HOST] = 0;
-    if (st->overflow) return MST_RESERVE_SKIPPED;
-    if (n < 0) return MST_RESERVE_COUNTS;
+    if (mst_handle_live(st, hs)) { p->outcome = MST_RESERVE_STATE; return; } /* would leak its pages */
+    if (st->overflow) { p->outcome = MST_RESERVE_SKIPPED; return; }
+    if (n < 0) { p->outcome = MST_RESERVE_COUNTS; return; }
     const int64_t need = (n + page_rows - 1) / page_rows;
     const int64_t free_dev = (int64_t)(st->tail[MST_BLK_DEV] - st->head[MST_BLK_DEV]);
     const int64_t free_host = (int64_t)(st->tail[MST_BLK_HOST] - st->head[MST_BLK_HOST]);
-    take[MST_BLK_DEV] = need < free_dev ? need : free_dev;
-    take[MST_BLK_HOST] = need - take[MST_BLK_DEV];
-    if (take[MST_BLK_HOST] > free_host) {
-        take[MST_BLK_DEV] = take[MST_BLK_HOST] = 0;
-        st->overflow = 1;
-        return MST_RESERVE_OVERFLOW;
+    const int64_t dev = need < free_dev ? need : free_dev;
+    if (need - dev > free_host) { p->outcome = MST_RESERVE_OVERFLOW; return; }
+    p->take[MST_BLK_DEV] = dev;
+    p->take[MST_BLK_HOST] = need - dev;
+    p->n = n;
+    p->outcome = MST_RESERVE_TAKEN;
+}
+
+/* Page id i of a TAKEN plan, read from the rings (valid until the commit).
+ * Selects rather than indexes by block, so CUDA keeps it in registers. */
+MST_HD uint32_t mst_plan_page(uint32_t* const ring[MST_N_BLK], const int64_t cap[MST_N_BLK],
+                              const mst_plan* p, int64_t i) {
+    const int host = i >= p->take[MST_BLK_DEV];
+    const int64_t c = host ? cap[MST_BLK_HOST] : cap[MST_BLK_DEV];
+    int64_t k = (host ? p->first[MST_BLK_HOST] - p->take[MST_BLK_DEV] : p->first[MST_BLK_DEV]) + i;
+    if (k >= c) k -= c;
+    return (host ? ring[MST_BLK_HOST] : ring[MST_BLK_DEV])[k];
+}
+
+/* The single-threaded commit of a plan (once, after the plan's ids were
+ * read): moves the ring heads, the counters and the handle's state. */
+MST_HD void mst_reserve_commit(mst_pool_state* st, mst_handle_state* hs, const int64_t cap[MST_N_BLK],
+                               const mst_plan* p, int32_t handle_id) {
+    if (p->outcome == MST_RESERVE_STATE) { /* keep the handle's pages, flag */
+        st->bad_state |= MST_BAD_SAVE;
+        st->bad_handle = handle_id;
+        return;
     }
+    hs->state = p->outcome == MST_RESERVE_TAKEN ? MST_HANDLE_STASHED : MST_HANDLE_VOID;
+    hs->epoch = st->epoch;
+    hs->n_rows = p->n;
+    if (p->outcome == MST_RESERVE_OVERFLOW) st->overflow = 1;
+    int64_t total = 0;
     for (int b = 0; b < MST_N_BLK; b++) {
-        pos[b] = st->head[b];
-        st->head[b] += (uint64_t)take[b];
-        hs->n_pages[b] = (int32_t)take[b];
+        st->head[b] += (uint64_t)p->take[b];
+        hs->n_pages[b] = (int32_t)p->take[b];
         const int64_t used = mst_block_used(st, cap, b);
         if (used > st->peak[b]) st->peak[b] = used;
+        total += used;
     }
-    const int64_t total = mst_block_used(st, cap, MST_BLK_DEV) + mst_block_used(st, cap, MST_BLK_HOST);
     if (total > st->peak_total) st->peak_total = total;
-    st->spilled += take[MST_BLK_HOST];
-    hs->n_rows = n;
-    hs->xfer_rows = n;
-    hs->state = MST_HANDLE_STASHED;
-    return MST_RESERVE_TAKEN;
+    st->spilled += p->take[MST_BLK_HOST];
 }
 
 /* Outcome of mst_return_begin. */

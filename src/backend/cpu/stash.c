@@ -56,11 +56,12 @@ static mst_status bad_state(const mst_stash_args* a, const char* what) {
 }
 
 mst_status mst_cpu_stash_save(mst_ctx_t* ctx, const mst_stash_args* a) {
-    uint64_t pos[MST_N_BLK];
-    int64_t take[MST_N_BLK];
-    const int64_t n = counts_sum(a);
-    switch (mst_reserve(a->st, a->hs, a->cap, a->page_rows, n, a->handle_id, pos, take)) {
-    case MST_RESERVE_TAKEN: break;
+    mst_plan p;
+    mst_reserve_plan(a->st, a->hs, a->cap, a->page_rows, counts_sum(a), &p);
+    if (p.outcome == MST_RESERVE_TAKEN) mst_ring_move(a->ring, a->cap, p.pos, p.take, a->table, 0, 0, 1);
+    mst_reserve_commit(a->st, a->hs, a->cap, &p, a->handle_id);
+    switch (p.outcome) {
+    case MST_RESERVE_TAKEN: copy_pages(a, (char*)a->src, p.n, 1); return MST_OK;
     case MST_RESERVE_SKIPPED: return MST_OK;
     case MST_RESERVE_OVERFLOW:
         *ctx->err_flag |= MST_FLAG_OVERFLOW;
@@ -72,9 +73,6 @@ mst_status mst_cpu_stash_save(mst_ctx_t* ctx, const mst_stash_args* a) {
                              (long long)a->src_rows);
     default: return bad_state(a, "save into a handle that still holds its pages");
     }
-    mst_ring_move(a->ring, a->cap, pos, take, a->table, 0, 0, 1);
-    copy_pages(a, (char*)a->src, a->hs->xfer_rows, 1);
-    return MST_OK;
 }
 
 mst_status mst_cpu_stash_restore(mst_ctx_t* ctx, const mst_stash_args* a) {

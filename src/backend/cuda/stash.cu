@@ -3,34 +3,27 @@
  * context's stream, reads counts on the device, never syncs and allocates
  * nothing, so a save / restore / reset sequence can be captured in a graph.
  *
- *   save    = reserve kernel (one block: thread 0 sums counts and takes pages
- *             through mst_reserve; the block copies the ids into the table)
- *           + copy kernel (persistent grid, 16-byte vectors; launched with
- *             programmatic dependent launch so it is resident and waiting
- *             when the reserve ends)
- *   restore = copy kernel from the pages; its last block to finish returns
- *             the pages to their rings (mst_return_begin / end)
+ *   save    = one kernel: every block sums the counts and computes the same
+ *             plan (mst_reserve_plan) from the untouched pool state, copies
+ *             its share of rows into the pages the plan names (read from the
+ *             rings), and the last block to finish writes the page table and
+ *             commits the plan (mst_reserve_commit, one thread)
+ *   restore = one kernel: copies from the pages; the last block returns the
+ *             pages to their rings (mst_return_begin / end)
  *   reset   = one kernel refilling both rings and clearing the counters
  *
- * The bookkeeping (mst_reserve, mst_ring_move, ...) is the same source the
- * CPU backend runs, in src/stash/stash.h. Host pages are pinned, mapped host
- * memory written and read by the copy kernels over PCIe.
+ * Copies run on a persistent grid (as many blocks as fit on the device at
+ * once) in 16-byte vectors. The bookkeeping is the source the CPU backend
+ * runs too (src/stash/stash.h). Host pages are pinned, mapped host memory
+ * that the copy kernels write and read over PCIe.
  */
 #include "../../stash/stash.h"
 #include "cuda_common.cuh"
 
 namespace {
 
-constexpr int kThreads = 256;     /* every stash kernel's block size                 */
-constexpr int kUnroll = 4;        /* independent vectors in flight per thread         */
-constexpr int kBlocksPerSm = 8;   /* persistent copy grid: 2048 threads per SM        */
-
-/* Programmatic dependent launch (sm_90): the save's copy kernel starts while
- * the reserve runs and waits here for its completion and memory flush. */
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void pdl_launch_dependents() {
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
+constexpr int kThreads = 256; /* every stash kernel's block size         */
+constexpr int kUnroll = 4;    /* independent vectors in flight per thread */
 
 /* Sum of counts [E]; *bad = a negative count was seen. Block-wide result. */
 __device__ int64_t block_counts_sum(const int32_t* counts, int32_t n_groups, int* bad) {
@@ -56,40 +49,50 @@ __device__ int64_t block_counts_sum(const int32_t* counts, int32_t n_groups, int
     return (int64_t)s_sum;
 }
 
-__global__ void __launch_bounds__(kThreads) reserve_kernel(mst_stash_args a) {
-    pdl_launch_dependents();
-    __shared__ uint64_t s_pos[MST_N_BLK];
-    __shared__ int64_t s_take[MST_N_BLK];
+/* Every thread of a save's block: the plan, computed by thread 0 on copies
+ * of the state loaded while the block sums the counts. */
+__device__ void block_plan(const mst_stash_args& a, mst_plan* s_plan) {
+    mst_pool_state st;
+    mst_handle_state hs;
+    if (threadIdx.x == 0) st = *a.st, hs = *a.hs;
     int bad = 0;
     const int64_t sum = block_counts_sum(a.counts, a.n_groups, &bad);
-    if (threadIdx.x == 0) {
-        const int64_t n = bad || sum > a.src_rows ? -1 : sum;
-        const int r = mst_reserve(a.st, a.hs, a.cap, a.page_rows, n, a.handle_id, s_pos, s_take);
-        if (r == MST_RESERVE_OVERFLOW) mst_dev_flag(a.err_flag, MST_FLAG_OVERFLOW);
-        if (r == MST_RESERVE_COUNTS) mst_dev_flag(a.err_flag, MST_FLAG_COUNTS);
-    }
+    if (threadIdx.x == 0)
+        mst_reserve_plan(&st, &hs, a.cap, a.page_rows, bad || sum > a.src_rows ? -1 : sum, s_plan);
     __syncthreads();
-    mst_ring_move(a.ring, a.cap, s_pos, s_take, a.table, 0, threadIdx.x, blockDim.x);
 }
 
-/* Restore, after the copy: the last block to finish returns the pages (all
- * blocks have read the handle's state by then). Resets the block counter. */
-__device__ void return_pages_last_block(const mst_stash_args& a) {
-    __shared__ int s_last, s_ret;
-    __shared__ uint64_t s_pos[MST_N_BLK];
-    __shared__ int64_t s_take[MST_N_BLK];
+/* True in every thread of the grid's last block to get here (all others have
+ * finished, so they read the state before this block changes it). Resets the
+ * counter for the handle's next operation. */
+__device__ bool last_block(uint32_t* done) {
+    __shared__ int s_last;
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
-        s_last = atomicAdd(&a.hs->done_blocks, 1u) == gridDim.x - 1;
+        s_last = atomicAdd(done, 1u) == gridDim.x - 1;
+        if (s_last) *done = 0;
     }
     __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    if (threadIdx.x == 0) {
-        s_ret = mst_return_begin(a.st, a.hs, a.handle_id, s_pos, s_take);
-        a.hs->done_blocks = 0;
-    }
+    if (s_last) __threadfence();
+    return s_last;
+}
+
+/* Save, last block: the page table, then the commit and the context flags. */
+__device__ void finish_save(const mst_stash_args& a, const mst_plan* p) {
+    mst_ring_move(a.ring, a.cap, p->pos, p->take, a.table, 0, threadIdx.x, blockDim.x);
+    if (threadIdx.x != 0) return;
+    mst_reserve_commit(a.st, a.hs, a.cap, p, a.handle_id);
+    if (p->outcome == MST_RESERVE_OVERFLOW) mst_dev_flag(a.err_flag, MST_FLAG_OVERFLOW);
+    if (p->outcome == MST_RESERVE_COUNTS) mst_dev_flag(a.err_flag, MST_FLAG_COUNTS);
+}
+
+/* Restore, last block: the pages go back to their rings. */
+__device__ void finish_restore(const mst_stash_args& a) {
+    __shared__ int s_ret;
+    __shared__ uint64_t s_pos[MST_N_BLK];
+    __shared__ int64_t s_take[MST_N_BLK];
+    if (threadIdx.x == 0) s_ret = mst_return_begin(a.st, a.hs, a.handle_id, s_pos, s_take);
     __syncthreads();
     if (s_ret != MST_RETURN_PAGES) return;
     mst_ring_move(a.ring, a.cap, s_pos, s_take, a.table, 1, threadIdx.x, blockDim.x);
@@ -99,19 +102,29 @@ __device__ void return_pages_last_block(const mst_stash_args& a) {
 
 /* Rows [0, n) between the contiguous rows (src of a save, dst of a restore)
  * and the handle's pages, as vectors of V: flat vector u of the rows is
- * vector u % vpp of page table[u / vpp]. Byte offsets fit in 32 bits (a
- * handle holds < 4 GiB); the last < sizeof(V) bytes go byte by byte. Each
- * thread has kUnroll loads in flight before its stores. */
+ * vector u % vpp of page u / vpp (a save looks its id up in the rings, a
+ * restore in the table). Byte offsets fit in 32 bits (a handle holds < 4 GiB);
+ * the last < sizeof(V) bytes go byte by byte. Each thread has kUnroll loads in
+ * flight before its stores. */
 template <typename V, bool RESTORE>
 __global__ void __launch_bounds__(kThreads) copy_kernel(mst_stash_args a) {
-    if (!RESTORE) pdl_wait();
-    const int64_t n = RESTORE ? (mst_handle_live(a.st, a.hs) ? a.hs->n_rows : 0) : a.hs->xfer_rows;
+    __shared__ mst_plan s_plan; /* save only */
+    int64_t n;
+    if (RESTORE) n = mst_handle_live(a.st, a.hs) ? a.hs->n_rows : 0;
+    else {
+        block_plan(a, &s_plan);
+        n = s_plan.n;
+    }
     const uint32_t page_bytes = (uint32_t)(a.page_rows * a.row_bytes);
     const uint32_t total = (uint32_t)(n * a.row_bytes);
     const uint32_t vpp = page_bytes / (uint32_t)sizeof(V);
     const uint32_t n_vec = total / (uint32_t)sizeof(V);
     char* rows = RESTORE ? a.dst : (char*)a.src;
     const uint32_t* __restrict__ table = a.table;
+    auto page = [&](uint32_t p) -> char* {
+        const uint32_t id = RESTORE ? table[p] : mst_plan_page(a.ring, a.cap, &s_plan, p);
+        return mst_page_ptr(a.block, id, page_bytes);
+    };
     const uint32_t stride = gridDim.x * blockDim.x;
     for (uint32_t u0 = blockIdx.x * blockDim.x + threadIdx.x; u0 < n_vec; u0 += kUnroll * stride) {
         V v[kUnroll];
@@ -120,10 +133,10 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(mst_stash_args a) {
         for (int k = 0; k < kUnroll; k++) { /* clamped: every load valid, no branch */
             const uint32_t u = min(u0 + k * stride, n_vec - 1);
             const uint32_t p = u / vpp;
-            V* page = (V*)mst_page_ptr(a.block, table[p], page_bytes) + (u - p * vpp);
+            V* pg = (V*)page(p) + (u - p * vpp);
             V* row = (V*)rows + u;
-            v[k] = RESTORE ? *page : *row;
-            to[k] = RESTORE ? row : page;
+            v[k] = RESTORE ? *pg : *row;
+            to[k] = RESTORE ? row : pg;
         }
 #pragma unroll
         for (int k = 0; k < kUnroll; k++)
@@ -132,11 +145,13 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(mst_stash_args a) {
     const uint32_t tail = n_vec * (uint32_t)sizeof(V);
     if (blockIdx.x == 0 && threadIdx.x < total - tail) {
         const uint32_t b = tail + threadIdx.x, p = b / page_bytes;
-        char* page = mst_page_ptr(a.block, table[p], page_bytes) + (b - p * page_bytes);
-        if (RESTORE) rows[b] = *page;
-        else *page = rows[b];
+        char* pg = page(p) + (b - p * page_bytes);
+        if (RESTORE) rows[b] = *pg;
+        else *pg = rows[b];
     }
-    if (RESTORE) return_pages_last_block(a);
+    if (!last_block(&a.hs->done_blocks)) return;
+    if (RESTORE) finish_restore(a);
+    else finish_save(a, &s_plan);
 }
 
 __global__ void __launch_bounds__(kThreads) reset_kernel(mst_stash_args a) {
@@ -147,28 +162,28 @@ __global__ void __launch_bounds__(kThreads) reset_kernel(mst_stash_args a) {
 
 int n_sm(mst_ctx_t* ctx) { return mst_cuda(ctx)->n_sm; }
 
-/* Persistent grid for a handle's largest copy (static: graph-safe). */
-template <typename V>
-unsigned copy_grid(mst_ctx_t* ctx, const mst_stash_args* a) {
+/* Persistent grid for a handle's largest copy (static: graph-safe): as many
+ * blocks as fit on the device at once, fewer for small handles. */
+template <typename V, bool RESTORE>
+mst_status copy_grid(mst_ctx_t* ctx, const mst_stash_args* a, unsigned* grid) {
+    static int per_sm = 0; /* resident blocks per SM, asked once */
+    if (per_sm == 0)
+        MST_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, copy_kernel<V, RESTORE>, kThreads, 0));
     const int64_t max_vec = a->max_pages * a->page_rows * a->row_bytes / (int64_t)sizeof(V);
     const int64_t per_block = (int64_t)kThreads * kUnroll;
     const int64_t want = (max_vec + per_block - 1) / per_block;
-    const int64_t cap = (int64_t)n_sm(ctx) * kBlocksPerSm;
-    return (unsigned)(want < 1 ? 1 : want < cap ? want : cap);
+    const int64_t cap = (int64_t)n_sm(ctx) * (per_sm > 0 ? per_sm : 1);
+    *grid = (unsigned)(want < 1 ? 1 : want < cap ? want : cap);
+    return MST_OK;
 }
 
 template <typename V, bool RESTORE>
 mst_status launch_copy(mst_ctx_t* ctx, const mst_stash_args* a) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(copy_grid<V>(ctx, a));
-    cfg.blockDim = dim3(kThreads);
-    cfg.stream = mst_cuda(ctx)->stream;
-    cudaLaunchAttribute attr = {};
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = RESTORE ? 0 : 1; /* the save's copy follows its reserve */
-    MST_CUDA_TRY(cudaLaunchKernelEx(&cfg, copy_kernel<V, RESTORE>, *a));
+    unsigned grid = 1;
+    const mst_status st = copy_grid<V, RESTORE>(ctx, a, &grid);
+    if (st != MST_OK) return st;
+    copy_kernel<V, RESTORE><<<grid, kThreads, 0, mst_cuda(ctx)->stream>>>(*a);
+    MST_CUDA_LAUNCHED();
     return MST_OK;
 }
 
@@ -185,7 +200,7 @@ mst_status copy(mst_ctx_t* ctx, const mst_stash_args* a, const void* rows) {
 
 extern "C" mst_status mst_cuda_stash_reset(mst_ctx_t* ctx, const mst_stash_args* a) {
     const int64_t n = a->cap[MST_BLK_DEV] > a->cap[MST_BLK_HOST] ? a->cap[MST_BLK_DEV] : a->cap[MST_BLK_HOST];
-    const int64_t want = (n + kThreads - 1) / kThreads, cap = (int64_t)n_sm(ctx) * 4;
+    const int64_t want = (n + kThreads - 1) / kThreads, cap = (int64_t)n_sm(ctx) * 4; /* a few waves */
     const unsigned grid = (unsigned)(want < 1 ? 1 : want < cap ? want : cap);
     reset_kernel<<<grid, kThreads, 0, mst_cuda(ctx)->stream>>>(*a);
     MST_CUDA_LAUNCHED();
@@ -193,8 +208,6 @@ extern "C" mst_status mst_cuda_stash_reset(mst_ctx_t* ctx, const mst_stash_args*
 }
 
 extern "C" mst_status mst_cuda_stash_save(mst_ctx_t* ctx, const mst_stash_args* a) {
-    reserve_kernel<<<1, kThreads, 0, mst_cuda(ctx)->stream>>>(*a);
-    MST_CUDA_LAUNCHED();
     return copy<false>(ctx, a, a->src);
 }
 
