@@ -39,9 +39,14 @@ static const gemm_shape shapes[] = {
 #define N_SHAPES (int)(sizeof shapes / sizeof shapes[0])
 
 enum { OP_FWD, OP_DGRAD, OP_WGRAD, N_OPS };
-enum { V_OURS, V_LOOP, V_GROUPED, V_ROOF, N_VARIANTS };
 static const char* op_names[N_OPS] = {"forward", "dgrad", "wgrad"};
-static const char* variant_names[N_VARIANTS] = {"ours", "cublas_loop", "cublas_grouped", "dense_roof"};
+/* ours: the default kernel (Hopper ping-pong); ours_coop / ours_mma: the
+ * other kernels, forced through MST_GG_KERNEL, for the perf notes. */
+enum { V_OURS, V_OURS_COOP, V_OURS_MMA, V_LOOP, V_GROUPED, V_ROOF, N_VARIANTS };
+static const char* variant_names[N_VARIANTS] = {"ours", "ours_coop", "ours_mma", "cublas_loop", "cublas_grouped",
+                                                "dense_roof"};
+static const char* variant_kernel[N_VARIANTS] = {NULL, "coop", "mma", NULL, NULL, NULL};
+static int is_ours(int v) { return v <= V_OURS_MMA; }
 
 #define BLK (1 << 22) /* elements of the random block every input repeats */
 
@@ -58,8 +63,9 @@ typedef struct gemm_bufs {
 } gemm_bufs;
 
 typedef struct gemm_fig {
-    double ms[N_VARIANTS];
+    double ms[N_VARIANTS];     /* median ms, -1 when the variant failed or is unsupported */
     int graphed[N_VARIANTS];
+    double err[N_VARIANTS];    /* sampled relative error vs float64 (ours and the loop) */
 } gemm_fig;
 
 /* ---- inputs --------------------------------------------------------------- */
@@ -201,13 +207,16 @@ static cublasStatus_t grouped(bench_run* br) {
 /* Enqueues one variant of one op on the context's stream; 0 on success. */
 static int enqueue(bench_run* br) {
     gemm_bufs* b = br->b;
-    if (br->variant == V_OURS) {
+    if (is_ours(br->variant)) {
         mst_status st;
+        if (variant_kernel[br->variant]) setenv("MST_GG_KERNEL", variant_kernel[br->variant], 1);
+        else unsetenv("MST_GG_KERNEL");
         if (br->op == OP_FWD) st = mst_grouped_linear_forward(br->ctx, &b->x, &b->w, NULL, NULL, &b->counts, &b->y);
         else if (br->op == OP_DGRAD) st = mst_grouped_linear_dgrad(br->ctx, &b->dy, &b->w, &b->counts, &b->dx);
         else
             st = mst_grouped_linear_wgrad(br->ctx, &b->dy, &b->x, NULL, NULL, &b->counts, &b->mg, NULL, NULL,
                                           MST_WGRAD_ACCUMULATE);
+        unsetenv("MST_GG_KERNEL");
         if (st != MST_OK) fprintf(stderr, "bench gemm: ours %s: %s\n", op_names[br->op], mst_last_error());
         return st != MST_OK;
     }
@@ -285,11 +294,13 @@ static double check_variant(bench_run* br, uint64_t seed) {
     gemm_bufs* b = br->b;
     const int64_t T = b->off_h[b->E];
     if (br->op == OP_WGRAD) {
-        mst_fill(br->ctx, b->mg.data, br->variant == V_OURS ? 0xFF : 0, mst_tensor_bytes(&b->mg));
-        if (br->variant == V_OURS) {
-            if (mst_grouped_linear_wgrad(br->ctx, &b->dy, &b->x, NULL, NULL, &b->counts, &b->mg, NULL, NULL,
-                                         MST_WGRAD_OVERWRITE) != MST_OK)
-                return INFINITY;
+        mst_fill(br->ctx, b->mg.data, is_ours(br->variant) ? 0xFF : 0, mst_tensor_bytes(&b->mg));
+        if (is_ours(br->variant)) {
+            if (variant_kernel[br->variant]) setenv("MST_GG_KERNEL", variant_kernel[br->variant], 1);
+            mst_status st = mst_grouped_linear_wgrad(br->ctx, &b->dy, &b->x, NULL, NULL, &b->counts, &b->mg,
+                                                     NULL, NULL, MST_WGRAD_OVERWRITE);
+            unsetenv("MST_GG_KERNEL");
+            if (st != MST_OK) return INFINITY;
         } else if (enqueue(br))
             return INFINITY;
     } else {
@@ -382,7 +393,7 @@ static double tflops(const gemm_shape* s, double ms) {
     return ms > 0 ? 2.0 * (double)s->rows * (double)s->in * (double)s->out / (ms * 1e-3) / 1e12 : 0;
 }
 
-static void write_json(FILE* f, const char* device, const gemm_fig (*fig)[2][N_OPS], const double (*err)[2][N_OPS][2]) {
+static void write_json(FILE* f, const char* device, const gemm_fig (*fig)[2][N_OPS]) {
     fprintf(f, "{\n  \"bench\": \"gemm\",\n  \"device\": \"%s\",\n  \"results\": [\n", device);
     int first = 1;
     for (int si = 0; si < N_SHAPES; si++)
@@ -390,17 +401,25 @@ static void write_json(FILE* f, const char* device, const gemm_fig (*fig)[2][N_O
             for (int op = 0; op < N_OPS; op++) {
                 const gemm_shape* s = &shapes[si];
                 const gemm_fig* fg = &fig[si][d][op];
-                fprintf(f, "%s    {\"rows\": %lld, \"in\": %lld, \"out\": %lld, \"E\": %d, \"counts\": \"%s\", \"op\": \"%s\", "
-                           "\"err_ours\": %.3g, \"err_loop\": %.3g",
+                fprintf(f, "%s    {\"rows\": %lld, \"in\": %lld, \"out\": %lld, \"E\": %d, \"counts\": \"%s\", \"op\": \"%s\"",
                         first ? "" : ",\n", (long long)s->rows, (long long)s->in, (long long)s->out, s->E,
-                        d ? "skewed" : "balanced", op_names[op], err[si][d][op][0], err[si][d][op][1]);
-                for (int v = 0; v < N_VARIANTS; v++)
+                        d ? "skewed" : "balanced", op_names[op]);
+                for (int v = 0; v < N_VARIANTS; v++) {
                     fprintf(f, ", \"%s_ms\": %.4f, \"%s_tflops\": %.1f, \"%s_graph\": %d", variant_names[v],
                             fg->ms[v], variant_names[v], tflops(s, fg->ms[v]), variant_names[v], fg->graphed[v]);
+                    if (is_ours(v) || v == V_LOOP) fprintf(f, ", \"%s_err\": %.3g", variant_names[v], fg->err[v]);
+                }
                 fprintf(f, ", \"ours_over_roof\": %.3f}", fg->ms[V_OURS] > 0 ? fg->ms[V_ROOF] / fg->ms[V_OURS] : 0);
                 first = 0;
             }
     fprintf(f, "\n  ]\n}\n");
+}
+
+/* "  123.4" TFLOP/s, or "    n/a" for a variant that did not run. */
+static const char* tf_str(char* buf, const gemm_shape* s, double ms) {
+    if (ms > 0) snprintf(buf, 16, "%7.1f", tflops(s, ms));
+    else snprintf(buf, 16, "%7s", "n/a");
+    return buf;
 }
 
 int mst_bench_gemm(int argc, char** argv) {
@@ -435,7 +454,6 @@ int mst_bench_gemm(int argc, char** argv) {
     if (mst_alloc(ctx, 64u << 20, &blas_ws) == MST_OK) cublasSetWorkspace(blas, blas_ws, 64u << 20);
 
     static gemm_fig fig[N_SHAPES][2][N_OPS];
-    static double err[N_SHAPES][2][N_OPS][2];
     int fails = 0;
     for (int si = 0; si < N_SHAPES; si++) {
         const gemm_shape* s = &shapes[si];
@@ -444,22 +462,27 @@ int mst_bench_gemm(int argc, char** argv) {
         for (int d = 0; d < 2; d++) {
             if (!set_counts(ctx, &b, s->rows, d)) return 1;
             for (int op = 0; op < N_OPS; op++) {
+                gemm_fig* f = &fig[si][d][op];
                 bench_run br = {ctx, blas, &b, op, V_OURS};
-                err[si][d][op][0] = check_variant(&br, 99 + (uint64_t)op);
-                br.variant = V_LOOP;
-                err[si][d][op][1] = check_variant(&br, 99 + (uint64_t)op);
-                for (int k = 0; k < 2; k++) fails += !(err[si][d][op][k] < 1e-2);
+                for (int v = 0; v <= V_LOOP; v++) {
+                    br.variant = v;
+                    f->err[v] = check_variant(&br, 99 + (uint64_t)op);
+                    fails += !(f->err[v] < 1e-2);
+                }
                 for (int v = 0; v < N_VARIANTS; v++) {
                     br.variant = v;
-                    fig[si][d][op].ms[v] = time_variant(&br, reps, &fig[si][d][op].graphed[v]);
+                    f->ms[v] = time_variant(&br, reps, &f->graphed[v]);
                 }
-                const gemm_fig* f = &fig[si][d][op];
-                printf("%6lld x %4lld -> %4lld E=%3d %-8s %-7s err %.1e/%.1e  ours %6.1f  loop %6.1f  grouped %6.1f  "
-                       "roof %6.1f TFLOP/s  ours/roof %.2f\n",
+                double worst = 0;
+                for (int v = 0; v <= V_LOOP; v++) worst = f->err[v] > worst ? f->err[v] : worst;
+                char t[N_VARIANTS][16];
+                printf("%6lld x %4lld -> %4lld E=%3d %-8s %-7s max err %.0e  TFLOP/s: ours %s coop %s mma %s  loop %s  "
+                       "grouped %s  roof %s  ours/roof %.2f\n",
                        (long long)s->rows, (long long)s->in, (long long)s->out, s->E, d ? "skewed" : "balanced",
-                       op_names[op], err[si][d][op][0], err[si][d][op][1], tflops(s, f->ms[V_OURS]),
-                       tflops(s, f->ms[V_LOOP]), tflops(s, f->ms[V_GROUPED]), tflops(s, f->ms[V_ROOF]),
-                       f->ms[V_OURS] > 0 ? f->ms[V_ROOF] / f->ms[V_OURS] : 0);
+                       op_names[op], worst, tf_str(t[0], s, f->ms[V_OURS]),
+                       tf_str(t[1], s, f->ms[V_OURS_COOP]), tf_str(t[2], s, f->ms[V_OURS_MMA]),
+                       tf_str(t[3], s, f->ms[V_LOOP]), tf_str(t[4], s, f->ms[V_GROUPED]),
+                       tf_str(t[5], s, f->ms[V_ROOF]), f->ms[V_OURS] > 0 ? f->ms[V_ROOF] / f->ms[V_OURS] : 0);
                 fflush(stdout);
             }
         }
@@ -468,7 +491,7 @@ int mst_bench_gemm(int argc, char** argv) {
     if (json) {
         FILE* f = fopen(json, "w");
         if (!f) fprintf(stderr, "bench gemm: cannot write %s\n", json), fails++;
-        else write_json(f, mst_ctx_describe(ctx), fig, err), fclose(f);
+        else write_json(f, mst_ctx_describe(ctx), fig), fclose(f);
     }
     printf("\n%-24s %-8s | %-24s | %-24s | %-24s\n", "shape (T x I -> O, E)", "counts", "forward ours/roof (TF)",
            "dgrad ours/roof (TF)", "wgrad acc ours/roof (TF)");

@@ -12,6 +12,9 @@
  * graph and replayed with other counts. Deterministic: no floating-point
  * atomics anywhere.
  */
+#include <stdlib.h>
+#include <string.h>
+
 #include "cuda_ops.h"
 #include "grouped_gemm.cuh"
 
@@ -206,6 +209,24 @@ static gg_problem make_problem(const mst_gl_args* a, int op) {
     return p;
 }
 
+typedef enum gg_kernel { GG_KERNEL_MMA, GG_KERNEL_COOP, GG_KERNEL_PINGPONG } gg_kernel;
+
+/* The Hopper kernels (TMA + wgmma) need sm_90 and 16-byte rows; the
+ * mma.sync kernel takes everything else. MST_GG_KERNEL=mma|coop|pingpong
+ * forces a kernel where it can run (benchmarks compare them this way). */
+static gg_kernel pick_kernel(mst_ctx_t* ctx, const gg_problem* p) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, mst_cuda(ctx)->device) != cudaSuccess) {
+        cudaGetLastError();
+        major = 0;
+    }
+    if (!p->vec || major != 9) return GG_KERNEL_MMA;
+    const char* force = getenv("MST_GG_KERNEL");
+    if (force && strcmp(force, "mma") == 0) return GG_KERNEL_MMA;
+    if (force && strcmp(force, "coop") == 0) return GG_KERNEL_COOP;
+    return GG_KERNEL_PINGPONG;
+}
+
 static mst_status gg_run(mst_ctx_t* ctx, const mst_gl_args* a, int op) {
     mst_cuda_impl* c = mst_cuda(ctx);
     if (a->max_rows > INT32_MAX || a->in > INT32_MAX || a->out > INT32_MAX)
@@ -214,12 +235,10 @@ static mst_status gg_run(mst_ctx_t* ctx, const mst_gl_args* a, int op) {
                              "at most 2^31 - 1 of each",
                              (long long)a->max_rows, (long long)a->in, (long long)a->out);
     const gg_problem p = make_problem(a, op);
-    int major = 0;
-    MST_CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->device));
-    const int hopper = p.vec && major == 9; /* wgmma + TMA need 16-byte rows */
+    const gg_kernel kernel = pick_kernel(ctx, &p);
     int bm, bn;
-    if (hopper) gg_wgmma_tile(&bm, &bn);
-    else gg_mma_tile(&bm, &bn);
+    if (kernel == GG_KERNEL_MMA) gg_mma_tile(&bm, &bn);
+    else gg_wgmma_tile(kernel == GG_KERNEL_PINGPONG, &bm, &bn);
     gg_sched s;
     MST_TRY(sched_make(ctx, a->n_groups, &s));
     const int32_t rows_tile = op == GG_WGRAD ? 0 : bm;
@@ -233,8 +252,8 @@ static mst_status gg_run(mst_ctx_t* ctx, const mst_gl_args* a, int op) {
                                                       tiles_fixed, op == GG_WGRAD && !a->accumulate,
                                                       s, ctx->err_flag);
     MST_CUDA_LAUNCHED();
-    if (hopper) MST_TRY(gg_launch_wgmma(&p, &s, a->max_rows, c->n_sm, c->stream));
-    else MST_TRY(gg_launch_mma(&p, &s, c->n_sm, c->stream));
+    if (kernel == GG_KERNEL_MMA) MST_TRY(gg_launch_mma(&p, &s, c->n_sm, c->stream));
+    else MST_TRY(gg_launch_wgmma(&p, &s, a->max_rows, kernel == GG_KERNEL_PINGPONG, c->n_sm, c->stream));
     if (op == GG_WGRAD) MST_TRY(bias_grads(ctx, a, &s));
     return MST_OK;
 }

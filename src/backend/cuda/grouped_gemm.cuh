@@ -102,22 +102,42 @@ __device__ __forceinline__ int32_t gg_next_tile(const gg_sched& s) {
     return atomicAdd(s.hdr + GG_H_NEXT, 1);
 }
 
+/* Where main_grad_w element (m, n) of the tile's group lives (wgrad). */
+__device__ __forceinline__ float* gg_grad_at(const gg_problem& p, const gg_tile& t, int m, int n) {
+    return (float*)p.c + ((int64_t)t.g * p.M + m) * p.ldc + n;
+}
+
+/* wgrad ACCUMULATE, before the stores: adds main_grad's old values into one
+ * accumulator pair (row m, cols n, n + 1); kernels call it for all their
+ * pairs first so the loads are in flight together. */
+__device__ __forceinline__ void gg_add_old_pair(const gg_problem& p, const gg_tile& t, int m, int n,
+                                                float& v0, float& v1) {
+    if (m >= t.m_lim || n >= t.n_lim) return;
+    const float* c = gg_grad_at(p, t, m, n);
+    if (n + 1 < t.n_lim && p.vec) {
+        float2 o = *(const float2*)c;
+        v0 += o.x, v1 += o.y;
+    } else {
+        v0 += c[0];
+        if (n + 1 < t.n_lim) v1 += c[1];
+    }
+}
+
 /* Epilogue of every kernel: writes one accumulator pair (row m, cols n,
  * n+1 of the group's C): y / dx in bf16 (forward adds bias[g] * s[r]), or
- * main_grad_w in fp32 (= or += by mode). Masked to the group's extents. */
+ * main_grad_w in fp32 (old values already added for ACCUMULATE). Masked to
+ * the group's extents. */
 template <int OP>
 __device__ __forceinline__ void gg_store_pair(const gg_problem& p, const gg_tile& t, int m, int n,
-                                           float v0, float v1) {
+                                              float v0, float v1) {
     if (m >= t.m_lim || n >= t.n_lim) return;
     bool two = n + 1 < t.n_lim;
     if (OP == GG_WGRAD) {
-        float* c = (float*)p.c + ((int64_t)t.g * p.M + m) * p.ldc + n;
-        if (two && p.vec) {
-            float2 o = p.accumulate ? *(float2*)c : make_float2(0.f, 0.f);
-            *(float2*)c = make_float2(o.x + v0, o.y + v1);
-        } else {
-            c[0] = p.accumulate ? c[0] + v0 : v0;
-            if (two) c[1] = p.accumulate ? c[1] + v1 : v1;
+        float* c = gg_grad_at(p, t, m, n);
+        if (two && p.vec) *(float2*)c = make_float2(v0, v1);
+        else {
+            c[0] = v0;
+            if (two) c[1] = v1;
         }
         return;
     }
@@ -142,10 +162,11 @@ extern "C" {
 /* Launchers (grouped_gemm_*.cu): enqueue the GEMM of `p` on `stream`. */
 mst_status gg_launch_mma(const gg_problem* p, const gg_sched* s, int n_sm, cudaStream_t stream);
 void gg_mma_tile(int* bm, int* bn); /* the mma kernel's CTA tile */
-/* Hopper path: operands through TMA (needs rows 16-byte aligned: p->vec). */
-mst_status gg_launch_wgmma(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm,
-                           cudaStream_t stream);
-void gg_wgmma_tile(int* bm, int* bn);
+/* Hopper path: operands through TMA (needs rows 16-byte aligned: p->vec);
+ * pingpong: 1 ping-pong consumers, 0 cooperative. */
+mst_status gg_launch_wgmma(const gg_problem* p, const gg_sched* s, int64_t max_rows, int pingpong,
+                           int n_sm, cudaStream_t stream);
+void gg_wgmma_tile(int pingpong, int* bm, int* bn);
 #ifdef __cplusplus
 }
 #endif

@@ -195,12 +195,20 @@ __global__ void __launch_bounds__(THREADS) mma_kernel(const gg_problem p, const 
         }
         cp_async_wait<0>();
 
+        const int m = t.m0 + wm + (lane >> 2), n = t.n0 + wn + (lane & 3) * 2;
+        if (OP == GG_WGRAD && p.accumulate) { /* all old main_grad values first */
+#pragma unroll
+            for (int x = 0; x < MT * NT; x++) {
+                const int i = x / NT, j = x % NT;
+                gg_add_old_pair(p, t, m + i * 16, n + j * 8, acc[i][j][0], acc[i][j][1]);
+                gg_add_old_pair(p, t, m + i * 16 + 8, n + j * 8, acc[i][j][2], acc[i][j][3]);
+            }
+        }
 #pragma unroll
         for (int x = 0; x < MT * NT; x++) {
             const int i = x / NT, j = x % NT;
-            int m = t.m0 + wm + i * 16 + (lane >> 2), n = t.n0 + wn + j * 8 + (lane & 3) * 2;
-            gg_store_pair<OP>(p, t, m, n, acc[i][j][0], acc[i][j][1]);
-            gg_store_pair<OP>(p, t, m + 8, n, acc[i][j][2], acc[i][j][3]);
+            gg_store_pair<OP>(p, t, m + i * 16, n + j * 8, acc[i][j][0], acc[i][j][1]);
+            gg_store_pair<OP>(p, t, m + i * 16 + 8, n + j * 8, acc[i][j][2], acc[i][j][3]);
         }
     }
 }

@@ -1,18 +1,23 @@
 /*
  * grouped_gemm_wgmma.cu — the Hopper (sm_90a) grouped GEMM: a persistent,
  * warp-specialized kernel of three warpgroups. Warpgroup 0 (one thread)
- * feeds a GG_W_STAGES-deep ring of shared-memory stages with TMA
- * (cp.async.bulk.tensor, 128-byte swizzle) completing on mbarriers;
- * warpgroups 1 and 2 each multiply 64 rows of the 128 x 256 tile with
- * wgmma.m64n256k16 (operands straight from shared memory, M/N-major ones
- * through the descriptor's transpose bit) and write the epilogue from
- * registers. Tiles come from the device schedule, striding over the grid.
+ * feeds a ring of shared-memory stages with TMA (cp.async.bulk.tensor,
+ * 128-byte swizzle) completing on mbarriers; warpgroups 1 and 2 multiply
+ * with wgmma straight from shared memory (M/N-major operands through the
+ * descriptor's transpose bit) and write the epilogue from registers. Tiles
+ * come from the device schedule, striding over the grid. Two schedules:
+ *   cooperative: both consumers share one 128 x 256 tile (64 rows each,
+ *                wgmma.m64n256k16);
+ *   ping-pong:   each consumer owns every other 128 x 128 tile (two
+ *                wgmma.m64n128k16 per k-step), so one consumer's epilogue
+ *                (the main_grad read-modify-write for wgrad) runs while the
+ *                other one's MMAs keep the tensor cores busy.
  *
  * Rows: TMA boxes are placed at the group's first row, so a box may run
  * into the next group's rows (or padding rows up to max_rows; TMA zero-fills
  * past max_rows). For forward and dgrad such rows only reach accumulator rows
  * that the epilogue never stores. For wgrad, where rows are the K dimension,
- * the consumers zero the stage rows past the group's count before the MMA,
+ * the consumer zeroes the stage rows past the group's count before the MMA,
  * so no row outside the group contributes.
  */
 #include <cuda.h>
@@ -21,15 +26,22 @@
 
 namespace {
 
-constexpr int BM = 128, BN = 256, BK = 64;            /* CTA tile; BK = one 128-byte swizzle row */
-constexpr int GG_W_STAGES = 4;
+constexpr int BM = 128, BK = 64;                      /* BK = one 128-byte swizzle row */
 constexpr int THREADS = 384;                          /* producer WG + 2 consumer WGs */
-constexpr int CONSUMERS = 256;
 constexpr uint32_t A_BYTES = BM * BK * 2;             /* 16 KiB per stage */
-constexpr uint32_t B_BYTES = BN * BK * 2;             /* 32 KiB per stage */
 constexpr uint32_t BOX_BYTES = 64 * BK * 2;           /* one [BK rows][64] M/N-major box */
 constexpr uint32_t ROW_BYTES = 128;                   /* one swizzled smem row */
-constexpr size_t SMEM_BYTES = GG_W_STAGES * (A_BYTES + B_BYTES) + 1024; /* + alignment slack */
+constexpr uint32_t RING_BYTES = 192 * 1024;           /* the stage ring */
+
+/* The two consumer schedules (see the top of the file). */
+template <bool PP>
+struct sched_cfg {
+    static constexpr int BN = PP ? 128 : 256;
+    static constexpr uint32_t B_BYTES = BN * BK * 2;
+    static constexpr int STAGES = RING_BYTES / (A_BYTES + B_BYTES); /* 6 or 4 */
+    static constexpr int TEAM = PP ? 128 : 256;        /* consumer threads on one tile */
+    static constexpr size_t SMEM = RING_BYTES + 1024;  /* + 1024-byte alignment slack */
+};
 
 template <int OP>
 struct layout {
@@ -96,26 +108,39 @@ __device__ __forceinline__ void fence_acc(float (&d)[128]) {
     for (int i = 0; i < 128; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-template <int TA, int TB>
-__device__ __forceinline__ void wgmma_256(float (&d)[128], uint64_t da, uint64_t db) {
+/* D[OFF, OFF + 128) += A B: one wgmma.m64n256k16 (TA / TB: operand M / N-major). */
+template <int TA, int TB, int OFF>
+__device__ __forceinline__ void wgmma_n256(float (&d)[128], uint64_t da, uint64_t db) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
         "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
         "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "+f"(d[OFF + 0]), "+f"(d[OFF + 1]), "+f"(d[OFF + 2]), "+f"(d[OFF + 3]), "+f"(d[OFF + 4]), "+f"(d[OFF + 5]), "+f"(d[OFF + 6]), "+f"(d[OFF + 7]), "+f"(d[OFF + 8]), "+f"(d[OFF + 9]), "+f"(d[OFF + 10]), "+f"(d[OFF + 11]), "+f"(d[OFF + 12]), "+f"(d[OFF + 13]), "+f"(d[OFF + 14]), "+f"(d[OFF + 15]), "+f"(d[OFF + 16]), "+f"(d[OFF + 17]), "+f"(d[OFF + 18]), "+f"(d[OFF + 19]), "+f"(d[OFF + 20]), "+f"(d[OFF + 21]), "+f"(d[OFF + 22]), "+f"(d[OFF + 23]), "+f"(d[OFF + 24]), "+f"(d[OFF + 25]), "+f"(d[OFF + 26]), "+f"(d[OFF + 27]), "+f"(d[OFF + 28]), "+f"(d[OFF + 29]), "+f"(d[OFF + 30]), "+f"(d[OFF + 31]), "+f"(d[OFF + 32]), "+f"(d[OFF + 33]), "+f"(d[OFF + 34]), "+f"(d[OFF + 35]), "+f"(d[OFF + 36]), "+f"(d[OFF + 37]), "+f"(d[OFF + 38]), "+f"(d[OFF + 39]), "+f"(d[OFF + 40]), "+f"(d[OFF + 41]), "+f"(d[OFF + 42]), "+f"(d[OFF + 43]), "+f"(d[OFF + 44]), "+f"(d[OFF + 45]), "+f"(d[OFF + 46]), "+f"(d[OFF + 47]), "+f"(d[OFF + 48]), "+f"(d[OFF + 49]), "+f"(d[OFF + 50]), "+f"(d[OFF + 51]), "+f"(d[OFF + 52]), "+f"(d[OFF + 53]), "+f"(d[OFF + 54]), "+f"(d[OFF + 55]), "+f"(d[OFF + 56]), "+f"(d[OFF + 57]), "+f"(d[OFF + 58]), "+f"(d[OFF + 59]), "+f"(d[OFF + 60]), "+f"(d[OFF + 61]), "+f"(d[OFF + 62]), "+f"(d[OFF + 63]), "+f"(d[OFF + 64]), "+f"(d[OFF + 65]), "+f"(d[OFF + 66]), "+f"(d[OFF + 67]), "+f"(d[OFF + 68]), "+f"(d[OFF + 69]), "+f"(d[OFF + 70]), "+f"(d[OFF + 71]), "+f"(d[OFF + 72]), "+f"(d[OFF + 73]), "+f"(d[OFF + 74]), "+f"(d[OFF + 75]), "+f"(d[OFF + 76]), "+f"(d[OFF + 77]), "+f"(d[OFF + 78]), "+f"(d[OFF + 79]), "+f"(d[OFF + 80]), "+f"(d[OFF + 81]), "+f"(d[OFF + 82]), "+f"(d[OFF + 83]), "+f"(d[OFF + 84]), "+f"(d[OFF + 85]), "+f"(d[OFF + 86]), "+f"(d[OFF + 87]), "+f"(d[OFF + 88]), "+f"(d[OFF + 89]), "+f"(d[OFF + 90]), "+f"(d[OFF + 91]), "+f"(d[OFF + 92]), "+f"(d[OFF + 93]), "+f"(d[OFF + 94]), "+f"(d[OFF + 95]), "+f"(d[OFF + 96]), "+f"(d[OFF + 97]), "+f"(d[OFF + 98]), "+f"(d[OFF + 99]), "+f"(d[OFF + 100]), "+f"(d[OFF + 101]), "+f"(d[OFF + 102]), "+f"(d[OFF + 103]), "+f"(d[OFF + 104]), "+f"(d[OFF + 105]), "+f"(d[OFF + 106]), "+f"(d[OFF + 107]), "+f"(d[OFF + 108]), "+f"(d[OFF + 109]), "+f"(d[OFF + 110]), "+f"(d[OFF + 111]), "+f"(d[OFF + 112]), "+f"(d[OFF + 113]), "+f"(d[OFF + 114]), "+f"(d[OFF + 115]), "+f"(d[OFF + 116]), "+f"(d[OFF + 117]), "+f"(d[OFF + 118]), "+f"(d[OFF + 119]), "+f"(d[OFF + 120]), "+f"(d[OFF + 121]), "+f"(d[OFF + 122]), "+f"(d[OFF + 123]), "+f"(d[OFF + 124]), "+f"(d[OFF + 125]), "+f"(d[OFF + 126]), "+f"(d[OFF + 127])
         : "l"(da), "l"(db), "r"(1), "n"(TA), "n"(TB));
 }
 
-/* Descriptors of k-step kk (16 columns of K) for consumer warpgroup wg.
+/* D[OFF, OFF + 64) += A B: one wgmma.m64n128k16 (TA / TB: operand M / N-major). */
+template <int TA, int TB, int OFF>
+__device__ __forceinline__ void wgmma_n128(float (&d)[128], uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+        "}, %64, %65, p, 1, 1, %67, %68;\n}\n"
+        : "+f"(d[OFF + 0]), "+f"(d[OFF + 1]), "+f"(d[OFF + 2]), "+f"(d[OFF + 3]), "+f"(d[OFF + 4]), "+f"(d[OFF + 5]), "+f"(d[OFF + 6]), "+f"(d[OFF + 7]), "+f"(d[OFF + 8]), "+f"(d[OFF + 9]), "+f"(d[OFF + 10]), "+f"(d[OFF + 11]), "+f"(d[OFF + 12]), "+f"(d[OFF + 13]), "+f"(d[OFF + 14]), "+f"(d[OFF + 15]), "+f"(d[OFF + 16]), "+f"(d[OFF + 17]), "+f"(d[OFF + 18]), "+f"(d[OFF + 19]), "+f"(d[OFF + 20]), "+f"(d[OFF + 21]), "+f"(d[OFF + 22]), "+f"(d[OFF + 23]), "+f"(d[OFF + 24]), "+f"(d[OFF + 25]), "+f"(d[OFF + 26]), "+f"(d[OFF + 27]), "+f"(d[OFF + 28]), "+f"(d[OFF + 29]), "+f"(d[OFF + 30]), "+f"(d[OFF + 31]), "+f"(d[OFF + 32]), "+f"(d[OFF + 33]), "+f"(d[OFF + 34]), "+f"(d[OFF + 35]), "+f"(d[OFF + 36]), "+f"(d[OFF + 37]), "+f"(d[OFF + 38]), "+f"(d[OFF + 39]), "+f"(d[OFF + 40]), "+f"(d[OFF + 41]), "+f"(d[OFF + 42]), "+f"(d[OFF + 43]), "+f"(d[OFF + 44]), "+f"(d[OFF + 45]), "+f"(d[OFF + 46]), "+f"(d[OFF + 47]), "+f"(d[OFF + 48]), "+f"(d[OFF + 49]), "+f"(d[OFF + 50]), "+f"(d[OFF + 51]), "+f"(d[OFF + 52]), "+f"(d[OFF + 53]), "+f"(d[OFF + 54]), "+f"(d[OFF + 55]), "+f"(d[OFF + 56]), "+f"(d[OFF + 57]), "+f"(d[OFF + 58]), "+f"(d[OFF + 59]), "+f"(d[OFF + 60]), "+f"(d[OFF + 61]), "+f"(d[OFF + 62]), "+f"(d[OFF + 63])
+        : "l"(da), "l"(db), "r"(1), "n"(TA), "n"(TB));
+}
+
+/* Descriptors of k-step kk (16 columns of K) for the 64-row half h of A.
  * K-major tiles: rows of 64 K values (128 B), 8-row atoms 1024 B apart; a
  * k-step moves 32 B inside the row. M/N-major tiles: boxes of [BK][64],
  * BOX_BYTES apart along M/N (leading offset), 8-row atoms 1024 B apart
  * along K (stride offset); a k-step moves 16 rows. */
 template <int OP>
-__device__ __forceinline__ uint64_t desc_a(uint32_t sa, int wg, int kk) {
-    if (layout<OP>::A_MN) return desc(sa + wg * BOX_BYTES + kk * 16 * ROW_BYTES, BOX_BYTES, 8 * ROW_BYTES);
-    return desc(sa + wg * 64 * ROW_BYTES + kk * 32, 16, 8 * ROW_BYTES);
+__device__ __forceinline__ uint64_t desc_a(uint32_t sa, int h, int kk) {
+    if (layout<OP>::A_MN) return desc(sa + h * BOX_BYTES + kk * 16 * ROW_BYTES, BOX_BYTES, 8 * ROW_BYTES);
+    return desc(sa + h * 64 * ROW_BYTES + kk * 32, 16, 8 * ROW_BYTES);
 }
 template <int OP>
 __device__ __forceinline__ uint64_t desc_b(uint32_t sb, int kk) {
@@ -124,10 +149,10 @@ __device__ __forceinline__ uint64_t desc_b(uint32_t sb, int kk) {
 }
 
 /* The producer's loads of k-block k0 of tile t into one stage. */
-template <int OP>
+template <int OP, int BN>
 __device__ __forceinline__ void load_stage(const CUtensorMap* ma, const CUtensorMap* mb, const gg_tile& t,
                                            int k0, uint8_t* sa, uint8_t* sb, uint64_t* full) {
-    mbar_expect_tx(full, A_BYTES + B_BYTES);
+    mbar_expect_tx(full, A_BYTES + BN * BK * 2);
     if (OP == GG_WGRAD) { /* A: dy rows [row0 + k0, +BK) x cols [m0, m0 + BM), two boxes */
         tma_2d(sa, ma, t.m0, t.row0 + k0, full);
         tma_2d(sa + BOX_BYTES, ma, t.m0 + 64, t.row0 + k0, full);
@@ -146,95 +171,145 @@ __device__ __forceinline__ void load_stage(const CUtensorMap* ma, const CUtensor
 }
 
 /* wgrad: zero the stage rows [valid, BK) of every box (rows past the
- * group's count), then make the writes visible to the tensor cores. */
-__device__ __forceinline__ void zero_tail_rows(uint8_t* sa, uint8_t* sb, int valid, int ct) {
+ * group's count), then make the writes visible to the tensor cores and
+ * wait for the rest of the team (named barrier `bar`). */
+template <int TEAM>
+__device__ __forceinline__ void zero_tail_rows(uint8_t* sa, uint8_t* sb, uint32_t b_bytes, int valid, int ct,
+                                               int bar) {
     const int per_box = (BK - valid) * (ROW_BYTES / 16);
-    const int boxes = (A_BYTES + B_BYTES) / BOX_BYTES;
-    for (int i = ct; i < boxes * per_box; i += CONSUMERS) {
+    const int boxes = (int)((A_BYTES + b_bytes) / BOX_BYTES);
+    for (int i = ct; i < boxes * per_box; i += TEAM) {
         int box = i / per_box, rem = i % per_box;
         uint8_t* base = box < 2 ? sa + box * BOX_BYTES : sb + (box - 2) * BOX_BYTES;
         *(uint4*)(base + (valid + rem / 8) * ROW_BYTES + (rem % 8) * 16) = make_uint4(0, 0, 0, 0);
     }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory");
+    asm volatile("bar.sync %0, %1;\n" ::"r"(bar), "n"(TEAM) : "memory");
 }
 
-template <int OP>
+/* One k-block of MMAs for consumer warpgroup cw. Cooperative: rows
+ * [64 cw, +64) x 256 columns. Ping-pong: both 64-row halves x 128 columns.
+ * One straight run of wgmma: a branch between them makes ptxas serialize
+ * them (C7520), so a tile with no rows in its upper half still runs it. */
+template <int OP, bool PP>
+__device__ __forceinline__ void mma_block(float (&acc)[128], uint32_t a, uint32_t b, int cw) {
+    constexpr int TA = layout<OP>::A_MN, TB = layout<OP>::B_MN;
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; kk++) {
+        if (!PP) {
+            wgmma_n256<TA, TB, 0>(acc, desc_a<OP>(a, cw, kk), desc_b<OP>(b, kk));
+        } else {
+            wgmma_n128<TA, TB, 0>(acc, desc_a<OP>(a, 0, kk), desc_b<OP>(b, kk));
+            wgmma_n128<TA, TB, 64>(acc, desc_a<OP>(a, 1, kk), desc_b<OP>(b, kk));
+        }
+    }
+}
+
+/* Epilogue: accumulator fragment 4i .. 4i+3 holds rows r, r + 8 and
+ * columns c, c + 1 (m64nNk16 layout); main_grad is read first for all of
+ * them (loads in flight together), then everything is stored. */
+template <int OP, bool PP>
+__device__ __forceinline__ void epilogue(const gg_problem& p, const gg_tile& t, float (&acc)[128], int cw,
+                                         int warp, int lane) {
+    constexpr int GROUPS = PP ? 16 : 32; /* 8-column groups per 64-row half */
+    const int r = warp * 16 + (lane >> 2), c = (lane & 3) * 2;
+#define GG_ROW(i) (t.m0 + 64 * (PP ? (i) / GROUPS : cw) + r)
+#define GG_COL(i) (t.n0 + 8 * ((i) % GROUPS) + c)
+    if (OP == GG_WGRAD && p.accumulate) {
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
+            gg_add_old_pair(p, t, GG_ROW(i), GG_COL(i), acc[4 * i], acc[4 * i + 1]);
+            gg_add_old_pair(p, t, GG_ROW(i) + 8, GG_COL(i), acc[4 * i + 2], acc[4 * i + 3]);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 32; i++) {
+        gg_store_pair<OP>(p, t, GG_ROW(i), GG_COL(i), acc[4 * i], acc[4 * i + 1]);
+        gg_store_pair<OP>(p, t, GG_ROW(i) + 8, GG_COL(i), acc[4 * i + 2], acc[4 * i + 3]);
+    }
+#undef GG_ROW
+#undef GG_COL
+}
+
+template <int OP, bool PP>
 __global__ void __launch_bounds__(THREADS, 1)
     wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                  const gg_problem p, const gg_sched s) {
+    using C = sched_cfg<PP>;
+    constexpr int STAGES = C::STAGES;
     extern __shared__ uint8_t smem_raw[];
-    __shared__ __align__(8) uint64_t full[GG_W_STAGES], empty[GG_W_STAGES];
+    __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
     uint8_t* smem = (uint8_t*)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023); /* swizzle atoms */
-    uint8_t* sa = smem;                             /* [STAGES][A_BYTES] */
-    uint8_t* sb = smem + GG_W_STAGES * A_BYTES;     /* [STAGES][B_BYTES] */
+    uint8_t* sa = smem;                      /* [STAGES][A_BYTES]   */
+    uint8_t* sb = smem + STAGES * A_BYTES;   /* [STAGES][B_BYTES]   */
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
-        for (int i = 0; i < GG_W_STAGES; i++) {
+        for (int i = 0; i < STAGES; i++) {
             mbar_init(&full[i], 1);
-            mbar_init(&empty[i], CONSUMERS / 32); /* one arrival per consumer warp */
+            mbar_init(&empty[i], C::TEAM / 32); /* one arrival per consuming warp */
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
     const int32_t n_tiles = s.hdr[GG_H_TILES];
 
-    if (wg == 0) { /* producer */
+    if (wg == 0) { /* producer: every tile of this CTA, in order, through the ring */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
         if (threadIdx.x != 0) return;
         int st = 0;
         uint32_t ph = 0;
         for (int32_t ti = blockIdx.x; ti < n_tiles; ti += gridDim.x) {
-            const gg_tile t = gg_decode(p, s, ti, BM, BN);
+            const gg_tile t = gg_decode(p, s, ti, BM, C::BN);
             for (int k0 = 0; k0 < t.k_len; k0 += BK) {
                 mbar_wait(&empty[st], ph ^ 1);
-                load_stage<OP>(&map_a, &map_b, t, k0, sa + st * A_BYTES, sb + st * B_BYTES, &full[st]);
-                if (++st == GG_W_STAGES) st = 0, ph ^= 1;
+                load_stage<OP, C::BN>(&map_a, &map_b, t, k0, sa + st * A_BYTES, sb + st * C::B_BYTES, &full[st]);
+                if (++st == STAGES) st = 0, ph ^= 1;
             }
         }
         return;
     }
 
-    /* consumers */
+    /* consumers; ping-pong: warpgroup cw takes this CTA's tiles cw, cw + 2, ...
+     * and steps over the ring stages of the other one's tiles */
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-    const int cw = wg - 1, ct = threadIdx.x - 128, lane = threadIdx.x & 31, warp = (ct >> 5) & 3;
+    const int cw = wg - 1, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    const int ct = PP ? threadIdx.x & 127 : threadIdx.x - 128; /* index in the team */
     float acc[128];
     int st = 0;
     uint32_t ph = 0;
-    for (int32_t ti = blockIdx.x; ti < n_tiles; ti += gridDim.x) {
-        const gg_tile t = gg_decode(p, s, ti, BM, BN);
+    int local = 0;
+    for (int32_t ti = blockIdx.x; ti < n_tiles; ti += gridDim.x, local++) {
+        const gg_tile t = gg_decode(p, s, ti, BM, C::BN);
+        const int nk = gg_cdiv(t.k_len, BK);
+        if (PP && (local & 1) != cw) {
+            const int pos = st + nk;
+            ph ^= (uint32_t)(pos / STAGES) & 1;
+            st = pos % STAGES;
+            continue;
+        }
 #pragma unroll
         for (int i = 0; i < 128; i++) acc[i] = 0.0f;
         fence_acc(acc);
         int prev = -1;
-        for (int k0 = 0; k0 < t.k_len; k0 += BK) {
+        for (int kb = 0; kb < nk; kb++) {
             mbar_wait(&full[st], ph);
             uint8_t* a = sa + st * A_BYTES;
-            uint8_t* b = sb + st * B_BYTES;
-            if (OP == GG_WGRAD && t.k_len - k0 < BK) zero_tail_rows(a, b, t.k_len - k0, ct);
+            uint8_t* b = sb + st * C::B_BYTES;
+            const int valid = t.k_len - kb * BK;
+            if (OP == GG_WGRAD && valid < BK) zero_tail_rows<C::TEAM>(a, b, C::B_BYTES, valid, ct, PP ? 1 + cw : 1);
             wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < BK / 16; kk++)
-                wgmma_256<layout<OP>::A_MN, layout<OP>::B_MN>(acc, desc_a<OP>(smem_u32(a), cw, kk),
-                                                              desc_b<OP>(smem_u32(b), kk));
+            mma_block<OP, PP>(acc, smem_u32(a), smem_u32(b), cw);
             wgmma_commit();
             wgmma_wait<1>(); /* the previous stage's MMAs are done: hand it back */
             fence_acc(acc);
             if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
             prev = st;
-            if (++st == GG_W_STAGES) st = 0, ph ^= 1;
+            if (++st == STAGES) st = 0, ph ^= 1;
         }
         wgmma_wait<0>();
         fence_acc(acc);
         if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
-
-        const int m = t.m0 + cw * 64 + warp * 16 + (lane >> 2);
-        const int n = t.n0 + (lane & 3) * 2;
-#pragma unroll
-        for (int i = 0; i < BN / 8; i++) {
-            gg_store_pair<OP>(p, t, m, n + 8 * i, acc[4 * i], acc[4 * i + 1]);
-            gg_store_pair<OP>(p, t, m + 8, n + 8 * i, acc[4 * i + 2], acc[4 * i + 3]);
-        }
+        epilogue<OP, PP>(p, t, acc, cw, warp, lane);
     }
 }
 
@@ -282,11 +357,11 @@ mst_status make_map(CUtensorMap* map, const void* base, int rank, int64_t cols, 
 
 /* Tensor maps of the op's operands: K-major boxes are [BM or BN rows][BK];
  * M/N-major boxes are [BK rows][64]. */
-mst_status make_maps(const gg_problem* p, int64_t max_rows, CUtensorMap* ma, CUtensorMap* mb) {
+mst_status make_maps(const gg_problem* p, int64_t max_rows, int bn, CUtensorMap* ma, CUtensorMap* mb) {
     const int64_t E = p->n_groups;
     if (p->op == GG_FWD) { /* x [R][I], W [E][O][I] */
         MST_TRY(make_map(ma, p->a, 2, p->lda, max_rows, 1, BK, BM));
-        return make_map(mb, p->b, 3, p->ldb, p->N, E, BK, BN);
+        return make_map(mb, p->b, 3, p->ldb, p->N, E, BK, (uint32_t)bn);
     }
     if (p->op == GG_DGRAD) { /* dy [R][O], W [E][O][I] */
         MST_TRY(make_map(ma, p->a, 2, p->lda, max_rows, 1, BK, BM));
@@ -296,33 +371,38 @@ mst_status make_maps(const gg_problem* p, int64_t max_rows, CUtensorMap* ma, CUt
     return make_map(mb, p->b, 2, p->ldb, max_rows, 1, 64, BK);    /* x  [R][I] */
 }
 
-template <int OP>
+template <int OP, bool PP>
 mst_status launch(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm, cudaStream_t stream) {
     CUtensorMap ma, mb;
-    MST_TRY(make_maps(p, max_rows, &ma, &mb));
+    MST_TRY(make_maps(p, max_rows, sched_cfg<PP>::BN, &ma, &mb));
     static int ready = 0; /* attribute set once, on the first (eager) call */
     if (!ready) {
-        MST_CUDA_TRY(cudaFuncSetAttribute(wgmma_kernel<OP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          (int)SMEM_BYTES));
+        MST_CUDA_TRY(cudaFuncSetAttribute(wgmma_kernel<OP, PP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          (int)sched_cfg<PP>::SMEM));
         ready = 1;
     }
-    wgmma_kernel<OP><<<n_sm, THREADS, SMEM_BYTES, stream>>>(ma, mb, *p, *s);
+    wgmma_kernel<OP, PP><<<n_sm, THREADS, sched_cfg<PP>::SMEM, stream>>>(ma, mb, *p, *s);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
 
-} // namespace
-
-extern "C" mst_status gg_launch_wgmma(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm,
-                                      cudaStream_t stream) {
+template <bool PP>
+mst_status launch_op(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm, cudaStream_t stream) {
     switch (p->op) {
-    case GG_FWD: return launch<GG_FWD>(p, s, max_rows, n_sm, stream);
-    case GG_DGRAD: return launch<GG_DGRAD>(p, s, max_rows, n_sm, stream);
-    default: return launch<GG_WGRAD>(p, s, max_rows, n_sm, stream);
+    case GG_FWD: return launch<GG_FWD, PP>(p, s, max_rows, n_sm, stream);
+    case GG_DGRAD: return launch<GG_DGRAD, PP>(p, s, max_rows, n_sm, stream);
+    default: return launch<GG_WGRAD, PP>(p, s, max_rows, n_sm, stream);
     }
 }
 
-extern "C" void gg_wgmma_tile(int* bm, int* bn) {
+} // namespace
+
+extern "C" mst_status gg_launch_wgmma(const gg_problem* p, const gg_sched* s, int64_t max_rows, int pingpong,
+                                      int n_sm, cudaStream_t stream) {
+    return pingpong ? launch_op<true>(p, s, max_rows, n_sm, stream) : launch_op<false>(p, s, max_rows, n_sm, stream);
+}
+
+extern "C" void gg_wgmma_tile(int pingpong, int* bm, int* bn) {
     *bm = BM;
-    *bn = BN;
+    *bn = pingpong ? sched_cfg<true>::BN : sched_cfg<false>::BN;
 }
