@@ -446,7 +446,10 @@ mst_status mst_recompute_plan(const mst_recompute_config* cfg, int32_t n_layers,
  *                                      with measuring = 1 (exact shapes),
  *                                      which also resizes the pools.
  * The first step must be a measuring step: it sizes the pools from the peak
- * pages it saw (ceil(peak * factor)). */
+ * pages it saw (ceil(peak * factor)).
+ * Restored tensors live in shared restore buffers that the next backward
+ * reuses: with MST_WGRAD_DEFERRED, flush before the next layer's backward
+ * (or keep the tensors the deferred wgrads read under KEEP). */
 
 typedef struct mst_memmgr mst_memmgr_t;
 
