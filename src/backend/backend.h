@@ -136,8 +136,8 @@ typedef struct mst_xent_args {
 typedef struct mst_attn_args {
     int64_t batch, seq, n_head, head_dim; /* B, T, NH, D                     */
     const uint16_t* qkv;   /* [B*T, 3H] bf16                                 */
-    float* probs;          /* [B, NH, T, T] fp32 softmax (saved by forward;
-                              backward may overwrite it with dS)             */
+    float* probs;          /* [B, NH, T, T] fp32 softmax (saved by forward,
+                              read by backward)                              */
     uint16_t* out;         /* [B*T, H] bf16 (forward)                        */
     const uint16_t* dout;  /* [B*T, H] bf16 (backward)                       */
     uint16_t* dqkv;        /* [B*T, 3H] bf16 (backward)                      */
