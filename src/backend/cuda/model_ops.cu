@@ -60,11 +60,11 @@ __global__ void norm_dx_kernel(mst_norm_args a) {
         a.dx[r * H + c] = mst_to_bf(rs * mst_bf(dy[c]) * mst_bf(a.w[c]) - mst_bf(x[c]) * k);
 }
 
-/* Column sums over rows without atomics: block (8 columns x 128 row
- * slices); slice s sums rows s, s+128, ... in order, then the 128 slice sums
- * are added in slice order. (32 x 16 blocks left too few blocks in flight:
- * 55 us a call at H 512, N 4096 on an H200.) */
-enum { COL_W = 8, COL_S = 128 };
+/* Column sums over rows without atomics: block (32 columns x 16 row
+ * slices); slice s sums rows s, s+16, ... in order, then the 16 slice sums
+ * are added in slice order. (H / 32 blocks only: 55 us a call at H 512,
+ * N 4096 on an H200; more blocks is the next step.) */
+enum { COL_W = 32, COL_S = 16 };
 
 __global__ void norm_dw_kernel(mst_norm_args a) {
     __shared__ float part[COL_S][COL_W];
