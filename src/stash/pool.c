@@ -9,8 +9,8 @@
 
 #include "stash.h"
 
-static mst_status need_slot(const mst_ctx_t* ctx, const void* slot, const char* name) {
-    if (slot) return MST_OK;
+static mst_status need_slot(const mst_ctx_t* ctx, int present, const char* name) {
+    if (present) return MST_OK;
     return mst_set_error(MST_ERR_UNSUPPORTED, "%s is not implemented on backend %s", name,
                          ctx->be->name);
 }
@@ -69,7 +69,7 @@ static mst_status pool_alloc(mst_pool_t* p, const mst_pool_config* cfg) {
     if (a->cap[MST_BLK_DEV])
         MST_TRY(mst_alloc(ctx, (size_t)(a->cap[MST_BLK_DEV] * p->page_bytes), (void**)&a->block[MST_BLK_DEV]));
     if (a->cap[MST_BLK_HOST]) {
-        MST_TRY(need_slot(ctx, (const void*)ctx->be->host_alloc, "host_alloc"));
+        MST_TRY(need_slot(ctx, ctx->be->host_alloc != NULL, "host_alloc"));
         MST_TRY(ctx->be->host_alloc(ctx, (size_t)(cfg->n_host_pages * p->page_bytes),
                                     (void**)&a->block[MST_BLK_HOST]));
     }
@@ -87,7 +87,7 @@ mst_status mst_pool_create(mst_ctx_t* ctx, mst_dtype dtype, int64_t width,
         return mst_set_error(MST_ERR_INVALID, "width = %lld: expected 1 .. 2^31", (long long)width);
     const int64_t row_bytes = width * (int64_t)mst_dtype_size(dtype);
     MST_TRY(check_config(cfg, row_bytes));
-    MST_TRY(need_slot(ctx, (const void*)ctx->be->stash_save, "stash_save"));
+    MST_TRY(need_slot(ctx, ctx->be->stash_save != NULL, "stash_save"));
     mst_pool_t* p = (mst_pool_t*)calloc(1, sizeof *p);
     if (!p) return mst_set_error(MST_ERR_OOM, "pool allocation failed");
     p->ctx = ctx;
