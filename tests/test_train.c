@@ -9,6 +9,7 @@
  * `moestash train` (the built program next to this test): exit code 2 and
  * one line naming the flag and its value.
  */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -187,8 +188,40 @@ static void cli(mst_ctx_t* ctx) {
     if (!mst_backend_available(MST_BACKEND_CUDA)) bad_input("--backend cuda", "--backend", "cuda");
 }
 
+/* --data: a text file trains; one of exactly seq + 2 bytes is enough, one
+ * byte fewer is refused naming the file. */
+static void data_file(mst_ctx_t* ctx) {
+    const char* path = "test_train_corpus.txt";
+    mst_train_config cfg = tiny();
+    cfg.steps = 5;
+    cfg.data_path = path;
+    const int64_t sizes[3] = {3000, cfg.model.seq + 2, cfg.model.seq + 1};
+    for (int i = 0; i < 3; i++) {
+        FILE* f = fopen(path, "w");
+        if (!f) {
+            CHECK(0, "cannot write %s", path);
+            return;
+        }
+        for (int64_t b = 0; b < sizes[i]; b++) fputc("moe stash pages, "[b % 17], f);
+        fclose(f);
+        mst_train_result r = {0};
+        mst_status st = mst_train_run(ctx, &cfg, NULL, &r);
+        if (i < 2) {
+            CHECK(st == MST_OK && isfinite(r.loss[4]) && r.loss[4] < r.loss[0],
+                  "--data of %lld bytes: %s, loss %.4f -> %.4f", (long long)sizes[i], mst_last_error(),
+                  r.loss ? r.loss[0] : 0.0, r.loss ? r.loss[4] : 0.0);
+        } else {
+            CHECK(st == MST_ERR_INVALID && strstr(mst_last_error(), path),
+                  "--data of seq + 1 bytes: %s (%s)", mst_status_str(st), mst_last_error());
+        }
+        mst_train_result_free(&r);
+    }
+    remove(path);
+}
+
 static void run(mst_ctx_t* ctx) {
     training(ctx);
+    data_file(ctx);
     cli(ctx);
 }
 

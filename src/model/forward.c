@@ -42,7 +42,7 @@ static int64_t n_tok(const mst_model* m) { return m->cfg.batch * m->cfg.seq; }
 static mst_status head_forward(mst_model* m, const uint16_t* x, const int32_t* targets, float scale,
                                float* loss, uint16_t* dl) {
     const mst_model_config* c = &m->cfg;
-    MST_TRY(mst_op_linear(m->ctx, n_tok(m), c->hidden, c->vocab, x, m->w + m->emb, m->logits, 0));
+    MST_TRY(mst_op_linear(m->ctx, n_tok(m), c->hidden, c->vocab, x, m->w + m->emb, m->logits));
     mst_xent_args a = {.rows = n_tok(m), .vocab = c->vocab, .scale = scale, .logits = m->logits,
                        .targets = targets, .loss = loss, .dlogits = dl};
     return MST_MODEL_OP(m->ctx, xent, &a);

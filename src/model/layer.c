@@ -23,11 +23,11 @@ mst_status mst_layer_forward(mst_model* m, int32_t l, mst_layer_acts* a, const u
     const int64_t N = c->batch * c->seq, H = c->hidden;
     a->in = in;
     MST_TRY(mst_op_norm(ctx, N, H, c->norm_eps, in, m->w + p->ln1, a->a, a->rstd1));
-    MST_TRY(mst_op_linear(ctx, N, H, 3 * H, a->a, m->w + p->wqkv, a->qkv, 0));
+    MST_TRY(mst_op_linear(ctx, N, H, 3 * H, a->a, m->w + p->wqkv, a->qkv));
     mst_attn_args at = attn_args(m, a);
     at.out = a->att;
     MST_TRY(MST_MODEL_OP(ctx, attn_forward, &at));
-    MST_TRY(mst_op_linear(ctx, N, H, H, a->att, m->w + p->wo, a->x1, 0));
+    MST_TRY(mst_op_linear(ctx, N, H, H, a->att, m->w + p->wo, a->x1));
     MST_TRY(mst_op_add(ctx, N * H, a->x1, in, a->x1));
     MST_TRY(mst_op_norm(ctx, N, H, c->norm_eps, a->x1, m->w + p->ln2, a->b, a->rstd2));
     MST_TRY(mst_moe_forward(m, l, a, saver, a->out));

@@ -9,10 +9,6 @@
 
 #include "model.h"
 
-static const char* const mem_names[MST_N_MEM] = {"weights", "gradients", "optimizer",
-                                                 "saved activations", "compute buffers"};
-const char* mst_mem_category_str(int cat) { return cat >= 0 && cat < MST_N_MEM ? mem_names[cat] : "?"; }
-
 #define BAD(...) mst_set_error(MST_ERR_INVALID, __VA_ARGS__)
 
 mst_status mst_model_config_check(const mst_model_config* c) {

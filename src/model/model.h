@@ -107,7 +107,6 @@ typedef struct mst_micro {
 
 /* Memory by category, bytes (backend memory the model allocated itself). */
 enum { MST_MEM_WEIGHTS = 0, MST_MEM_GRADS, MST_MEM_OPTIM, MST_MEM_SAVED, MST_MEM_COMPUTE, MST_N_MEM };
-const char* mst_mem_category_str(int cat);
 
 typedef struct mst_model {
     mst_ctx_t* ctx;

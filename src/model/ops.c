@@ -9,9 +9,9 @@ mst_status mst_op_missing(mst_ctx_t* ctx, const char* slot) {
 }
 
 mst_status mst_op_linear(mst_ctx_t* ctx, int64_t n, int64_t in, int64_t out, const uint16_t* x,
-                         const uint16_t* w, uint16_t* y, int accumulate) {
+                         const uint16_t* w, uint16_t* y) {
     mst_mm_args a = {.trans_a = 0, .trans_b = 1, .m = n, .n = out, .k = in, .a = x, .lda = in,
-                     .b = w, .ldb = in, .c16 = y, .ldc = out, .accumulate = accumulate};
+                     .b = w, .ldb = in, .c16 = y, .ldc = out};
     return MST_MODEL_OP(ctx, mm, &a);
 }
 

@@ -12,9 +12,9 @@ mst_status mst_op_missing(mst_ctx_t* ctx, const char* slot);
 #define MST_MODEL_OP(ctx, slot, args) \
     ((ctx)->be->slot ? (ctx)->be->slot((ctx), (args)) : mst_op_missing((ctx), #slot))
 
-/* y [N, O] = x [N, I] W [O, I]^T (bf16 out; accumulate adds into y). */
+/* y [N, O] = x [N, I] W [O, I]^T (bf16 out). */
 mst_status mst_op_linear(mst_ctx_t* ctx, int64_t n, int64_t in, int64_t out, const uint16_t* x,
-                         const uint16_t* w, uint16_t* y, int accumulate);
+                         const uint16_t* w, uint16_t* y);
 /* dx [N, I] = dy [N, O] W [O, I], W with row stride ldw. */
 mst_status mst_op_linear_dgrad(mst_ctx_t* ctx, int64_t n, int64_t in, int64_t out,
                                const uint16_t* dy, const uint16_t* w, int64_t ldw, uint16_t* dx);
