@@ -57,6 +57,8 @@ static mst_status step_checked(mst_model* m, const mst_train_config* cfg, const 
             res->over_budget++;
             int64_t exact = all;
             if (attempt < m->cfg.layers + 1) MST_TRY(exact_rows(m, &exact));
+            /* exact <= R only when the flag was forced: still a fresh
+             * manager of its own, one row larger */
             MST_TRY(mst_model_set_max_rows(m, exact > m->max_rows ? exact : m->max_rows + 1));
         }
         MST_TRY(run_step(m, cfg, tok, step, 1, 0));
