@@ -235,8 +235,10 @@ static mst_status alloc_acts(mst_model* m) {
     BUF(C, m->drl, N * c->experts);
     BUF(C, m->emb_order, V + 1 + N);
     BUF(C, m->dqkv, N * 3 * H);
-    BUF(C, m->att32, c->batch * c->n_head * c->seq * c->seq);
-    BUF(C, m->att16, c->batch * c->n_head * c->seq * c->seq);
+    if (m->ctx->kind == MST_BACKEND_CUDA) { /* the cuBLAS attention's P / dP / dS */
+        BUF(C, m->att32, c->batch * c->n_head * c->seq * c->seq);
+        BUF(C, m->att16, c->batch * c->n_head * c->seq * c->seq);
+    }
     BUF(C, m->dm, N * H);
     BUF(C, m->t1, N * H);
     BUF(C, m->t2, N * H);

@@ -144,8 +144,8 @@ typedef struct mst_model {
     uint16_t* drl;           /* [N, E] d(router logits)                       */
     int32_t* emb_order;      /* [V + 1 + N] embedding backward scratch        */
     uint16_t* dqkv;          /* [N, 3H]                                       */
-    float* att32;            /* [B, NH, T, T] attention scratch (CUDA)        */
-    uint16_t* att16;         /* [B, NH, T, T] attention scratch (CUDA)        */
+    float* att32;            /* [B, NH, T, T] attention scratch (CUDA only)   */
+    uint16_t* att16;         /* [B, NH, T, T] attention scratch (CUDA only)   */
     uint16_t *dm, *t1, *t2, *t3; /* [N, H] gradient and scratch               */
     size_t mem[MST_N_MEM];   /* bytes allocated by category                   */
     void** owned;            /* [n_owned] backend buffers freed by destroy    */

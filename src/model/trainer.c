@@ -294,6 +294,8 @@ void mst_train_print_memory(FILE* f, const mst_train_result* r) {
         tot[2] += t->exact[k];
     }
     fprintf(f, "  %-34s %10.2f   %21.2f   %12.2f\n", "total", mib(tot[0]), mib(tot[1]), mib(tot[2]));
+    if (t->manager.recompute_bytes)
+        fprintf(f, "  not saved (recomputed in backward): %.2f MiB of KEEP buffers\n", mib(t->manager.recompute_bytes));
     fprintf(f, "  max_rows %lld per group; peak rows per group over the run, by layer:", (long long)r->max_rows);
     const int64_t G = r->n_groups;
     for (int64_t i = 0; r->peak_rows && i < r->n_layers * G; i++)
