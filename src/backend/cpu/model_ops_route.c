@@ -37,12 +37,13 @@ static void route_token(const mst_route_args* a, int64_t t) {
 
 /* Counts, positions and over-budget flags from topk_idx, in entry order.
  * Groups are packed: group g's rows follow those of the groups before it. */
-static void route_plan(const mst_route_args* a) {
+static mst_status route_plan(const mst_route_args* a) {
     const int32_t E = a->n_experts, G = a->n_groups, EG = E / G;
     const int64_t NK = a->n_tok * a->top_k, R = a->max_rows;
+    int32_t* next = (int32_t*)malloc(sizeof(int32_t) * (size_t)E); /* next row of expert e */
+    if (!next) return mst_set_error(MST_ERR_OOM, "cpu router plan scratch");
     memset(a->load, 0, sizeof(int32_t) * (size_t)E);
     for (int64_t i = 0; i < NK; i++) a->load[a->topk_idx[i]]++;
-    int32_t* next = (int32_t*)malloc(sizeof(int32_t) * (size_t)E); /* next row of expert e */
     int64_t base = 0;
     for (int32_t g = 0; g < G; g++) {
         int64_t total = 0;
@@ -61,6 +62,7 @@ static void route_plan(const mst_route_args* a) {
         a->pos[i] = next[e] < 0 ? -1 : next[e]++;
     }
     free(next);
+    return MST_OK;
 }
 
 static void route_aux(const mst_route_args* a) {
@@ -78,7 +80,7 @@ static void route_aux(const mst_route_args* a) {
 mst_status mst_cpu_route_forward(mst_ctx_t* ctx, const mst_route_args* a) {
     (void)ctx;
     for (int64_t t = 0; t < a->n_tok; t++) route_token(a, t);
-    route_plan(a);
+    MST_TRY(route_plan(a));
     route_aux(a);
     return MST_OK;
 }
