@@ -209,22 +209,17 @@ static gg_problem make_problem(const mst_gl_args* a, int op) {
     return p;
 }
 
-typedef enum gg_kernel { GG_KERNEL_MMA, GG_KERNEL_COOP, GG_KERNEL_PINGPONG } gg_kernel;
-
-/* The Hopper kernels (TMA + wgmma) need sm_90 and 16-byte rows; the
- * mma.sync kernel takes everything else. MST_GG_KERNEL=mma|coop|pingpong
- * forces a kernel where it can run (benchmarks compare them this way). */
-static gg_kernel pick_kernel(mst_ctx_t* ctx, const gg_problem* p) {
+/* The Hopper kernel (TMA + wgmma) needs sm_90 and 16-byte rows; the
+ * mma.sync kernel takes everything else. MST_GG_KERNEL=mma forces the
+ * mma.sync kernel (benchmarks compare the two this way). */
+static int use_wgmma(mst_ctx_t* ctx, const gg_problem* p) {
     int major = 0;
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, mst_cuda(ctx)->device) != cudaSuccess) {
         cudaGetLastError();
-        major = 0;
+        return 0;
     }
-    if (!p->vec || major != 9) return GG_KERNEL_MMA;
     const char* force = getenv("MST_GG_KERNEL");
-    if (force && strcmp(force, "mma") == 0) return GG_KERNEL_MMA;
-    if (force && strcmp(force, "coop") == 0) return GG_KERNEL_COOP;
-    return GG_KERNEL_PINGPONG;
+    return p->vec && major == 9 && !(force && strcmp(force, "mma") == 0);
 }
 
 static mst_status gg_run(mst_ctx_t* ctx, const mst_gl_args* a, int op) {
@@ -235,10 +230,10 @@ static mst_status gg_run(mst_ctx_t* ctx, const mst_gl_args* a, int op) {
                              "at most 2^31 - 1 of each",
                              (long long)a->max_rows, (long long)a->in, (long long)a->out);
     const gg_problem p = make_problem(a, op);
-    const gg_kernel kernel = pick_kernel(ctx, &p);
+    const int wgmma = use_wgmma(ctx, &p);
     int bm, bn;
-    if (kernel == GG_KERNEL_MMA) gg_mma_tile(&bm, &bn);
-    else gg_wgmma_tile(kernel == GG_KERNEL_PINGPONG, &bm, &bn);
+    if (wgmma) gg_wgmma_tile(&bm, &bn);
+    else gg_mma_tile(&bm, &bn);
     gg_sched s;
     MST_TRY(sched_make(ctx, a->n_groups, &s));
     const int32_t rows_tile = op == GG_WGRAD ? 0 : bm;
@@ -252,8 +247,8 @@ static mst_status gg_run(mst_ctx_t* ctx, const mst_gl_args* a, int op) {
                                                       tiles_fixed, op == GG_WGRAD && !a->accumulate,
                                                       s, ctx->err_flag);
     MST_CUDA_LAUNCHED();
-    if (kernel == GG_KERNEL_MMA) MST_TRY(gg_launch_mma(&p, &s, c->n_sm, c->stream));
-    else MST_TRY(gg_launch_wgmma(&p, &s, a->max_rows, kernel == GG_KERNEL_PINGPONG, c->n_sm, c->stream));
+    if (wgmma) MST_TRY(gg_launch_wgmma(&p, &s, a->max_rows, c->n_sm, c->stream));
+    else MST_TRY(gg_launch_mma(&p, &s, c->n_sm, c->stream));
     if (op == GG_WGRAD) MST_TRY(bias_grads(ctx, a, &s));
     return MST_OK;
 }

@@ -162,11 +162,10 @@ extern "C" {
 /* Launchers (grouped_gemm_*.cu): enqueue the GEMM of `p` on `stream`. */
 mst_status gg_launch_mma(const gg_problem* p, const gg_sched* s, int n_sm, cudaStream_t stream);
 void gg_mma_tile(int* bm, int* bn); /* the mma kernel's CTA tile */
-/* Hopper path: operands through TMA (needs rows 16-byte aligned: p->vec);
- * pingpong: 1 ping-pong consumers, 0 cooperative. */
-mst_status gg_launch_wgmma(const gg_problem* p, const gg_sched* s, int64_t max_rows, int pingpong,
-                           int n_sm, cudaStream_t stream);
-void gg_wgmma_tile(int pingpong, int* bm, int* bn);
+/* Hopper path: operands through TMA (needs rows 16-byte aligned: p->vec). */
+mst_status gg_launch_wgmma(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm,
+                           cudaStream_t stream);
+void gg_wgmma_tile(int* bm, int* bn); /* the wgmma kernel's CTA tile */
 #ifdef __cplusplus
 }
 #endif

@@ -4,14 +4,9 @@
  * feeds a ring of shared-memory stages with TMA (cp.async.bulk.tensor,
  * 128-byte swizzle) completing on mbarriers; warpgroups 1 and 2 multiply
  * with wgmma straight from shared memory (M/N-major operands through the
- * descriptor's transpose bit) and write the epilogue from registers. Tiles
- * come from the device schedule, striding over the grid. Two schedules:
- *   cooperative: both consumers share one 128 x 256 tile (64 rows each,
- *                wgmma.m64n256k16);
- *   ping-pong:   each consumer owns every other 128 x 128 tile (two
- *                wgmma.m64n128k16 per k-step), so one consumer's epilogue
- *                (the main_grad read-modify-write for wgrad) runs while the
- *                other one's MMAs keep the tensor cores busy.
+ * descriptor's transpose bit) and write the epilogue from registers. Both
+ * consumers share one 128 x 256 tile (64 rows each, wgmma.m64n256k16).
+ * Tiles come from the device schedule, striding over the grid.
  *
  * Rows: TMA boxes are placed at the group's first row, so a box may run
  * into the next group's rows (or padding rows up to max_rows; TMA zero-fills
@@ -26,22 +21,15 @@
 
 namespace {
 
-constexpr int BM = 128, BK = 64;                      /* BK = one 128-byte swizzle row */
+constexpr int BM = 128, BN = 256, BK = 64;            /* CTA tile; BK = one 128-byte swizzle row */
+constexpr int STAGES = 4;
 constexpr int THREADS = 384;                          /* producer WG + 2 consumer WGs */
+constexpr int CONSUMERS = 256;
 constexpr uint32_t A_BYTES = BM * BK * 2;             /* 16 KiB per stage */
+constexpr uint32_t B_BYTES = BN * BK * 2;             /* 32 KiB per stage */
 constexpr uint32_t BOX_BYTES = 64 * BK * 2;           /* one [BK rows][64] M/N-major box */
 constexpr uint32_t ROW_BYTES = 128;                   /* one swizzled smem row */
-constexpr uint32_t RING_BYTES = 192 * 1024;           /* the stage ring */
-
-/* The two consumer schedules (see the top of the file). */
-template <bool PP>
-struct sched_cfg {
-    static constexpr int BN = PP ? 128 : 256;
-    static constexpr uint32_t B_BYTES = BN * BK * 2;
-    static constexpr int STAGES = RING_BYTES / (A_BYTES + B_BYTES); /* 6 or 4 */
-    static constexpr int TEAM = PP ? 128 : 256;        /* consumer threads on one tile */
-    static constexpr size_t SMEM = RING_BYTES + 1024;  /* + 1024-byte alignment slack */
-};
+constexpr size_t SMEM_BYTES = STAGES * (A_BYTES + B_BYTES) + 1024; /* + 1024-byte alignment slack */
 
 template <int OP>
 struct layout {
@@ -120,18 +108,6 @@ __device__ __forceinline__ void wgmma_n256(float (&d)[128], uint64_t da, uint64_
         : "l"(da), "l"(db), "r"(1), "n"(TA), "n"(TB));
 }
 
-/* D[OFF, OFF + 64) += A B: one wgmma.m64n128k16 (TA / TB: operand M / N-major). */
-template <int TA, int TB, int OFF>
-__device__ __forceinline__ void wgmma_n128(float (&d)[128], uint64_t da, uint64_t db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
-        "}, %64, %65, p, 1, 1, %67, %68;\n}\n"
-        : "+f"(d[OFF + 0]), "+f"(d[OFF + 1]), "+f"(d[OFF + 2]), "+f"(d[OFF + 3]), "+f"(d[OFF + 4]), "+f"(d[OFF + 5]), "+f"(d[OFF + 6]), "+f"(d[OFF + 7]), "+f"(d[OFF + 8]), "+f"(d[OFF + 9]), "+f"(d[OFF + 10]), "+f"(d[OFF + 11]), "+f"(d[OFF + 12]), "+f"(d[OFF + 13]), "+f"(d[OFF + 14]), "+f"(d[OFF + 15]), "+f"(d[OFF + 16]), "+f"(d[OFF + 17]), "+f"(d[OFF + 18]), "+f"(d[OFF + 19]), "+f"(d[OFF + 20]), "+f"(d[OFF + 21]), "+f"(d[OFF + 22]), "+f"(d[OFF + 23]), "+f"(d[OFF + 24]), "+f"(d[OFF + 25]), "+f"(d[OFF + 26]), "+f"(d[OFF + 27]), "+f"(d[OFF + 28]), "+f"(d[OFF + 29]), "+f"(d[OFF + 30]), "+f"(d[OFF + 31]), "+f"(d[OFF + 32]), "+f"(d[OFF + 33]), "+f"(d[OFF + 34]), "+f"(d[OFF + 35]), "+f"(d[OFF + 36]), "+f"(d[OFF + 37]), "+f"(d[OFF + 38]), "+f"(d[OFF + 39]), "+f"(d[OFF + 40]), "+f"(d[OFF + 41]), "+f"(d[OFF + 42]), "+f"(d[OFF + 43]), "+f"(d[OFF + 44]), "+f"(d[OFF + 45]), "+f"(d[OFF + 46]), "+f"(d[OFF + 47]), "+f"(d[OFF + 48]), "+f"(d[OFF + 49]), "+f"(d[OFF + 50]), "+f"(d[OFF + 51]), "+f"(d[OFF + 52]), "+f"(d[OFF + 53]), "+f"(d[OFF + 54]), "+f"(d[OFF + 55]), "+f"(d[OFF + 56]), "+f"(d[OFF + 57]), "+f"(d[OFF + 58]), "+f"(d[OFF + 59]), "+f"(d[OFF + 60]), "+f"(d[OFF + 61]), "+f"(d[OFF + 62]), "+f"(d[OFF + 63])
-        : "l"(da), "l"(db), "r"(1), "n"(TA), "n"(TB));
-}
-
 /* Descriptors of k-step kk (16 columns of K) for the 64-row half h of A.
  * K-major tiles: rows of 64 K values (128 B), 8-row atoms 1024 B apart; a
  * k-step moves 32 B inside the row. M/N-major tiles: boxes of [BK][64],
@@ -149,10 +125,10 @@ __device__ __forceinline__ uint64_t desc_b(uint32_t sb, int kk) {
 }
 
 /* The producer's loads of k-block k0 of tile t into one stage. */
-template <int OP, int BN>
+template <int OP>
 __device__ __forceinline__ void load_stage(const CUtensorMap* ma, const CUtensorMap* mb, const gg_tile& t,
                                            int k0, uint8_t* sa, uint8_t* sb, uint64_t* full) {
-    mbar_expect_tx(full, A_BYTES + BN * BK * 2);
+    mbar_expect_tx(full, A_BYTES + B_BYTES);
     if (OP == GG_WGRAD) { /* A: dy rows [row0 + k0, +BK) x cols [m0, m0 + BM), two boxes */
         tma_2d(sa, ma, t.m0, t.row0 + k0, full);
         tma_2d(sa + BOX_BYTES, ma, t.m0 + 64, t.row0 + k0, full);
@@ -172,71 +148,52 @@ __device__ __forceinline__ void load_stage(const CUtensorMap* ma, const CUtensor
 
 /* wgrad: zero the stage rows [valid, BK) of every box (rows past the
  * group's count), then make the writes visible to the tensor cores and
- * wait for the rest of the team (named barrier `bar`). */
-template <int TEAM>
-__device__ __forceinline__ void zero_tail_rows(uint8_t* sa, uint8_t* sb, uint32_t b_bytes, int valid, int ct,
-                                               int bar) {
+ * wait for the other consumer (named barrier 1). */
+__device__ __forceinline__ void zero_tail_rows(uint8_t* sa, uint8_t* sb, int valid, int ct) {
     const int per_box = (BK - valid) * (ROW_BYTES / 16);
-    const int boxes = (int)((A_BYTES + b_bytes) / BOX_BYTES);
-    for (int i = ct; i < boxes * per_box; i += TEAM) {
+    const int boxes = (int)((A_BYTES + B_BYTES) / BOX_BYTES);
+    for (int i = ct; i < boxes * per_box; i += CONSUMERS) {
         int box = i / per_box, rem = i % per_box;
         uint8_t* base = box < 2 ? sa + box * BOX_BYTES : sb + (box - 2) * BOX_BYTES;
         *(uint4*)(base + (valid + rem / 8) * ROW_BYTES + (rem % 8) * 16) = make_uint4(0, 0, 0, 0);
     }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    asm volatile("bar.sync %0, %1;\n" ::"r"(bar), "n"(TEAM) : "memory");
+    asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory");
 }
 
-/* One k-block of MMAs for consumer warpgroup cw. Cooperative: rows
- * [64 cw, +64) x 256 columns. Ping-pong: both 64-row halves x 128 columns.
- * One straight run of wgmma: a branch between them makes ptxas serialize
- * them (C7520), so a tile with no rows in its upper half still runs it. */
-template <int OP, bool PP>
+/* One k-block of MMAs for consumer warpgroup cw: rows [64 cw, +64) x 256. */
+template <int OP>
 __device__ __forceinline__ void mma_block(float (&acc)[128], uint32_t a, uint32_t b, int cw) {
     constexpr int TA = layout<OP>::A_MN, TB = layout<OP>::B_MN;
 #pragma unroll
-    for (int kk = 0; kk < BK / 16; kk++) {
-        if (!PP) {
-            wgmma_n256<TA, TB, 0>(acc, desc_a<OP>(a, cw, kk), desc_b<OP>(b, kk));
-        } else {
-            wgmma_n128<TA, TB, 0>(acc, desc_a<OP>(a, 0, kk), desc_b<OP>(b, kk));
-            wgmma_n128<TA, TB, 64>(acc, desc_a<OP>(a, 1, kk), desc_b<OP>(b, kk));
-        }
-    }
+    for (int kk = 0; kk < BK / 16; kk++) wgmma_n256<TA, TB, 0>(acc, desc_a<OP>(a, cw, kk), desc_b<OP>(b, kk));
 }
 
 /* Epilogue: accumulator fragment 4i .. 4i+3 holds rows r, r + 8 and
  * columns c, c + 1 (m64nNk16 layout); main_grad is read first for all of
  * them (loads in flight together), then everything is stored. */
-template <int OP, bool PP>
+template <int OP>
 __device__ __forceinline__ void epilogue(const gg_problem& p, const gg_tile& t, float (&acc)[128], int cw,
                                          int warp, int lane) {
-    constexpr int GROUPS = PP ? 16 : 32; /* 8-column groups per 64-row half */
-    const int r = warp * 16 + (lane >> 2), c = (lane & 3) * 2;
-#define GG_ROW(i) (t.m0 + 64 * (PP ? (i) / GROUPS : cw) + r)
-#define GG_COL(i) (t.n0 + 8 * ((i) % GROUPS) + c)
+    const int m = t.m0 + 64 * cw + warp * 16 + (lane >> 2), n = t.n0 + (lane & 3) * 2;
     if (OP == GG_WGRAD && p.accumulate) {
 #pragma unroll
-        for (int i = 0; i < 32; i++) {
-            gg_add_old_pair(p, t, GG_ROW(i), GG_COL(i), acc[4 * i], acc[4 * i + 1]);
-            gg_add_old_pair(p, t, GG_ROW(i) + 8, GG_COL(i), acc[4 * i + 2], acc[4 * i + 3]);
+        for (int i = 0; i < BN / 8; i++) {
+            gg_add_old_pair(p, t, m, n + 8 * i, acc[4 * i], acc[4 * i + 1]);
+            gg_add_old_pair(p, t, m + 8, n + 8 * i, acc[4 * i + 2], acc[4 * i + 3]);
         }
     }
 #pragma unroll
-    for (int i = 0; i < 32; i++) {
-        gg_store_pair<OP>(p, t, GG_ROW(i), GG_COL(i), acc[4 * i], acc[4 * i + 1]);
-        gg_store_pair<OP>(p, t, GG_ROW(i) + 8, GG_COL(i), acc[4 * i + 2], acc[4 * i + 3]);
+    for (int i = 0; i < BN / 8; i++) {
+        gg_store_pair<OP>(p, t, m, n + 8 * i, acc[4 * i], acc[4 * i + 1]);
+        gg_store_pair<OP>(p, t, m + 8, n + 8 * i, acc[4 * i + 2], acc[4 * i + 3]);
     }
-#undef GG_ROW
-#undef GG_COL
 }
 
-template <int OP, bool PP>
+template <int OP>
 __global__ void __launch_bounds__(THREADS, 1)
     wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                  const gg_problem p, const gg_sched s) {
-    using C = sched_cfg<PP>;
-    constexpr int STAGES = C::STAGES;
     extern __shared__ uint8_t smem_raw[];
     __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
     uint8_t* smem = (uint8_t*)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023); /* swizzle atoms */
@@ -246,7 +203,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (threadIdx.x == 0) {
         for (int i = 0; i < STAGES; i++) {
             mbar_init(&full[i], 1);
-            mbar_init(&empty[i], C::TEAM / 32); /* one arrival per consuming warp */
+            mbar_init(&empty[i], CONSUMERS / 32); /* one arrival per consumer warp */
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -259,34 +216,25 @@ __global__ void __launch_bounds__(THREADS, 1)
         int st = 0;
         uint32_t ph = 0;
         for (int32_t ti = blockIdx.x; ti < n_tiles; ti += gridDim.x) {
-            const gg_tile t = gg_decode(p, s, ti, BM, C::BN);
+            const gg_tile t = gg_decode(p, s, ti, BM, BN);
             for (int k0 = 0; k0 < t.k_len; k0 += BK) {
                 mbar_wait(&empty[st], ph ^ 1);
-                load_stage<OP, C::BN>(&map_a, &map_b, t, k0, sa + st * A_BYTES, sb + st * C::B_BYTES, &full[st]);
+                load_stage<OP>(&map_a, &map_b, t, k0, sa + st * A_BYTES, sb + st * B_BYTES, &full[st]);
                 if (++st == STAGES) st = 0, ph ^= 1;
             }
         }
         return;
     }
 
-    /* consumers; ping-pong: warpgroup cw takes this CTA's tiles cw, cw + 2, ...
-     * and steps over the ring stages of the other one's tiles */
+    /* consumers */
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-    const int cw = wg - 1, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-    const int ct = PP ? threadIdx.x & 127 : threadIdx.x - 128; /* index in the team */
+    const int cw = wg - 1, ct = threadIdx.x - 128, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     float acc[128];
     int st = 0;
     uint32_t ph = 0;
-    int local = 0;
-    for (int32_t ti = blockIdx.x; ti < n_tiles; ti += gridDim.x, local++) {
-        const gg_tile t = gg_decode(p, s, ti, BM, C::BN);
+    for (int32_t ti = blockIdx.x; ti < n_tiles; ti += gridDim.x) {
+        const gg_tile t = gg_decode(p, s, ti, BM, BN);
         const int nk = gg_cdiv(t.k_len, BK);
-        if (PP && (local & 1) != cw) {
-            const int pos = st + nk;
-            ph ^= (uint32_t)(pos / STAGES) & 1;
-            st = pos % STAGES;
-            continue;
-        }
 #pragma unroll
         for (int i = 0; i < 128; i++) acc[i] = 0.0f;
         fence_acc(acc);
@@ -294,11 +242,11 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int kb = 0; kb < nk; kb++) {
             mbar_wait(&full[st], ph);
             uint8_t* a = sa + st * A_BYTES;
-            uint8_t* b = sb + st * C::B_BYTES;
+            uint8_t* b = sb + st * B_BYTES;
             const int valid = t.k_len - kb * BK;
-            if (OP == GG_WGRAD && valid < BK) zero_tail_rows<C::TEAM>(a, b, C::B_BYTES, valid, ct, PP ? 1 + cw : 1);
+            if (OP == GG_WGRAD && valid < BK) zero_tail_rows(a, b, valid, ct);
             wgmma_fence();
-            mma_block<OP, PP>(acc, smem_u32(a), smem_u32(b), cw);
+            mma_block<OP>(acc, smem_u32(a), smem_u32(b), cw);
             wgmma_commit();
             wgmma_wait<1>(); /* the previous stage's MMAs are done: hand it back */
             fence_acc(acc);
@@ -309,7 +257,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         wgmma_wait<0>();
         fence_acc(acc);
         if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
-        epilogue<OP, PP>(p, t, acc, cw, warp, lane);
+        epilogue<OP>(p, t, acc, cw, warp, lane);
     }
 }
 
@@ -357,11 +305,11 @@ mst_status make_map(CUtensorMap* map, const void* base, int rank, int64_t cols, 
 
 /* Tensor maps of the op's operands: K-major boxes are [BM or BN rows][BK];
  * M/N-major boxes are [BK rows][64]. */
-mst_status make_maps(const gg_problem* p, int64_t max_rows, int bn, CUtensorMap* ma, CUtensorMap* mb) {
+mst_status make_maps(const gg_problem* p, int64_t max_rows, CUtensorMap* ma, CUtensorMap* mb) {
     const int64_t E = p->n_groups;
     if (p->op == GG_FWD) { /* x [R][I], W [E][O][I] */
         MST_TRY(make_map(ma, p->a, 2, p->lda, max_rows, 1, BK, BM));
-        return make_map(mb, p->b, 3, p->ldb, p->N, E, BK, (uint32_t)bn);
+        return make_map(mb, p->b, 3, p->ldb, p->N, E, BK, BN);
     }
     if (p->op == GG_DGRAD) { /* dy [R][O], W [E][O][I] */
         MST_TRY(make_map(ma, p->a, 2, p->lda, max_rows, 1, BK, BM));
@@ -371,38 +319,33 @@ mst_status make_maps(const gg_problem* p, int64_t max_rows, int bn, CUtensorMap*
     return make_map(mb, p->b, 2, p->ldb, max_rows, 1, 64, BK);    /* x  [R][I] */
 }
 
-template <int OP, bool PP>
+template <int OP>
 mst_status launch(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm, cudaStream_t stream) {
     CUtensorMap ma, mb;
-    MST_TRY(make_maps(p, max_rows, sched_cfg<PP>::BN, &ma, &mb));
+    MST_TRY(make_maps(p, max_rows, &ma, &mb));
     static int ready = 0; /* attribute set once, on the first (eager) call */
     if (!ready) {
-        MST_CUDA_TRY(cudaFuncSetAttribute(wgmma_kernel<OP, PP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          (int)sched_cfg<PP>::SMEM));
+        MST_CUDA_TRY(cudaFuncSetAttribute(wgmma_kernel<OP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          (int)SMEM_BYTES));
         ready = 1;
     }
-    wgmma_kernel<OP, PP><<<n_sm, THREADS, sched_cfg<PP>::SMEM, stream>>>(ma, mb, *p, *s);
+    wgmma_kernel<OP><<<n_sm, THREADS, SMEM_BYTES, stream>>>(ma, mb, *p, *s);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
 
-template <bool PP>
-mst_status launch_op(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm, cudaStream_t stream) {
+} // namespace
+
+extern "C" mst_status gg_launch_wgmma(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm,
+                                      cudaStream_t stream) {
     switch (p->op) {
-    case GG_FWD: return launch<GG_FWD, PP>(p, s, max_rows, n_sm, stream);
-    case GG_DGRAD: return launch<GG_DGRAD, PP>(p, s, max_rows, n_sm, stream);
-    default: return launch<GG_WGRAD, PP>(p, s, max_rows, n_sm, stream);
+    case GG_FWD: return launch<GG_FWD>(p, s, max_rows, n_sm, stream);
+    case GG_DGRAD: return launch<GG_DGRAD>(p, s, max_rows, n_sm, stream);
+    default: return launch<GG_WGRAD>(p, s, max_rows, n_sm, stream);
     }
 }
 
-} // namespace
-
-extern "C" mst_status gg_launch_wgmma(const gg_problem* p, const gg_sched* s, int64_t max_rows, int pingpong,
-                                      int n_sm, cudaStream_t stream) {
-    return pingpong ? launch_op<true>(p, s, max_rows, n_sm, stream) : launch_op<false>(p, s, max_rows, n_sm, stream);
-}
-
-extern "C" void gg_wgmma_tile(int pingpong, int* bm, int* bn) {
+extern "C" void gg_wgmma_tile(int* bm, int* bn) {
     *bm = BM;
-    *bn = pingpong ? sched_cfg<true>::BN : sched_cfg<false>::BN;
+    *bn = BN;
 }
