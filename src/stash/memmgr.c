@@ -81,6 +81,7 @@ struct mst_memmgr {
     /* step state */
     int measuring, sized, in_step;
     int started;                  /* a layer call of the current entry is open     */
+    int side_used;                /* this step put work on the side stream          */
     int32_t pos, cursor;          /* schedule entry, layer within its chunk        */
     int32_t fwd_seq, bwd_seq;     /* layers so far this step (buffer parity)       */
     /* accounting */
@@ -155,6 +156,7 @@ static mst_status on_side(mst_memmgr_t* m, side_op op, mst_pool_t* p, mst_stash_
     MST_TRY(ev_record(m, m->ev_main, 0));
     MST_TRY(ev_wait(m, m->ev_main, 1));
     MST_TRY(mst_ctx_set_stream(m->ctx, be->side_stream(m->ctx)));
+    m->side_used = 1;
     mst_status st = op(p, h, t, counts);
     mst_status st2 = mst_ctx_set_stream(m->ctx, main_stream);
     return st != MST_OK ? st : st2;
@@ -740,7 +742,7 @@ mst_status mst_memmgr_step_begin(mst_memmgr_t* m, int measuring) {
         memset(m->bufs[n].compute_pending, 0, sizeof m->bufs[n].compute_pending);
         memset(m->bufs[n].restore_free_rec, 0, sizeof m->bufs[n].restore_free_rec);
     }
-    m->inputs_pending = 0;
+    m->inputs_pending = m->side_used = 0;
     m->measuring = measuring != 0;
     m->pos = m->cursor = m->fwd_seq = m->bwd_seq = m->started = 0;
     m->in_step = 1;
@@ -798,7 +800,7 @@ mst_status mst_memmgr_step_end(mst_memmgr_t* m) {
                                  mst_saved_name_str((mst_saved_name)(i % MST_N_SAVED)),
                                  (long long)(i / MST_N_SAVED / m->cfg.n_microbatches),
                                  (long long)(i / MST_N_SAVED % m->cfg.n_microbatches));
-    if (m->ctx->be->side_stream) { /* join the side stream */
+    if (m->side_used) { /* join the side stream (only if this step forked it) */
         MST_TRY(ev_record(m, m->ev_side, 1));
         MST_TRY(ev_wait(m, m->ev_side, 0));
     }
