@@ -216,7 +216,7 @@ static void run(mst_ctx_t* ctx) {
     mst_guarded_put(ctx, &B.s, h.s);
     mst_guarded_put(ctx, &B.dy, h.dy);
 
-    runner rn = {ctx, &B};
+    runner rn = {.ctx = ctx, .B = &B};
     int32_t counts[E];
     mst_rng_counts(&rng, counts, E, 700, 0.5);
     prepare(ctx, &B, &h, counts);
