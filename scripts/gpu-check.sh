@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Everything the GPU machine does in one call: configure, build (sm_90a), run
 # the GPU tests (ctest -L gpu), the benchmarks and the PyTorch baselines; logs
-# and JSON go under $OUT (or out/ when unset); a short table is printed last.
+# and JSON go under $OUT (or out/ when unset), packed into one
+# gpu-check-<what>.tar.gz when $OUT is set (the device tool returns at most 8
+# files); a short table is printed last.
 # usage: scripts/gpu-check.sh [tests|bench|all] [bench names...]   (default: all)
+# MST_SANITIZE_GPU="test_a test_b" runs compute-sanitizer memcheck over those
+# GPU tests (MST_SANITIZE_GPU=1: every one).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-out}
+out=${OUT:-out}/logs
 mkdir -p "$out"
 what=${1:-all}
 shift || true
@@ -25,14 +29,14 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   grep -E 'Passed|Failed|\*\*\*' "$out/gpu-tests.log" | tail -40
   [ $rc = 0 ] || grep -E '^FAIL' "$out/gpu-tests.log" | head -30
   summary+=("gpu tests: $(grep -oE '[0-9]+% tests passed, [0-9]+ tests failed out of [0-9]+' "$out/gpu-tests.log" || echo 'no result')")
-  if [ "${MST_SANITIZE_GPU:-0}" = 1 ]; then
-    for t in build-gpu/test_*; do
-      compute-sanitizer --tool memcheck --error-exitcode 1 "$t" --backend cuda >"$out/memcheck-$(basename "$t").log" 2>&1
-      summary+=("memcheck $(basename "$t"): $([ $? = 0 ] && echo clean || echo ERRORS)")
-    done
-  fi
+  sanitize=${MST_SANITIZE_GPU:-}
+  [ "$sanitize" = 1 ] && sanitize=$(cd build-gpu && ls test_* | grep -v '\.')
+  for t in $sanitize; do
+    compute-sanitizer --tool memcheck --error-exitcode 1 "build-gpu/$t" --backend cuda >"$out/memcheck-$t.log" 2>&1
+    summary+=("memcheck $t: $([ $? = 0 ] && echo clean || echo "ERRORS ($(grep -m1 -E 'Invalid|ERROR' "$out/memcheck-$t.log"))")")
+  done
   # trainer end to end: CUDA vs CPU first losses, determinism, over-budget rerun, GPU default
-  scripts/train-check.sh build-gpu >"$out/train-check.log" 2>&1
+  OUT="$out" scripts/train-check.sh build-gpu >"$out/train-check.log" 2>&1
   summary+=("train-check: $([ $? = 0 ] && echo ok || echo 'FAILED (see train-check.log)')")
   tail -24 "$out/train-check.log"
 fi
@@ -54,4 +58,7 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
 fi
 
 echo "== summary"
-printf '%s\n' "${summary[@]}"
+printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
+if [ -n "${OUT:-}" ]; then
+  tar czf "$OUT/gpu-check-$what.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
+fi
