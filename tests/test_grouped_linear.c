@@ -28,40 +28,45 @@ typedef struct gl_host {
     double *y, *dx, *dw, *db, *ds; /* references */
 } gl_host;
 
+static double* to_double(const uint16_t* src, size_t n) {
+    double* d = (double*)malloc(sizeof(double) * (n ? n : 1));
+    for (size_t i = 0; i < n; i++) d[i] = mst_bf16_to_fp32(src[i]);
+    return d;
+}
+
+/* float64 references, loops ordered so the inner one runs along contiguous
+ * rows (the GPU cases reach tens of billions of multiply-adds). */
 static void reference(const gl_case* c, gl_host* h) {
-    const int64_t I = c->I, O = c->O;
+    const int64_t I = c->I, O = c->O, n = h->off[c->E];
+    double *x = to_double(h->x, (size_t)(n * I)), *dy = to_double(h->dy, (size_t)(n * O)),
+           *w = to_double(h->w, (size_t)(c->E * O * I)), *b = to_double(h->b, (size_t)(c->E * O));
     for (int g = 0; g < c->E; g++) {
-        const uint16_t* wg = h->w + (int64_t)g * O * I;
+        const double* wg = w + (int64_t)g * O * I;
+        const double* bg = b + (int64_t)g * O;
+        #pragma omp parallel for schedule(dynamic, 8)
         for (int64_t r = h->off[g]; r < h->off[g + 1]; r++) {
             double s = c->scale ? h->s[r] : 1.0, ds = 0;
             for (int64_t o = 0; o < O; o++) {
-                double acc = c->bias ? mst_bf16_to_fp32(h->b[g * O + o]) * s : 0.0;
-                for (int64_t i = 0; i < I; i++)
-                    acc += (double)mst_bf16_to_fp32(h->x[r * I + i]) * mst_bf16_to_fp32(wg[o * I + i]);
+                double acc = c->bias ? bg[o] * s : 0.0, d = dy[r * O + o];
+                for (int64_t i = 0; i < I; i++) acc += x[r * I + i] * wg[o * I + i];
                 h->y[r * O + o] = acc;
-                if (c->bias) ds += (double)mst_bf16_to_fp32(h->dy[r * O + o]) * mst_bf16_to_fp32(h->b[g * O + o]);
+                ds += d * bg[o];
+                for (int64_t i = 0; i < I; i++) h->dx[r * I + i] += d * wg[o * I + i];
             }
-            h->ds[r] = ds;
-            for (int64_t i = 0; i < I; i++) {
-                double acc = 0;
-                for (int64_t o = 0; o < O; o++)
-                    acc += (double)mst_bf16_to_fp32(h->dy[r * O + o]) * mst_bf16_to_fp32(wg[o * I + i]);
-                h->dx[r * I + i] = acc;
-            }
+            h->ds[r] = c->bias ? ds : 0;
         }
+        #pragma omp parallel for schedule(dynamic, 8)
         for (int64_t o = 0; o < O; o++) {
-            double db = 0;
-            for (int64_t r = h->off[g]; r < h->off[g + 1]; r++)
-                db += (double)mst_bf16_to_fp32(h->dy[r * O + o]) * (c->scale ? h->s[r] : 1.0);
-            h->db[g * O + o] = db;
-            for (int64_t i = 0; i < I; i++) {
-                double acc = 0;
-                for (int64_t r = h->off[g]; r < h->off[g + 1]; r++)
-                    acc += (double)mst_bf16_to_fp32(h->dy[r * O + o]) * mst_bf16_to_fp32(h->x[r * I + i]);
-                h->dw[((int64_t)g * O + o) * I + i] = acc;
+            double db = 0, *dw = h->dw + ((int64_t)g * O + o) * I;
+            for (int64_t r = h->off[g]; r < h->off[g + 1]; r++) {
+                double d = dy[r * O + o];
+                db += d * (c->scale ? h->s[r] : 1.0);
+                for (int64_t i = 0; i < I; i++) dw[i] += d * x[r * I + i];
             }
+            h->db[g * O + o] = db;
         }
     }
+    free(x), free(dy), free(w), free(b);
 }
 
 /* Every byte of rows [n, R) of a [R, width] buffer still holds the poison. */
@@ -109,6 +114,9 @@ static void fill_fp32(mst_ctx_t* ctx, mst_guarded* g, float v) {
 
 static void run_case(mst_ctx_t* ctx, mst_rng* rng, const gl_case* c) {
     const int E = c->E;
+    printf("case E=%d I=%lld O=%lld rows=%lld max_rows=%lld\n", E, (long long)c->I, (long long)c->O,
+           (long long)c->total, (long long)c->R);
+    fflush(stdout);
     const int64_t I = c->I, O = c->O, R = c->R;
     gl_host h = {0};
     h.counts = (int32_t*)malloc(sizeof(int32_t) * E);

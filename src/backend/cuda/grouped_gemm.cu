@@ -239,8 +239,10 @@ static mst_status gg_run(mst_ctx_t* ctx, const mst_gl_args* a, int op) {
     const int32_t rows_tile = op == GG_WGRAD ? 0 : bm;
     const int32_t tiles_fixed =
         op == GG_WGRAD ? gg_cdiv(p.M, bm) * gg_cdiv(p.N, bn) : gg_cdiv(p.N, bn);
-    const size_t sh_bytes = 2 * sizeof(int32_t) * (size_t)a->n_groups;
-    if (sh_bytes > 48 * 1024)
+    /* cnt [E], work [E], + 16 bytes: the rank loop's loads may be widened
+     * past the last element (compute-sanitizer saw a 12-byte read at E = 1) */
+    const size_t sh_bytes = 2 * sizeof(int32_t) * (size_t)a->n_groups + 16;
+    if (sh_bytes > 48 * 1024 + 16)
         return mst_set_error(MST_ERR_INVALID, "n_groups = %d: the CUDA grouped GEMM takes at most %d",
                              a->n_groups, (int)(48 * 1024 / (2 * sizeof(int32_t))));
     schedule_kernel<<<1, 1024, sh_bytes, c->stream>>>(a->counts, a->n_groups, a->max_rows, rows_tile,
