@@ -14,13 +14,7 @@
 
 #include <math.h>
 
-#include "moestash.h"
-
-#ifdef __CUDACC__
-#define MST_HD __host__ __device__ __forceinline__
-#else
-#define MST_HD static inline
-#endif
+#include "backend.h"
 
 /* Activation constants, fixed per call. */
 typedef struct mst_act_param {

@@ -17,6 +17,13 @@
 extern "C" {
 #endif
 
+/* Inline functions shared by the CPU reference (C11) and the CUDA kernels. */
+#ifdef __CUDACC__
+#define MST_HD static __host__ __device__ __forceinline__
+#else
+#define MST_HD static inline
+#endif
+
 /* Bits of the context's device error flag (int32 in backend memory). */
 enum {
     MST_FLAG_COUNTS = 1,   /* an op saw negative counts or counts past max_rows */

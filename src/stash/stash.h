@@ -11,13 +11,7 @@
 #ifndef MST_STASH_H
 #define MST_STASH_H
 
-#include "../core/context.h"
-
-#ifdef __CUDACC__
-#define MST_HD static __host__ __device__ __forceinline__
-#else
-#define MST_HD static inline
-#endif
+#include "../core/context.h" /* MST_HD comes with backend.h */
 
 #ifdef __cplusplus
 extern "C" {

@@ -12,28 +12,8 @@
 #include <string.h>
 
 #include "../../core/context.h"
+#include "../route_math.h"
 #include "model_ops.h"
-
-/* Softmax of one row of E logits and its top-k (ties to the lower index). */
-static void route_token(const mst_route_args* a, int64_t t) {
-    const int32_t E = a->n_experts, K = a->top_k;
-    const float* l = a->logits + t * E;
-    float* p = a->probs + t * E;
-    float mx = -INFINITY, sum = 0.0f;
-    for (int32_t e = 0; e < E; e++) mx = fmaxf(mx, l[e]);
-    for (int32_t e = 0; e < E; e++) sum += (p[e] = expf(l[e] - mx));
-    for (int32_t e = 0; e < E; e++) p[e] /= sum;
-    for (int32_t s = 0; s < K; s++) {
-        int32_t best = -1;
-        for (int32_t e = 0; e < E; e++) {
-            int taken = 0;
-            for (int32_t u = 0; u < s; u++) taken |= a->topk_idx[t * K + u] == e;
-            if (!taken && (best < 0 || p[e] > p[best])) best = e;
-        }
-        a->topk_idx[t * K + s] = best;
-        a->topk_w[t * K + s] = p[best];
-    }
-}
 
 /* Counts, positions and over-budget flags from topk_idx, in entry order.
  * Groups are packed: group g's rows follow those of the groups before it. */
@@ -79,7 +59,7 @@ static void route_aux(const mst_route_args* a) {
 
 mst_status mst_cpu_route_forward(mst_ctx_t* ctx, const mst_route_args* a) {
     (void)ctx;
-    for (int64_t t = 0; t < a->n_tok; t++) route_token(a, t);
+    for (int64_t t = 0; t < a->n_tok; t++) mst_route_token(a, t);
     MST_TRY(route_plan(a));
     route_aux(a);
     return MST_OK;

@@ -65,21 +65,6 @@ __device__ int64_t act_block_offsets(const int32_t* __restrict__ counts, int E, 
     return n;
 }
 
-/* Group of row r < off[E]: the last g with off[g] <= r (skips empty groups). */
-__device__ __forceinline__ int act_group_of(const int64_t* s_off, int E, int64_t r) {
-    int lo = 0, hi = E;
-    while (hi - lo > 1) {
-        int mid = (lo + hi) >> 1;
-        if (s_off[mid] <= r) lo = mid;
-        else hi = mid;
-    }
-    return lo;
-}
-
-__device__ __forceinline__ float bf16_to_f(uint16_t u) { return __uint_as_float((uint32_t)u << 16); }
-__device__ __forceinline__ uint32_t f_to_bf16(float f) {
-    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
-}
 
 /* V consecutive bf16 <-> fp32; V = 8 is one 16-byte access. */
 template <int V>
@@ -94,7 +79,7 @@ __device__ __forceinline__ void load_bf16(const uint16_t* __restrict__ p, float*
         }
     } else {
 #pragma unroll
-        for (int i = 0; i < V; i++) f[i] = bf16_to_f(p[i]);
+        for (int i = 0; i < V; i++) f[i] = mst_bf(p[i]);
     }
 }
 
@@ -103,11 +88,11 @@ __device__ __forceinline__ void store_bf16(uint16_t* __restrict__ p, const float
     if constexpr (V == 8) {
         uint32_t w[4];
 #pragma unroll
-        for (int i = 0; i < 4; i++) w[i] = f_to_bf16(f[2 * i]) | (f_to_bf16(f[2 * i + 1]) << 16);
+        for (int i = 0; i < 4; i++) w[i] = (uint32_t)mst_to_bf(f[2 * i]) | ((uint32_t)mst_to_bf(f[2 * i + 1]) << 16);
         *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
     } else {
 #pragma unroll
-        for (int i = 0; i < V; i++) p[i] = (uint16_t)f_to_bf16(f[i]);
+        for (int i = 0; i < V; i++) p[i] = (uint16_t)(uint32_t)mst_to_bf(f[i]);
     }
 }
 
@@ -168,7 +153,7 @@ act_backward_kernel(const mst_act_args a, const mst_act_param q, int32_t* flag) 
         }
         if (a.b2) { /* the prob-scaled fc2 bias: dp += dy[r] . b2[g] */
             const uint16_t* dy = a.dy + r * H;                               /* [H] */
-            const uint16_t* b2 = a.b2 + (int64_t)act_group_of(s_off, a.n_groups, r) * H; /* [H] */
+            const uint16_t* b2 = a.b2 + (int64_t)mst_group_of(s_off, a.n_groups, r) * H; /* [H] */
             for (int64_t c = lane * V; c < H; c += 32 * V) {
                 float dyv[V], bv[V];
                 load_bf16<V>(dy + c, dyv);

@@ -42,6 +42,23 @@ static inline mst_cuda_impl* mst_cuda(mst_ctx_t* ctx) { return (mst_cuda_impl*)c
                                  #call, (int)s_, __FILE__, __LINE__);                      \
     } while (0)
 
+/* bf16 bits <-> fp32 (round to nearest even), on the device. */
+__device__ __forceinline__ float mst_bf(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
+__device__ __forceinline__ uint16_t mst_to_bf(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
+
+/* Group of grouped row r < off[E]: the last g with off[g] <= r (so empty
+ * groups are skipped); off [E+1] exclusive prefix of the counts. */
+template <class T>
+__device__ __forceinline__ int mst_group_of(const T* off, int n_groups, T r) {
+    int lo = 0, hi = n_groups;
+    while (hi - lo > 1) {
+        int mid = (lo + hi) >> 1;
+        if (off[mid] <= r) lo = mid;
+        else hi = mid;
+    }
+    return lo;
+}
+
 /* Device side: raise bits of the context's error flag. */
 __device__ __forceinline__ void mst_dev_flag(int32_t* flag, int32_t bits) { atomicOr(flag, bits); }
 

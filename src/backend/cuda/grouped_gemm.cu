@@ -106,19 +106,6 @@ static mst_status sched_make(mst_ctx_t* ctx, int32_t n_groups, gg_sched* s) {
 
 /* ---- bias gradients ------------------------------------------------------- */
 
-__device__ __forceinline__ float bf(uint16_t v) { return __uint_as_float((uint32_t)v << 16); }
-
-/* Group of grouped row r < off[E]: the last g with off[g] <= r. */
-__device__ __forceinline__ int32_t row_group(const int32_t* off, int32_t n_groups, int32_t r) {
-    int lo = 0, hi = n_groups;
-    while (hi - lo > 1) {
-        int mid = (lo + hi) >> 1;
-        if (off[mid] <= r) lo = mid;
-        else hi = mid;
-    }
-    return lo;
-}
-
 /* ds[r] = dy[r] . bias[g], one warp per row: lanes stride the columns in
  * order, then a fixed xor tree. */
 __global__ void dscale_kernel(const uint16_t* dy, const uint16_t* bias, int32_t O, int32_t n_groups,
@@ -126,11 +113,11 @@ __global__ void dscale_kernel(const uint16_t* dy, const uint16_t* bias, int32_t 
     int64_t r = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
     if (r >= max_rows || !s.hdr[GG_H_OK] || r >= s.off[n_groups]) return;
-    int32_t g = row_group(s.off, n_groups, (int32_t)r);
+    int32_t g = mst_group_of(s.off, n_groups, (int32_t)r);
     const uint16_t* d = dy + r * O;
     const uint16_t* b = bias + (int64_t)g * O;
     float acc = 0.0f;
-    for (int32_t o = lane; o < O; o += 32) acc += bf(d[o]) * bf(b[o]);
+    for (int32_t o = lane; o < O; o += 32) acc += mst_bf(d[o]) * mst_bf(b[o]);
 #pragma unroll
     for (int m = 16; m; m >>= 1) acc += __shfl_xor_sync(GG_FULL, acc, m);
     if (lane == 0) ds[r] = acc;
@@ -150,7 +137,7 @@ __global__ void dbias_kernel(const uint16_t* dy, const float* scale, int32_t O, 
     float acc = 0.0f;
     if (o < O)
         for (int32_t r = r0 + threadIdx.y; r < r1; r += DB_SLICES)
-            acc += bf(dy[(int64_t)r * O + o]) * (scale ? scale[r] : 1.0f);
+            acc += mst_bf(dy[(int64_t)r * O + o]) * (scale ? scale[r] : 1.0f);
     part[threadIdx.y][threadIdx.x] = acc;
     __syncthreads();
     if (threadIdx.y || o >= O) return;

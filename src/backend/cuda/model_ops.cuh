@@ -29,8 +29,6 @@ mst_status mst_cuda_rows_gather(mst_ctx_t* ctx, const mst_rows_args* a);
 mst_status mst_cuda_rows_sum(mst_ctx_t* ctx, const mst_rows_args* a);
 }
 
-__device__ __forceinline__ float mst_bf(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
-__device__ __forceinline__ uint16_t mst_to_bf(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
 
 /* Sum of v over the block in a fixed order (xor-shuffle within warps, then
  * warp sums in warp order); every thread gets the result. shm: [32]. */

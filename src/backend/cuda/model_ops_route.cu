@@ -12,30 +12,14 @@
  *   route_backward_kernel: d(router logits), one thread per token.
  *   rows gather / sum: dispatch and combine, one thread per element.
  */
+#include "../route_math.h"
 #include "model_ops.cuh"
 
 enum { PLAN_THREADS = 1024, PLAN_TILE = 4096, MAX_EXPERTS = 1024 };
 
 __global__ void route_token_kernel(mst_route_args a) {
     const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= a.n_tok) return;
-    const int32_t E = a.n_experts, K = a.top_k;
-    const float* l = a.logits + t * E;
-    float* p = a.probs + t * E;
-    float mx = -INFINITY, sum = 0.0f;
-    for (int32_t e = 0; e < E; e++) mx = fmaxf(mx, l[e]);
-    for (int32_t e = 0; e < E; e++) sum += (p[e] = expf(l[e] - mx));
-    for (int32_t e = 0; e < E; e++) p[e] /= sum;
-    for (int32_t s = 0; s < K; s++) {
-        int32_t best = -1;
-        for (int32_t e = 0; e < E; e++) {
-            int taken = 0;
-            for (int32_t u = 0; u < s; u++) taken |= a.topk_idx[t * K + u] == e;
-            if (!taken && (best < 0 || p[e] > p[best])) best = e;
-        }
-        a.topk_idx[t * K + s] = best;
-        a.topk_w[t * K + s] = p[best];
-    }
+    if (t < a.n_tok) mst_route_token(&a, t);
 }
 
 /* Walks the N k entries in tiles; thread e (and e + blockDim, ...) visits
