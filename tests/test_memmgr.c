@@ -174,6 +174,20 @@ static void policies_and_schedules(mst_ctx_t* ctx, const mst_mlp_config* mlp, ms
             if (specs[pi] && strcmp(specs[pi], "offload") == 0) {
                 CHECK(r.dev_pages_bytes == 0, "%s: offload took %zu device page bytes", what, r.dev_pages_bytes);
                 CHECK(r.host_pages_peak_bytes > 0, "%s: offload used no host pages", what);
+                if (su.sched.kind == MST_SCHEDULE_1F1B && su.sched.rank == 0) {
+                    /* every (layer, mb) is offloaded before the first backward:
+                     * the host pages at the peak hold exactly the offloaded rows,
+                     * rounded up to pages, of every name */
+                    size_t want = 0;
+                    const size_t row_bytes = H * 2 + 2 * F * 2 + F * 2 + 4;
+                    for (int mb = 0; mb < M; mb++) {
+                        int64_t n = 0;
+                        for (int g = 0; g < E; g++) n += a[(int64_t)mb * E + g];
+                        want += (size_t)L * (size_t)((n + PAGE - 1) / PAGE) * PAGE * row_bytes;
+                    }
+                    CHECK(r.host_pages_peak_bytes == want, "%s: host pages at peak %zu bytes, offloaded %zu",
+                          what, r.host_pages_peak_bytes, want);
+                }
             }
             if (specs[pi] && strcmp(specs[pi], "stash") == 0)
                 CHECK(r.dev_pages_peak_bytes > 0 && r.host_pages_bytes == 0, "%s: stash pages", what);
