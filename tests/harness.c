@@ -149,6 +149,15 @@ void mst_guarded_get(mst_ctx_t* ctx, const mst_guarded* g, void* host) {
     mst_copy_b2h(ctx, host, g->data, g->n_bytes);
 }
 
+void mst_guarded_fill_fp32(mst_ctx_t* ctx, mst_guarded* g, float v) {
+    size_t n = g->n_bytes / 4;
+    float* h = (float*)malloc(g->n_bytes);
+    if (!h) abort();
+    for (size_t i = 0; i < n; i++) h[i] = v;
+    mst_guarded_put(ctx, g, h);
+    free(h);
+}
+
 int mst_guarded_intact(mst_ctx_t* ctx, const mst_guarded* g) {
     unsigned char buf[2 * MST_GUARD_BYTES];
     mst_copy_b2h(ctx, buf, g->base, MST_GUARD_BYTES);

@@ -72,6 +72,8 @@ mst_guarded mst_guarded_alloc(mst_ctx_t* ctx, size_t n_bytes);
 /* Uploads host data (or poisons when host is NULL). */
 void mst_guarded_put(mst_ctx_t* ctx, mst_guarded* g, const void* host);
 void mst_guarded_get(mst_ctx_t* ctx, const mst_guarded* g, void* host);
+/* Sets every fp32 element of the buffer to v (e.g. a main_grad sentinel). */
+void mst_guarded_fill_fp32(mst_ctx_t* ctx, mst_guarded* g, float v);
 /* 1 when both guard regions still hold 0xA5. */
 int mst_guarded_intact(mst_ctx_t* ctx, const mst_guarded* g);
 void mst_guarded_free(mst_ctx_t* ctx, mst_guarded* g);

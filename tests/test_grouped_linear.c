@@ -104,14 +104,6 @@ static void expect_fp32(mst_ctx_t* ctx, const mst_guarded* g, const double* ref,
     free(want);
 }
 
-static void fill_fp32(mst_ctx_t* ctx, mst_guarded* g, float v) {
-    size_t n = g->n_bytes / 4;
-    float* h = (float*)malloc(g->n_bytes);
-    for (size_t i = 0; i < n; i++) h[i] = v;
-    mst_guarded_put(ctx, g, h);
-    free(h);
-}
-
 static void run_case(mst_ctx_t* ctx, mst_rng* rng, const gl_case* c) {
     const int E = c->E;
     printf("case E=%d I=%lld O=%lld rows=%lld max_rows=%lld\n", E, (long long)c->I, (long long)c->O,
@@ -193,8 +185,8 @@ static void run_case(mst_ctx_t* ctx, mst_rng* rng, const gl_case* c) {
         free(got);
     }
 
-    fill_fp32(ctx, &gmw, 0.5f);
-    fill_fp32(ctx, &gmb, 0.5f);
+    mst_guarded_fill_fp32(ctx, &gmw, 0.5f);
+    mst_guarded_fill_fp32(ctx, &gmb, 0.5f);
     CHECK_OK(mst_grouped_linear_wgrad(ctx, &dy, &x, ps, NULL, &counts, &mw, pmb, NULL,
                                       MST_WGRAD_ACCUMULATE));
     expect_fp32(ctx, &gmw, h.dw, (size_t)(E * O * I), 0.5, "wgrad accumulate dW", c);
@@ -204,8 +196,8 @@ static void run_case(mst_ctx_t* ctx, mst_rng* rng, const gl_case* c) {
     mst_guarded_get(ctx, &gmw, acc);
     mst_guarded_get(ctx, &gmb, acc_b);
 
-    fill_fp32(ctx, &gmw, 0.5f);
-    fill_fp32(ctx, &gmb, 0.5f);
+    mst_guarded_fill_fp32(ctx, &gmw, 0.5f);
+    mst_guarded_fill_fp32(ctx, &gmb, 0.5f);
     CHECK_OK(mst_grouped_linear_wgrad(ctx, &dy, &x, ps, NULL, &counts, &mw, pmb, NULL,
                                       MST_WGRAD_DEFERRED));
     CHECK(mst_wgrad_pending(ctx) == 1, "deferred wgrad: %d pending, expected 1", mst_wgrad_pending(ctx));

@@ -440,14 +440,6 @@ static void out_get(mst_ctx_t* ctx, const mlp_dev* d, mlp_out* o) {
         CHECK(mst_guarded_intact(ctx, &d->b[i]), "buffer %d: guard bytes overwritten", i);
 }
 
-static void fill_fp32(mst_ctx_t* ctx, mst_guarded* g, float v) {
-    size_t n = g->n_bytes / 4;
-    float* h = (float*)xmalloc(g->n_bytes);
-    for (size_t i = 0; i < n; i++) h[i] = v;
-    mst_guarded_put(ctx, g, h);
-    free(h);
-}
-
 /* Poisons the outputs, sets the grads (poison when grad0 is NaN). */
 static void outputs_reset(mst_ctx_t* ctx, mlp_dev* d, float grad0) {
     mst_guarded_put(ctx, &d->b[B_Y], NULL);
@@ -455,7 +447,7 @@ static void outputs_reset(mst_ctx_t* ctx, mlp_dev* d, float grad0) {
     mst_guarded_put(ctx, &d->b[B_DP], NULL);
     for (int i = B_GW1; i <= B_GB2; i++) {
         if (isnan(grad0)) mst_guarded_put(ctx, &d->b[i], NULL);
-        else fill_fp32(ctx, &d->b[i], grad0);
+        else mst_guarded_fill_fp32(ctx, &d->b[i], grad0);
     }
 }
 
