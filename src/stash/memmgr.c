@@ -241,7 +241,6 @@ mst_status mst_memmgr_create(mst_ctx_t* ctx, const mst_memmgr_config* cfg, mst_m
         mst_memmgr_destroy(m);
         return st;
     }
-    m->rep.static_keep_bytes = 0;
     for (int n = 0; n < MST_N_SAVED; n++)
         m->rep.static_keep_bytes += (size_t)L * M * buf_bytes(m, (mst_saved_name)n);
     *out = m;
@@ -414,19 +413,18 @@ static int64_t pages_for(const mst_memmgr_t* m, int64_t rows) {
     return (rows + m->cfg.page_rows - 1) / m->cfg.page_rows;
 }
 
-/* Host-known rows of a measuring step: sum of counts (syncs). */
+/* Host-known rows of a measuring step: sum of counts (syncs), checked
+ * (negative counts, sum past max_rows) by mst_counts_offsets. */
 static mst_status host_rows(mst_memmgr_t* m, const mst_tensor* counts, int64_t* n) {
-    int32_t buf[1024];
     int32_t E = (int32_t)counts->rows;
-    int32_t* h = E <= 1024 ? buf : (int32_t*)malloc(sizeof(int32_t) * (size_t)E);
-    if (!h) return mst_set_error(MST_ERR_OOM, "counts copy");
-    mst_status st = mst_copy_b2h(m->ctx, h, counts->data, sizeof(int32_t) * (size_t)E);
-    *n = 0;
-    for (int32_t g = 0; g < E; g++) *n += h[g];
-    if (h != buf) free(h);
-    if (st == MST_OK && (*n < 0 || *n > m->cfg.max_rows))
-        st = mst_set_error(MST_ERR_COUNTS, "counts sum to %lld, past max_rows = %lld", (long long)*n,
-                           (long long)m->cfg.max_rows);
+    int32_t* h = (int32_t*)malloc(sizeof(int32_t) * (size_t)E);
+    int64_t* off = (int64_t*)malloc(sizeof(int64_t) * ((size_t)E + 1));
+    mst_status st = h && off ? mst_copy_b2h(m->ctx, h, counts->data, sizeof(int32_t) * (size_t)E)
+                             : mst_set_error(MST_ERR_OOM, "counts copy of %d groups", E);
+    if (st == MST_OK) st = mst_counts_offsets(h, E, m->cfg.max_rows, off);
+    if (st == MST_OK) *n = off[E];
+    free(h);
+    free(off);
     return st;
 }
 
