@@ -193,12 +193,15 @@ static gg_problem make_problem(const mst_gl_args* a, int op) {
         p.accumulate = a->accumulate;
     }
     p.vec = I % 8 == 0 && O % 8 == 0 && aligned16(p.a) && aligned16(p.b) && aligned16(p.c);
+    const char* force = getenv("MST_GG_KERNEL");
+    p.staged_out = !(force && strcmp(force, "wgmma_regs") == 0);
     return p;
 }
 
 /* The Hopper kernel (TMA + wgmma) needs sm_90 and 16-byte rows; the
  * mma.sync kernel takes everything else. MST_GG_KERNEL=mma forces the
- * mma.sync kernel (benchmarks compare the two this way). */
+ * mma.sync kernel, MST_GG_KERNEL=wgmma_regs the Hopper kernel with forward
+ * and dgrad stored from registers (benchmarks compare them this way). */
 static int use_wgmma(mst_ctx_t* ctx, const gg_problem* p) {
     int major = 0;
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, mst_cuda(ctx)->device) != cudaSuccess) {

@@ -51,6 +51,8 @@ typedef struct gg_problem {
     const float* scale;    /* [R] fp32 (forward, optional)                  */
     int accumulate;        /* wgrad: C += dW instead of C = dW              */
     int vec;               /* 1: rows 16-byte aligned, 16-byte copies       */
+    int staged_out;        /* wgmma forward / dgrad: full row blocks stored
+                              through shared memory and TMA (else registers) */
 } gg_problem;
 
 /* One output tile of the schedule, decoded. */

@@ -8,6 +8,15 @@
  * consumers share one 128 x 256 tile (64 rows each, wgmma.m64n256k16).
  * Tiles come from the device schedule, striding over the grid.
  *
+ * Output goes through shared memory: each consumer stages its 64 x 256
+ * block in chunks of 64 rows x 128 bytes and hands each to a TMA store, so
+ * the writes run while the next tile's MMAs do. wgrad ACCUMULATE uses the
+ * TMA reduce-add: every main_grad element gets exactly one add per call,
+ * from one tile, so the result is old + dW rounded once, as with a
+ * load-add-store, whatever the timing. Forward and dgrad row blocks that
+ * reach past the group's count are stored from registers, masked (a TMA
+ * box would write the next group's rows).
+ *
  * Rows: TMA boxes are placed at the group's first row, so a box may run
  * into the next group's rows (or padding rows up to max_rows; TMA zero-fills
  * past max_rows). For forward and dgrad such rows only reach accumulator rows
@@ -29,7 +38,8 @@ constexpr uint32_t A_BYTES = BM * BK * 2;             /* 16 KiB per stage */
 constexpr uint32_t B_BYTES = BN * BK * 2;             /* 32 KiB per stage */
 constexpr uint32_t BOX_BYTES = 64 * BK * 2;           /* one [BK rows][64] M/N-major box */
 constexpr uint32_t ROW_BYTES = 128;                   /* one swizzled smem row */
-constexpr size_t SMEM_BYTES = STAGES * (A_BYTES + B_BYTES) + 1024; /* + 1024-byte alignment slack */
+constexpr uint32_t C_BYTES = 64 * 128;                /* one output chunk: 64 rows of 128 B */
+constexpr size_t SMEM_BYTES = STAGES * (A_BYTES + B_BYTES) + 2 * 2 * C_BYTES + 1024; /* + 1024-byte alignment slack */
 
 template <int OP>
 struct layout {
@@ -76,6 +86,28 @@ __device__ __forceinline__ void tma_3d(void* dst, const CUtensorMap* map, int c0
         "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
         : "memory");
 }
+
+/* Shared chunk -> the box of C at (col c0, row c1, group c2): store, or
+ * reduce-add; completion tracked by this thread's bulk groups. */
+__device__ __forceinline__ void tma_out(const CUtensorMap* map, const void* src, int c0, int c1, int c2, int add) {
+    if (add)
+        asm volatile(
+            "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(map),
+            "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(src))
+            : "memory");
+    else
+        asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(map),
+                     "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(src))
+                     : "memory");
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+/* Waits until at most N of this thread's bulk groups still read shared memory. */
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+/* Waits until all of this thread's bulk groups are complete (writes done). */
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 /* ---- wgmma ---- */
 /* Shared-memory matrix descriptor, 128-byte swizzle: lbo / sbo in bytes. */
@@ -169,20 +201,12 @@ __device__ __forceinline__ void mma_block(float (&acc)[128], uint32_t a, uint32_
     for (int kk = 0; kk < BK / 16; kk++) wgmma_n256<TA, TB, 0>(acc, desc_a<OP>(a, cw, kk), desc_b<OP>(b, kk));
 }
 
-/* Epilogue: accumulator fragment 4i .. 4i+3 holds rows r, r + 8 and
- * columns c, c + 1 (m64nNk16 layout); main_grad is read first for all of
- * them (loads in flight together), then everything is stored. */
+/* Epilogue of forward and dgrad: accumulator fragment 4i .. 4i+3 holds rows
+ * r, r + 8 and columns c, c + 1 (m64nNk16 layout), stored from registers. */
 template <int OP>
 __device__ __forceinline__ void epilogue(const gg_problem& p, const gg_tile& t, float (&acc)[128], int cw,
                                          int warp, int lane) {
     const int m = t.m0 + 64 * cw + warp * 16 + (lane >> 2), n = t.n0 + (lane & 3) * 2;
-    if (OP == GG_WGRAD && p.accumulate) {
-#pragma unroll
-        for (int i = 0; i < BN / 8; i++) {
-            gg_add_old_pair(p, t, m, n + 8 * i, acc[4 * i], acc[4 * i + 1]);
-            gg_add_old_pair(p, t, m + 8, n + 8 * i, acc[4 * i + 2], acc[4 * i + 3]);
-        }
-    }
 #pragma unroll
     for (int i = 0; i < BN / 8; i++) {
         gg_store_pair<OP>(p, t, m, n + 8 * i, acc[4 * i], acc[4 * i + 1]);
@@ -190,15 +214,69 @@ __device__ __forceinline__ void epilogue(const gg_problem& p, const gg_tile& t, 
     }
 }
 
+/* Writes pair (row r, cols c, c + 1) of a 128-byte-per-row chunk ([64][CC]
+ * fp32 for wgrad, bf16 otherwise) as TMA's 128-byte swizzle reads it: the
+ * 16-byte unit u of row r sits at u ^ (r % 8). */
+template <int OP>
+__device__ __forceinline__ void put_pair(uint8_t* chunk, int r, int c, float v0, float v1) {
+    if (OP == GG_WGRAD)
+        *(float2*)(chunk + r * 128 + (((c >> 2) ^ (r & 7)) << 4) + (c & 3) * 4) = make_float2(v0, v1);
+    else
+        *(__nv_bfloat162*)(chunk + r * 128 + (((c >> 3) ^ (r & 7)) << 4) + (c & 7) * 2) =
+            __floats2bfloat162_rn(v0, v1);
+}
+
+/* Epilogue through shared memory for consumer cw (thread wt of its
+ * warpgroup): its rows [64 cw, +64) x 256 columns go out in 128-byte-wide
+ * chunks through the two staging buffers `sc` ([2][C_BYTES]), each by one
+ * TMA store (reduce-add for wgrad ACCUMULATE) that the tensor map clips to
+ * C's extents. Thread 0 issues the copies and first waits until the copy
+ * that last used a buffer has read it. Forward adds bias[g] * scale[r]. */
+template <int OP>
+__device__ __forceinline__ void epilogue_tma(const gg_problem& p, const CUtensorMap* mc, const gg_tile& t,
+                                             float (&acc)[128], int cw, int wt, uint8_t* sc) {
+    constexpr int CC = OP == GG_WGRAD ? 32 : 64; /* columns of one chunk */
+    const int r = (wt >> 5) * 16 + ((wt & 31) >> 2), c = (wt & 3) * 2;
+    const int row = OP == GG_WGRAD ? t.m0 + 64 * cw : t.row0 + t.m0 + 64 * cw; /* C row of chunk row 0 */
+    const __nv_bfloat16* bias = NULL;                  /* [N] of group g, from column n0 */
+    float s0 = 1.0f, s1 = 1.0f;                        /* scale of rows r, r + 8 */
+    if (OP == GG_FWD && p.bias) {
+        bias = (const __nv_bfloat16*)p.bias + (int64_t)t.g * p.N + t.n0;
+        if (p.scale) s0 = p.scale[row + r], s1 = p.scale[row + r + 8];
+    }
+#pragma unroll
+    for (int j = 0; j < BN / CC; j++) {
+        uint8_t* chunk = sc + (j & 1) * C_BYTES;
+        if (wt == 0) bulk_wait_read<1>();
+        asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
+#pragma unroll
+        for (int i = 0; i < CC / 8; i++) {
+            const float* f = acc + 4 * (j * (CC / 8) + i);
+            float v0 = f[0], v1 = f[1], v2 = f[2], v3 = f[3];
+            const int n = j * CC + 8 * i + c; /* tile column */
+            if (OP == GG_FWD && bias && t.n0 + n < t.n_lim) {
+                const float b0 = __bfloat162float(bias[n]), b1 = __bfloat162float(bias[n + 1]);
+                v0 += b0 * s0, v1 += b1 * s0, v2 += b0 * s1, v3 += b1 * s1;
+            }
+            put_pair<OP>(chunk, r, 8 * i + c, v0, v1);
+            put_pair<OP>(chunk, r + 8, 8 * i + c, v2, v3);
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
+        if (wt == 0) tma_out(mc, chunk, t.n0 + j * CC, row, OP == GG_WGRAD ? t.g : 0, OP == GG_WGRAD && p.accumulate);
+    }
+}
+
 template <int OP>
 __global__ void __launch_bounds__(THREADS, 1)
     wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                 const gg_problem p, const gg_sched s) {
+                 const __grid_constant__ CUtensorMap map_c, const gg_problem p, const gg_sched s) {
     extern __shared__ uint8_t smem_raw[];
     __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
     uint8_t* smem = (uint8_t*)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023); /* swizzle atoms */
     uint8_t* sa = smem;                      /* [STAGES][A_BYTES]   */
     uint8_t* sb = smem + STAGES * A_BYTES;   /* [STAGES][B_BYTES]   */
+    uint8_t* sc = sb + STAGES * B_BYTES;     /* [2 consumers][2][C_BYTES] output chunks */
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         for (int i = 0; i < STAGES; i++) {
@@ -257,8 +335,13 @@ __global__ void __launch_bounds__(THREADS, 1)
         wgmma_wait<0>();
         fence_acc(acc);
         if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
-        epilogue<OP>(p, t, acc, cw, warp, lane);
+        /* forward / dgrad rows past the group's count must not be written:
+         * a warpgroup with such rows stores from registers, masked */
+        if (OP == GG_WGRAD || (p.staged_out && t.m0 + 64 * (cw + 1) <= t.m_lim))
+            epilogue_tma<OP>(p, &map_c, t, acc, cw, ct & 127, sc + cw * 2 * C_BYTES);
+        else epilogue<OP>(p, t, acc, cw, warp, lane);
     }
+    if ((ct & 127) == 0) bulk_wait_all(); /* staging buffers read, C written */
 }
 
 /* ---- host ---- */
@@ -284,16 +367,18 @@ mst_status encoder(encode_tiled_fn* out) {
     return MST_OK;
 }
 
-/* A bf16 tensor map of rank 2 ([rows][cols]) or 3 ([groups][rows][cols])
- * with a box of box_cols (<= 64: one swizzle row) x box_rows. */
-mst_status make_map(CUtensorMap* map, const void* base, int rank, int64_t cols, int64_t rows, int64_t groups,
-                    uint32_t box_cols, uint32_t box_rows) {
+/* A tensor map of rank 2 ([rows][cols]) or 3 ([groups][rows][cols]) of
+ * bf16 (elem 2) or fp32 (elem 4) with a box of box_cols (one 128-byte
+ * swizzle row at most) x box_rows. */
+mst_status make_map(CUtensorMap* map, const void* base, int elem, int rank, int64_t cols, int64_t rows,
+                    int64_t groups, uint32_t box_cols, uint32_t box_rows) {
     cuuint64_t dim[3] = {(cuuint64_t)cols, (cuuint64_t)rows, (cuuint64_t)groups};
-    cuuint64_t stride[2] = {(cuuint64_t)cols * 2, (cuuint64_t)(cols * rows) * 2};
+    cuuint64_t stride[2] = {(cuuint64_t)(cols * elem), (cuuint64_t)(cols * rows * elem)};
     cuuint32_t box[3] = {box_cols, box_rows, 1}, estride[3] = {1, 1, 1};
     encode_tiled_fn encode = NULL;
     MST_TRY(encoder(&encode));
-    CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, (void*)base, dim,
+    const CUtensorMapDataType type = elem == 4 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    CUresult r = encode(map, type, (cuuint32_t)rank, (void*)base, dim,
                                         stride, box, estride, CU_TENSOR_MAP_INTERLEAVE_NONE,
                                         CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
@@ -303,33 +388,36 @@ mst_status make_map(CUtensorMap* map, const void* base, int rank, int64_t cols, 
     return MST_OK;
 }
 
-/* Tensor maps of the op's operands: K-major boxes are [BM or BN rows][BK];
- * M/N-major boxes are [BK rows][64]. */
-mst_status make_maps(const gg_problem* p, int64_t max_rows, CUtensorMap* ma, CUtensorMap* mb) {
+/* Tensor maps of the op's operands (K-major boxes are [BM or BN rows][BK],
+ * M/N-major boxes [BK rows][64]) and of C (boxes of 64 rows x 128 bytes). */
+mst_status make_maps(const gg_problem* p, int64_t max_rows, CUtensorMap* ma, CUtensorMap* mb, CUtensorMap* mc) {
     const int64_t E = p->n_groups;
     if (p->op == GG_FWD) { /* x [R][I], W [E][O][I] */
-        MST_TRY(make_map(ma, p->a, 2, p->lda, max_rows, 1, BK, BM));
-        return make_map(mb, p->b, 3, p->ldb, p->N, E, BK, BN);
+        MST_TRY(make_map(ma, p->a, 2, 2, p->lda, max_rows, 1, BK, BM));
+        MST_TRY(make_map(mc, p->c, 2, 3, p->ldc, max_rows, 1, 64, 64)); /* y [1][R][O] */
+        return make_map(mb, p->b, 2, 3, p->ldb, p->N, E, BK, BN);
     }
     if (p->op == GG_DGRAD) { /* dy [R][O], W [E][O][I] */
-        MST_TRY(make_map(ma, p->a, 2, p->lda, max_rows, 1, BK, BM));
-        return make_map(mb, p->b, 3, p->ldb, p->K, E, 64, BK);
+        MST_TRY(make_map(ma, p->a, 2, 2, p->lda, max_rows, 1, BK, BM));
+        MST_TRY(make_map(mc, p->c, 2, 3, p->ldc, max_rows, 1, 64, 64)); /* dx [1][R][I] */
+        return make_map(mb, p->b, 2, 3, p->ldb, p->K, E, 64, BK);
     }
-    MST_TRY(make_map(ma, p->a, 2, p->lda, max_rows, 1, 64, BK)); /* dy [R][O] */
-    return make_map(mb, p->b, 2, p->ldb, max_rows, 1, 64, BK);    /* x  [R][I] */
+    MST_TRY(make_map(ma, p->a, 2, 2, p->lda, max_rows, 1, 64, BK)); /* dy [R][O] */
+    MST_TRY(make_map(mb, p->b, 2, 2, p->ldb, max_rows, 1, 64, BK)); /* x  [R][I] */
+    return make_map(mc, p->c, 4, 3, p->ldc, p->M, E, 32, 64);       /* main_grad [E][O][I] */
 }
 
 template <int OP>
 mst_status launch(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm, cudaStream_t stream) {
-    CUtensorMap ma, mb;
-    MST_TRY(make_maps(p, max_rows, &ma, &mb));
+    CUtensorMap ma, mb, mc;
+    MST_TRY(make_maps(p, max_rows, &ma, &mb, &mc));
     static int ready = 0; /* attribute set once, on the first (eager) call */
     if (!ready) {
         MST_CUDA_TRY(cudaFuncSetAttribute(wgmma_kernel<OP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           (int)SMEM_BYTES));
         ready = 1;
     }
-    wgmma_kernel<OP><<<n_sm, THREADS, SMEM_BYTES, stream>>>(ma, mb, *p, *s);
+    wgmma_kernel<OP><<<n_sm, THREADS, SMEM_BYTES, stream>>>(ma, mb, mc, *p, *s);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
