@@ -159,7 +159,7 @@ __device__ __forceinline__ uint64_t desc_b(uint32_t sb, int kk) {
 /* The producer's loads of k-block k0 of tile t into one stage. */
 template <int OP>
 __device__ __forceinline__ void load_stage(const CUtensorMap* ma, const CUtensorMap* mb, const gg_tile& t,
-                                           int k0, uint8_t* sa, uint8_t* sb, uint64_t* full) {
+                                           int k0, int fuse, uint8_t* sa, uint8_t* sb, uint64_t* full) {
     mbar_expect_tx(full, A_BYTES + B_BYTES);
     if (OP == GG_WGRAD) { /* A: dy rows [row0 + k0, +BK) x cols [m0, m0 + BM), two boxes */
         tma_2d(sa, ma, t.m0, t.row0 + k0, full);
@@ -167,7 +167,10 @@ __device__ __forceinline__ void load_stage(const CUtensorMap* ma, const CUtensor
     } else { /* A: rows [row0 + m0, +BM) x K [k0, +BK), one box */
         tma_2d(sa, ma, k0, t.row0 + t.m0, full);
     }
-    if (OP == GG_FWD) { /* B: W[g] rows [n0, +BN) x K [k0, +BK), one box */
+    if (OP == GG_FWD && fuse) { /* B: W1[g] rows [f0, +BN/2) and [F + f0, +BN/2): a and b side by side */
+        tma_3d(sb, mb, k0, t.n0 / 2, t.g, full);
+        tma_3d(sb + B_BYTES / 2, mb, k0, t.n_lim / 2 + t.n0 / 2, t.g, full);
+    } else if (OP == GG_FWD) { /* B: W[g] rows [n0, +BN) x K [k0, +BK), one box */
         tma_3d(sb, mb, k0, t.n0, t.g, full);
     } else {
 #pragma unroll
@@ -226,12 +229,26 @@ __device__ __forceinline__ void put_pair(uint8_t* chunk, int r, int c, float v0,
             __floats2bfloat162_rn(v0, v1);
 }
 
+/* One output chunk through staging buffer j % 2 of `sc` ([2][C_BYTES]) of
+ * consumer cw: thread 0 of the warpgroup (wt == 0) waits until the copy
+ * that last used the buffer has read it, every thread writes its part
+ * (fill), and thread 0 hands the chunk to a TMA store at (c0, c1, c2) of
+ * `map` (reduce-add when `add`), which clips it to the tensor's extents. */
+template <class Fill>
+__device__ __forceinline__ void send_chunk(const CUtensorMap* map, uint8_t* sc, int j, int cw, int wt, int c0,
+                                           int c1, int c2, int add, Fill fill) {
+    uint8_t* chunk = sc + (j & 1) * C_BYTES;
+    if (wt == 0) bulk_wait_read<1>();
+    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
+    fill(chunk);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
+    if (wt == 0) tma_out(map, chunk, c0, c1, c2, add);
+}
+
 /* Epilogue through shared memory for consumer cw (thread wt of its
  * warpgroup): its rows [64 cw, +64) x 256 columns go out in 128-byte-wide
- * chunks through the two staging buffers `sc` ([2][C_BYTES]), each by one
- * TMA store (reduce-add for wgrad ACCUMULATE) that the tensor map clips to
- * C's extents. Thread 0 issues the copies and first waits until the copy
- * that last used a buffer has read it. Forward adds bias[g] * scale[r]. */
+ * chunks. Forward adds bias[g] * scale[r]; wgrad ACCUMULATE reduce-adds. */
 template <int OP>
 __device__ __forceinline__ void epilogue_tma(const gg_problem& p, const CUtensorMap* mc, const gg_tile& t,
                                              float (&acc)[128], int cw, int wt, uint8_t* sc) {
@@ -245,32 +262,126 @@ __device__ __forceinline__ void epilogue_tma(const gg_problem& p, const CUtensor
         if (p.scale) s0 = p.scale[row + r], s1 = p.scale[row + r + 8];
     }
 #pragma unroll
-    for (int j = 0; j < BN / CC; j++) {
-        uint8_t* chunk = sc + (j & 1) * C_BYTES;
-        if (wt == 0) bulk_wait_read<1>();
-        asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
+    for (int j = 0; j < BN / CC; j++)
+        send_chunk(mc, sc, j, cw, wt, t.n0 + j * CC, row, OP == GG_WGRAD ? t.g : 0, OP == GG_WGRAD && p.accumulate,
+                   [&](uint8_t* chunk) {
 #pragma unroll
-        for (int i = 0; i < CC / 8; i++) {
-            const float* f = acc + 4 * (j * (CC / 8) + i);
-            float v0 = f[0], v1 = f[1], v2 = f[2], v3 = f[3];
-            const int n = j * CC + 8 * i + c; /* tile column */
-            if (OP == GG_FWD && bias && t.n0 + n < t.n_lim) {
-                const float b0 = __bfloat162float(bias[n]), b1 = __bfloat162float(bias[n + 1]);
-                v0 += b0 * s0, v1 += b1 * s0, v2 += b0 * s1, v3 += b1 * s1;
+                       for (int i = 0; i < CC / 8; i++) {
+                           const float* f = acc + 4 * (j * (CC / 8) + i);
+                           float v0 = f[0], v1 = f[1], v2 = f[2], v3 = f[3];
+                           const int n = j * CC + 8 * i + c; /* tile column */
+                           if (OP == GG_FWD && bias && t.n0 + n < t.n_lim) {
+                               const float b0 = __bfloat162float(bias[n]), b1 = __bfloat162float(bias[n + 1]);
+                               v0 += b0 * s0, v1 += b1 * s0, v2 += b0 * s1, v3 += b1 * s1;
+                           }
+                           put_pair<OP>(chunk, r, 8 * i + c, v0, v1);
+                           put_pair<OP>(chunk, r + 8, 8 * i + c, v2, v3);
+                       }
+                   });
+}
+
+/* ---- fc1 fused with the activation (p.fuse_act) ----
+ * Accumulator columns [0, 128) of a tile are a = h[:, f0 + j] and
+ * [128, 256) are b = h[:, F + f0 + j] (f0 = n0 / 2), so fragment i < 16 and
+ * fragment i + 16 of a thread hold a and b of the same f. h gets b1 added
+ * and is stored in bf16; z = act(a, b) * p is computed from those bf16
+ * values, as the activation kernel computes it from h in memory. */
+
+/* The bf16 value of h column `col` of group g's row: accumulator v + b1. */
+__device__ __forceinline__ float fc1_h(const __nv_bfloat16* b1, int col, float v) {
+    if (b1) v += __bfloat162float(b1[col]);
+    return __bfloat162float(__float2bfloat16_rn(v));
+}
+
+/* Staged: chunks 0-3 are h's a columns [f0, +128) then b columns
+ * [F + f0, +128) (64 each), chunks 4-5 are z's columns [f0, +128). */
+__device__ __forceinline__ void epilogue_fc1_tma(const gg_problem& p, const CUtensorMap* mh, const CUtensorMap* mz,
+                                                 const gg_tile& t, float (&acc)[128], int cw, int wt, uint8_t* sc) {
+    const int r = (wt >> 5) * 16 + ((wt & 31) >> 2), c = (wt & 3) * 2;
+    const int row = t.row0 + t.m0 + 64 * cw, F = t.n_lim / 2, f0 = t.n0 / 2;
+    const __nv_bfloat16* b1 = p.bias ? (const __nv_bfloat16*)p.bias + (int64_t)t.g * p.N : NULL; /* [2F] */
+    const float p0 = p.probs[row + r], p1 = p.probs[row + r + 8];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int col = (j < 2 ? f0 + 64 * j : F + f0 + 64 * (j - 2)); /* h column of chunk column 0 */
+        send_chunk(mh, sc, j, cw, wt, col, row, 0, 0, [&](uint8_t* chunk) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const float* f = acc + 4 * (8 * j + i);
+                const int n = col + 8 * i + c;
+                put_pair<GG_FWD>(chunk, r, 8 * i + c, fc1_h(b1, n, f[0]), fc1_h(b1, n + 1, f[1]));
+                put_pair<GG_FWD>(chunk, r + 8, 8 * i + c, fc1_h(b1, n, f[2]), fc1_h(b1, n + 1, f[3]));
             }
-            put_pair<OP>(chunk, r, 8 * i + c, v0, v1);
-            put_pair<OP>(chunk, r + 8, 8 * i + c, v2, v3);
-        }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
-        if (wt == 0) tma_out(mc, chunk, t.n0 + j * CC, row, OP == GG_WGRAD ? t.g : 0, OP == GG_WGRAD && p.accumulate);
+        });
     }
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+        send_chunk(mz, sc, 4 + j, cw, wt, f0 + 64 * j, row, 0, 0, [&](uint8_t* chunk) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const float* fa = acc + 4 * (8 * j + i);
+                const float* fb = acc + 4 * (16 + 8 * j + i);
+                const int n = f0 + 64 * j + 8 * i + c; /* f */
+                float z[4];
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    z[e] = mst_act_value(p.act, fc1_h(b1, n + (e & 1), fa[e]), fc1_h(b1, F + n + (e & 1), fb[e])) *
+                           (e < 2 ? p0 : p1);
+                put_pair<GG_FWD>(chunk, r, 8 * i + c, z[0], z[1]);
+                put_pair<GG_FWD>(chunk, r + 8, 8 * i + c, z[2], z[3]);
+            }
+        });
+}
+
+/* From registers, masked to the group's rows (a row block that reaches
+ * past the count). */
+__device__ __forceinline__ void epilogue_fc1_regs(const gg_problem& p, const gg_tile& t, float (&acc)[128], int cw,
+                                                  int warp, int lane) {
+    const int F = t.n_lim / 2, f0 = t.n0 / 2, c = (lane & 3) * 2;
+    const __nv_bfloat16* b1 = p.bias ? (const __nv_bfloat16*)p.bias + (int64_t)t.g * p.N : NULL; /* [2F] */
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int m = t.m0 + 64 * cw + warp * 16 + (lane >> 2) + 8 * half;
+        if (m >= t.m_lim) continue;
+        const int64_t r = (int64_t)t.row0 + m;
+        const float pr = p.probs[r];
+        __nv_bfloat16* h = (__nv_bfloat16*)p.c + r * p.ldc; /* [2F] */
+        __nv_bfloat16* z = (__nv_bfloat16*)p.z + r * F;     /* [F]  */
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            const int n = f0 + 8 * i + c;
+            const float* fa = acc + 4 * i + 2 * half;
+            const float* fb = acc + 4 * (16 + i) + 2 * half;
+            const float a0 = fc1_h(b1, n, fa[0]), a1 = fc1_h(b1, n + 1, fa[1]);
+            const float v0 = fc1_h(b1, F + n, fb[0]), v1 = fc1_h(b1, F + n + 1, fb[1]);
+            *(__nv_bfloat162*)(h + n) = __floats2bfloat162_rn(a0, a1);
+            *(__nv_bfloat162*)(h + F + n) = __floats2bfloat162_rn(v0, v1);
+            *(__nv_bfloat162*)(z + n) =
+                __floats2bfloat162_rn(mst_act_value(p.act, a0, v0) * pr, mst_act_value(p.act, a1, v1) * pr);
+        }
+    }
+}
+
+/* The tile of schedule position k of the grid-stride order (CTA b = k % G,
+ * round j = k / G). wgrad takes it from the front of the schedule (largest
+ * groups first) when j + b is even and from the back otherwise, so each CTA
+ * alternates long-K tiles (tensor-core bound) with short-K ones (bound by
+ * their main_grad traffic) and every round runs both kinds; f counts the
+ * front tiles handed out before k (a checkerboard count). A permutation of
+ * [0, n). Forward and dgrad tiles all have the same K: k itself. */
+template <int OP>
+__device__ __forceinline__ int32_t tile_at(int32_t k, int32_t n, int32_t G) {
+    if (OP != GG_WGRAD) return k;
+    const int32_t j = k / G, b = k - j * G;
+    const int32_t f = (j * G + 1) / 2 + ((j & 1) ? b >> 1 : (b + 1) >> 1);
+    return ((j + b) & 1) ? n - 1 - (k - f) : f;
 }
 
 template <int OP>
 __global__ void __launch_bounds__(THREADS, 1)
     wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                 const __grid_constant__ CUtensorMap map_c, const gg_problem p, const gg_sched s) {
+                 const __grid_constant__ CUtensorMap map_c, const __grid_constant__ CUtensorMap map_z,
+                 const gg_problem p, const gg_sched s) {
     extern __shared__ uint8_t smem_raw[];
     __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
     uint8_t* smem = (uint8_t*)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023); /* swizzle atoms */
@@ -294,10 +405,10 @@ __global__ void __launch_bounds__(THREADS, 1)
         int st = 0;
         uint32_t ph = 0;
         for (int32_t ti = blockIdx.x; ti < n_tiles; ti += gridDim.x) {
-            const gg_tile t = gg_decode(p, s, ti, BM, BN);
+            const gg_tile t = gg_decode(p, s, tile_at<OP>(ti, n_tiles, gridDim.x), BM, BN);
             for (int k0 = 0; k0 < t.k_len; k0 += BK) {
                 mbar_wait(&empty[st], ph ^ 1);
-                load_stage<OP>(&map_a, &map_b, t, k0, sa + st * A_BYTES, sb + st * B_BYTES, &full[st]);
+                load_stage<OP>(&map_a, &map_b, t, k0, p.fuse_act, sa + st * A_BYTES, sb + st * B_BYTES, &full[st]);
                 if (++st == STAGES) st = 0, ph ^= 1;
             }
         }
@@ -311,7 +422,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     int st = 0;
     uint32_t ph = 0;
     for (int32_t ti = blockIdx.x; ti < n_tiles; ti += gridDim.x) {
-        const gg_tile t = gg_decode(p, s, ti, BM, BN);
+        const gg_tile t = gg_decode(p, s, tile_at<OP>(ti, n_tiles, gridDim.x), BM, BN);
         const int nk = gg_cdiv(t.k_len, BK);
 #pragma unroll
         for (int i = 0; i < 128; i++) acc[i] = 0.0f;
@@ -337,8 +448,11 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
         /* forward / dgrad rows past the group's count must not be written:
          * a warpgroup with such rows stores from registers, masked */
-        if (OP == GG_WGRAD || (p.staged_out && t.m0 + 64 * (cw + 1) <= t.m_lim))
-            epilogue_tma<OP>(p, &map_c, t, acc, cw, ct & 127, sc + cw * 2 * C_BYTES);
+        const int staged = OP == GG_WGRAD || (p.staged_out && t.m0 + 64 * (cw + 1) <= t.m_lim);
+        uint8_t* my_sc = sc + cw * 2 * C_BYTES;
+        if (OP == GG_FWD && p.fuse_act && staged) epilogue_fc1_tma(p, &map_c, &map_z, t, acc, cw, ct & 127, my_sc);
+        else if (OP == GG_FWD && p.fuse_act) epilogue_fc1_regs(p, t, acc, cw, warp, lane);
+        else if (staged) epilogue_tma<OP>(p, &map_c, t, acc, cw, ct & 127, my_sc);
         else epilogue<OP>(p, t, acc, cw, warp, lane);
     }
     if ((ct & 127) == 0) bulk_wait_all(); /* staging buffers read, C written */
@@ -390,12 +504,14 @@ mst_status make_map(CUtensorMap* map, const void* base, int elem, int rank, int6
 
 /* Tensor maps of the op's operands (K-major boxes are [BM or BN rows][BK],
  * M/N-major boxes [BK rows][64]) and of C (boxes of 64 rows x 128 bytes). */
-mst_status make_maps(const gg_problem* p, int64_t max_rows, CUtensorMap* ma, CUtensorMap* mb, CUtensorMap* mc) {
+mst_status make_maps(const gg_problem* p, int64_t max_rows, CUtensorMap* ma, CUtensorMap* mb, CUtensorMap* mc,
+                     CUtensorMap* mz) {
     const int64_t E = p->n_groups;
-    if (p->op == GG_FWD) { /* x [R][I], W [E][O][I] */
+    if (p->op == GG_FWD) { /* x [R][I], W [E][O][I]; fused: W1 boxes of BN / 2 rows, z [1][R][F] */
         MST_TRY(make_map(ma, p->a, 2, 2, p->lda, max_rows, 1, BK, BM));
         MST_TRY(make_map(mc, p->c, 2, 3, p->ldc, max_rows, 1, 64, 64)); /* y [1][R][O] */
-        return make_map(mb, p->b, 2, 3, p->ldb, p->N, E, BK, BN);
+        if (p->fuse_act) MST_TRY(make_map(mz, p->z, 2, 3, p->N / 2, max_rows, 1, 64, 64));
+        return make_map(mb, p->b, 2, 3, p->ldb, p->N, E, BK, p->fuse_act ? BN / 2 : BN);
     }
     if (p->op == GG_DGRAD) { /* dy [R][O], W [E][O][I] */
         MST_TRY(make_map(ma, p->a, 2, 2, p->lda, max_rows, 1, BK, BM));
@@ -409,15 +525,15 @@ mst_status make_maps(const gg_problem* p, int64_t max_rows, CUtensorMap* ma, CUt
 
 template <int OP>
 mst_status launch(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm, cudaStream_t stream) {
-    CUtensorMap ma, mb, mc;
-    MST_TRY(make_maps(p, max_rows, &ma, &mb, &mc));
+    CUtensorMap ma, mb, mc, mz = {}; /* mz: fused fc1 only */
+    MST_TRY(make_maps(p, max_rows, &ma, &mb, &mc, &mz));
     static int ready = 0; /* attribute set once, on the first (eager) call */
     if (!ready) {
         MST_CUDA_TRY(cudaFuncSetAttribute(wgmma_kernel<OP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           (int)SMEM_BYTES));
         ready = 1;
     }
-    wgmma_kernel<OP><<<n_sm, THREADS, SMEM_BYTES, stream>>>(ma, mb, mc, *p, *s);
+    wgmma_kernel<OP><<<n_sm, THREADS, SMEM_BYTES, stream>>>(ma, mb, mc, mz, *p, *s);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
