@@ -222,8 +222,9 @@ static mst_status check_extents(const mst_gl_args* a) {
     return MST_OK;
 }
 
-/* Enqueues problem p (made from a): schedule, GEMM, bias gradients. */
-static mst_status gg_run(mst_ctx_t* ctx, const mst_gl_args* a, const gg_problem& p) {
+/* Enqueues problem p (made from a; act: fused fc1 + activation, or NULL):
+ * schedule, GEMM, bias gradients. */
+static mst_status gg_run(mst_ctx_t* ctx, const mst_gl_args* a, const gg_problem& p, const gg_act* act) {
     mst_cuda_impl* c = mst_cuda(ctx);
     const int op = p.op;
     const int wgmma = use_wgmma(ctx, &p);
@@ -245,7 +246,7 @@ static mst_status gg_run(mst_ctx_t* ctx, const mst_gl_args* a, const gg_problem&
                                                       tiles_fixed, op == GG_WGRAD && !a->accumulate,
                                                       s, ctx->err_flag);
     MST_CUDA_LAUNCHED();
-    if (wgmma) MST_TRY(gg_launch_wgmma(&p, &s, a->max_rows, c->n_sm, c->stream));
+    if (wgmma) MST_TRY(gg_launch_wgmma(&p, act, &s, a->max_rows, c->n_sm, c->stream));
     else MST_TRY(gg_launch_mma(&p, &s, c->n_sm, c->stream));
     if (op == GG_WGRAD) MST_TRY(bias_grads(ctx, a, &s));
     return MST_OK;
@@ -253,7 +254,7 @@ static mst_status gg_run(mst_ctx_t* ctx, const mst_gl_args* a, const gg_problem&
 
 static mst_status gg_op(mst_ctx_t* ctx, const mst_gl_args* a, int op) {
     MST_TRY(check_extents(a));
-    return gg_run(ctx, a, make_problem(a, op));
+    return gg_run(ctx, a, make_problem(a, op), NULL);
 }
 
 extern "C" mst_status mst_cuda_gl_forward(mst_ctx_t* ctx, const mst_gl_args* a) {
@@ -272,16 +273,13 @@ extern "C" mst_status mst_cuda_gl_wgrad(mst_ctx_t* ctx, const mst_gl_args* a) {
 extern "C" mst_status mst_cuda_fc1_act_forward(mst_ctx_t* ctx, const mst_gl_args* fc1, const mst_act_args* act,
                                                int* done) {
     MST_TRY(check_extents(fc1));
-    gg_problem p = make_problem(fc1, GG_FWD);
+    const gg_problem p = make_problem(fc1, GG_FWD);
     *done = 0;
     const char* force = getenv("MST_GG_KERNEL");
     if (!use_wgmma(ctx, &p) || act->ffn % 128 != 0 || !aligned16(act->z) || fc1->scale ||
         (force && strcmp(force, "wgmma_nofuse") == 0))
         return MST_OK;
-    p.fuse_act = 1;
-    p.z = act->z;
-    p.probs = act->probs;
-    p.act = mst_act_param_make(act->act, act->limit, act->alpha);
+    const gg_act fa = {act->z, act->probs, mst_act_param_make(act->act, act->limit, act->alpha)};
     *done = 1;
-    return gg_run(ctx, fc1, p);
+    return gg_run(ctx, fc1, p, &fa);
 }

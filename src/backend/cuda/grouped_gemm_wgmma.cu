@@ -229,18 +229,19 @@ __device__ __forceinline__ void put_pair(uint8_t* chunk, int r, int c, float v0,
             __floats2bfloat162_rn(v0, v1);
 }
 
-/* One output chunk through staging buffer j % 2 of `sc` ([2][C_BYTES]) of
- * consumer cw: thread 0 of the warpgroup (wt == 0) waits until the copy
- * that last used the buffer has read it, every thread writes its part
- * (fill), and thread 0 hands the chunk to a TMA store at (c0, c1, c2) of
- * `map` (reduce-add when `add`), which clips it to the tensor's extents. */
-template <class Fill>
-__device__ __forceinline__ void send_chunk(const CUtensorMap* map, uint8_t* sc, int j, int cw, int wt, int c0,
-                                           int c1, int c2, int add, Fill fill) {
-    uint8_t* chunk = sc + (j & 1) * C_BYTES;
+/* Output chunks go through staging buffer j % 2 of `sc` ([2][C_BYTES]) of
+ * consumer cw. chunk_begin: thread 0 of the warpgroup (wt == 0) waits until
+ * the copy that last used the buffer has read it; then every thread writes
+ * its part. chunk_end: thread 0 hands the chunk to a TMA store at (c0, c1,
+ * c2) of `map` (reduce-add when `add`), which clips it to the tensor's
+ * extents. */
+__device__ __forceinline__ uint8_t* chunk_begin(uint8_t* sc, int j, int cw, int wt) {
     if (wt == 0) bulk_wait_read<1>();
     asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
-    fill(chunk);
+    return sc + (j & 1) * C_BYTES;
+}
+__device__ __forceinline__ void chunk_end(const CUtensorMap* map, const uint8_t* chunk, int cw, int wt, int c0,
+                                          int c1, int c2, int add) {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
     if (wt == 0) tma_out(map, chunk, c0, c1, c2, add);
@@ -262,25 +263,25 @@ __device__ __forceinline__ void epilogue_tma(const gg_problem& p, const CUtensor
         if (p.scale) s0 = p.scale[row + r], s1 = p.scale[row + r + 8];
     }
 #pragma unroll
-    for (int j = 0; j < BN / CC; j++)
-        send_chunk(mc, sc, j, cw, wt, t.n0 + j * CC, row, OP == GG_WGRAD ? t.g : 0, OP == GG_WGRAD && p.accumulate,
-                   [&](uint8_t* chunk) {
+    for (int j = 0; j < BN / CC; j++) {
+        uint8_t* chunk = chunk_begin(sc, j, cw, wt);
 #pragma unroll
-                       for (int i = 0; i < CC / 8; i++) {
-                           const float* f = acc + 4 * (j * (CC / 8) + i);
-                           float v0 = f[0], v1 = f[1], v2 = f[2], v3 = f[3];
-                           const int n = j * CC + 8 * i + c; /* tile column */
-                           if (OP == GG_FWD && bias && t.n0 + n < t.n_lim) {
-                               const float b0 = __bfloat162float(bias[n]), b1 = __bfloat162float(bias[n + 1]);
-                               v0 += b0 * s0, v1 += b1 * s0, v2 += b0 * s1, v3 += b1 * s1;
-                           }
-                           put_pair<OP>(chunk, r, 8 * i + c, v0, v1);
-                           put_pair<OP>(chunk, r + 8, 8 * i + c, v2, v3);
-                       }
-                   });
+        for (int i = 0; i < CC / 8; i++) {
+            const float* f = acc + 4 * (j * (CC / 8) + i);
+            float v0 = f[0], v1 = f[1], v2 = f[2], v3 = f[3];
+            const int n = j * CC + 8 * i + c; /* tile column */
+            if (OP == GG_FWD && bias && t.n0 + n < t.n_lim) {
+                const float b0 = __bfloat162float(bias[n]), b1 = __bfloat162float(bias[n + 1]);
+                v0 += b0 * s0, v1 += b1 * s0, v2 += b0 * s1, v3 += b1 * s1;
+            }
+            put_pair<OP>(chunk, r, 8 * i + c, v0, v1);
+            put_pair<OP>(chunk, r + 8, 8 * i + c, v2, v3);
+        }
+        chunk_end(mc, chunk, cw, wt, t.n0 + j * CC, row, OP == GG_WGRAD ? t.g : 0, OP == GG_WGRAD && p.accumulate);
+    }
 }
 
-/* ---- fc1 fused with the activation (p.fuse_act) ----
+/* ---- fc1 fused with the activation (gg_act) ----
  * Accumulator columns [0, 128) of a tile are a = h[:, f0 + j] and
  * [128, 256) are b = h[:, F + f0 + j] (f0 = n0 / 2), so fragment i < 16 and
  * fragment i + 16 of a thread hold a and b of the same f. h gets b1 added
@@ -295,48 +296,49 @@ __device__ __forceinline__ float fc1_h(const __nv_bfloat16* b1, int col, float v
 
 /* Staged: chunks 0-3 are h's a columns [f0, +128) then b columns
  * [F + f0, +128) (64 each), chunks 4-5 are z's columns [f0, +128). */
-__device__ __forceinline__ void epilogue_fc1_tma(const gg_problem& p, const CUtensorMap* mh, const CUtensorMap* mz,
-                                                 const gg_tile& t, float (&acc)[128], int cw, int wt, uint8_t* sc) {
+__device__ __forceinline__ void epilogue_fc1_tma(const gg_problem& p, const gg_act& ga, const CUtensorMap* mh,
+                                                 const CUtensorMap* mz, const gg_tile& t, float (&acc)[128], int cw, int wt, uint8_t* sc) {
     const int r = (wt >> 5) * 16 + ((wt & 31) >> 2), c = (wt & 3) * 2;
     const int row = t.row0 + t.m0 + 64 * cw, F = t.n_lim / 2, f0 = t.n0 / 2;
     const __nv_bfloat16* b1 = p.bias ? (const __nv_bfloat16*)p.bias + (int64_t)t.g * p.N : NULL; /* [2F] */
-    const float p0 = p.probs[row + r], p1 = p.probs[row + r + 8];
+    const float p0 = ga.probs[row + r], p1 = ga.probs[row + r + 8];
 #pragma unroll
     for (int j = 0; j < 4; j++) {
         const int col = (j < 2 ? f0 + 64 * j : F + f0 + 64 * (j - 2)); /* h column of chunk column 0 */
-        send_chunk(mh, sc, j, cw, wt, col, row, 0, 0, [&](uint8_t* chunk) {
+        uint8_t* chunk = chunk_begin(sc, j, cw, wt);
 #pragma unroll
-            for (int i = 0; i < 8; i++) {
-                const float* f = acc + 4 * (8 * j + i);
-                const int n = col + 8 * i + c;
-                put_pair<GG_FWD>(chunk, r, 8 * i + c, fc1_h(b1, n, f[0]), fc1_h(b1, n + 1, f[1]));
-                put_pair<GG_FWD>(chunk, r + 8, 8 * i + c, fc1_h(b1, n, f[2]), fc1_h(b1, n + 1, f[3]));
-            }
-        });
+        for (int i = 0; i < 8; i++) {
+            const float* f = acc + 4 * (8 * j + i);
+            const int n = col + 8 * i + c;
+            put_pair<GG_FWD>(chunk, r, 8 * i + c, fc1_h(b1, n, f[0]), fc1_h(b1, n + 1, f[1]));
+            put_pair<GG_FWD>(chunk, r + 8, 8 * i + c, fc1_h(b1, n, f[2]), fc1_h(b1, n + 1, f[3]));
+        }
+        chunk_end(mh, chunk, cw, wt, col, row, 0, 0);
     }
 #pragma unroll
-    for (int j = 0; j < 2; j++)
-        send_chunk(mz, sc, 4 + j, cw, wt, f0 + 64 * j, row, 0, 0, [&](uint8_t* chunk) {
+    for (int j = 0; j < 2; j++) {
+        uint8_t* chunk = chunk_begin(sc, 4 + j, cw, wt);
 #pragma unroll
-            for (int i = 0; i < 8; i++) {
-                const float* fa = acc + 4 * (8 * j + i);
-                const float* fb = acc + 4 * (16 + 8 * j + i);
-                const int n = f0 + 64 * j + 8 * i + c; /* f */
-                float z[4];
+        for (int i = 0; i < 8; i++) {
+            const float* fa = acc + 4 * (8 * j + i);
+            const float* fb = acc + 4 * (16 + 8 * j + i);
+            const int n = f0 + 64 * j + 8 * i + c; /* f */
+            float z[4];
 #pragma unroll
-                for (int e = 0; e < 4; e++)
-                    z[e] = mst_act_value(p.act, fc1_h(b1, n + (e & 1), fa[e]), fc1_h(b1, F + n + (e & 1), fb[e])) *
-                           (e < 2 ? p0 : p1);
-                put_pair<GG_FWD>(chunk, r, 8 * i + c, z[0], z[1]);
-                put_pair<GG_FWD>(chunk, r + 8, 8 * i + c, z[2], z[3]);
-            }
-        });
+            for (int e = 0; e < 4; e++)
+                z[e] = mst_act_value(ga.q, fc1_h(b1, n + (e & 1), fa[e]), fc1_h(b1, F + n + (e & 1), fb[e])) *
+                       (e < 2 ? p0 : p1);
+            put_pair<GG_FWD>(chunk, r, 8 * i + c, z[0], z[1]);
+            put_pair<GG_FWD>(chunk, r + 8, 8 * i + c, z[2], z[3]);
+        }
+        chunk_end(mz, chunk, cw, wt, f0 + 64 * j, row, 0, 0);
+    }
 }
 
 /* From registers, masked to the group's rows (a row block that reaches
  * past the count). */
-__device__ __forceinline__ void epilogue_fc1_regs(const gg_problem& p, const gg_tile& t, float (&acc)[128], int cw,
-                                                  int warp, int lane) {
+__device__ __forceinline__ void epilogue_fc1_regs(const gg_problem& p, const gg_act& ga, const gg_tile& t,
+                                                  float (&acc)[128], int cw, int warp, int lane) {
     const int F = t.n_lim / 2, f0 = t.n0 / 2, c = (lane & 3) * 2;
     const __nv_bfloat16* b1 = p.bias ? (const __nv_bfloat16*)p.bias + (int64_t)t.g * p.N : NULL; /* [2F] */
 #pragma unroll
@@ -344,9 +346,9 @@ __device__ __forceinline__ void epilogue_fc1_regs(const gg_problem& p, const gg_
         const int m = t.m0 + 64 * cw + warp * 16 + (lane >> 2) + 8 * half;
         if (m >= t.m_lim) continue;
         const int64_t r = (int64_t)t.row0 + m;
-        const float pr = p.probs[r];
+        const float pr = ga.probs[r];
         __nv_bfloat16* h = (__nv_bfloat16*)p.c + r * p.ldc; /* [2F] */
-        __nv_bfloat16* z = (__nv_bfloat16*)p.z + r * F;     /* [F]  */
+        __nv_bfloat16* z = (__nv_bfloat16*)ga.z + r * F;    /* [F]  */
 #pragma unroll
         for (int i = 0; i < 16; i++) {
             const int n = f0 + 8 * i + c;
@@ -357,7 +359,7 @@ __device__ __forceinline__ void epilogue_fc1_regs(const gg_problem& p, const gg_
             *(__nv_bfloat162*)(h + n) = __floats2bfloat162_rn(a0, a1);
             *(__nv_bfloat162*)(h + F + n) = __floats2bfloat162_rn(v0, v1);
             *(__nv_bfloat162*)(z + n) =
-                __floats2bfloat162_rn(mst_act_value(p.act, a0, v0) * pr, mst_act_value(p.act, a1, v1) * pr);
+                __floats2bfloat162_rn(mst_act_value(ga.q, a0, v0) * pr, mst_act_value(ga.q, a1, v1) * pr);
         }
     }
 }
@@ -377,13 +379,13 @@ __device__ __forceinline__ int32_t tile_at(int32_t k, int32_t n, int32_t G) {
     return ((j + b) & 1) ? n - 1 - (k - f) : f;
 }
 
-/* ACT: the fc1 + activation instantiation of the forward (p.fuse_act),
+/* ACT: the fc1 + activation instantiation of the forward (ga),
  * kept apart so the plain kernels carry none of its code. */
 template <int OP, bool ACT>
 __global__ void __launch_bounds__(THREADS, 1)
     wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                  const __grid_constant__ CUtensorMap map_c, const __grid_constant__ CUtensorMap map_z,
-                 const gg_problem p, const gg_sched s) {
+                 const gg_problem p, const gg_act ga, const gg_sched s) {
     extern __shared__ uint8_t smem_raw[];
     __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
     uint8_t* smem = (uint8_t*)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023); /* swizzle atoms */
@@ -452,8 +454,8 @@ __global__ void __launch_bounds__(THREADS, 1)
          * a warpgroup with such rows stores from registers, masked */
         const int staged = OP == GG_WGRAD || (p.staged_out && t.m0 + 64 * (cw + 1) <= t.m_lim);
         uint8_t* my_sc = sc + cw * 2 * C_BYTES;
-        if (ACT && staged) epilogue_fc1_tma(p, &map_c, &map_z, t, acc, cw, ct & 127, my_sc);
-        else if (ACT) epilogue_fc1_regs(p, t, acc, cw, warp, lane);
+        if (ACT && staged) epilogue_fc1_tma(p, ga, &map_c, &map_z, t, acc, cw, ct & 127, my_sc);
+        else if (ACT) epilogue_fc1_regs(p, ga, t, acc, cw, warp, lane);
         else if (staged) epilogue_tma<OP>(p, &map_c, t, acc, cw, ct & 127, my_sc);
         else epilogue<OP>(p, t, acc, cw, warp, lane);
     }
@@ -506,14 +508,14 @@ mst_status make_map(CUtensorMap* map, const void* base, int elem, int rank, int6
 
 /* Tensor maps of the op's operands (K-major boxes are [BM or BN rows][BK],
  * M/N-major boxes [BK rows][64]) and of C (boxes of 64 rows x 128 bytes). */
-mst_status make_maps(const gg_problem* p, int64_t max_rows, CUtensorMap* ma, CUtensorMap* mb, CUtensorMap* mc,
-                     CUtensorMap* mz) {
+mst_status make_maps(const gg_problem* p, const gg_act* act, int64_t max_rows, CUtensorMap* ma, CUtensorMap* mb,
+                     CUtensorMap* mc, CUtensorMap* mz) {
     const int64_t E = p->n_groups;
     if (p->op == GG_FWD) { /* x [R][I], W [E][O][I]; fused: W1 boxes of BN / 2 rows, z [1][R][F] */
         MST_TRY(make_map(ma, p->a, 2, 2, p->lda, max_rows, 1, BK, BM));
         MST_TRY(make_map(mc, p->c, 2, 3, p->ldc, max_rows, 1, 64, 64)); /* y [1][R][O] */
-        if (p->fuse_act) MST_TRY(make_map(mz, p->z, 2, 3, p->N / 2, max_rows, 1, 64, 64));
-        return make_map(mb, p->b, 2, 3, p->ldb, p->N, E, BK, p->fuse_act ? BN / 2 : BN);
+        if (act) MST_TRY(make_map(mz, act->z, 2, 3, p->N / 2, max_rows, 1, 64, 64));
+        return make_map(mb, p->b, 2, 3, p->ldb, p->N, E, BK, act ? BN / 2 : BN);
     }
     if (p->op == GG_DGRAD) { /* dy [R][O], W [E][O][I] */
         MST_TRY(make_map(ma, p->a, 2, 2, p->lda, max_rows, 1, BK, BM));
@@ -526,30 +528,32 @@ mst_status make_maps(const gg_problem* p, int64_t max_rows, CUtensorMap* ma, CUt
 }
 
 template <int OP, bool ACT>
-mst_status launch(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm, cudaStream_t stream) {
+mst_status launch(const gg_problem* p, const gg_act* act, const gg_sched* s, int64_t max_rows, int n_sm,
+                  cudaStream_t stream) {
     CUtensorMap ma, mb, mc, mz = {}; /* mz: fused fc1 only */
-    MST_TRY(make_maps(p, max_rows, &ma, &mb, &mc, &mz));
+    MST_TRY(make_maps(p, act, max_rows, &ma, &mb, &mc, &mz));
+    const gg_act ga = act ? *act : gg_act{};
     static int ready = 0; /* attribute set once, on the first (eager) call */
     if (!ready) {
         MST_CUDA_TRY(cudaFuncSetAttribute(wgmma_kernel<OP, ACT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           (int)SMEM_BYTES));
         ready = 1;
     }
-    wgmma_kernel<OP, ACT><<<n_sm, THREADS, SMEM_BYTES, stream>>>(ma, mb, mc, mz, *p, *s);
+    wgmma_kernel<OP, ACT><<<n_sm, THREADS, SMEM_BYTES, stream>>>(ma, mb, mc, mz, *p, ga, *s);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
 
 } // namespace
 
-extern "C" mst_status gg_launch_wgmma(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm,
-                                      cudaStream_t stream) {
+extern "C" mst_status gg_launch_wgmma(const gg_problem* p, const gg_act* act, const gg_sched* s, int64_t max_rows,
+                                      int n_sm, cudaStream_t stream) {
     switch (p->op) {
     case GG_FWD:
-        return p->fuse_act ? launch<GG_FWD, true>(p, s, max_rows, n_sm, stream)
-                           : launch<GG_FWD, false>(p, s, max_rows, n_sm, stream);
-    case GG_DGRAD: return launch<GG_DGRAD, false>(p, s, max_rows, n_sm, stream);
-    default: return launch<GG_WGRAD, false>(p, s, max_rows, n_sm, stream);
+        return act ? launch<GG_FWD, true>(p, act, s, max_rows, n_sm, stream)
+                   : launch<GG_FWD, false>(p, NULL, s, max_rows, n_sm, stream);
+    case GG_DGRAD: return launch<GG_DGRAD, false>(p, NULL, s, max_rows, n_sm, stream);
+    default: return launch<GG_WGRAD, false>(p, NULL, s, max_rows, n_sm, stream);
     }
 }
 
