@@ -265,32 +265,44 @@ static mst_status enqueue(mst_ctx_t* ctx, mlp_bufs* b, bench_op op) {
     return MST_ERR_INVALID;
 }
 
-/* Captures `op` in a graph on `s` and returns the mean ms of `iters` replays. */
-static mst_status time_graph(mst_ctx_t* ctx, mlp_bufs* b, bench_op op, cudaStream_t s, int iters,
-                             double* ms) {
-    cudaGraph_t g = NULL;
-    cudaGraphExec_t ge = NULL;
+/* Captures ops[k] in a graph on `s` (with MST_GG_KERNEL = kernel[k] while it
+ * is captured, NULL: unset), then replays them interleaved, one of each per
+ * round, so clock and temperature drift reach all alike: ms[k] is the mean
+ * of `iters` rounds after 3 warm-up rounds. */
+static mst_status time_graphs(mst_ctx_t* ctx, mlp_bufs* b, const bench_op* ops, const char* const* kernel, int n,
+                              cudaStream_t s, int iters, double* ms) {
+    cudaGraph_t g[8] = {0};
+    cudaGraphExec_t ge[8] = {0};
     cudaEvent_t e0, e1;
-    MST_TRY(mst_ctx_set_stream(ctx, s));
-    CUDA_BENCH(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    mst_status st = enqueue(ctx, b, op);
-    cudaError_t ce = cudaStreamEndCapture(s, &g);
-    MST_TRY(mst_ctx_set_stream(ctx, NULL));
+    mst_status st = n <= 8 ? MST_OK : mst_set_error(MST_ERR_INVALID, "n = %d graphs: at most 8", n);
+    for (int k = 0; k < n && st == MST_OK; k++) {
+        if (kernel[k]) setenv("MST_GG_KERNEL", kernel[k], 1);
+        MST_TRY(mst_ctx_set_stream(ctx, s));
+        CUDA_BENCH(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+        st = enqueue(ctx, b, ops[k]);
+        cudaError_t ce = cudaStreamEndCapture(s, &g[k]);
+        unsetenv("MST_GG_KERNEL");
+        MST_TRY(mst_ctx_set_stream(ctx, NULL));
+        MST_TRY(st);
+        CUDA_BENCH(ce);
+        CUDA_BENCH(cudaGraphInstantiate(&ge[k], g[k], 0));
+        ms[k] = 0;
+    }
     MST_TRY(st);
-    CUDA_BENCH(ce);
-    CUDA_BENCH(cudaGraphInstantiate(&ge, g, 0));
     CUDA_BENCH(cudaEventCreate(&e0));
     CUDA_BENCH(cudaEventCreate(&e1));
-    for (int i = 0; i < 3; i++) CUDA_BENCH(cudaGraphLaunch(ge, s)); /* warm */
-    CUDA_BENCH(cudaEventRecord(e0, s));
-    for (int i = 0; i < iters; i++) CUDA_BENCH(cudaGraphLaunch(ge, s));
-    CUDA_BENCH(cudaEventRecord(e1, s));
-    CUDA_BENCH(cudaEventSynchronize(e1));
-    float total = 0;
-    CUDA_BENCH(cudaEventElapsedTime(&total, e0, e1));
-    *ms = total / iters;
+    for (int i = 0; i < iters + 3; i++)
+        for (int k = 0; k < n; k++) {
+            CUDA_BENCH(cudaEventRecord(e0, s));
+            CUDA_BENCH(cudaGraphLaunch(ge[k], s));
+            CUDA_BENCH(cudaEventRecord(e1, s));
+            CUDA_BENCH(cudaEventSynchronize(e1));
+            float t = 0;
+            CUDA_BENCH(cudaEventElapsedTime(&t, e0, e1));
+            if (i >= 3) ms[k] += t / iters;
+        }
     cudaEventDestroy(e0), cudaEventDestroy(e1);
-    cudaGraphExecDestroy(ge), cudaGraphDestroy(g);
+    for (int k = 0; k < n; k++) cudaGraphExecDestroy(ge[k]), cudaGraphDestroy(g[k]);
     return mst_ctx_check(ctx);
 }
 
@@ -334,13 +346,11 @@ static mst_status run_shape(mst_ctx_t* ctx, const mlp_shape* s, const int32_t* c
     if (e == MST_OK) e = forward(ctx, &b);
     if (e == MST_OK) e = backward(ctx, &b, MST_WGRAD_ACCUMULATE);
     if (e == MST_OK) e = mst_ctx_check(ctx);
-    if (e == MST_OK) e = time_graph(ctx, &b, OP_FORWARD, st, iters, &r->fwd_ms);
-    if (e == MST_OK) e = time_graph(ctx, &b, OP_BACKWARD, st, iters, &r->bwd_ms);
-    setenv("MST_GG_KERNEL", "wgmma_nofuse", 1); /* read while the graph is captured */
-    if (e == MST_OK) e = time_graph(ctx, &b, OP_FORWARD, st, iters, &r->fwd_unfused_ms);
-    unsetenv("MST_GG_KERNEL");
-    if (e == MST_OK) e = time_graph(ctx, &b, OP_ACT_FORWARD, st, iters, &r->act_fwd_ms);
-    if (e == MST_OK) e = time_graph(ctx, &b, OP_ACT_BACKWARD, st, iters, &r->act_bwd_ms);
+    const bench_op ops[] = {OP_FORWARD, OP_FORWARD, OP_BACKWARD, OP_ACT_FORWARD, OP_ACT_BACKWARD};
+    const char* const kernel[] = {NULL, "wgmma_nofuse", NULL, NULL, NULL}; /* the second: fc1, act apart */
+    double ms[5];
+    if (e == MST_OK) e = time_graphs(ctx, &b, ops, kernel, 5, st, iters, ms);
+    r->fwd_ms = ms[0], r->fwd_unfused_ms = ms[1], r->bwd_ms = ms[2], r->act_fwd_ms = ms[3], r->act_bwd_ms = ms[4];
     bufs_free(ctx, &b);
     const double flop = (double)s->rows * s->hidden * s->ffn;
     r->fwd_tflops = 6 * flop / (r->fwd_ms * 1e-3) / 1e12;

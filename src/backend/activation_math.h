@@ -31,7 +31,16 @@ MST_HD mst_act_param mst_act_param_make(mst_activation act, float limit, float a
     return p;
 }
 
-MST_HD float mst_act_sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
+/* On the GPU with the fast exponential and division (a few ulp): the
+ * activation kernels and the fused fc1 epilogue both run this, so their z
+ * agree bit for bit; the CPU reference stays with expf. */
+MST_HD float mst_act_sigmoid(float v) {
+#ifdef __CUDA_ARCH__
+    return __fdividef(1.0f, 1.0f + __expf(-v));
+#else
+    return 1.0f / (1.0f + expf(-v));
+#endif
+}
 
 /* z0 = act(a, b) before the prob scale. */
 MST_HD float mst_act_value(mst_act_param q, float a, float b) {
