@@ -31,7 +31,10 @@
 namespace {
 
 constexpr int BM = 128, BN = 256, BK = 64;            /* CTA tile; BK = one 128-byte swizzle row */
-constexpr int STAGES = 4;
+#ifndef MST_GG_STAGES
+#define MST_GG_STAGES 4
+#endif
+constexpr int STAGES = MST_GG_STAGES;                 /* ring stages of A and B */
 constexpr int THREADS = 384;                          /* producer WG + 2 consumer WGs */
 constexpr int CONSUMERS = 256;
 constexpr uint32_t A_BYTES = BM * BK * 2;             /* 16 KiB per stage */
@@ -39,7 +42,8 @@ constexpr uint32_t B_BYTES = BN * BK * 2;             /* 32 KiB per stage */
 constexpr uint32_t BOX_BYTES = 64 * BK * 2;           /* one [BK rows][64] M/N-major box */
 constexpr uint32_t ROW_BYTES = 128;                   /* one swizzled smem row */
 constexpr uint32_t C_BYTES = 64 * 128;                /* one output chunk: 64 rows of 128 B */
-constexpr size_t SMEM_BYTES = STAGES * (A_BYTES + B_BYTES) + 2 * 2 * C_BYTES + 1024; /* + 1024-byte alignment slack */
+constexpr int C_BUFS = STAGES == 4 ? 2 : 4;           /* output chunk buffers per consumer */
+constexpr size_t SMEM_BYTES = STAGES * (A_BYTES + B_BYTES) + 2 * C_BUFS * C_BYTES + 1024; /* + 1024-byte alignment slack */
 
 template <int OP>
 struct layout {
@@ -229,30 +233,36 @@ __device__ __forceinline__ void put_pair(uint8_t* chunk, int r, int c, float v0,
             __floats2bfloat162_rn(v0, v1);
 }
 
-/* Output chunks go through staging buffer j % 2 of `sc` ([2][C_BYTES]) of
- * consumer cw. chunk_begin: thread 0 of the warpgroup (wt == 0) waits until
- * the copy that last used the buffer has read it; then every thread writes
- * its part. chunk_end: thread 0 hands the chunk to a TMA store at (c0, c1,
- * c2) of `map` (reduce-add when `add`), which clips it to the tensor's
- * extents. */
-__device__ __forceinline__ uint8_t* chunk_begin(uint8_t* sc, int j, int cw, int wt) {
-    if (wt == 0) bulk_wait_read<1>();
-    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
-    return sc + (j & 1) * C_BYTES;
+/* The output staging of consumer warpgroup cw (thread wt of it): C_BUFS
+ * chunk buffers used in turn; n counts the chunks sent so far. chunk_begin:
+ * thread 0 waits until the copy that last used the next buffer has read it;
+ * then every thread writes its part. chunk_end: thread 0 hands the chunk to
+ * a TMA store at (c0, c1, c2) of `map` (reduce-add when `add`), which clips
+ * it to the tensor's extents. */
+struct out_ring {
+    uint8_t* buf; /* [C_BUFS][C_BYTES] */
+    int n, cw, wt;
+};
+__device__ __forceinline__ uint8_t* chunk_begin(out_ring& o) {
+    if (o.wt == 0) bulk_wait_read<C_BUFS - 1>();
+    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + o.cw) : "memory");
+    return o.buf + (o.n % C_BUFS) * C_BYTES;
 }
-__device__ __forceinline__ void chunk_end(const CUtensorMap* map, const uint8_t* chunk, int cw, int wt, int c0,
-                                          int c1, int c2, int add) {
+__device__ __forceinline__ void chunk_end(out_ring& o, const CUtensorMap* map, const uint8_t* chunk, int c0, int c1,
+                                          int c2, int add) {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
-    if (wt == 0) tma_out(map, chunk, c0, c1, c2, add);
+    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + o.cw) : "memory");
+    if (o.wt == 0) tma_out(map, chunk, c0, c1, c2, add);
+    o.n++;
 }
 
-/* Epilogue through shared memory for consumer cw (thread wt of its
- * warpgroup): its rows [64 cw, +64) x 256 columns go out in 128-byte-wide
- * chunks. Forward adds bias[g] * scale[r]; wgrad ACCUMULATE reduce-adds. */
+/* Epilogue through shared memory for consumer o.cw: its rows [64 cw, +64)
+ * x 256 columns go out in 128-byte-wide chunks. Forward adds bias[g] *
+ * scale[r]; wgrad ACCUMULATE reduce-adds. */
 template <int OP>
 __device__ __forceinline__ void epilogue_tma(const gg_problem& p, const CUtensorMap* mc, const gg_tile& t,
-                                             float (&acc)[128], int cw, int wt, uint8_t* sc) {
+                                             float (&acc)[128], out_ring& o) {
+    const int cw = o.cw, wt = o.wt;
     constexpr int CC = OP == GG_WGRAD ? 32 : 64; /* columns of one chunk */
     const int r = (wt >> 5) * 16 + ((wt & 31) >> 2), c = (wt & 3) * 2;
     const int row = OP == GG_WGRAD ? t.m0 + 64 * cw : t.row0 + t.m0 + 64 * cw; /* C row of chunk row 0 */
@@ -264,7 +274,7 @@ __device__ __forceinline__ void epilogue_tma(const gg_problem& p, const CUtensor
     }
 #pragma unroll
     for (int j = 0; j < BN / CC; j++) {
-        uint8_t* chunk = chunk_begin(sc, j, cw, wt);
+        uint8_t* chunk = chunk_begin(o);
 #pragma unroll
         for (int i = 0; i < CC / 8; i++) {
             const float* f = acc + 4 * (j * (CC / 8) + i);
@@ -277,7 +287,7 @@ __device__ __forceinline__ void epilogue_tma(const gg_problem& p, const CUtensor
             put_pair<OP>(chunk, r, 8 * i + c, v0, v1);
             put_pair<OP>(chunk, r + 8, 8 * i + c, v2, v3);
         }
-        chunk_end(mc, chunk, cw, wt, t.n0 + j * CC, row, OP == GG_WGRAD ? t.g : 0, OP == GG_WGRAD && p.accumulate);
+        chunk_end(o, mc, chunk, t.n0 + j * CC, row, OP == GG_WGRAD ? t.g : 0, OP == GG_WGRAD && p.accumulate);
     }
 }
 
@@ -297,7 +307,9 @@ __device__ __forceinline__ float fc1_h(const __nv_bfloat16* b1, int col, float v
 /* Staged: chunks 0-3 are h's a columns [f0, +128) then b columns
  * [F + f0, +128) (64 each), chunks 4-5 are z's columns [f0, +128). */
 __device__ __forceinline__ void epilogue_fc1_tma(const gg_problem& p, const gg_act& ga, const CUtensorMap* mh,
-                                                 const CUtensorMap* mz, const gg_tile& t, float (&acc)[128], int cw, int wt, uint8_t* sc) {
+                                                 const CUtensorMap* mz, const gg_tile& t, float (&acc)[128],
+                                                 out_ring& o) {
+    const int cw = o.cw, wt = o.wt;
     const int r = (wt >> 5) * 16 + ((wt & 31) >> 2), c = (wt & 3) * 2;
     const int row = t.row0 + t.m0 + 64 * cw, F = t.n_lim / 2, f0 = t.n0 / 2;
     const __nv_bfloat16* b1 = p.bias ? (const __nv_bfloat16*)p.bias + (int64_t)t.g * p.N : NULL; /* [2F] */
@@ -305,7 +317,7 @@ __device__ __forceinline__ void epilogue_fc1_tma(const gg_problem& p, const gg_a
 #pragma unroll
     for (int j = 0; j < 4; j++) {
         const int col = (j < 2 ? f0 + 64 * j : F + f0 + 64 * (j - 2)); /* h column of chunk column 0 */
-        uint8_t* chunk = chunk_begin(sc, j, cw, wt);
+        uint8_t* chunk = chunk_begin(o);
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             const float* f = acc + 4 * (8 * j + i);
@@ -313,11 +325,11 @@ __device__ __forceinline__ void epilogue_fc1_tma(const gg_problem& p, const gg_a
             put_pair<GG_FWD>(chunk, r, 8 * i + c, fc1_h(b1, n, f[0]), fc1_h(b1, n + 1, f[1]));
             put_pair<GG_FWD>(chunk, r + 8, 8 * i + c, fc1_h(b1, n, f[2]), fc1_h(b1, n + 1, f[3]));
         }
-        chunk_end(mh, chunk, cw, wt, col, row, 0, 0);
+        chunk_end(o, mh, chunk, col, row, 0, 0);
     }
 #pragma unroll
     for (int j = 0; j < 2; j++) {
-        uint8_t* chunk = chunk_begin(sc, 4 + j, cw, wt);
+        uint8_t* chunk = chunk_begin(o);
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             const float* fa = acc + 4 * (8 * j + i);
@@ -331,7 +343,7 @@ __device__ __forceinline__ void epilogue_fc1_tma(const gg_problem& p, const gg_a
             put_pair<GG_FWD>(chunk, r, 8 * i + c, z[0], z[1]);
             put_pair<GG_FWD>(chunk, r + 8, 8 * i + c, z[2], z[3]);
         }
-        chunk_end(mz, chunk, cw, wt, f0 + 64 * j, row, 0, 0);
+        chunk_end(o, mz, chunk, f0 + 64 * j, row, 0, 0);
     }
 }
 
@@ -391,7 +403,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     uint8_t* smem = (uint8_t*)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023); /* swizzle atoms */
     uint8_t* sa = smem;                      /* [STAGES][A_BYTES]   */
     uint8_t* sb = smem + STAGES * A_BYTES;   /* [STAGES][B_BYTES]   */
-    uint8_t* sc = sb + STAGES * B_BYTES;     /* [2 consumers][2][C_BYTES] output chunks */
+    uint8_t* sc = sb + STAGES * B_BYTES;     /* [2 consumers][C_BUFS][C_BYTES] output chunks */
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         for (int i = 0; i < STAGES; i++) {
@@ -423,6 +435,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
     const int cw = wg - 1, ct = threadIdx.x - 128, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     float acc[128];
+    out_ring out = {sc + cw * C_BUFS * C_BYTES, 0, cw, ct & 127};
     int st = 0;
     uint32_t ph = 0;
     for (int32_t ti = blockIdx.x; ti < n_tiles; ti += gridDim.x) {
@@ -453,10 +466,9 @@ __global__ void __launch_bounds__(THREADS, 1)
         /* forward / dgrad rows past the group's count must not be written:
          * a warpgroup with such rows stores from registers, masked */
         const int staged = OP == GG_WGRAD || (p.staged_out && t.m0 + 64 * (cw + 1) <= t.m_lim);
-        uint8_t* my_sc = sc + cw * 2 * C_BYTES;
-        if (ACT && staged) epilogue_fc1_tma(p, ga, &map_c, &map_z, t, acc, cw, ct & 127, my_sc);
+        if (ACT && staged) epilogue_fc1_tma(p, ga, &map_c, &map_z, t, acc, out);
         else if (ACT) epilogue_fc1_regs(p, ga, t, acc, cw, warp, lane);
-        else if (staged) epilogue_tma<OP>(p, &map_c, t, acc, cw, ct & 127, my_sc);
+        else if (staged) epilogue_tma<OP>(p, &map_c, t, acc, out);
         else epilogue<OP>(p, t, acc, cw, warp, lane);
     }
     if ((ct & 127) == 0) bulk_wait_all(); /* staging buffers read, C written */
