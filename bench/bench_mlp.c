@@ -7,8 +7,8 @@
  * measure the roof (cuBLAS dense bf16 GEMM 8192^3) on the same card; then per
  * shape the forward (6 rows H F FLOPs) and backward (12 rows H F FLOPs, wgrad
  * ACCUMULATE into main_grad) graph replays, and the activation kernels alone
- * (on Hopper the forward one is fused into fc1's epilogue where F % 128 == 0;
- * the backward one runs as its own kernel). The counts of every
+ * (their share of each pass; fusing them into the GEMM epilogues was
+ * measured slower, see docs/perf-notes.md), all interleaved round by round. The counts of every
  * shape go into the JSON, so bench/torch/mlp.py runs the PyTorch baseline on
  * the same counts and prints the ratio. A short table is printed last.
  */
@@ -40,7 +40,6 @@ static const mlp_shape shapes[] = {
 
 typedef struct mlp_result {
     double fwd_ms, bwd_ms, act_fwd_ms, act_bwd_ms;
-    double fwd_unfused_ms; /* forward with fc1 and the activation as two kernels */
     double fwd_tflops, bwd_tflops;
     double act_bytes_fwd, act_bytes_bwd; /* bytes the activation kernels move */
 } mlp_result;
@@ -265,23 +264,20 @@ static mst_status enqueue(mst_ctx_t* ctx, mlp_bufs* b, bench_op op) {
     return MST_ERR_INVALID;
 }
 
-/* Captures ops[k] in a graph on `s` (with MST_GG_KERNEL = kernel[k] while it
- * is captured, NULL: unset), then replays them interleaved, one of each per
- * round, so clock and temperature drift reach all alike: ms[k] is the mean
- * of `iters` rounds after 3 warm-up rounds. */
-static mst_status time_graphs(mst_ctx_t* ctx, mlp_bufs* b, const bench_op* ops, const char* const* kernel, int n,
-                              cudaStream_t s, int iters, double* ms) {
+/* Captures ops[k] in a graph on `s`, then replays them interleaved, one of
+ * each per round, so clock and temperature drift reach all alike: ms[k] is
+ * the mean of `iters` rounds after 3 warm-up rounds. */
+static mst_status time_graphs(mst_ctx_t* ctx, mlp_bufs* b, const bench_op* ops, int n, cudaStream_t s, int iters,
+                              double* ms) {
     cudaGraph_t g[8] = {0};
     cudaGraphExec_t ge[8] = {0};
     cudaEvent_t e0, e1;
     mst_status st = n <= 8 ? MST_OK : mst_set_error(MST_ERR_INVALID, "n = %d graphs: at most 8", n);
     for (int k = 0; k < n && st == MST_OK; k++) {
-        if (kernel[k]) setenv("MST_GG_KERNEL", kernel[k], 1);
         MST_TRY(mst_ctx_set_stream(ctx, s));
         CUDA_BENCH(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
         st = enqueue(ctx, b, ops[k]);
         cudaError_t ce = cudaStreamEndCapture(s, &g[k]);
-        unsetenv("MST_GG_KERNEL");
         MST_TRY(mst_ctx_set_stream(ctx, NULL));
         MST_TRY(st);
         CUDA_BENCH(ce);
@@ -346,11 +342,10 @@ static mst_status run_shape(mst_ctx_t* ctx, const mlp_shape* s, const int32_t* c
     if (e == MST_OK) e = forward(ctx, &b);
     if (e == MST_OK) e = backward(ctx, &b, MST_WGRAD_ACCUMULATE);
     if (e == MST_OK) e = mst_ctx_check(ctx);
-    const bench_op ops[] = {OP_FORWARD, OP_FORWARD, OP_BACKWARD, OP_ACT_FORWARD, OP_ACT_BACKWARD};
-    const char* const kernel[] = {NULL, "wgmma_nofuse", NULL, NULL, NULL}; /* the second: fc1, act apart */
-    double ms[5];
-    if (e == MST_OK) e = time_graphs(ctx, &b, ops, kernel, 5, st, iters, ms);
-    r->fwd_ms = ms[0], r->fwd_unfused_ms = ms[1], r->bwd_ms = ms[2], r->act_fwd_ms = ms[3], r->act_bwd_ms = ms[4];
+    const bench_op ops[] = {OP_FORWARD, OP_BACKWARD, OP_ACT_FORWARD, OP_ACT_BACKWARD};
+    double ms[4];
+    if (e == MST_OK) e = time_graphs(ctx, &b, ops, 4, st, iters, ms);
+    r->fwd_ms = ms[0], r->bwd_ms = ms[1], r->act_fwd_ms = ms[2], r->act_bwd_ms = ms[3];
     bufs_free(ctx, &b);
     const double flop = (double)s->rows * s->hidden * s->ffn;
     r->fwd_tflops = 6 * flop / (r->fwd_ms * 1e-3) / 1e12;
@@ -371,10 +366,9 @@ static void write_json(FILE* f, const char* device, double roof, const int* whic
         fprintf(f, "    {\"rows\": %lld, \"hidden\": %lld, \"ffn\": %lld, \"E\": %d, \"act\": \"swiglu\", "
                    "\"fwd_ms\": %.4f, \"bwd_ms\": %.4f, \"fwd_tflops\": %.1f, \"bwd_tflops\": %.1f, "
                    "\"act_fwd_ms\": %.4f, \"act_bwd_ms\": %.4f, \"act_fwd_bytes\": %.0f, \"act_bwd_bytes\": %.0f, "
-                   "\"fwd_unfused_ms\": %.4f, \"counts\": [",
+                   "\"counts\": [",
                 (long long)s->rows, (long long)s->hidden, (long long)s->ffn, s->E, r->fwd_ms, r->bwd_ms,
-                r->fwd_tflops, r->bwd_tflops, r->act_fwd_ms, r->act_bwd_ms, r->act_bytes_fwd, r->act_bytes_bwd,
-                r->fwd_unfused_ms);
+                r->fwd_tflops, r->bwd_tflops, r->act_fwd_ms, r->act_bwd_ms, r->act_bytes_fwd, r->act_bytes_bwd);
         for (int g = 0; g < s->E; g++) fprintf(f, "%s%d", g ? ", " : "", counts[k][g]);
         fprintf(f, "]}%s\n", k + 1 < n_which ? "," : "");
     }
@@ -433,20 +427,17 @@ int mst_bench_mlp(int argc, char** argv) {
         printf("shape %d (%s) done\n", which[k], s->what);
     }
     printf("\nroof: cuBLAS bf16 GEMM 8192^3 = %.0f TFLOP/s (same card, same run)\n", roof);
-    printf("%-7s %-5s %-5s %-4s | %-8s %-7s %-6s | %-8s %-7s %-6s | %-9s %-9s | %s\n", "rows", "H", "F", "E",
-           "fwd ms", "TFLOP/s", "%roof", "bwd ms", "TFLOP/s", "%roof", "act f GB/s", "act b GB/s", "unfused fwd ms (fused gain)");
+    printf("%-7s %-5s %-5s %-4s | %-8s %-7s %-6s | %-8s %-7s %-6s | %-9s %-9s\n", "rows", "H", "F", "E",
+           "fwd ms", "TFLOP/s", "%roof", "bwd ms", "TFLOP/s", "%roof", "act f GB/s", "act b GB/s");
     for (int k = 0; k < n_which; k++) {
         const mlp_shape* s = &shapes[which[k]];
         const mlp_result* r = &res[k];
-        printf("%-7lld %-5lld %-5lld %-4d | %-8.3f %-7.0f %-6.0f | %-8.3f %-7.0f %-6.0f | %-10.0f %-9.0f | %.3f "
-               "(%.3fx)\n",
+        printf("%-7lld %-5lld %-5lld %-4d | %-8.3f %-7.0f %-6.0f | %-8.3f %-7.0f %-6.0f | %-10.0f %-9.0f\n",
                (long long)s->rows, (long long)s->hidden, (long long)s->ffn, s->E, r->fwd_ms, r->fwd_tflops,
                100 * r->fwd_tflops / roof, r->bwd_ms, r->bwd_tflops, 100 * r->bwd_tflops / roof,
-               r->act_bytes_fwd / (r->act_fwd_ms * 1e6), r->act_bytes_bwd / (r->act_bwd_ms * 1e6),
-               r->fwd_unfused_ms, r->fwd_unfused_ms / r->fwd_ms);
+               r->act_bytes_fwd / (r->act_fwd_ms * 1e6), r->act_bytes_bwd / (r->act_bwd_ms * 1e6));
     }
-    printf("(act: the activation kernels alone; the forward pass runs it inside fc1's epilogue on Hopper\n"
-           " where F %% 128 == 0, the backward as its own kernel; PyTorch ratio: bench/torch/mlp.py)\n");
+    printf("(act: the activation kernels alone, as run inside each pass; PyTorch ratio: bench/torch/mlp.py)\n");
     if (json) {
         FILE* f = fopen(json, "w");
         if (!f) {

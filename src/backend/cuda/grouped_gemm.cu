@@ -201,8 +201,7 @@ static gg_problem make_problem(const mst_gl_args* a, int op) {
 /* The Hopper kernel (TMA + wgmma) needs sm_90 and 16-byte rows; the
  * mma.sync kernel takes everything else. MST_GG_KERNEL=mma forces the
  * mma.sync kernel, MST_GG_KERNEL=wgmma_regs the Hopper kernel with forward
- * and dgrad stored from registers, MST_GG_KERNEL=wgmma_nofuse the MLP's fc1
- * and activation as two kernels (benchmarks compare them this way). */
+ * and dgrad stored from registers (benchmarks compare them this way). */
 static int use_wgmma(mst_ctx_t* ctx, const gg_problem* p) {
     int major = 0;
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, mst_cuda(ctx)->device) != cudaSuccess) {
@@ -222,9 +221,8 @@ static mst_status check_extents(const mst_gl_args* a) {
     return MST_OK;
 }
 
-/* Enqueues problem p (made from a; act: fused fc1 + activation, or NULL):
- * schedule, GEMM, bias gradients. */
-static mst_status gg_run(mst_ctx_t* ctx, const mst_gl_args* a, const gg_problem& p, const gg_act* act) {
+/* Enqueues problem p (made from a): schedule, GEMM, bias gradients. */
+static mst_status gg_run(mst_ctx_t* ctx, const mst_gl_args* a, const gg_problem& p) {
     mst_cuda_impl* c = mst_cuda(ctx);
     const int op = p.op;
     const int wgmma = use_wgmma(ctx, &p);
@@ -246,7 +244,7 @@ static mst_status gg_run(mst_ctx_t* ctx, const mst_gl_args* a, const gg_problem&
                                                       tiles_fixed, op == GG_WGRAD && !a->accumulate,
                                                       s, ctx->err_flag);
     MST_CUDA_LAUNCHED();
-    if (wgmma) MST_TRY(gg_launch_wgmma(&p, act, &s, a->max_rows, c->n_sm, c->stream));
+    if (wgmma) MST_TRY(gg_launch_wgmma(&p, &s, a->max_rows, c->n_sm, c->stream));
     else MST_TRY(gg_launch_mma(&p, &s, c->n_sm, c->stream));
     if (op == GG_WGRAD) MST_TRY(bias_grads(ctx, a, &s));
     return MST_OK;
@@ -254,7 +252,7 @@ static mst_status gg_run(mst_ctx_t* ctx, const mst_gl_args* a, const gg_problem&
 
 static mst_status gg_op(mst_ctx_t* ctx, const mst_gl_args* a, int op) {
     MST_TRY(check_extents(a));
-    return gg_run(ctx, a, make_problem(a, op), NULL);
+    return gg_run(ctx, a, make_problem(a, op));
 }
 
 extern "C" mst_status mst_cuda_gl_forward(mst_ctx_t* ctx, const mst_gl_args* a) {
@@ -265,21 +263,4 @@ extern "C" mst_status mst_cuda_gl_dgrad(mst_ctx_t* ctx, const mst_gl_args* a) {
 }
 extern "C" mst_status mst_cuda_gl_wgrad(mst_ctx_t* ctx, const mst_gl_args* a) {
     return gg_op(ctx, a, GG_WGRAD);
-}
-
-/* fc1 + activation in the Hopper kernel's epilogue: needs the wgmma path
- * and whole 128-column blocks of f (F % 128 == 0), so that every tile's a
- * and b columns are inside h's halves. */
-extern "C" mst_status mst_cuda_fc1_act_forward(mst_ctx_t* ctx, const mst_gl_args* fc1, const mst_act_args* act,
-                                               int* done) {
-    MST_TRY(check_extents(fc1));
-    const gg_problem p = make_problem(fc1, GG_FWD);
-    *done = 0;
-    const char* force = getenv("MST_GG_KERNEL");
-    if (!use_wgmma(ctx, &p) || act->ffn % 128 != 0 || !aligned16(act->z) || fc1->scale ||
-        (force && strcmp(force, "wgmma_nofuse") == 0))
-        return MST_OK;
-    const gg_act fa = {act->z, act->probs, mst_act_param_make(act->act, act->limit, act->alpha)};
-    *done = 1;
-    return gg_run(ctx, fc1, p, &fa);
 }

@@ -14,7 +14,6 @@
 #ifndef MST_GROUPED_GEMM_CUH
 #define MST_GROUPED_GEMM_CUH
 
-#include "../activation_math.h"
 #include "cuda_common.cuh"
 
 enum gg_op { GG_FWD = 0, GG_DGRAD = 1, GG_WGRAD = 2 };
@@ -54,18 +53,9 @@ typedef struct gg_problem {
     int vec;               /* 1: rows 16-byte aligned, 16-byte copies       */
     int staged_out;        /* wgmma forward / dgrad: full row blocks stored
                               through shared memory and TMA (else registers) */
-} gg_problem; /* kept small: kernels take it by value, and past 128 bytes
+} gg_problem; /* kept small: kernels take it by value, and at 144 bytes
                  the compiler stopped splitting it into registers (measured:
                  forward at short K 20 % slower, the mma dgrad 25 %) */
-
-/* The MLP activation fused into fc1's forward epilogue (wgmma only): C = h
- * [R][N = 2F] holds [a | b]; a tile of 256 columns covers a and b of the
- * same 128 f; z = act(a, b) * probs. A kernel parameter of its own. */
-typedef struct gg_act {
-    uint16_t* z;           /* [R, F] bf16 out                               */
-    const float* probs;    /* [R] fp32                                      */
-    mst_act_param q;       /* activation constants                          */
-} gg_act;
 
 /* One output tile of the schedule, decoded. */
 typedef struct gg_tile {
@@ -177,9 +167,8 @@ extern "C" {
 mst_status gg_launch_mma(const gg_problem* p, const gg_sched* s, int n_sm, cudaStream_t stream);
 void gg_mma_tile(int* bm, int* bn); /* the mma kernel's CTA tile */
 /* Hopper path: operands through TMA (needs rows 16-byte aligned: p->vec). */
-/* act: fc1 with the activation fused (forward only), or NULL. */
-mst_status gg_launch_wgmma(const gg_problem* p, const gg_act* act, const gg_sched* s, int64_t max_rows,
-                           int n_sm, cudaStream_t stream);
+mst_status gg_launch_wgmma(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm,
+                           cudaStream_t stream);
 void gg_wgmma_tile(int* bm, int* bn); /* the wgmma kernel's CTA tile */
 #ifdef __cplusplus
 }

@@ -31,10 +31,7 @@
 namespace {
 
 constexpr int BM = 128, BN = 256, BK = 64;            /* CTA tile; BK = one 128-byte swizzle row */
-#ifndef MST_GG_STAGES
-#define MST_GG_STAGES 4
-#endif
-constexpr int STAGES = MST_GG_STAGES;                 /* ring stages of A and B */
+constexpr int STAGES = 4;                             /* ring stages of A and B */
 constexpr int THREADS = 384;                          /* producer WG + 2 consumer WGs */
 constexpr int CONSUMERS = 256;
 constexpr uint32_t A_BYTES = BM * BK * 2;             /* 16 KiB per stage */
@@ -42,7 +39,7 @@ constexpr uint32_t B_BYTES = BN * BK * 2;             /* 32 KiB per stage */
 constexpr uint32_t BOX_BYTES = 64 * BK * 2;           /* one [BK rows][64] M/N-major box */
 constexpr uint32_t ROW_BYTES = 128;                   /* one swizzled smem row */
 constexpr uint32_t C_BYTES = 64 * 128;                /* one output chunk: 64 rows of 128 B */
-constexpr int C_BUFS = STAGES == 4 ? 2 : 4;           /* output chunk buffers per consumer */
+constexpr int C_BUFS = 2;                             /* output chunk buffers per consumer */
 constexpr size_t SMEM_BYTES = STAGES * (A_BYTES + B_BYTES) + 2 * C_BUFS * C_BYTES + 1024; /* + 1024-byte alignment slack */
 
 template <int OP>
@@ -163,7 +160,7 @@ __device__ __forceinline__ uint64_t desc_b(uint32_t sb, int kk) {
 /* The producer's loads of k-block k0 of tile t into one stage. */
 template <int OP>
 __device__ __forceinline__ void load_stage(const CUtensorMap* ma, const CUtensorMap* mb, const gg_tile& t,
-                                           int k0, bool fuse, uint8_t* sa, uint8_t* sb, uint64_t* full) {
+                                           int k0, uint8_t* sa, uint8_t* sb, uint64_t* full) {
     mbar_expect_tx(full, A_BYTES + B_BYTES);
     if (OP == GG_WGRAD) { /* A: dy rows [row0 + k0, +BK) x cols [m0, m0 + BM), two boxes */
         tma_2d(sa, ma, t.m0, t.row0 + k0, full);
@@ -171,10 +168,7 @@ __device__ __forceinline__ void load_stage(const CUtensorMap* ma, const CUtensor
     } else { /* A: rows [row0 + m0, +BM) x K [k0, +BK), one box */
         tma_2d(sa, ma, k0, t.row0 + t.m0, full);
     }
-    if (OP == GG_FWD && fuse) { /* B: W1[g] rows [f0, +BN/2) and [F + f0, +BN/2): a and b side by side */
-        tma_3d(sb, mb, k0, t.n0 / 2, t.g, full);
-        tma_3d(sb + B_BYTES / 2, mb, k0, t.n_lim / 2 + t.n0 / 2, t.g, full);
-    } else if (OP == GG_FWD) { /* B: W[g] rows [n0, +BN) x K [k0, +BK), one box */
+    if (OP == GG_FWD) { /* B: W[g] rows [n0, +BN) x K [k0, +BK), one box */
         tma_3d(sb, mb, k0, t.n0, t.g, full);
     } else {
 #pragma unroll
@@ -291,91 +285,6 @@ __device__ __forceinline__ void epilogue_tma(const gg_problem& p, const CUtensor
     }
 }
 
-/* ---- fc1 fused with the activation (gg_act) ----
- * Accumulator columns [0, 128) of a tile are a = h[:, f0 + j] and
- * [128, 256) are b = h[:, F + f0 + j] (f0 = n0 / 2), so fragment i < 16 and
- * fragment i + 16 of a thread hold a and b of the same f. h gets b1 added
- * and is stored in bf16; z = act(a, b) * p is computed from those bf16
- * values, as the activation kernel computes it from h in memory. */
-
-/* The bf16 value of h column `col` of group g's row: accumulator v + b1. */
-__device__ __forceinline__ float fc1_h(const __nv_bfloat16* b1, int col, float v) {
-    if (b1) v += __bfloat162float(b1[col]);
-    return __bfloat162float(__float2bfloat16_rn(v));
-}
-
-/* Staged: chunks 0-3 are h's a columns [f0, +128) then b columns
- * [F + f0, +128) (64 each), chunks 4-5 are z's columns [f0, +128). */
-__device__ __forceinline__ void epilogue_fc1_tma(const gg_problem& p, const gg_act& ga, const CUtensorMap* mh,
-                                                 const CUtensorMap* mz, const gg_tile& t, float (&acc)[128],
-                                                 out_ring& o) {
-    const int cw = o.cw, wt = o.wt;
-    const int r = (wt >> 5) * 16 + ((wt & 31) >> 2), c = (wt & 3) * 2;
-    const int row = t.row0 + t.m0 + 64 * cw, F = t.n_lim / 2, f0 = t.n0 / 2;
-    const __nv_bfloat16* b1 = p.bias ? (const __nv_bfloat16*)p.bias + (int64_t)t.g * p.N : NULL; /* [2F] */
-    const float p0 = ga.probs[row + r], p1 = ga.probs[row + r + 8];
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        const int col = (j < 2 ? f0 + 64 * j : F + f0 + 64 * (j - 2)); /* h column of chunk column 0 */
-        uint8_t* chunk = chunk_begin(o);
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const float* f = acc + 4 * (8 * j + i);
-            const int n = col + 8 * i + c;
-            put_pair<GG_FWD>(chunk, r, 8 * i + c, fc1_h(b1, n, f[0]), fc1_h(b1, n + 1, f[1]));
-            put_pair<GG_FWD>(chunk, r + 8, 8 * i + c, fc1_h(b1, n, f[2]), fc1_h(b1, n + 1, f[3]));
-        }
-        chunk_end(o, mh, chunk, col, row, 0, 0);
-    }
-#pragma unroll
-    for (int j = 0; j < 2; j++) {
-        uint8_t* chunk = chunk_begin(o);
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const float* fa = acc + 4 * (8 * j + i);
-            const float* fb = acc + 4 * (16 + 8 * j + i);
-            const int n = f0 + 64 * j + 8 * i + c; /* f */
-            float z[4];
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                z[e] = mst_act_value(ga.q, fc1_h(b1, n + (e & 1), fa[e]), fc1_h(b1, F + n + (e & 1), fb[e])) *
-                       (e < 2 ? p0 : p1);
-            put_pair<GG_FWD>(chunk, r, 8 * i + c, z[0], z[1]);
-            put_pair<GG_FWD>(chunk, r + 8, 8 * i + c, z[2], z[3]);
-        }
-        chunk_end(o, mz, chunk, f0 + 64 * j, row, 0, 0);
-    }
-}
-
-/* From registers, masked to the group's rows (a row block that reaches
- * past the count). */
-__device__ __forceinline__ void epilogue_fc1_regs(const gg_problem& p, const gg_act& ga, const gg_tile& t,
-                                                  float (&acc)[128], int cw, int warp, int lane) {
-    const int F = t.n_lim / 2, f0 = t.n0 / 2, c = (lane & 3) * 2;
-    const __nv_bfloat16* b1 = p.bias ? (const __nv_bfloat16*)p.bias + (int64_t)t.g * p.N : NULL; /* [2F] */
-#pragma unroll
-    for (int half = 0; half < 2; half++) {
-        const int m = t.m0 + 64 * cw + warp * 16 + (lane >> 2) + 8 * half;
-        if (m >= t.m_lim) continue;
-        const int64_t r = (int64_t)t.row0 + m;
-        const float pr = ga.probs[r];
-        __nv_bfloat16* h = (__nv_bfloat16*)p.c + r * p.ldc; /* [2F] */
-        __nv_bfloat16* z = (__nv_bfloat16*)ga.z + r * F;    /* [F]  */
-#pragma unroll
-        for (int i = 0; i < 16; i++) {
-            const int n = f0 + 8 * i + c;
-            const float* fa = acc + 4 * i + 2 * half;
-            const float* fb = acc + 4 * (16 + i) + 2 * half;
-            const float a0 = fc1_h(b1, n, fa[0]), a1 = fc1_h(b1, n + 1, fa[1]);
-            const float v0 = fc1_h(b1, F + n, fb[0]), v1 = fc1_h(b1, F + n + 1, fb[1]);
-            *(__nv_bfloat162*)(h + n) = __floats2bfloat162_rn(a0, a1);
-            *(__nv_bfloat162*)(h + F + n) = __floats2bfloat162_rn(v0, v1);
-            *(__nv_bfloat162*)(z + n) =
-                __floats2bfloat162_rn(mst_act_value(ga.q, a0, v0) * pr, mst_act_value(ga.q, a1, v1) * pr);
-        }
-    }
-}
-
 /* The tile of schedule position k of the grid-stride order (CTA b = k % G,
  * round j = k / G). wgrad takes it from the front of the schedule (largest
  * groups first) when j + b is even and from the back otherwise, so each CTA
@@ -391,13 +300,10 @@ __device__ __forceinline__ int32_t tile_at(int32_t k, int32_t n, int32_t G) {
     return ((j + b) & 1) ? n - 1 - (k - f) : f;
 }
 
-/* ACT: the fc1 + activation instantiation of the forward (ga),
- * kept apart so the plain kernels carry none of its code. */
-template <int OP, bool ACT>
+template <int OP>
 __global__ void __launch_bounds__(THREADS, 1)
     wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                 const __grid_constant__ CUtensorMap map_c, const __grid_constant__ CUtensorMap map_z,
-                 const gg_problem p, const gg_act ga, const gg_sched s) {
+                 const __grid_constant__ CUtensorMap map_c, const gg_problem p, const gg_sched s) {
     extern __shared__ uint8_t smem_raw[];
     __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
     uint8_t* smem = (uint8_t*)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023); /* swizzle atoms */
@@ -424,7 +330,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             const gg_tile t = gg_decode(p, s, tile_at<OP>(ti, n_tiles, gridDim.x), BM, BN);
             for (int k0 = 0; k0 < t.k_len; k0 += BK) {
                 mbar_wait(&empty[st], ph ^ 1);
-                load_stage<OP>(&map_a, &map_b, t, k0, ACT, sa + st * A_BYTES, sb + st * B_BYTES, &full[st]);
+                load_stage<OP>(&map_a, &map_b, t, k0, sa + st * A_BYTES, sb + st * B_BYTES, &full[st]);
                 if (++st == STAGES) st = 0, ph ^= 1;
             }
         }
@@ -466,9 +372,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         /* forward / dgrad rows past the group's count must not be written:
          * a warpgroup with such rows stores from registers, masked */
         const int staged = OP == GG_WGRAD || (p.staged_out && t.m0 + 64 * (cw + 1) <= t.m_lim);
-        if (ACT && staged) epilogue_fc1_tma(p, ga, &map_c, &map_z, t, acc, out);
-        else if (ACT) epilogue_fc1_regs(p, ga, t, acc, cw, warp, lane);
-        else if (staged) epilogue_tma<OP>(p, &map_c, t, acc, out);
+        if (staged) epilogue_tma<OP>(p, &map_c, t, acc, out);
         else epilogue<OP>(p, t, acc, cw, warp, lane);
     }
     if ((ct & 127) == 0) bulk_wait_all(); /* staging buffers read, C written */
@@ -520,14 +424,12 @@ mst_status make_map(CUtensorMap* map, const void* base, int elem, int rank, int6
 
 /* Tensor maps of the op's operands (K-major boxes are [BM or BN rows][BK],
  * M/N-major boxes [BK rows][64]) and of C (boxes of 64 rows x 128 bytes). */
-mst_status make_maps(const gg_problem* p, const gg_act* act, int64_t max_rows, CUtensorMap* ma, CUtensorMap* mb,
-                     CUtensorMap* mc, CUtensorMap* mz) {
+mst_status make_maps(const gg_problem* p, int64_t max_rows, CUtensorMap* ma, CUtensorMap* mb, CUtensorMap* mc) {
     const int64_t E = p->n_groups;
-    if (p->op == GG_FWD) { /* x [R][I], W [E][O][I]; fused: W1 boxes of BN / 2 rows, z [1][R][F] */
+    if (p->op == GG_FWD) { /* x [R][I], W [E][O][I] */
         MST_TRY(make_map(ma, p->a, 2, 2, p->lda, max_rows, 1, BK, BM));
         MST_TRY(make_map(mc, p->c, 2, 3, p->ldc, max_rows, 1, 64, 64)); /* y [1][R][O] */
-        if (act) MST_TRY(make_map(mz, act->z, 2, 3, p->N / 2, max_rows, 1, 64, 64));
-        return make_map(mb, p->b, 2, 3, p->ldb, p->N, E, BK, act ? BN / 2 : BN);
+        return make_map(mb, p->b, 2, 3, p->ldb, p->N, E, BK, BN);
     }
     if (p->op == GG_DGRAD) { /* dy [R][O], W [E][O][I] */
         MST_TRY(make_map(ma, p->a, 2, 2, p->lda, max_rows, 1, BK, BM));
@@ -539,33 +441,29 @@ mst_status make_maps(const gg_problem* p, const gg_act* act, int64_t max_rows, C
     return make_map(mc, p->c, 4, 3, p->ldc, p->M, E, 32, 64);       /* main_grad [E][O][I] */
 }
 
-template <int OP, bool ACT>
-mst_status launch(const gg_problem* p, const gg_act* act, const gg_sched* s, int64_t max_rows, int n_sm,
-                  cudaStream_t stream) {
-    CUtensorMap ma, mb, mc, mz = {}; /* mz: fused fc1 only */
-    MST_TRY(make_maps(p, act, max_rows, &ma, &mb, &mc, &mz));
-    const gg_act ga = act ? *act : gg_act{};
+template <int OP>
+mst_status launch(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm, cudaStream_t stream) {
+    CUtensorMap ma, mb, mc;
+    MST_TRY(make_maps(p, max_rows, &ma, &mb, &mc));
     static int ready = 0; /* attribute set once, on the first (eager) call */
     if (!ready) {
-        MST_CUDA_TRY(cudaFuncSetAttribute(wgmma_kernel<OP, ACT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        MST_CUDA_TRY(cudaFuncSetAttribute(wgmma_kernel<OP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           (int)SMEM_BYTES));
         ready = 1;
     }
-    wgmma_kernel<OP, ACT><<<n_sm, THREADS, SMEM_BYTES, stream>>>(ma, mb, mc, mz, *p, ga, *s);
+    wgmma_kernel<OP><<<n_sm, THREADS, SMEM_BYTES, stream>>>(ma, mb, mc, *p, *s);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
 
 } // namespace
 
-extern "C" mst_status gg_launch_wgmma(const gg_problem* p, const gg_act* act, const gg_sched* s, int64_t max_rows,
-                                      int n_sm, cudaStream_t stream) {
+extern "C" mst_status gg_launch_wgmma(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm,
+                                      cudaStream_t stream) {
     switch (p->op) {
-    case GG_FWD:
-        return act ? launch<GG_FWD, true>(p, act, s, max_rows, n_sm, stream)
-                   : launch<GG_FWD, false>(p, NULL, s, max_rows, n_sm, stream);
-    case GG_DGRAD: return launch<GG_DGRAD, false>(p, NULL, s, max_rows, n_sm, stream);
-    default: return launch<GG_WGRAD, false>(p, NULL, s, max_rows, n_sm, stream);
+    case GG_FWD: return launch<GG_FWD>(p, s, max_rows, n_sm, stream);
+    case GG_DGRAD: return launch<GG_DGRAD>(p, s, max_rows, n_sm, stream);
+    default: return launch<GG_WGRAD>(p, s, max_rows, n_sm, stream);
     }
 }
 
