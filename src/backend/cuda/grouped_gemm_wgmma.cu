@@ -6,7 +6,7 @@
  * with wgmma straight from shared memory (M/N-major operands through the
  * descriptor's transpose bit) and write the epilogue from registers. Both
  * consumers share one 128 x 256 tile (64 rows each, wgmma.m64n256k16).
- * Tiles come from the device schedule, striding over the grid.
+ * Tiles come from the device schedule (see "tile hand-out").
  *
  * Output goes through shared memory: each consumer stages its 64 x 256
  * block in chunks of 64 rows x 128 bytes and hands each to a TMA store, so
@@ -285,19 +285,34 @@ __device__ __forceinline__ void epilogue_tma(const gg_problem& p, const CUtensor
     }
 }
 
-/* The tile of schedule position k of the grid-stride order (CTA b = k % G,
- * round j = k / G). wgrad takes it from the front of the schedule (largest
- * groups first) when j + b is even and from the back otherwise, so each CTA
- * alternates long-K tiles (tensor-core bound) with short-K ones (bound by
- * their main_grad traffic) and every round runs both kinds; f counts the
- * front tiles handed out before k (a checkerboard count). A permutation of
- * [0, n). Forward and dgrad tiles all have the same K: k itself. */
+/* ---- tile hand-out ----
+ * The producer thread picks every tile of its CTA and passes the id to the
+ * consumers through a ring of TSLOTS ids in shared memory (mbarriers as for
+ * the stages); -1 ends the work. Forward and dgrad tiles all have the same
+ * K: they stride over the grid. wgrad tiles are drawn one at a time from
+ * the schedule's counter (an integer atomic), so a CTA that drew short-K
+ * tiles goes on at once; the k-th draw alternates between the front of the
+ * schedule (largest groups: long K, tensor-core bound) and its back
+ * (smallest groups: bound by their main_grad traffic), so both kinds run at
+ * every moment and the longest tiles start first. */
+constexpr int TSLOTS = 4;
+struct tile_pipe {
+    uint64_t full[TSLOTS], empty[TSLOTS];
+    int32_t id[TSLOTS];
+};
+
+/* The schedule tile of the k-th draw of wgrad (a permutation of [0, n)). */
+__device__ __forceinline__ int32_t wgrad_tile(int32_t k, int32_t n) { return k & 1 ? n - 1 - (k >> 1) : k >> 1; }
+
+/* Producer: the i-th tile of this CTA, or -1 past the last. */
 template <int OP>
-__device__ __forceinline__ int32_t tile_at(int32_t k, int32_t n, int32_t G) {
-    if (OP != GG_WGRAD) return k;
-    const int32_t j = k / G, b = k - j * G;
-    const int32_t f = (j * G + 1) / 2 + ((j & 1) ? b >> 1 : (b + 1) >> 1);
-    return ((j + b) & 1) ? n - 1 - (k - f) : f;
+__device__ __forceinline__ int32_t next_tile(const gg_sched& s, int32_t i, int32_t n) {
+    if (OP == GG_WGRAD) {
+        const int32_t k = gg_next_tile(s);
+        return k < n ? wgrad_tile(k, n) : -1;
+    }
+    const int32_t k = (int32_t)blockIdx.x + i * (int32_t)gridDim.x;
+    return k < n ? k : -1;
 }
 
 template <int OP>
@@ -306,6 +321,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                  const __grid_constant__ CUtensorMap map_c, const gg_problem p, const gg_sched s) {
     extern __shared__ uint8_t smem_raw[];
     __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
+    __shared__ tile_pipe tp;
     uint8_t* smem = (uint8_t*)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023); /* swizzle atoms */
     uint8_t* sa = smem;                      /* [STAGES][A_BYTES]   */
     uint8_t* sb = smem + STAGES * A_BYTES;   /* [STAGES][B_BYTES]   */
@@ -316,18 +332,28 @@ __global__ void __launch_bounds__(THREADS, 1)
             mbar_init(&full[i], 1);
             mbar_init(&empty[i], CONSUMERS / 32); /* one arrival per consumer warp */
         }
+        for (int i = 0; i < TSLOTS; i++) {
+            mbar_init(&tp.full[i], 1);
+            mbar_init(&tp.empty[i], CONSUMERS / 32);
+        }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
     const int32_t n_tiles = s.hdr[GG_H_TILES];
 
-    if (wg == 0) { /* producer: every tile of this CTA, in order, through the ring */
+    if (wg == 0) { /* producer: every tile of this CTA, in order, through the rings */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
         if (threadIdx.x != 0) return;
-        int st = 0;
-        uint32_t ph = 0;
-        for (int32_t ti = blockIdx.x; ti < n_tiles; ti += gridDim.x) {
-            const gg_tile t = gg_decode(p, s, tile_at<OP>(ti, n_tiles, gridDim.x), BM, BN);
+        int st = 0, ts = 0;
+        uint32_t ph = 0, tph = 0;
+        for (int32_t i = 0;; i++) {
+            const int32_t ti = next_tile<OP>(s, i, n_tiles);
+            mbar_wait(&tp.empty[ts], tph ^ 1);
+            tp.id[ts] = ti;
+            mbar_arrive(&tp.full[ts]);
+            if (++ts == TSLOTS) ts = 0, tph ^= 1;
+            if (ti < 0) break;
+            const gg_tile t = gg_decode(p, s, ti, BM, BN);
             for (int k0 = 0; k0 < t.k_len; k0 += BK) {
                 mbar_wait(&empty[st], ph ^ 1);
                 load_stage<OP>(&map_a, &map_b, t, k0, sa + st * A_BYTES, sb + st * B_BYTES, &full[st]);
@@ -342,10 +368,16 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int cw = wg - 1, ct = threadIdx.x - 128, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     float acc[128];
     out_ring out = {sc + cw * C_BUFS * C_BYTES, 0, cw, ct & 127};
-    int st = 0;
-    uint32_t ph = 0;
-    for (int32_t ti = blockIdx.x; ti < n_tiles; ti += gridDim.x) {
-        const gg_tile t = gg_decode(p, s, tile_at<OP>(ti, n_tiles, gridDim.x), BM, BN);
+    int st = 0, ts = 0;
+    uint32_t ph = 0, tph = 0;
+    for (;;) {
+        mbar_wait(&tp.full[ts], tph);
+        const int32_t ti = tp.id[ts];
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&tp.empty[ts]);
+        if (++ts == TSLOTS) ts = 0, tph ^= 1;
+        if (ti < 0) break;
+        const gg_tile t = gg_decode(p, s, ti, BM, BN);
         const int nk = gg_cdiv(t.k_len, BK);
 #pragma unroll
         for (int i = 0; i < 128; i++) acc[i] = 0.0f;
