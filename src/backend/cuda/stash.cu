@@ -108,33 +108,30 @@ __device__ void finish_restore(const mst_stash_args& a) {
 /* Rows [0, n) between the contiguous rows (src of a save, dst of a restore)
  * and the handle's pages, as vectors of V: flat vector u of the rows is
  * vector u % vpp of page u / vpp (a save looks its id up in the rings, a
- * restore in the table). The vectors go in chunks of kUnroll * blockDim:
- * block b takes chunks b, b + grid, ...; in a chunk, warp-contiguous order
- * (vector k * blockDim + thread), so a block streams one contiguous 16 KB
- * piece per step with kUnroll loads in flight per thread. A save issues the
- * loads of its first chunk before its plan (any row < src_rows may be read),
- * so the plan's latency hides behind them. Byte offsets fit in 32 bits (a
- * handle holds < 4 GiB); the last < sizeof(V) bytes go byte by byte. */
+ * restore in the table). Grid-stride, each thread with kUnroll loads in
+ * flight before its stores. A save issues the loads of its first step
+ * before its plan (any row < src_rows may be read), so the plan's latency
+ * hides behind them. Byte offsets fit in 32 bits (a handle holds < 4 GiB);
+ * the last < sizeof(V) bytes go byte by byte. */
 template <typename V, bool RESTORE>
-__global__ void __launch_bounds__(kThreads) copy_kernel(mst_stash_args a) {
+__global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
     __shared__ mst_plan s_plan; /* save only */
     const uint32_t page_bytes = (uint32_t)(a.page_rows * a.row_bytes);
     const uint32_t vpp = page_bytes / (uint32_t)sizeof(V);
     char* rows = RESTORE ? a.dst : (char*)a.src;
-    const uint32_t chunk = kUnroll * blockDim.x;
-    uint32_t c = blockIdx.x;
+    const uint32_t stride = gridDim.x * blockDim.x;
+    uint32_t u0 = blockIdx.x * blockDim.x + threadIdx.x;
     V v[kUnroll];
-    bool loaded = false; /* v holds chunk c's vectors */
+    bool loaded = false; /* v holds the vectors of step u0 */
     int64_t n;
     if (RESTORE) {
         n = mst_handle_live(a.st, a.hs) ? a.hs->n_rows : 0;
     } else {
-        const int64_t src_vec64 = a.src_rows * a.row_bytes / (int64_t)sizeof(V);
-        const uint32_t src_vec = (uint32_t)min(src_vec64, (int64_t)UINT32_MAX);
+        const int64_t src_vec = a.src_rows * a.row_bytes / (int64_t)sizeof(V);
+        const uint32_t last = (uint32_t)min(src_vec, (int64_t)UINT32_MAX) - 1;
         if (src_vec > 0) {
 #pragma unroll
-            for (int k = 0; k < kUnroll; k++)
-                v[k] = ((const V*)rows)[min(c * chunk + k * blockDim.x + threadIdx.x, src_vec - 1)];
+            for (int k = 0; k < kUnroll; k++) v[k] = ((const V*)rows)[min(u0 + k * stride, last)];
             loaded = true;
         }
         block_plan(a, &s_plan);
@@ -147,12 +144,11 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(mst_stash_args a) {
         const uint32_t id = RESTORE ? table[p] : mst_plan_page(a.ring, a.cap, &s_plan, p);
         return mst_page_ptr(a.block, id, page_bytes);
     };
-    for (; c * chunk < n_vec; c += gridDim.x, loaded = false) {
-        const uint32_t u0 = c * chunk + threadIdx.x;
+    for (; u0 < n_vec; u0 += kUnroll * stride, loaded = false) {
         V* to[kUnroll];
 #pragma unroll
         for (int k = 0; k < kUnroll; k++) { /* clamped: every address valid, no branch */
-            const uint32_t u = min(u0 + k * blockDim.x, n_vec - 1);
+            const uint32_t u = min(u0 + k * stride, n_vec - 1);
             const uint32_t p = u / vpp;
             V* pg = (V*)page(p) + (u - p * vpp);
             V* row = (V*)rows + u;
@@ -161,7 +157,7 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(mst_stash_args a) {
         }
 #pragma unroll
         for (int k = 0; k < kUnroll; k++)
-            if (u0 + k * blockDim.x < n_vec) *to[k] = v[k];
+            if (u0 + k * stride < n_vec) *to[k] = v[k];
     }
     const uint32_t tail = n_vec * (uint32_t)sizeof(V);
     if (blockIdx.x == 0 && threadIdx.x < total - tail) {
