@@ -7,8 +7,8 @@
  *   grouped cublasGemmGroupedBatchedEx (one group per expert, host sizes)
  *   roof    one dense cublasGemmEx of the same total FLOPs
  * Every variant is captured in a CUDA graph and replayed (launch gaps out of
- * the figures); a variant that cannot be captured is timed eagerly and says
- * so. Shapes (total rows x in -> out, E) with balanced and skewed (Zipf-like)
+ * the figures), the variants of one op interleaved round by round; a
+ * variant that cannot be captured is timed eagerly and says so. Shapes (total rows x in -> out, E) with balanced and skewed (Zipf-like)
  * counts, buffers of max_rows = 1.5 x rows. Before timing, sampled outputs
  * of ours and of the loop are checked against float64 references.
  * A short table is printed last; --json writes every figure.
@@ -41,11 +41,14 @@ static const gemm_shape shapes[] = {
 enum { OP_FWD, OP_DGRAD, OP_WGRAD, N_OPS };
 static const char* op_names[N_OPS] = {"forward", "dgrad", "wgrad"};
 /* ours: the default kernel (TMA + wgmma on Hopper); ours_mma: the mma.sync
- * kernel, forced through MST_GG_KERNEL=mma, for the perf notes. */
-enum { V_OURS, V_OURS_MMA, V_LOOP, V_GROUPED, V_ROOF, N_VARIANTS };
-static const char* variant_names[N_VARIANTS] = {"ours", "ours_mma", "cublas_loop", "cublas_grouped", "dense_roof"};
-static const char* variant_kernel[N_VARIANTS] = {NULL, "mma", NULL, NULL, NULL};
-static int is_ours(int v) { return v <= V_OURS_MMA; }
+ * kernel; ours_regs: the wgmma kernel with forward / dgrad stored from
+ * registers (wgrad is the same as ours); forced through MST_GG_KERNEL, for
+ * the perf notes. */
+enum { V_OURS, V_OURS_MMA, V_OURS_REGS, V_LOOP, V_GROUPED, V_ROOF, N_VARIANTS };
+static const char* variant_names[N_VARIANTS] = {"ours",        "ours_mma",       "ours_regs",
+                                                "cublas_loop", "cublas_grouped", "dense_roof"};
+static const char* variant_kernel[N_VARIANTS] = {NULL, "mma", "wgmma_regs", NULL, NULL, NULL};
+static int is_ours(int v) { return v <= V_OURS_REGS; }
 
 #define BLK (1 << 22) /* elements of the random block every input repeats */
 
@@ -229,46 +232,64 @@ static int enqueue(bench_run* br) {
     return 0;
 }
 
-/* Median time in ms of `reps` graph replays (eager runs if capture fails). */
-static double time_variant(bench_run* br, int reps, int* graphed) {
+/* Warm-up (eager, sizes workspaces), then captures one run of the variant;
+ * *exec stays NULL (timed eagerly) where capture fails. 0 on success. */
+static int prepare(bench_run* br, cudaGraphExec_t* exec) {
     cudaStream_t s = (cudaStream_t)mst_ctx_stream(br->ctx);
     cudaGraph_t graph = NULL;
-    cudaGraphExec_t exec = NULL;
-    *graphed = 0;
-    if (enqueue(br)) return -1; /* warm-up, eager (sizes workspaces) */
-    if (cudaStreamSynchronize(s) != cudaSuccess) return -1;
+    *exec = NULL;
+    if (enqueue(br) || cudaStreamSynchronize(s) != cudaSuccess) return 1;
     if (cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) == cudaSuccess) {
         int bad = enqueue(br);
         cudaError_t e = cudaStreamEndCapture(s, &graph);
-        if (!bad && e == cudaSuccess && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) *graphed = 1;
+        if (bad || e != cudaSuccess || cudaGraphInstantiate(exec, graph, 0) != cudaSuccess) *exec = NULL;
         if (graph) cudaGraphDestroy(graph);
         cudaGetLastError();
     }
+    return 0;
+}
+
+static int cmp_double(const void* a, const void* b) {
+    double x = *(const double*)a, y = *(const double*)b;
+    return (x > y) - (x < y);
+}
+
+/* Times every variant of one op, interleaved (one run of each per round, so
+ * clock and temperature drift reach all variants alike): the median of
+ * `reps` rounds after two warm-up rounds, in ms; -1 where a variant fails. */
+static void time_variants(bench_run* br, int reps, gemm_fig* f) {
+    cudaStream_t s = (cudaStream_t)mst_ctx_stream(br->ctx);
+    cudaGraphExec_t exec[N_VARIANTS];
+    int ok[N_VARIANTS];
+    double* t = (double*)malloc(sizeof(double) * N_VARIANTS * reps); /* [variant][rep] */
     cudaEvent_t ev[2];
     cudaEventCreate(&ev[0]);
     cudaEventCreate(&ev[1]);
-    double* t = (double*)malloc(sizeof(double) * reps);
-    int ok = 1;
-    for (int i = 0; i < reps + 2 && ok; i++) {
-        cudaEventRecord(ev[0], s);
-        ok = *graphed ? cudaGraphLaunch(exec, s) == cudaSuccess : !enqueue(br);
-        cudaEventRecord(ev[1], s);
-        ok = ok && cudaEventSynchronize(ev[1]) == cudaSuccess;
-        float ms = 0;
-        cudaEventElapsedTime(&ms, ev[0], ev[1]);
-        if (i >= 2) t[i - 2] = ms; /* two more warm-ups */
+    for (int v = 0; v < N_VARIANTS; v++) {
+        br->variant = v;
+        ok[v] = !prepare(br, &exec[v]);
+        f->graphed[v] = exec[v] != NULL;
     }
-    for (int i = 1; i < reps; i++) /* insertion sort for the median */
-        for (int j = i; j > 0 && t[j] < t[j - 1]; j--) {
-            double u = t[j];
-            t[j] = t[j - 1], t[j - 1] = u;
+    for (int i = 0; i < reps + 2; i++)
+        for (int v = 0; v < N_VARIANTS; v++) {
+            if (!ok[v]) continue;
+            br->variant = v;
+            cudaEventRecord(ev[0], s);
+            ok[v] = exec[v] ? cudaGraphLaunch(exec[v], s) == cudaSuccess : !enqueue(br);
+            cudaEventRecord(ev[1], s);
+            ok[v] = ok[v] && cudaEventSynchronize(ev[1]) == cudaSuccess;
+            float ms = 0;
+            cudaEventElapsedTime(&ms, ev[0], ev[1]);
+            if (i >= 2) t[v * reps + i - 2] = ms;
         }
-    double med = ok ? t[reps / 2] : -1;
+    for (int v = 0; v < N_VARIANTS; v++) {
+        qsort(t + v * reps, (size_t)reps, sizeof(double), cmp_double);
+        f->ms[v] = ok[v] ? t[v * reps + reps / 2] : -1;
+        if (exec[v]) cudaGraphExecDestroy(exec[v]);
+    }
     free(t);
-    if (exec) cudaGraphExecDestroy(exec);
     cudaEventDestroy(ev[0]);
     cudaEventDestroy(ev[1]);
-    return med;
 }
 
 /* ---- correctness ------------------------------------------------------------ */
@@ -468,19 +489,17 @@ int mst_bench_gemm(int argc, char** argv) {
                     f->err[v] = check_variant(&br, 99 + (uint64_t)op);
                     fails += !(f->err[v] < 1e-2);
                 }
-                for (int v = 0; v < N_VARIANTS; v++) {
-                    br.variant = v;
-                    f->ms[v] = time_variant(&br, reps, &f->graphed[v]);
-                }
+                time_variants(&br, reps, f);
                 double worst = 0;
                 for (int v = 0; v <= V_LOOP; v++) worst = f->err[v] > worst ? f->err[v] : worst;
                 char t[N_VARIANTS][16];
-                printf("%6lld x %4lld -> %4lld E=%3d %-8s %-7s max err %.0e  TFLOP/s: ours %s mma %s  loop %s  "
-                       "grouped %s  roof %s  ours/roof %.2f\n",
+                printf("%6lld x %4lld -> %4lld E=%3d %-8s %-7s max err %.0e  TFLOP/s: ours %s mma %s regs %s  "
+                       "loop %s  grouped %s  roof %s  ours/roof %.2f\n",
                        (long long)s->rows, (long long)s->in, (long long)s->out, s->E, d ? "skewed" : "balanced",
                        op_names[op], worst, tf_str(t[0], s, f->ms[V_OURS]),
-                       tf_str(t[1], s, f->ms[V_OURS_MMA]), tf_str(t[2], s, f->ms[V_LOOP]),
-                       tf_str(t[3], s, f->ms[V_GROUPED]), tf_str(t[4], s, f->ms[V_ROOF]),
+                       tf_str(t[1], s, f->ms[V_OURS_MMA]), tf_str(t[2], s, f->ms[V_OURS_REGS]),
+                       tf_str(t[3], s, f->ms[V_LOOP]), tf_str(t[4], s, f->ms[V_GROUPED]),
+                       tf_str(t[5], s, f->ms[V_ROOF]),
                        f->ms[V_OURS] > 0 ? f->ms[V_ROOF] / f->ms[V_OURS] : 0);
                 fflush(stdout);
             }

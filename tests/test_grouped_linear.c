@@ -90,12 +90,14 @@ static void expect_bf16(mst_ctx_t* ctx, const mst_guarded* g, const double* ref,
     free(got);
 }
 
+/* Downloads a guarded fp32 output and checks it against ref + base (base
+ * NULL: 0). */
 static void expect_fp32(mst_ctx_t* ctx, const mst_guarded* g, const double* ref, size_t n,
-                        double add, const char* what, const gl_case* c) {
+                        const float* base, const char* what, const gl_case* c) {
     float* got = (float*)malloc(g->n_bytes);
     double* want = (double*)malloc(sizeof(double) * (n ? n : 1));
     mst_guarded_get(ctx, g, got);
-    for (size_t i = 0; i < n; i++) want[i] = ref[i] + add;
+    for (size_t i = 0; i < n; i++) want[i] = ref[i] + (base ? base[i] : 0.0);
     double err = mst_rel_err_fp32(got, want, n);
     CHECK(err < MST_TOL_FP32, "%s E=%d I=%lld O=%lld: rel err %.3g", what, c->E, (long long)c->I,
           (long long)c->O, err);
@@ -173,8 +175,10 @@ static void run_case(mst_ctx_t* ctx, mst_rng* rng, const gl_case* c) {
     CHECK_OK(mst_grouped_linear_wgrad(ctx, &dy, &x, ps, pb, &counts, &mw, pmb, c->bias ? &ds : NULL,
                                       MST_WGRAD_OVERWRITE));
     CHECK_OK(mst_ctx_check(ctx));
-    expect_fp32(ctx, &gmw, h.dw, (size_t)(E * O * I), 0.0, "wgrad overwrite dW", c);
-    if (pmb) expect_fp32(ctx, &gmb, h.db, (size_t)(E * O), 0.0, "wgrad overwrite dbias", c);
+    expect_fp32(ctx, &gmw, h.dw, (size_t)(E * O * I), NULL, "wgrad overwrite dW", c);
+    if (pmb) expect_fp32(ctx, &gmb, h.db, (size_t)(E * O), NULL, "wgrad overwrite dbias", c);
+    float* ovw = (float*)malloc(gmw.n_bytes);
+    mst_guarded_get(ctx, &gmw, ovw);
     if (c->bias) {
         float* got = (float*)malloc(gds.n_bytes);
         mst_guarded_get(ctx, &gds, got);
@@ -185,25 +189,39 @@ static void run_case(mst_ctx_t* ctx, mst_rng* rng, const gl_case* c) {
         free(got);
     }
 
-    mst_guarded_fill_fp32(ctx, &gmw, 0.5f);
-    mst_guarded_fill_fp32(ctx, &gmb, 0.5f);
+    /* ACCUMULATE onto random old main_grad values g0: g0 + dW within the
+     * tolerance; on CUDA (K is never split) exactly g0 + the OVERWRITE
+     * result, rounded once. */
+    float* g0 = (float*)malloc(gmw.n_bytes);
+    float* g0_b = (float*)malloc(gmb.n_bytes);
+    mst_rng_fp32(rng, g0, (size_t)(E * O * I), -1.0, 1.0);
+    mst_rng_fp32(rng, g0_b, (size_t)(E * O), -1.0, 1.0);
+    mst_guarded_put(ctx, &gmw, g0);
+    mst_guarded_put(ctx, &gmb, g0_b);
     CHECK_OK(mst_grouped_linear_wgrad(ctx, &dy, &x, ps, NULL, &counts, &mw, pmb, NULL,
                                       MST_WGRAD_ACCUMULATE));
-    expect_fp32(ctx, &gmw, h.dw, (size_t)(E * O * I), 0.5, "wgrad accumulate dW", c);
-    if (pmb) expect_fp32(ctx, &gmb, h.db, (size_t)(E * O), 0.5, "wgrad accumulate dbias", c);
+    expect_fp32(ctx, &gmw, h.dw, (size_t)(E * O * I), g0, "wgrad accumulate dW", c);
+    if (pmb) expect_fp32(ctx, &gmb, h.db, (size_t)(E * O), g0_b, "wgrad accumulate dbias", c);
     float* acc = (float*)malloc(gmw.n_bytes);
     float* acc_b = (float*)malloc(gmb.n_bytes);
     mst_guarded_get(ctx, &gmw, acc);
     mst_guarded_get(ctx, &gmb, acc_b);
+    if (mst_ctx_backend(ctx) == MST_BACKEND_CUDA) {
+        int64_t bad = -1;
+        for (int64_t i = 0; i < E * O * I && bad < 0; i++)
+            if (acc[i] != g0[i] + ovw[i]) bad = i;
+        CHECK(bad < 0, "wgrad accumulate dW[%lld] = %.9g, expected old %.9g + dW %.9g exactly", (long long)bad,
+              bad < 0 ? 0.0 : acc[bad], bad < 0 ? 0.0 : g0[bad], bad < 0 ? 0.0 : ovw[bad]);
+    }
 
-    mst_guarded_fill_fp32(ctx, &gmw, 0.5f);
-    mst_guarded_fill_fp32(ctx, &gmb, 0.5f);
+    mst_guarded_put(ctx, &gmw, g0);
+    mst_guarded_put(ctx, &gmb, g0_b);
     CHECK_OK(mst_grouped_linear_wgrad(ctx, &dy, &x, ps, NULL, &counts, &mw, pmb, NULL,
                                       MST_WGRAD_DEFERRED));
     CHECK(mst_wgrad_pending(ctx) == 1, "deferred wgrad: %d pending, expected 1", mst_wgrad_pending(ctx));
     float* before = (float*)malloc(gmw.n_bytes);
     mst_guarded_get(ctx, &gmw, before);
-    CHECK(before[0] == 0.5f, "deferred wgrad ran before the flush");
+    CHECK(mst_first_diff(before, g0, gmw.n_bytes) < 0, "deferred wgrad ran before the flush");
     CHECK_OK(mst_wgrad_flush(ctx));
     CHECK(mst_wgrad_pending(ctx) == 0, "flush left %d pending", mst_wgrad_pending(ctx));
     float* def = (float*)malloc(gmw.n_bytes);
@@ -212,7 +230,7 @@ static void run_case(mst_ctx_t* ctx, mst_rng* rng, const gl_case* c) {
     mst_guarded_get(ctx, &gmb, def_b);
     CHECK(mst_first_diff(acc, def, gmw.n_bytes) < 0, "DEFERRED dW differs from ACCUMULATE");
     CHECK(!pmb || mst_first_diff(acc_b, def_b, gmb.n_bytes) < 0, "DEFERRED dbias differs from ACCUMULATE");
-    free(acc), free(acc_b), free(before), free(def), free(def_b);
+    free(ovw), free(g0), free(g0_b), free(acc), free(acc_b), free(before), free(def), free(def_b);
 
     mst_guarded* all[] = {&gc, &gx, &gw, &gb, &gdy, &gs, &gy, &gdx, &gmw, &gmb, &gds};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) mst_guarded_free(ctx, all[i]);

@@ -267,6 +267,12 @@ typedef struct mst_backend {
     /* grouped MLP activation */
     mst_status (*act_forward)(mst_ctx_t* ctx, const mst_act_args* a);
     mst_status (*act_backward)(mst_ctx_t* ctx, const mst_act_args* a);
+    /* (optional) fc1 forward fused with the activation forward: h = fc1's y
+     * and z = act->z in one pass, z computed from h's bf16 values as
+     * act_forward computes it (so a recomputed z has the same bits);
+     * *done = 0 (nothing enqueued) where the backend cannot fuse this
+     * shape. act->h is fc1->y. */
+    mst_status (*fc1_act_forward)(mst_ctx_t* ctx, const mst_gl_args* fc1, const mst_act_args* act, int* done);
 
     /* streams and events (memory manager); (optional): a backend without
      * them runs everything in program order. stream NULL = the context's

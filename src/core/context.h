@@ -68,6 +68,12 @@ mst_status mst_check_ctx(const mst_ctx_t* ctx);
 mst_status mst_check_tensor(const mst_tensor* t, const char* name, mst_dtype dtype);
 mst_status mst_check_shape(const mst_tensor* t, const char* name, int64_t rows, int64_t cols);
 
+/* The checked arguments of mst_grouped_linear_forward (ops/grouped_linear.c),
+ * for ops that hand a fused variant to the backend. */
+mst_status mst_gl_forward_args(const mst_tensor* x, const mst_tensor* w, const mst_tensor* bias,
+                               const mst_tensor* scale, const mst_tensor* counts, mst_tensor* y,
+                               mst_gl_args* out);
+
 /* Scratch of at least n_bytes in slot `slot`, grown (never shrunk) on demand. */
 mst_status mst_workspace(mst_ctx_t* ctx, int slot, size_t n_bytes, void** out);
 

@@ -53,11 +53,10 @@ static mst_status dispatch(mst_ctx_t* ctx, mst_status (*op)(mst_ctx_t*, const ms
     return op(ctx, a);
 }
 
-mst_status mst_grouped_linear_forward(mst_ctx_t* ctx, const mst_tensor* x, const mst_tensor* w,
-                                      const mst_tensor* bias, const mst_tensor* scale,
-                                      const mst_tensor* counts, mst_tensor* y) {
+mst_status mst_gl_forward_args(const mst_tensor* x, const mst_tensor* w, const mst_tensor* bias,
+                               const mst_tensor* scale, const mst_tensor* counts, mst_tensor* y,
+                               mst_gl_args* out) {
     mst_gl_args a = {0};
-    MST_TRY(mst_check_ctx(ctx));
     MST_TRY(check_counts(counts, &a));
     MST_TRY(mst_check_tensor(x, "x", MST_DTYPE_BF16));
     a.max_rows = x->rows;
@@ -75,6 +74,16 @@ mst_status mst_grouped_linear_forward(mst_ctx_t* ctx, const mst_tensor* x, const
     }
     a.x = (const uint16_t*)x->data;
     a.y = (uint16_t*)y->data;
+    *out = a;
+    return MST_OK;
+}
+
+mst_status mst_grouped_linear_forward(mst_ctx_t* ctx, const mst_tensor* x, const mst_tensor* w,
+                                      const mst_tensor* bias, const mst_tensor* scale,
+                                      const mst_tensor* counts, mst_tensor* y) {
+    mst_gl_args a;
+    MST_TRY(mst_check_ctx(ctx));
+    MST_TRY(mst_gl_forward_args(x, w, bias, scale, counts, y, &a));
     return dispatch(ctx, ctx->be->gl_forward, &a, "grouped_linear_forward");
 }
 

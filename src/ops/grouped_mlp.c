@@ -123,6 +123,24 @@ static mst_status act_forward(mst_ctx_t* ctx, const mst_mlp_config* cfg, const m
     return act_dispatch(ctx, ctx->be->act_forward, &a, "activation forward");
 }
 
+/* h = fc1(x) then z = act(h) * p: one fused pass where the backend has one
+ * for this shape, else the grouped linear and the activation kernel. */
+static mst_status fc1_act_forward(mst_ctx_t* ctx, const mst_mlp_config* cfg, const mst_mlp_weights* w,
+                                  const mst_tensor* x, const mst_tensor* probs, const mst_tensor* counts,
+                                  mst_tensor* h, mst_tensor* z) {
+    int done = 0;
+    if (ctx->be->fc1_act_forward) {
+        mst_gl_args fc1;
+        MST_TRY(mst_gl_forward_args(x, &w->w1, &w->b1, NULL, counts, h, &fc1));
+        mst_act_args a = act_args(cfg, counts, h, probs);
+        a.z = (uint16_t*)z->data;
+        MST_TRY(ctx->be->fc1_act_forward(ctx, &fc1, &a, &done));
+    }
+    if (done) return MST_OK;
+    MST_TRY(mst_grouped_linear_forward(ctx, x, &w->w1, &w->b1, NULL, counts, h));
+    return act_forward(ctx, cfg, h, probs, counts, z);
+}
+
 /* ---- saved tensors -------------------------------------------------------- */
 
 /* What each saved tensor must look like for max_rows R. */
@@ -170,9 +188,8 @@ mst_status mst_grouped_mlp_forward(mst_ctx_t* ctx, const mst_mlp_config* cfg,
     MST_TRY(produce(saver, cfg, MST_SAVED_FC2_INPUT, R, &z));
     MST_TRY(saver->commit(saver->self, MST_SAVED_FC1_INPUT, x, counts));
     MST_TRY(saver->commit(saver->self, MST_SAVED_PROBS, probs, counts));
-    MST_TRY(mst_grouped_linear_forward(ctx, x, &w->w1, &w->b1, NULL, counts, &h));
+    MST_TRY(fc1_act_forward(ctx, cfg, w, x, probs, counts, &h, &z));
     MST_TRY(saver->commit(saver->self, MST_SAVED_ACT_INPUT, &h, counts));
-    MST_TRY(act_forward(ctx, cfg, &h, probs, counts, &z));
     MST_TRY(saver->commit(saver->self, MST_SAVED_FC2_INPUT, &z, counts));
     return mst_grouped_linear_forward(ctx, &z, &w->w2, &w->b2, probs, counts, y);
 }

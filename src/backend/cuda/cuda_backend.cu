@@ -163,6 +163,7 @@ extern "C" const mst_backend mst_backend_cuda = {
     /* grouped MLP activation */
     .act_forward = mst_cuda_act_forward,
     .act_backward = mst_cuda_act_backward,
+    .fc1_act_forward = mst_cuda_fc1_act_forward,
     /* (C++ designated initializers must follow the order of backend.h:
      * add new slots above this block, in their declaration order) */
     .side_stream = cuda_side_stream,

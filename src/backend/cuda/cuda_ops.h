@@ -13,6 +13,8 @@ extern "C" {
 mst_status mst_cuda_gl_forward(mst_ctx_t* ctx, const mst_gl_args* a);
 mst_status mst_cuda_gl_dgrad(mst_ctx_t* ctx, const mst_gl_args* a);
 mst_status mst_cuda_gl_wgrad(mst_ctx_t* ctx, const mst_gl_args* a);
+/* fc1 forward + activation in one Hopper GEMM (grouped_gemm.cu) */
+mst_status mst_cuda_fc1_act_forward(mst_ctx_t* ctx, const mst_gl_args* fc1, const mst_act_args* act, int* done);
 
 /* grouped MLP activation (activation.cu) */
 mst_status mst_cuda_act_forward(mst_ctx_t* ctx, const mst_act_args* a);

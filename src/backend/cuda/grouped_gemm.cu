@@ -193,12 +193,15 @@ static gg_problem make_problem(const mst_gl_args* a, int op) {
         p.accumulate = a->accumulate;
     }
     p.vec = I % 8 == 0 && O % 8 == 0 && aligned16(p.a) && aligned16(p.b) && aligned16(p.c);
+    const char* force = getenv("MST_GG_KERNEL");
+    p.staged_out = !(force && strcmp(force, "wgmma_regs") == 0);
     return p;
 }
 
 /* The Hopper kernel (TMA + wgmma) needs sm_90 and 16-byte rows; the
  * mma.sync kernel takes everything else. MST_GG_KERNEL=mma forces the
- * mma.sync kernel (benchmarks compare the two this way). */
+ * mma.sync kernel, MST_GG_KERNEL=wgmma_regs the Hopper kernel with forward
+ * and dgrad stored from registers (benchmarks compare them this way). */
 static int use_wgmma(mst_ctx_t* ctx, const gg_problem* p) {
     int major = 0;
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, mst_cuda(ctx)->device) != cudaSuccess) {
@@ -209,14 +212,19 @@ static int use_wgmma(mst_ctx_t* ctx, const gg_problem* p) {
     return p->vec && major == 9 && !(force && strcmp(force, "mma") == 0);
 }
 
-static mst_status gg_run(mst_ctx_t* ctx, const mst_gl_args* a, int op) {
-    mst_cuda_impl* c = mst_cuda(ctx);
+static mst_status check_extents(const mst_gl_args* a) {
     if (a->max_rows > INT32_MAX || a->in > INT32_MAX || a->out > INT32_MAX)
         return mst_set_error(MST_ERR_INVALID,
                              "max_rows = %lld, in = %lld, out = %lld: the CUDA grouped GEMM takes "
                              "at most 2^31 - 1 of each",
                              (long long)a->max_rows, (long long)a->in, (long long)a->out);
-    const gg_problem p = make_problem(a, op);
+    return MST_OK;
+}
+
+/* Enqueues problem p (made from a): schedule, GEMM, bias gradients. */
+static mst_status gg_run(mst_ctx_t* ctx, const mst_gl_args* a, const gg_problem& p) {
+    mst_cuda_impl* c = mst_cuda(ctx);
+    const int op = p.op;
     const int wgmma = use_wgmma(ctx, &p);
     int bm, bn;
     if (wgmma) gg_wgmma_tile(&bm, &bn);
@@ -242,12 +250,34 @@ static mst_status gg_run(mst_ctx_t* ctx, const mst_gl_args* a, int op) {
     return MST_OK;
 }
 
+static mst_status gg_op(mst_ctx_t* ctx, const mst_gl_args* a, int op) {
+    MST_TRY(check_extents(a));
+    return gg_run(ctx, a, make_problem(a, op));
+}
+
 extern "C" mst_status mst_cuda_gl_forward(mst_ctx_t* ctx, const mst_gl_args* a) {
-    return gg_run(ctx, a, GG_FWD);
+    return gg_op(ctx, a, GG_FWD);
 }
 extern "C" mst_status mst_cuda_gl_dgrad(mst_ctx_t* ctx, const mst_gl_args* a) {
-    return gg_run(ctx, a, GG_DGRAD);
+    return gg_op(ctx, a, GG_DGRAD);
 }
 extern "C" mst_status mst_cuda_gl_wgrad(mst_ctx_t* ctx, const mst_gl_args* a) {
-    return gg_run(ctx, a, GG_WGRAD);
+    return gg_op(ctx, a, GG_WGRAD);
+}
+
+/* fc1 + activation in the Hopper kernel's epilogue: needs the wgmma path
+ * and whole 128-column blocks of f (F % 128 == 0), so that every tile's a
+ * and b columns are inside h's halves. */
+extern "C" mst_status mst_cuda_fc1_act_forward(mst_ctx_t* ctx, const mst_gl_args* fc1, const mst_act_args* act,
+                                               int* done) {
+    MST_TRY(check_extents(fc1));
+    gg_problem p = make_problem(fc1, GG_FWD);
+    *done = 0;
+    if (!use_wgmma(ctx, &p) || act->ffn % 128 != 0 || !aligned16(act->z) || fc1->scale) return MST_OK;
+    p.fuse_act = 1;
+    p.z = act->z;
+    p.probs = act->probs;
+    p.act = mst_act_param_make(act->act, act->limit, act->alpha);
+    *done = 1;
+    return gg_run(ctx, fc1, p);
 }

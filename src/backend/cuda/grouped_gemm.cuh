@@ -14,6 +14,7 @@
 #ifndef MST_GROUPED_GEMM_CUH
 #define MST_GROUPED_GEMM_CUH
 
+#include "../activation_math.h"
 #include "cuda_common.cuh"
 
 enum gg_op { GG_FWD = 0, GG_DGRAD = 1, GG_WGRAD = 2 };
@@ -51,6 +52,15 @@ typedef struct gg_problem {
     const float* scale;    /* [R] fp32 (forward, optional)                  */
     int accumulate;        /* wgrad: C += dW instead of C = dW              */
     int vec;               /* 1: rows 16-byte aligned, 16-byte copies       */
+    int staged_out;        /* wgmma forward / dgrad: full row blocks stored
+                              through shared memory and TMA (else registers) */
+    /* forward fused with the MLP activation (fc1, wgmma only): C = h
+     * [R][N = 2F] holds [a | b]; a tile of 256 columns covers a and b of
+     * the same 128 f; z [R][F] = act(a, b) * probs. */
+    int fuse_act;
+    uint16_t* z;           /* [R, F] bf16 out                               */
+    const float* probs;    /* [R] fp32                                      */
+    mst_act_param act;     /* activation constants                          */
 } gg_problem;
 
 /* One output tile of the schedule, decoded. */

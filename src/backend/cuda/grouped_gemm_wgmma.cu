@@ -8,6 +8,15 @@
  * consumers share one 128 x 256 tile (64 rows each, wgmma.m64n256k16).
  * Tiles come from the device schedule, striding over the grid.
  *
+ * Output goes through shared memory: each consumer stages its 64 x 256
+ * block in chunks of 64 rows x 128 bytes and hands each to a TMA store, so
+ * the writes run while the next tile's MMAs do. wgrad ACCUMULATE uses the
+ * TMA reduce-add: every main_grad element gets exactly one add per call,
+ * from one tile, so the result is old + dW rounded once, as with a
+ * load-add-store, whatever the timing. Forward and dgrad row blocks that
+ * reach past the group's count are stored from registers, masked (a TMA
+ * box would write the next group's rows).
+ *
  * Rows: TMA boxes are placed at the group's first row, so a box may run
  * into the next group's rows (or padding rows up to max_rows; TMA zero-fills
  * past max_rows). For forward and dgrad such rows only reach accumulator rows
@@ -29,7 +38,8 @@ constexpr uint32_t A_BYTES = BM * BK * 2;             /* 16 KiB per stage */
 constexpr uint32_t B_BYTES = BN * BK * 2;             /* 32 KiB per stage */
 constexpr uint32_t BOX_BYTES = 64 * BK * 2;           /* one [BK rows][64] M/N-major box */
 constexpr uint32_t ROW_BYTES = 128;                   /* one swizzled smem row */
-constexpr size_t SMEM_BYTES = STAGES * (A_BYTES + B_BYTES) + 1024; /* + 1024-byte alignment slack */
+constexpr uint32_t C_BYTES = 64 * 128;                /* one output chunk: 64 rows of 128 B */
+constexpr size_t SMEM_BYTES = STAGES * (A_BYTES + B_BYTES) + 2 * 2 * C_BYTES + 1024; /* + 1024-byte alignment slack */
 
 template <int OP>
 struct layout {
@@ -76,6 +86,28 @@ __device__ __forceinline__ void tma_3d(void* dst, const CUtensorMap* map, int c0
         "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
         : "memory");
 }
+
+/* Shared chunk -> the box of C at (col c0, row c1, group c2): store, or
+ * reduce-add; completion tracked by this thread's bulk groups. */
+__device__ __forceinline__ void tma_out(const CUtensorMap* map, const void* src, int c0, int c1, int c2, int add) {
+    if (add)
+        asm volatile(
+            "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(map),
+            "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(src))
+            : "memory");
+    else
+        asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(map),
+                     "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(src))
+                     : "memory");
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+/* Waits until at most N of this thread's bulk groups still read shared memory. */
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+/* Waits until all of this thread's bulk groups are complete (writes done). */
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 /* ---- wgmma ---- */
 /* Shared-memory matrix descriptor, 128-byte swizzle: lbo / sbo in bytes. */
@@ -127,7 +159,7 @@ __device__ __forceinline__ uint64_t desc_b(uint32_t sb, int kk) {
 /* The producer's loads of k-block k0 of tile t into one stage. */
 template <int OP>
 __device__ __forceinline__ void load_stage(const CUtensorMap* ma, const CUtensorMap* mb, const gg_tile& t,
-                                           int k0, uint8_t* sa, uint8_t* sb, uint64_t* full) {
+                                           int k0, int fuse, uint8_t* sa, uint8_t* sb, uint64_t* full) {
     mbar_expect_tx(full, A_BYTES + B_BYTES);
     if (OP == GG_WGRAD) { /* A: dy rows [row0 + k0, +BK) x cols [m0, m0 + BM), two boxes */
         tma_2d(sa, ma, t.m0, t.row0 + k0, full);
@@ -135,7 +167,10 @@ __device__ __forceinline__ void load_stage(const CUtensorMap* ma, const CUtensor
     } else { /* A: rows [row0 + m0, +BM) x K [k0, +BK), one box */
         tma_2d(sa, ma, k0, t.row0 + t.m0, full);
     }
-    if (OP == GG_FWD) { /* B: W[g] rows [n0, +BN) x K [k0, +BK), one box */
+    if (OP == GG_FWD && fuse) { /* B: W1[g] rows [f0, +BN/2) and [F + f0, +BN/2): a and b side by side */
+        tma_3d(sb, mb, k0, t.n0 / 2, t.g, full);
+        tma_3d(sb + B_BYTES / 2, mb, k0, t.n_lim / 2 + t.n0 / 2, t.g, full);
+    } else if (OP == GG_FWD) { /* B: W[g] rows [n0, +BN) x K [k0, +BK), one box */
         tma_3d(sb, mb, k0, t.n0, t.g, full);
     } else {
 #pragma unroll
@@ -169,20 +204,12 @@ __device__ __forceinline__ void mma_block(float (&acc)[128], uint32_t a, uint32_
     for (int kk = 0; kk < BK / 16; kk++) wgmma_n256<TA, TB, 0>(acc, desc_a<OP>(a, cw, kk), desc_b<OP>(b, kk));
 }
 
-/* Epilogue: accumulator fragment 4i .. 4i+3 holds rows r, r + 8 and
- * columns c, c + 1 (m64nNk16 layout); main_grad is read first for all of
- * them (loads in flight together), then everything is stored. */
+/* Epilogue of forward and dgrad: accumulator fragment 4i .. 4i+3 holds rows
+ * r, r + 8 and columns c, c + 1 (m64nNk16 layout), stored from registers. */
 template <int OP>
 __device__ __forceinline__ void epilogue(const gg_problem& p, const gg_tile& t, float (&acc)[128], int cw,
                                          int warp, int lane) {
     const int m = t.m0 + 64 * cw + warp * 16 + (lane >> 2), n = t.n0 + (lane & 3) * 2;
-    if (OP == GG_WGRAD && p.accumulate) {
-#pragma unroll
-        for (int i = 0; i < BN / 8; i++) {
-            gg_add_old_pair(p, t, m, n + 8 * i, acc[4 * i], acc[4 * i + 1]);
-            gg_add_old_pair(p, t, m + 8, n + 8 * i, acc[4 * i + 2], acc[4 * i + 3]);
-        }
-    }
 #pragma unroll
     for (int i = 0; i < BN / 8; i++) {
         gg_store_pair<OP>(p, t, m, n + 8 * i, acc[4 * i], acc[4 * i + 1]);
@@ -190,15 +217,177 @@ __device__ __forceinline__ void epilogue(const gg_problem& p, const gg_tile& t, 
     }
 }
 
+/* Writes pair (row r, cols c, c + 1) of a 128-byte-per-row chunk ([64][CC]
+ * fp32 for wgrad, bf16 otherwise) as TMA's 128-byte swizzle reads it: the
+ * 16-byte unit u of row r sits at u ^ (r % 8). */
+template <int OP>
+__device__ __forceinline__ void put_pair(uint8_t* chunk, int r, int c, float v0, float v1) {
+    if (OP == GG_WGRAD)
+        *(float2*)(chunk + r * 128 + (((c >> 2) ^ (r & 7)) << 4) + (c & 3) * 4) = make_float2(v0, v1);
+    else
+        *(__nv_bfloat162*)(chunk + r * 128 + (((c >> 3) ^ (r & 7)) << 4) + (c & 7) * 2) =
+            __floats2bfloat162_rn(v0, v1);
+}
+
+/* One output chunk through staging buffer j % 2 of `sc` ([2][C_BYTES]) of
+ * consumer cw: thread 0 of the warpgroup (wt == 0) waits until the copy
+ * that last used the buffer has read it, every thread writes its part
+ * (fill), and thread 0 hands the chunk to a TMA store at (c0, c1, c2) of
+ * `map` (reduce-add when `add`), which clips it to the tensor's extents. */
+template <class Fill>
+__device__ __forceinline__ void send_chunk(const CUtensorMap* map, uint8_t* sc, int j, int cw, int wt, int c0,
+                                           int c1, int c2, int add, Fill fill) {
+    uint8_t* chunk = sc + (j & 1) * C_BYTES;
+    if (wt == 0) bulk_wait_read<1>();
+    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
+    fill(chunk);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
+    if (wt == 0) tma_out(map, chunk, c0, c1, c2, add);
+}
+
+/* Epilogue through shared memory for consumer cw (thread wt of its
+ * warpgroup): its rows [64 cw, +64) x 256 columns go out in 128-byte-wide
+ * chunks. Forward adds bias[g] * scale[r]; wgrad ACCUMULATE reduce-adds. */
+template <int OP>
+__device__ __forceinline__ void epilogue_tma(const gg_problem& p, const CUtensorMap* mc, const gg_tile& t,
+                                             float (&acc)[128], int cw, int wt, uint8_t* sc) {
+    constexpr int CC = OP == GG_WGRAD ? 32 : 64; /* columns of one chunk */
+    const int r = (wt >> 5) * 16 + ((wt & 31) >> 2), c = (wt & 3) * 2;
+    const int row = OP == GG_WGRAD ? t.m0 + 64 * cw : t.row0 + t.m0 + 64 * cw; /* C row of chunk row 0 */
+    const __nv_bfloat16* bias = NULL;                  /* [N] of group g, from column n0 */
+    float s0 = 1.0f, s1 = 1.0f;                        /* scale of rows r, r + 8 */
+    if (OP == GG_FWD && p.bias) {
+        bias = (const __nv_bfloat16*)p.bias + (int64_t)t.g * p.N + t.n0;
+        if (p.scale) s0 = p.scale[row + r], s1 = p.scale[row + r + 8];
+    }
+#pragma unroll
+    for (int j = 0; j < BN / CC; j++)
+        send_chunk(mc, sc, j, cw, wt, t.n0 + j * CC, row, OP == GG_WGRAD ? t.g : 0, OP == GG_WGRAD && p.accumulate,
+                   [&](uint8_t* chunk) {
+#pragma unroll
+                       for (int i = 0; i < CC / 8; i++) {
+                           const float* f = acc + 4 * (j * (CC / 8) + i);
+                           float v0 = f[0], v1 = f[1], v2 = f[2], v3 = f[3];
+                           const int n = j * CC + 8 * i + c; /* tile column */
+                           if (OP == GG_FWD && bias && t.n0 + n < t.n_lim) {
+                               const float b0 = __bfloat162float(bias[n]), b1 = __bfloat162float(bias[n + 1]);
+                               v0 += b0 * s0, v1 += b1 * s0, v2 += b0 * s1, v3 += b1 * s1;
+                           }
+                           put_pair<OP>(chunk, r, 8 * i + c, v0, v1);
+                           put_pair<OP>(chunk, r + 8, 8 * i + c, v2, v3);
+                       }
+                   });
+}
+
+/* ---- fc1 fused with the activation (p.fuse_act) ----
+ * Accumulator columns [0, 128) of a tile are a = h[:, f0 + j] and
+ * [128, 256) are b = h[:, F + f0 + j] (f0 = n0 / 2), so fragment i < 16 and
+ * fragment i + 16 of a thread hold a and b of the same f. h gets b1 added
+ * and is stored in bf16; z = act(a, b) * p is computed from those bf16
+ * values, as the activation kernel computes it from h in memory. */
+
+/* The bf16 value of h column `col` of group g's row: accumulator v + b1. */
+__device__ __forceinline__ float fc1_h(const __nv_bfloat16* b1, int col, float v) {
+    if (b1) v += __bfloat162float(b1[col]);
+    return __bfloat162float(__float2bfloat16_rn(v));
+}
+
+/* Staged: chunks 0-3 are h's a columns [f0, +128) then b columns
+ * [F + f0, +128) (64 each), chunks 4-5 are z's columns [f0, +128). */
+__device__ __forceinline__ void epilogue_fc1_tma(const gg_problem& p, const CUtensorMap* mh, const CUtensorMap* mz,
+                                                 const gg_tile& t, float (&acc)[128], int cw, int wt, uint8_t* sc) {
+    const int r = (wt >> 5) * 16 + ((wt & 31) >> 2), c = (wt & 3) * 2;
+    const int row = t.row0 + t.m0 + 64 * cw, F = t.n_lim / 2, f0 = t.n0 / 2;
+    const __nv_bfloat16* b1 = p.bias ? (const __nv_bfloat16*)p.bias + (int64_t)t.g * p.N : NULL; /* [2F] */
+    const float p0 = p.probs[row + r], p1 = p.probs[row + r + 8];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int col = (j < 2 ? f0 + 64 * j : F + f0 + 64 * (j - 2)); /* h column of chunk column 0 */
+        send_chunk(mh, sc, j, cw, wt, col, row, 0, 0, [&](uint8_t* chunk) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const float* f = acc + 4 * (8 * j + i);
+                const int n = col + 8 * i + c;
+                put_pair<GG_FWD>(chunk, r, 8 * i + c, fc1_h(b1, n, f[0]), fc1_h(b1, n + 1, f[1]));
+                put_pair<GG_FWD>(chunk, r + 8, 8 * i + c, fc1_h(b1, n, f[2]), fc1_h(b1, n + 1, f[3]));
+            }
+        });
+    }
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+        send_chunk(mz, sc, 4 + j, cw, wt, f0 + 64 * j, row, 0, 0, [&](uint8_t* chunk) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const float* fa = acc + 4 * (8 * j + i);
+                const float* fb = acc + 4 * (16 + 8 * j + i);
+                const int n = f0 + 64 * j + 8 * i + c; /* f */
+                float z[4];
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    z[e] = mst_act_value(p.act, fc1_h(b1, n + (e & 1), fa[e]), fc1_h(b1, F + n + (e & 1), fb[e])) *
+                           (e < 2 ? p0 : p1);
+                put_pair<GG_FWD>(chunk, r, 8 * i + c, z[0], z[1]);
+                put_pair<GG_FWD>(chunk, r + 8, 8 * i + c, z[2], z[3]);
+            }
+        });
+}
+
+/* From registers, masked to the group's rows (a row block that reaches
+ * past the count). */
+__device__ __forceinline__ void epilogue_fc1_regs(const gg_problem& p, const gg_tile& t, float (&acc)[128], int cw,
+                                                  int warp, int lane) {
+    const int F = t.n_lim / 2, f0 = t.n0 / 2, c = (lane & 3) * 2;
+    const __nv_bfloat16* b1 = p.bias ? (const __nv_bfloat16*)p.bias + (int64_t)t.g * p.N : NULL; /* [2F] */
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int m = t.m0 + 64 * cw + warp * 16 + (lane >> 2) + 8 * half;
+        if (m >= t.m_lim) continue;
+        const int64_t r = (int64_t)t.row0 + m;
+        const float pr = p.probs[r];
+        __nv_bfloat16* h = (__nv_bfloat16*)p.c + r * p.ldc; /* [2F] */
+        __nv_bfloat16* z = (__nv_bfloat16*)p.z + r * F;     /* [F]  */
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            const int n = f0 + 8 * i + c;
+            const float* fa = acc + 4 * i + 2 * half;
+            const float* fb = acc + 4 * (16 + i) + 2 * half;
+            const float a0 = fc1_h(b1, n, fa[0]), a1 = fc1_h(b1, n + 1, fa[1]);
+            const float v0 = fc1_h(b1, F + n, fb[0]), v1 = fc1_h(b1, F + n + 1, fb[1]);
+            *(__nv_bfloat162*)(h + n) = __floats2bfloat162_rn(a0, a1);
+            *(__nv_bfloat162*)(h + F + n) = __floats2bfloat162_rn(v0, v1);
+            *(__nv_bfloat162*)(z + n) =
+                __floats2bfloat162_rn(mst_act_value(p.act, a0, v0) * pr, mst_act_value(p.act, a1, v1) * pr);
+        }
+    }
+}
+
+/* The tile of schedule position k of the grid-stride order (CTA b = k % G,
+ * round j = k / G). wgrad takes it from the front of the schedule (largest
+ * groups first) when j + b is even and from the back otherwise, so each CTA
+ * alternates long-K tiles (tensor-core bound) with short-K ones (bound by
+ * their main_grad traffic) and every round runs both kinds; f counts the
+ * front tiles handed out before k (a checkerboard count). A permutation of
+ * [0, n). Forward and dgrad tiles all have the same K: k itself. */
+template <int OP>
+__device__ __forceinline__ int32_t tile_at(int32_t k, int32_t n, int32_t G) {
+    if (OP != GG_WGRAD) return k;
+    const int32_t j = k / G, b = k - j * G;
+    const int32_t f = (j * G + 1) / 2 + ((j & 1) ? b >> 1 : (b + 1) >> 1);
+    return ((j + b) & 1) ? n - 1 - (k - f) : f;
+}
+
 template <int OP>
 __global__ void __launch_bounds__(THREADS, 1)
     wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                 const __grid_constant__ CUtensorMap map_c, const __grid_constant__ CUtensorMap map_z,
                  const gg_problem p, const gg_sched s) {
     extern __shared__ uint8_t smem_raw[];
     __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
     uint8_t* smem = (uint8_t*)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023); /* swizzle atoms */
     uint8_t* sa = smem;                      /* [STAGES][A_BYTES]   */
     uint8_t* sb = smem + STAGES * A_BYTES;   /* [STAGES][B_BYTES]   */
+    uint8_t* sc = sb + STAGES * B_BYTES;     /* [2 consumers][2][C_BYTES] output chunks */
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         for (int i = 0; i < STAGES; i++) {
@@ -216,10 +405,10 @@ __global__ void __launch_bounds__(THREADS, 1)
         int st = 0;
         uint32_t ph = 0;
         for (int32_t ti = blockIdx.x; ti < n_tiles; ti += gridDim.x) {
-            const gg_tile t = gg_decode(p, s, ti, BM, BN);
+            const gg_tile t = gg_decode(p, s, tile_at<OP>(ti, n_tiles, gridDim.x), BM, BN);
             for (int k0 = 0; k0 < t.k_len; k0 += BK) {
                 mbar_wait(&empty[st], ph ^ 1);
-                load_stage<OP>(&map_a, &map_b, t, k0, sa + st * A_BYTES, sb + st * B_BYTES, &full[st]);
+                load_stage<OP>(&map_a, &map_b, t, k0, p.fuse_act, sa + st * A_BYTES, sb + st * B_BYTES, &full[st]);
                 if (++st == STAGES) st = 0, ph ^= 1;
             }
         }
@@ -233,7 +422,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     int st = 0;
     uint32_t ph = 0;
     for (int32_t ti = blockIdx.x; ti < n_tiles; ti += gridDim.x) {
-        const gg_tile t = gg_decode(p, s, ti, BM, BN);
+        const gg_tile t = gg_decode(p, s, tile_at<OP>(ti, n_tiles, gridDim.x), BM, BN);
         const int nk = gg_cdiv(t.k_len, BK);
 #pragma unroll
         for (int i = 0; i < 128; i++) acc[i] = 0.0f;
@@ -257,8 +446,16 @@ __global__ void __launch_bounds__(THREADS, 1)
         wgmma_wait<0>();
         fence_acc(acc);
         if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
-        epilogue<OP>(p, t, acc, cw, warp, lane);
+        /* forward / dgrad rows past the group's count must not be written:
+         * a warpgroup with such rows stores from registers, masked */
+        const int staged = OP == GG_WGRAD || (p.staged_out && t.m0 + 64 * (cw + 1) <= t.m_lim);
+        uint8_t* my_sc = sc + cw * 2 * C_BYTES;
+        if (OP == GG_FWD && p.fuse_act && staged) epilogue_fc1_tma(p, &map_c, &map_z, t, acc, cw, ct & 127, my_sc);
+        else if (OP == GG_FWD && p.fuse_act) epilogue_fc1_regs(p, t, acc, cw, warp, lane);
+        else if (staged) epilogue_tma<OP>(p, &map_c, t, acc, cw, ct & 127, my_sc);
+        else epilogue<OP>(p, t, acc, cw, warp, lane);
     }
+    if ((ct & 127) == 0) bulk_wait_all(); /* staging buffers read, C written */
 }
 
 /* ---- host ---- */
@@ -284,16 +481,18 @@ mst_status encoder(encode_tiled_fn* out) {
     return MST_OK;
 }
 
-/* A bf16 tensor map of rank 2 ([rows][cols]) or 3 ([groups][rows][cols])
- * with a box of box_cols (<= 64: one swizzle row) x box_rows. */
-mst_status make_map(CUtensorMap* map, const void* base, int rank, int64_t cols, int64_t rows, int64_t groups,
-                    uint32_t box_cols, uint32_t box_rows) {
+/* A tensor map of rank 2 ([rows][cols]) or 3 ([groups][rows][cols]) of
+ * bf16 (elem 2) or fp32 (elem 4) with a box of box_cols (one 128-byte
+ * swizzle row at most) x box_rows. */
+mst_status make_map(CUtensorMap* map, const void* base, int elem, int rank, int64_t cols, int64_t rows,
+                    int64_t groups, uint32_t box_cols, uint32_t box_rows) {
     cuuint64_t dim[3] = {(cuuint64_t)cols, (cuuint64_t)rows, (cuuint64_t)groups};
-    cuuint64_t stride[2] = {(cuuint64_t)cols * 2, (cuuint64_t)(cols * rows) * 2};
+    cuuint64_t stride[2] = {(cuuint64_t)(cols * elem), (cuuint64_t)(cols * rows * elem)};
     cuuint32_t box[3] = {box_cols, box_rows, 1}, estride[3] = {1, 1, 1};
     encode_tiled_fn encode = NULL;
     MST_TRY(encoder(&encode));
-    CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, (void*)base, dim,
+    const CUtensorMapDataType type = elem == 4 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    CUresult r = encode(map, type, (cuuint32_t)rank, (void*)base, dim,
                                         stride, box, estride, CU_TENSOR_MAP_INTERLEAVE_NONE,
                                         CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
@@ -303,33 +502,38 @@ mst_status make_map(CUtensorMap* map, const void* base, int rank, int64_t cols, 
     return MST_OK;
 }
 
-/* Tensor maps of the op's operands: K-major boxes are [BM or BN rows][BK];
- * M/N-major boxes are [BK rows][64]. */
-mst_status make_maps(const gg_problem* p, int64_t max_rows, CUtensorMap* ma, CUtensorMap* mb) {
+/* Tensor maps of the op's operands (K-major boxes are [BM or BN rows][BK],
+ * M/N-major boxes [BK rows][64]) and of C (boxes of 64 rows x 128 bytes). */
+mst_status make_maps(const gg_problem* p, int64_t max_rows, CUtensorMap* ma, CUtensorMap* mb, CUtensorMap* mc,
+                     CUtensorMap* mz) {
     const int64_t E = p->n_groups;
-    if (p->op == GG_FWD) { /* x [R][I], W [E][O][I] */
-        MST_TRY(make_map(ma, p->a, 2, p->lda, max_rows, 1, BK, BM));
-        return make_map(mb, p->b, 3, p->ldb, p->N, E, BK, BN);
+    if (p->op == GG_FWD) { /* x [R][I], W [E][O][I]; fused: W1 boxes of BN / 2 rows, z [1][R][F] */
+        MST_TRY(make_map(ma, p->a, 2, 2, p->lda, max_rows, 1, BK, BM));
+        MST_TRY(make_map(mc, p->c, 2, 3, p->ldc, max_rows, 1, 64, 64)); /* y [1][R][O] */
+        if (p->fuse_act) MST_TRY(make_map(mz, p->z, 2, 3, p->N / 2, max_rows, 1, 64, 64));
+        return make_map(mb, p->b, 2, 3, p->ldb, p->N, E, BK, p->fuse_act ? BN / 2 : BN);
     }
     if (p->op == GG_DGRAD) { /* dy [R][O], W [E][O][I] */
-        MST_TRY(make_map(ma, p->a, 2, p->lda, max_rows, 1, BK, BM));
-        return make_map(mb, p->b, 3, p->ldb, p->K, E, 64, BK);
+        MST_TRY(make_map(ma, p->a, 2, 2, p->lda, max_rows, 1, BK, BM));
+        MST_TRY(make_map(mc, p->c, 2, 3, p->ldc, max_rows, 1, 64, 64)); /* dx [1][R][I] */
+        return make_map(mb, p->b, 2, 3, p->ldb, p->K, E, 64, BK);
     }
-    MST_TRY(make_map(ma, p->a, 2, p->lda, max_rows, 1, 64, BK)); /* dy [R][O] */
-    return make_map(mb, p->b, 2, p->ldb, max_rows, 1, 64, BK);    /* x  [R][I] */
+    MST_TRY(make_map(ma, p->a, 2, 2, p->lda, max_rows, 1, 64, BK)); /* dy [R][O] */
+    MST_TRY(make_map(mb, p->b, 2, 2, p->ldb, max_rows, 1, 64, BK)); /* x  [R][I] */
+    return make_map(mc, p->c, 4, 3, p->ldc, p->M, E, 32, 64);       /* main_grad [E][O][I] */
 }
 
 template <int OP>
 mst_status launch(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm, cudaStream_t stream) {
-    CUtensorMap ma, mb;
-    MST_TRY(make_maps(p, max_rows, &ma, &mb));
+    CUtensorMap ma, mb, mc, mz = {}; /* mz: fused fc1 only */
+    MST_TRY(make_maps(p, max_rows, &ma, &mb, &mc, &mz));
     static int ready = 0; /* attribute set once, on the first (eager) call */
     if (!ready) {
         MST_CUDA_TRY(cudaFuncSetAttribute(wgmma_kernel<OP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           (int)SMEM_BYTES));
         ready = 1;
     }
-    wgmma_kernel<OP><<<n_sm, THREADS, SMEM_BYTES, stream>>>(ma, mb, *p, *s);
+    wgmma_kernel<OP><<<n_sm, THREADS, SMEM_BYTES, stream>>>(ma, mb, mc, mz, *p, *s);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
