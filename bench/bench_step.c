@@ -120,7 +120,7 @@ static mst_status timed_steps(mst_ctx_t* ctx, mst_stack* s, const mst_sched_entr
         mst_status rs = mst_stack_step(s, sch, n, 0);
         cudaError_t e = cudaStreamEndCapture(st, &g);
         if (rs != MST_OK) return rs;
-        if (e != cudaSuccess || cudaGraphInstantiate(&ge, g, cudaGraphInstantiateFlagUseNodePriority) != cudaSuccess)
+        if (e != cudaSuccess || cudaGraphInstantiate(&ge, g, 0) != cudaSuccess)
             return mst_set_error(MST_ERR_BACKEND, "graph capture of a step: %s", cudaGetErrorString(e));
         cudaEventCreate(&e0);
         cudaEventCreate(&e1);

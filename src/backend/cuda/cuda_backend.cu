@@ -33,11 +33,7 @@ static mst_status cuda_init(mst_ctx_t* ctx, int device) {
     MST_CUDA_TRY(cudaGetDeviceProperties(&p, device));
     c->n_sm = p.multiProcessorCount;
     MST_CUDA_TRY(cudaStreamCreateWithFlags(&c->own_stream, cudaStreamNonBlocking));
-    int least, greatest; /* the side streams' copies go first when SMs free up: they are
-                            short next to the GEMMs, and PCIe copies would idle behind them */
-    MST_CUDA_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-    for (int i = 0; i < MST_N_SIDE; i++)
-        MST_CUDA_TRY(cudaStreamCreateWithPriority(&c->side[i], cudaStreamNonBlocking, greatest));
+    for (int i = 0; i < MST_N_SIDE; i++) MST_CUDA_TRY(cudaStreamCreateWithFlags(&c->side[i], cudaStreamNonBlocking));
     c->stream = c->own_stream;
     MST_CUBLAS_TRY(cublasCreate(&c->blas));
     MST_CUBLAS_TRY(cublasSetStream(c->blas, c->stream));

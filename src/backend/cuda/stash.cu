@@ -6,8 +6,8 @@
  *   save    = one kernel: every block sums the counts and computes the same
  *             plan (mst_reserve_plan) from the untouched pool state, copies
  *             its share of rows into the pages the plan names (read from the
- *             rings), and the last block to finish writes the page table and
- *             commits the plan (mst_reserve_commit, one thread)
+ *             rings), writes its share of the page table, and the last block
+ *             to finish commits the plan (mst_reserve_commit, one thread)
  *   restore = one kernel: copies from the pages; the last block returns the
  *             pages to their rings (mst_return_begin / end). A split restore
  *             is the copy kernel without the return, then a one-block
@@ -85,9 +85,9 @@ __device__ bool last_block(uint32_t* done) {
     return s_last;
 }
 
-/* Save, last block: the page table, then the commit and the context flags. */
+/* Save, last block: the commit and the context flags (every block wrote its
+ * share of the page table after the plan). */
 __device__ void finish_save(const mst_stash_args& a, const mst_plan* p) {
-    mst_ring_move(a.ring, a.cap, p->pos, p->take, a.table, 0, threadIdx.x, blockDim.x);
     if (threadIdx.x != 0) return;
     mst_reserve_commit(a.st, a.hs, a.cap, p, a.handle_id);
     if (p->outcome == MST_RESERVE_OVERFLOW) mst_dev_flag(a.err_flag, MST_FLAG_OVERFLOW);
@@ -180,6 +180,9 @@ __device__ __forceinline__ void copy_rows(const mst_stash_args& a) {
         for (int k = 0; k < kUnroll; k++)
             if (u0 + k * stride < n_vec) *to[k] = v[k];
     }
+    if (!RESTORE) /* this block's share of the page table */
+        mst_ring_move(a.ring, a.cap, s_plan.pos, s_plan.take, a.table, 0, blockIdx.x * blockDim.x + threadIdx.x,
+                      (int64_t)gridDim.x * blockDim.x);
     copy_end<RESTORE>(a, &s_plan, rows, n_vec * (uint32_t)sizeof(V), total);
 }
 
