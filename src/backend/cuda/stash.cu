@@ -26,11 +26,12 @@ namespace {
 
 constexpr int kThreads = 256; /* every stash kernel's block size         */
 constexpr int kUnroll = 4;    /* independent vectors in flight per thread */
-/* A pool of host pages only copies on one warp per SM (kWarpThreads, at
- * most 32 registers a thread, no shared memory but a few bytes): PCIe needs
- * few bytes in flight, and such a block fits beside a persistent GEMM block
- * (which leaves 1024 registers free), so an offload never waits for SMs. */
-constexpr int kWarpThreads = 32;
+constexpr int kHostBlocks = 64; /* copy grid of a pool with only host pages:
+                                   PCIe needs few blocks, and the rest of the
+                                   SMs stay free for concurrent work        */
+constexpr int kWarpThreads = 32; /* the page-return kernel: one warp (28
+                                    registers) fits beside a persistent
+                                    GEMM block, which leaves 1024 free     */
 
 /* Sum of counts [E]; *bad = a negative count was seen. Block-wide result. */
 __device__ int64_t block_counts_sum(const int32_t* counts, int32_t n_groups, int* bad) {
@@ -130,12 +131,12 @@ __device__ void copy_end(const mst_stash_args& a, const mst_plan* plan, char* ro
  * and the handle's pages, as vectors of V: flat vector u of the rows is
  * vector u % vpp of page u / vpp (a save looks its id up in the rings, a
  * restore in the table). Grid-stride, each thread with kUnroll loads in
- * flight before its stores. With EARLY, a save issues the loads of its first
- * step before its plan (any row < src_rows may be read), so the plan's
- * latency hides behind them. Byte offsets fit in 32 bits (a handle holds < 4 GiB);
+ * flight before its stores. A save issues the loads of its first step
+ * before its plan (any row < src_rows may be read), so the plan's latency
+ * hides behind them. Byte offsets fit in 32 bits (a handle holds < 4 GiB);
  * the last < sizeof(V) bytes go byte by byte. */
-template <typename V, bool RESTORE, bool EARLY>
-__device__ __forceinline__ void copy_rows(const mst_stash_args& a) {
+template <typename V, bool RESTORE>
+__global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
     __shared__ mst_plan s_plan; /* save only */
     const uint32_t page_bytes = (uint32_t)(a.page_rows * a.row_bytes);
     const uint32_t vpp = page_bytes / (uint32_t)sizeof(V);
@@ -150,7 +151,7 @@ __device__ __forceinline__ void copy_rows(const mst_stash_args& a) {
     } else {
         const int64_t src_vec = a.src_rows * a.row_bytes / (int64_t)sizeof(V);
         const uint32_t last = (uint32_t)min(src_vec, (int64_t)UINT32_MAX) - 1;
-        if (EARLY && src_vec > 0) {
+        if (src_vec > 0) {
 #pragma unroll
             for (int k = 0; k < kUnroll; k++) v[k] = ((const V*)rows)[min(u0 + k * stride, last)];
             loaded = true;
@@ -186,17 +187,7 @@ __device__ __forceinline__ void copy_rows(const mst_stash_args& a) {
     copy_end<RESTORE>(a, &s_plan, rows, n_vec * (uint32_t)sizeof(V), total);
 }
 
-/* The copy on the whole device: 5 blocks of kThreads per SM (48 registers). */
-template <typename V, bool RESTORE>
-__global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) { copy_rows<V, RESTORE, true>(a); }
-
-/* The copy of a pool of host pages only: one warp per block, 32 registers
- * (no early loads: they would spill, and PCIe latency dwarfs the plan's). */
-template <bool RESTORE>
-__global__ void __maxnreg__(32) host_copy_kernel(mst_stash_args a) { copy_rows<uint4, RESTORE, false>(a); }
-
-/* The page return of a split restore (MST_RESTORE_RETURN): one warp, so it
- * fits beside a persistent GEMM block like the side copies. */
+/* The page return of a split restore (MST_RESTORE_RETURN): one warp. */
 __global__ void __launch_bounds__(kWarpThreads) return_kernel(mst_stash_args a) { finish_restore(a); }
 
 __global__ void __launch_bounds__(kThreads) reset_kernel(mst_stash_args a) {
@@ -208,7 +199,8 @@ __global__ void __launch_bounds__(kThreads) reset_kernel(mst_stash_args a) {
 int n_sm(mst_ctx_t* ctx) { return mst_cuda(ctx)->n_sm; }
 
 /* Persistent grid for a handle's largest copy (static: graph-safe): as many
- * blocks as fit on the device at once, fewer for small handles. */
+ * blocks as fit on the device at once (kHostBlocks for a pool of host pages
+ * only), fewer for small handles. */
 template <typename V, bool RESTORE>
 mst_status copy_grid(mst_ctx_t* ctx, const mst_stash_args* a, unsigned* grid) {
     static int per_sm = 0; /* resident blocks per SM, asked once */
@@ -217,7 +209,8 @@ mst_status copy_grid(mst_ctx_t* ctx, const mst_stash_args* a, unsigned* grid) {
     const int64_t max_vec = a->max_pages * a->page_rows * a->row_bytes / (int64_t)sizeof(V);
     const int64_t per_block = (int64_t)kThreads * kUnroll;
     const int64_t want = (max_vec + per_block - 1) / per_block;
-    const int64_t cap = (int64_t)n_sm(ctx) * (per_sm > 0 ? per_sm : 1);
+    int64_t cap = (int64_t)n_sm(ctx) * (per_sm > 0 ? per_sm : 1);
+    if (a->cap[MST_BLK_DEV] == 0 && cap > kHostBlocks) cap = kHostBlocks;
     *grid = (unsigned)(want < 1 ? 1 : want < cap ? want : cap);
     return MST_OK;
 }
@@ -232,24 +225,10 @@ mst_status launch_copy(mst_ctx_t* ctx, const mst_stash_args* a) {
     return MST_OK;
 }
 
-/* Host pages only: one warp per SM, fewer for small handles. */
-template <bool RESTORE>
-mst_status launch_host_copy(mst_ctx_t* ctx, const mst_stash_args* a) {
-    const int64_t max_vec = a->max_pages * a->page_rows * a->row_bytes / 16;
-    const int64_t per_block = (int64_t)kWarpThreads * kUnroll;
-    const int64_t want = (max_vec + per_block - 1) / per_block, cap = n_sm(ctx);
-    const unsigned grid = (unsigned)(want < 1 ? 1 : want < cap ? want : cap);
-    host_copy_kernel<RESTORE><<<grid, kWarpThreads, 0, mst_cuda(ctx)->stream>>>(*a);
-    MST_CUDA_LAUNCHED();
-    return MST_OK;
-}
-
 /* 16-byte vectors when the rows are 16-byte aligned (pages always are:
- * page_rows is a multiple of 8), one warp per SM for a pool of host pages
- * only; else one element at a time. */
+ * page_rows is a multiple of 8), else one element at a time. */
 template <bool RESTORE>
 mst_status copy(mst_ctx_t* ctx, const mst_stash_args* a, const void* rows) {
-    if ((uintptr_t)rows % 16 == 0 && a->cap[MST_BLK_DEV] == 0) return launch_host_copy<RESTORE>(ctx, a);
     if ((uintptr_t)rows % 16 == 0) return launch_copy<uint4, RESTORE>(ctx, a);
     if (a->elt_bytes == 4) return launch_copy<uint32_t, RESTORE>(ctx, a);
     return launch_copy<uint16_t, RESTORE>(ctx, a);
