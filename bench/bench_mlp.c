@@ -40,6 +40,7 @@ static const mlp_shape shapes[] = {
 
 typedef struct mlp_result {
     double fwd_ms, bwd_ms, act_fwd_ms, act_bwd_ms;
+    double fwd_unfused_ms; /* forward with fc1 and the activation as two kernels */
     double fwd_tflops, bwd_tflops;
     double act_bytes_fwd, act_bytes_bwd; /* bytes the activation kernels move */
 } mlp_result;
@@ -335,6 +336,9 @@ static mst_status run_shape(mst_ctx_t* ctx, const mlp_shape* s, const int32_t* c
     if (e == MST_OK) e = mst_ctx_check(ctx);
     if (e == MST_OK) e = time_graph(ctx, &b, OP_FORWARD, st, iters, &r->fwd_ms);
     if (e == MST_OK) e = time_graph(ctx, &b, OP_BACKWARD, st, iters, &r->bwd_ms);
+    setenv("MST_GG_KERNEL", "wgmma_nofuse", 1); /* read while the graph is captured */
+    if (e == MST_OK) e = time_graph(ctx, &b, OP_FORWARD, st, iters, &r->fwd_unfused_ms);
+    unsetenv("MST_GG_KERNEL");
     if (e == MST_OK) e = time_graph(ctx, &b, OP_ACT_FORWARD, st, iters, &r->act_fwd_ms);
     if (e == MST_OK) e = time_graph(ctx, &b, OP_ACT_BACKWARD, st, iters, &r->act_bwd_ms);
     bufs_free(ctx, &b);
@@ -357,9 +361,10 @@ static void write_json(FILE* f, const char* device, double roof, const int* whic
         fprintf(f, "    {\"rows\": %lld, \"hidden\": %lld, \"ffn\": %lld, \"E\": %d, \"act\": \"swiglu\", "
                    "\"fwd_ms\": %.4f, \"bwd_ms\": %.4f, \"fwd_tflops\": %.1f, \"bwd_tflops\": %.1f, "
                    "\"act_fwd_ms\": %.4f, \"act_bwd_ms\": %.4f, \"act_fwd_bytes\": %.0f, \"act_bwd_bytes\": %.0f, "
-                   "\"counts\": [",
+                   "\"fwd_unfused_ms\": %.4f, \"counts\": [",
                 (long long)s->rows, (long long)s->hidden, (long long)s->ffn, s->E, r->fwd_ms, r->bwd_ms,
-                r->fwd_tflops, r->bwd_tflops, r->act_fwd_ms, r->act_bwd_ms, r->act_bytes_fwd, r->act_bytes_bwd);
+                r->fwd_tflops, r->bwd_tflops, r->act_fwd_ms, r->act_bwd_ms, r->act_bytes_fwd, r->act_bytes_bwd,
+                r->fwd_unfused_ms);
         for (int g = 0; g < s->E; g++) fprintf(f, "%s%d", g ? ", " : "", counts[k][g]);
         fprintf(f, "]}%s\n", k + 1 < n_which ? "," : "");
     }
@@ -418,15 +423,17 @@ int mst_bench_mlp(int argc, char** argv) {
         printf("shape %d (%s) done\n", which[k], s->what);
     }
     printf("\nroof: cuBLAS bf16 GEMM 8192^3 = %.0f TFLOP/s (same card, same run)\n", roof);
-    printf("%-7s %-5s %-5s %-4s | %-8s %-7s %-6s | %-8s %-7s %-6s | %-9s %-9s\n", "rows", "H", "F", "E",
-           "fwd ms", "TFLOP/s", "%roof", "bwd ms", "TFLOP/s", "%roof", "act f GB/s", "act b GB/s");
+    printf("%-7s %-5s %-5s %-4s | %-8s %-7s %-6s | %-8s %-7s %-6s | %-9s %-9s | %s\n", "rows", "H", "F", "E",
+           "fwd ms", "TFLOP/s", "%roof", "bwd ms", "TFLOP/s", "%roof", "act f GB/s", "act b GB/s", "unfused fwd ms (fused gain)");
     for (int k = 0; k < n_which; k++) {
         const mlp_shape* s = &shapes[which[k]];
         const mlp_result* r = &res[k];
-        printf("%-7lld %-5lld %-5lld %-4d | %-8.3f %-7.0f %-6.0f | %-8.3f %-7.0f %-6.0f | %-10.0f %-9.0f\n",
+        printf("%-7lld %-5lld %-5lld %-4d | %-8.3f %-7.0f %-6.0f | %-8.3f %-7.0f %-6.0f | %-10.0f %-9.0f | %.3f "
+               "(%.3fx)\n",
                (long long)s->rows, (long long)s->hidden, (long long)s->ffn, s->E, r->fwd_ms, r->fwd_tflops,
                100 * r->fwd_tflops / roof, r->bwd_ms, r->bwd_tflops, 100 * r->bwd_tflops / roof,
-               r->act_bytes_fwd / (r->act_fwd_ms * 1e6), r->act_bytes_bwd / (r->act_bwd_ms * 1e6));
+               r->act_bytes_fwd / (r->act_fwd_ms * 1e6), r->act_bytes_bwd / (r->act_bwd_ms * 1e6),
+               r->fwd_unfused_ms, r->fwd_unfused_ms / r->fwd_ms);
     }
     printf("(act: the activation kernels alone; the forward pass runs it inside fc1's epilogue on Hopper\n"
            " where F %% 128 == 0, the backward as its own kernel; PyTorch ratio: bench/torch/mlp.py)\n");

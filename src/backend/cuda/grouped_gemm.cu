@@ -201,7 +201,8 @@ static gg_problem make_problem(const mst_gl_args* a, int op) {
 /* The Hopper kernel (TMA + wgmma) needs sm_90 and 16-byte rows; the
  * mma.sync kernel takes everything else. MST_GG_KERNEL=mma forces the
  * mma.sync kernel, MST_GG_KERNEL=wgmma_regs the Hopper kernel with forward
- * and dgrad stored from registers (benchmarks compare them this way). */
+ * and dgrad stored from registers, MST_GG_KERNEL=wgmma_nofuse the MLP's fc1
+ * and activation as two kernels (benchmarks compare them this way). */
 static int use_wgmma(mst_ctx_t* ctx, const gg_problem* p) {
     int major = 0;
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, mst_cuda(ctx)->device) != cudaSuccess) {
@@ -273,7 +274,10 @@ extern "C" mst_status mst_cuda_fc1_act_forward(mst_ctx_t* ctx, const mst_gl_args
     MST_TRY(check_extents(fc1));
     gg_problem p = make_problem(fc1, GG_FWD);
     *done = 0;
-    if (!use_wgmma(ctx, &p) || act->ffn % 128 != 0 || !aligned16(act->z) || fc1->scale) return MST_OK;
+    const char* force = getenv("MST_GG_KERNEL");
+    if (!use_wgmma(ctx, &p) || act->ffn % 128 != 0 || !aligned16(act->z) || fc1->scale ||
+        (force && strcmp(force, "wgmma_nofuse") == 0))
+        return MST_OK;
     p.fuse_act = 1;
     p.z = act->z;
     p.probs = act->probs;

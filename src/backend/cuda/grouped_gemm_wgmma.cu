@@ -159,7 +159,7 @@ __device__ __forceinline__ uint64_t desc_b(uint32_t sb, int kk) {
 /* The producer's loads of k-block k0 of tile t into one stage. */
 template <int OP>
 __device__ __forceinline__ void load_stage(const CUtensorMap* ma, const CUtensorMap* mb, const gg_tile& t,
-                                           int k0, int fuse, uint8_t* sa, uint8_t* sb, uint64_t* full) {
+                                           int k0, bool fuse, uint8_t* sa, uint8_t* sb, uint64_t* full) {
     mbar_expect_tx(full, A_BYTES + B_BYTES);
     if (OP == GG_WGRAD) { /* A: dy rows [row0 + k0, +BK) x cols [m0, m0 + BM), two boxes */
         tma_2d(sa, ma, t.m0, t.row0 + k0, full);
@@ -377,7 +377,9 @@ __device__ __forceinline__ int32_t tile_at(int32_t k, int32_t n, int32_t G) {
     return ((j + b) & 1) ? n - 1 - (k - f) : f;
 }
 
-template <int OP>
+/* ACT: the fc1 + activation instantiation of the forward (p.fuse_act),
+ * kept apart so the plain kernels carry none of its code. */
+template <int OP, bool ACT>
 __global__ void __launch_bounds__(THREADS, 1)
     wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                  const __grid_constant__ CUtensorMap map_c, const __grid_constant__ CUtensorMap map_z,
@@ -408,7 +410,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             const gg_tile t = gg_decode(p, s, tile_at<OP>(ti, n_tiles, gridDim.x), BM, BN);
             for (int k0 = 0; k0 < t.k_len; k0 += BK) {
                 mbar_wait(&empty[st], ph ^ 1);
-                load_stage<OP>(&map_a, &map_b, t, k0, p.fuse_act, sa + st * A_BYTES, sb + st * B_BYTES, &full[st]);
+                load_stage<OP>(&map_a, &map_b, t, k0, ACT, sa + st * A_BYTES, sb + st * B_BYTES, &full[st]);
                 if (++st == STAGES) st = 0, ph ^= 1;
             }
         }
@@ -450,8 +452,8 @@ __global__ void __launch_bounds__(THREADS, 1)
          * a warpgroup with such rows stores from registers, masked */
         const int staged = OP == GG_WGRAD || (p.staged_out && t.m0 + 64 * (cw + 1) <= t.m_lim);
         uint8_t* my_sc = sc + cw * 2 * C_BYTES;
-        if (OP == GG_FWD && p.fuse_act && staged) epilogue_fc1_tma(p, &map_c, &map_z, t, acc, cw, ct & 127, my_sc);
-        else if (OP == GG_FWD && p.fuse_act) epilogue_fc1_regs(p, t, acc, cw, warp, lane);
+        if (ACT && staged) epilogue_fc1_tma(p, &map_c, &map_z, t, acc, cw, ct & 127, my_sc);
+        else if (ACT) epilogue_fc1_regs(p, t, acc, cw, warp, lane);
         else if (staged) epilogue_tma<OP>(p, &map_c, t, acc, cw, ct & 127, my_sc);
         else epilogue<OP>(p, t, acc, cw, warp, lane);
     }
@@ -523,17 +525,17 @@ mst_status make_maps(const gg_problem* p, int64_t max_rows, CUtensorMap* ma, CUt
     return make_map(mc, p->c, 4, 3, p->ldc, p->M, E, 32, 64);       /* main_grad [E][O][I] */
 }
 
-template <int OP>
+template <int OP, bool ACT>
 mst_status launch(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm, cudaStream_t stream) {
     CUtensorMap ma, mb, mc, mz = {}; /* mz: fused fc1 only */
     MST_TRY(make_maps(p, max_rows, &ma, &mb, &mc, &mz));
     static int ready = 0; /* attribute set once, on the first (eager) call */
     if (!ready) {
-        MST_CUDA_TRY(cudaFuncSetAttribute(wgmma_kernel<OP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        MST_CUDA_TRY(cudaFuncSetAttribute(wgmma_kernel<OP, ACT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           (int)SMEM_BYTES));
         ready = 1;
     }
-    wgmma_kernel<OP><<<n_sm, THREADS, SMEM_BYTES, stream>>>(ma, mb, mc, mz, *p, *s);
+    wgmma_kernel<OP, ACT><<<n_sm, THREADS, SMEM_BYTES, stream>>>(ma, mb, mc, mz, *p, *s);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
@@ -543,9 +545,11 @@ mst_status launch(const gg_problem* p, const gg_sched* s, int64_t max_rows, int 
 extern "C" mst_status gg_launch_wgmma(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm,
                                       cudaStream_t stream) {
     switch (p->op) {
-    case GG_FWD: return launch<GG_FWD>(p, s, max_rows, n_sm, stream);
-    case GG_DGRAD: return launch<GG_DGRAD>(p, s, max_rows, n_sm, stream);
-    default: return launch<GG_WGRAD>(p, s, max_rows, n_sm, stream);
+    case GG_FWD:
+        return p->fuse_act ? launch<GG_FWD, true>(p, s, max_rows, n_sm, stream)
+                           : launch<GG_FWD, false>(p, s, max_rows, n_sm, stream);
+    case GG_DGRAD: return launch<GG_DGRAD, false>(p, s, max_rows, n_sm, stream);
+    default: return launch<GG_WGRAD, false>(p, s, max_rows, n_sm, stream);
     }
 }
 
