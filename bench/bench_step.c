@@ -36,8 +36,26 @@ typedef struct step_shape {
 static const step_shape full = {8, 4, 16, 4, 32768, 4096, 1024};
 static const step_shape small = {4, 4, 4, 4, 512, 64, 32};
 
+/* One measured configuration: a policy spec and the pool sizing factors. */
+typedef struct step_case {
+    const char* label;     /* short name for the table                     */
+    const char* policy;    /* mst_memmgr_set_policy_spec                   */
+    double dev_factor;     /* device pages over the measured peak           */
+    double host_factor;    /* pinned host pages (spill) over the peak       */
+} step_case;
+
+enum { CASE_KEEP = 0, CASE_STASH, CASE_STASH_SPILL, CASE_OFFLOAD, N_CASES = 6 };
+static const step_case cases[N_CASES] = {
+    {"keep", "keep", MST_POOL_DEV_FACTOR, 0},
+    {"stash", "stash", MST_POOL_DEV_FACTOR, 0},
+    {"stash 1.0+h", "stash", 1.0, 0.10},
+    {"offload", "offload", MST_POOL_DEV_FACTOR, 0},
+    {"recompute", "recompute", MST_POOL_DEV_FACTOR, 0},
+    {"mix", "fc1_input=offload,act_input=stash,fc2_input=recompute,probs=stash", MST_POOL_DEV_FACTOR, 0},
+};
+
 typedef struct step_result {
-    const char* policy;
+    const step_case* c;
     double step_ms;        /* graph replay (CUDA) or eager step (CPU), median */
     double exact_ms;       /* measuring step: exact shapes, eager, no graph   */
     size_t act_bytes;      /* saved activations + compute buffers             */
@@ -135,12 +153,13 @@ static mst_status timed_steps(mst_ctx_t* ctx, mst_stack* s, const mst_sched_entr
 }
 
 static mst_status run_policy(mst_ctx_t* ctx, mst_stack* s, const mst_sched_entry* sch, int32_t n,
-                             const step_shape* sh, const char* policy, step_result* r) {
+                             const step_shape* sh, const step_case* c, step_result* r) {
     memset(r, 0, sizeof *r);
-    r->policy = policy;
-    mst_memmgr_config mc = {sh->layers, sh->micro, 1, s->max_rows, sh->hidden, sh->ffn, sch, n, 64, 1.10, 0};
+    r->c = c;
+    mst_memmgr_config mc = {sh->layers, sh->micro, 1, s->max_rows, sh->hidden, sh->ffn, sch, n, 64,
+                            c->dev_factor, c->host_factor};
     MST_TRY(mst_memmgr_create(ctx, &mc, &s->mm));
-    mst_status st = mst_memmgr_set_policy_spec(s->mm, policy);
+    mst_status st = mst_memmgr_set_policy_spec(s->mm, c->policy);
     double t0 = now_ms();
     if (st == MST_OK) st = mst_stack_step(s, sch, n, 1);
     if (st == MST_OK) st = mst_ctx_sync(ctx);
@@ -204,11 +223,11 @@ static void write_json(const char* path, const step_shape* sh, const step_result
             device, sh->layers, sh->micro, (long long)sh->rows, (long long)sh->hidden, (long long)sh->ffn, sh->E,
             sh->stages, d2h, h2d);
     for (int i = 0; i < n; i++)
-        fprintf(f, "%s{\"policy\": \"%s\", \"step_ms\": %.3f, \"exact_step_ms\": %.3f, \"act_bytes\": %zu, "
+        fprintf(f, "%s{\"policy\": \"%s\", \"dev_factor\": %.2f, \"host_factor\": %.2f, \"step_ms\": %.3f, \"exact_step_ms\": %.3f, \"act_bytes\": %zu, "
                    "\"kept_bytes\": %zu, \"compute_bytes\": %zu, \"dev_pages_bytes\": %zu, \"dev_pages_peak_bytes\": %zu, "
                    "\"host_pages_bytes\": %zu, \"host_pages_peak_bytes\": %zu, \"exact_bytes\": %zu, "
                    "\"static_keep_bytes\": %zu, \"bit_identical_to_keep\": %s}",
-                i ? ", " : "", r[i].policy, r[i].step_ms, r[i].exact_ms, r[i].act_bytes, r[i].rep.kept_bytes,
+                i ? ", " : "", r[i].c->policy, r[i].c->dev_factor, r[i].c->host_factor, r[i].step_ms, r[i].exact_ms, r[i].act_bytes, r[i].rep.kept_bytes,
                 r[i].rep.compute_bytes, r[i].rep.dev_pages_bytes, r[i].rep.dev_pages_peak_bytes,
                 r[i].rep.host_pages_bytes, r[i].rep.host_pages_peak_bytes, r[i].rep.exact_bytes,
                 r[i].rep.static_keep_bytes, r[i].hash == r[0].hash ? "true" : "false");
@@ -250,16 +269,14 @@ int mst_bench_step(int argc, char** argv) {
     mst_status st = mst_schedule_make(&sc, sch, n);
     if (st == MST_OK) st = mst_stack_create(ctx, &mlp, sh->layers, sh->micro, 1, R, 7, &s);
     if (st == MST_OK) st = mst_stack_route(&s, counts, 9);
-    const char* policies[] = {"keep", "stash", "offload", "recompute",
-                              "fc1_input=offload,act_input=stash,fc2_input=recompute,probs=stash"};
-    enum { NP = 5 };
+    enum { NP = N_CASES };
     step_result r[NP];
-    int n_done = 0;
-    for (int i = 0; i < NP && st == MST_OK; i++, n_done++) {
-        st = run_policy(ctx, &s, sch, n, sh, policies[i], &r[i]);
+    for (int i = 0; i < NP && st == MST_OK; i++) {
+        st = run_policy(ctx, &s, sch, n, sh, &cases[i], &r[i]);
         if (st == MST_OK)
-            printf("  %-62s step %9.2f ms  exact-shape step %9.2f ms  activations %7.3f GiB  %s\n", policies[i],
-                   r[i].step_ms, r[i].exact_ms, gib(r[i].act_bytes), r[i].hash == r[0].hash ? "bit-identical" : "DIFFERS");
+            printf("  %-62s dev %.2f host %.2f  step %9.2f ms  exact-shape step %9.2f ms  activations %7.3f GiB  %s\n",
+                   cases[i].policy, cases[i].dev_factor, cases[i].host_factor, r[i].step_ms, r[i].exact_ms,
+                   gib(r[i].act_bytes), r[i].hash == r[0].hash ? "bit-identical" : "DIFFERS");
     }
     if (st != MST_OK) {
         fprintf(stderr, "bench step: %s\n", mst_last_error());
@@ -277,19 +294,23 @@ int mst_bench_step(int argc, char** argv) {
     printf("exact shapes: saved activations at peak %.3f GiB; all-KEEP static: %.3f GiB\n", gib(exact),
            gib(r[0].rep.static_keep_bytes));
     if (d2h > 0) printf("pinned copy roof: D2H %.1f GB/s, H2D %.1f GB/s\n", d2h, h2d);
-    printf("\n%-10s %10s %9s %12s %10s %10s %10s\n", "policy", "step ms", "vs keep", "act GiB", "vs exact",
+    printf("\n%-11s %9s %9s %12s %10s %10s %10s\n", "policy", "step ms", "vs keep", "act GiB", "vs exact",
            "vs keep", "pages pk");
     for (int i = 0; i < NP; i++)
-        printf("%-10.10s %10.2f %8.3fx %12.3f %9.3fx %9.3fx %10.3f\n", policies[i], r[i].step_ms,
+        printf("%-11.11s %9.2f %8.3fx %12.3f %9.3fx %9.3fx %10.3f\n", cases[i].label, r[i].step_ms,
                r[i].step_ms / r[0].step_ms, gib(r[i].act_bytes), (double)r[i].act_bytes / exact,
                (double)r[i].act_bytes / r[0].act_bytes, gib(r[i].pages_peak));
     if (d2h > 0) { /* OFFLOAD moves each saved byte out and back within its step */
-        double bytes = 2.0 * (double)r[2].rep.host_pages_peak_bytes;
-        printf("offload: >= %.2f GB moved per step in %.2f ms: %.1f GB/s (%.0f%% of the pinned D2H roof)\n",
-               bytes / 1e9, r[2].step_ms, bytes / r[2].step_ms / 1e6, 100 * bytes / r[2].step_ms / 1e6 / d2h);
+        const step_result* o = &r[CASE_OFFLOAD];
+        double bytes = 2.0 * (double)o->rep.host_pages_peak_bytes;
+        printf("offload: >= %.2f GB moved per step in %.2f ms: %.1f GB/s (%.0f%% of the pinned D2H roof; "
+               "%.0f%% of D2H + H2D)\n", bytes / 1e9, o->step_ms, bytes / o->step_ms / 1e6,
+               100 * bytes / o->step_ms / 1e6 / d2h, 100 * bytes / o->step_ms / 1e6 / (d2h + h2d));
     }
-    printf("targets: stash act <= 1.10x exact (%.3fx) and <= 0.75x keep (%.3fx); stash step <= 1.05x keep (%.3fx)\n",
-           (double)r[1].act_bytes / exact, (double)r[1].act_bytes / r[0].act_bytes, r[1].step_ms / r[0].step_ms);
+    for (int i = CASE_STASH; i <= CASE_STASH_SPILL; i++)
+        printf("targets, stash dev %.2f host %.2f: act <= 1.10x exact (%.3fx) and <= 0.75x keep (%.3fx); "
+               "step <= 1.05x keep (%.3fx)\n", cases[i].dev_factor, cases[i].host_factor,
+               (double)r[i].act_bytes / exact, (double)r[i].act_bytes / r[0].act_bytes, r[i].step_ms / r[0].step_ms);
     printf("all policies bit-identical to keep: %s\n", same ? "yes" : "NO");
     if (json) write_json(json, sh, r, NP, d2h, h2d, mst_ctx_describe(ctx));
     mst_stack_destroy(&s);

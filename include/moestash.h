@@ -282,7 +282,8 @@ mst_status mst_grouped_mlp_backward(mst_ctx_t* ctx, const mst_mlp_config* cfg,
  * context's current stream (mst_ctx_stream), never sync, allocate nothing and
  * are capturable in a CUDA graph. Counts are read when the op executes (on
  * the device for CUDA). Every operation on one pool must be ordered on one
- * stream (they update the rings without atomics).
+ * stream (they update the rings without atomics), except the copy part of a
+ * split restore (mst_stash_restore_copy).
  *
  * Runtime conditions, flagged in backend memory and read by mst_pool_poll():
  *   overflow   a save found too few free pages (device + host together):
@@ -366,14 +367,22 @@ mst_status mst_stash_handle_create(mst_pool_t* pool, int64_t max_rows, mst_stash
 /* Pages a handle still holds are lost until mst_pool_reset. */
 void mst_stash_handle_destroy(mst_stash_handle_t* h);
 
-/* src [R, W] of the pool's dtype (R <= the handle's max_rows), counts [E, 1]
- * int32: packs rows [0, sum(counts)) into pages, device pages first, then
- * host pages for the rest (page-granular spill). */
+/* src [R, W] of the pool's dtype, counts [E, 1] int32: packs rows
+ * [0, sum(counts)) into pages, device pages first, then host pages for the
+ * rest (page-granular spill). A sum past the handle's max_rows (R may be
+ * larger) is an overflow: flagged on the device like too few pages. */
 mst_status mst_stash_save(mst_pool_t* pool, mst_stash_handle_t* h, const mst_tensor* src,
                           const mst_tensor* counts);
 /* dst [R, W] with R >= the handle's max_rows: copies the saved rows back into
  * rows [0, n) (rows past n untouched) and returns the pages to their rings. */
 mst_status mst_stash_restore(mst_pool_t* pool, mst_stash_handle_t* h, mst_tensor* dst);
+/* The same restore in two parts, for a caller that copies on another stream
+ * than the pool's: _copy writes rows [0, n) of dst and leaves the handle its
+ * pages (it reads only the handle and its pages, so it may run on any stream
+ * once the save finished); _return then returns the pages (no copy), ordered
+ * with the pool's other operations and after the copy. */
+mst_status mst_stash_restore_copy(mst_pool_t* pool, mst_stash_handle_t* h, mst_tensor* dst);
+mst_status mst_stash_restore_return(mst_pool_t* pool, mst_stash_handle_t* h);
 
 /* ---- schedules ------------------------------------------------------------ *
  * The order of forward and backward passes over (model chunk, microbatch) on

@@ -4,7 +4,8 @@
  * every policy, mixes of policies per tensor and per layer, and layer
  * recompute: gradients bit-identical to all-KEEP; no page leaked after each
  * step; an injected overflow detected and the rerun step bit-identical to a
- * run with large pools; offload bytes equal the host pages used; bad input.
+ * run with large pools; a device block at factor 1.0 spills to its host block
+ * on heavier counts; offload bytes equal the host pages used; bad input.
  * On CUDA the sized steps run as one captured CUDA graph.
  */
 #include <stdlib.h>
@@ -23,6 +24,8 @@ typedef struct setup {
     mst_schedule_config sched;
     const char* policy;   /* spec, or NULL for per-layer mixes            */
     const char* recompute;
+    double dev_factor;    /* pool sizing; 0: 1.10                         */
+    double host_factor;
 } setup;
 
 /* Gradients of one step, downloaded: main_grads, dprobs, input grads. */
@@ -98,7 +101,8 @@ static grads run_setup(mst_ctx_t* ctx, mst_stack* s, const setup* su, const int3
     int32_t n = 2 * su->sched.microbatches * su->sched.virtual_stages;
     mst_sched_entry* sch = (mst_sched_entry*)malloc(sizeof *sch * (size_t)n);
     CHECK_OK(mst_schedule_make(&su->sched, sch, n));
-    mst_memmgr_config mc = {L, M, su->sched.virtual_stages, R, H, F, sch, n, PAGE, 1.10, 0.0};
+    mst_memmgr_config mc = {L, M, su->sched.virtual_stages, R, H, F, sch, n, PAGE,
+                            su->dev_factor ? su->dev_factor : 1.10, su->host_factor};
     CHECK_OK(mst_memmgr_create(ctx, &mc, &s->mm));
     if (su->policy) CHECK_OK(mst_memmgr_set_policy_spec(s->mm, su->policy));
     else { /* a different mix on each layer */
@@ -158,13 +162,13 @@ static void policies_and_schedules(mst_ctx_t* ctx, const mst_mlp_config* mlp, ms
     for (size_t si = 0; si < sizeof scheds / sizeof scheds[0]; si++) {
         mst_stack stack, *s = &stack;
         CHECK_OK(mst_stack_create(ctx, mlp, L, M, scheds[si].virtual_stages, R, 5, s));
-        setup keep = {"keep", scheds[si], "keep", NULL};
+        setup keep = {"keep", scheds[si], "keep", NULL, 0, 0};
         int ov;
         mst_mem_report_t rk, r;
         grads base = run_setup(ctx, s, &keep, a, a, &ov, &rk);
         CHECK(!ov, "keep overflowed");
         for (size_t pi = 0; pi < sizeof specs / sizeof specs[0]; pi++) {
-            setup su = {specs[pi] ? specs[pi] : "per-layer mix", scheds[si], specs[pi], NULL};
+            setup su = {specs[pi] ? specs[pi] : "per-layer mix", scheds[si], specs[pi], NULL, 0, 0};
             grads g = run_setup(ctx, s, &su, a, a, &ov, &r);
             char what[160];
             snprintf(what, sizeof what, "%s / %s S=%d r=%d V=%d", su.name,
@@ -194,7 +198,7 @@ static void policies_and_schedules(mst_ctx_t* ctx, const mst_mlp_config* mlp, ms
             free(g.g);
         }
         for (size_t ri = 0; ri < sizeof recomputes / sizeof recomputes[0]; ri++) {
-            setup su = {recomputes[ri], scheds[si], "stash", recomputes[ri]};
+            setup su = {recomputes[ri], scheds[si], "stash", recomputes[ri], 0, 0};
             grads g = run_setup(ctx, s, &su, a, a, &ov, &r);
             char what[160];
             snprintf(what, sizeof what, "recompute %s / %s S=%d V=%d", recomputes[ri],
@@ -216,7 +220,7 @@ static void overflow_rerun(mst_ctx_t* ctx, mst_stack* s, mst_rng* rng) {
     int32_t* heavy = (int32_t*)malloc(sizeof(int32_t) * L * M * E);
     random_counts(rng, light, 0.3);
     random_counts(rng, heavy, 0.95);
-    setup su = {"stash overflow", {MST_SCHEDULE_1F1B, 4, 0, M, 1}, "stash", NULL};
+    setup su = {"stash overflow", {MST_SCHEDULE_1F1B, 4, 0, M, 1}, "stash", NULL, 0, 0};
     int ov, ov2;
     mst_mem_report_t r1, r2;
     grads g_over = run_setup(ctx, s, &su, light, heavy, &ov, &r1);
@@ -225,12 +229,39 @@ static void overflow_rerun(mst_ctx_t* ctx, mst_stack* s, mst_rng* rng) {
     grads g_big = run_setup(ctx, s, &su, heavy, heavy, &ov2, &r2);
     CHECK(!ov2, "pools sized on heavy routing overflowed");
     compare(&g_big, &g_over, "rerun after overflow");
-    setup keep = {"keep", su.sched, "keep", NULL};
+    setup keep = {"keep", su.sched, "keep", NULL, 0, 0};
     mst_mem_report_t rk;
     grads g_keep = run_setup(ctx, s, &keep, heavy, heavy, &ov2, &rk);
     compare(&g_keep, &g_over, "rerun after overflow vs keep");
     CHECK(rk.exact_bytes < rk.static_keep_bytes, "exact %zu >= static keep %zu", rk.exact_bytes, rk.static_keep_bytes);
     free(g_over.g), free(g_big.g), free(g_keep.g), free(light), free(heavy);
+}
+
+/* Device pages at factor 1.0 of the measured peak and a host block (factor
+ * 1.0): heavier counts on the next step spill page by page to the host block
+ * instead of overflowing, and the gradients are KEEP's bits. */
+static void host_spill(mst_ctx_t* ctx, mst_stack* s, mst_rng* rng) {
+    int32_t* light = (int32_t*)malloc(sizeof(int32_t) * L * M * E);
+    int32_t* heavy = (int32_t*)malloc(sizeof(int32_t) * L * M * E);
+    random_counts(rng, light, 0.5);
+    for (int i = 0; i < L * M; i++) { /* 5/4 of the rows; every layer of a microbatch alike */
+        int32_t *lt = light + (int64_t)i * E, *hv = heavy + (int64_t)i * E, want = 0, sum = 0;
+        for (int g = 0; g < E; g++) want += lt[g], sum += hv[g] = lt[g] * 5 / 4;
+        hv[0] += want * 5 / 4 + 1 - sum;
+    }
+    const mst_schedule_config sc = {MST_SCHEDULE_1F1B, 4, 0, M, 1};
+    setup su = {"stash, device 1.0 + host 1.0", sc, "stash", NULL, 1.0, 1.0};
+    int ov;
+    mst_mem_report_t r, rk;
+    grads g = run_setup(ctx, s, &su, light, heavy, &ov, &r);
+    CHECK(!ov, "%s: overflowed instead of spilling", su.name);
+    CHECK(r.host_pages_peak_bytes > 0 && r.dev_pages_peak_bytes == r.dev_pages_bytes,
+          "%s: %zu host page bytes at peak, device %zu of %zu", su.name, r.host_pages_peak_bytes,
+          r.dev_pages_peak_bytes, r.dev_pages_bytes);
+    setup keep = {"keep", sc, "keep", NULL, 0, 0};
+    grads gk = run_setup(ctx, s, &keep, heavy, heavy, &ov, &rk);
+    compare(&gk, &g, su.name);
+    free(g.g), free(gk.g), free(light), free(heavy);
 }
 
 static void bad_input(mst_ctx_t* ctx) {
@@ -282,6 +313,7 @@ static void run(mst_ctx_t* ctx) {
     mst_stack s;
     CHECK_OK(mst_stack_create(ctx, &mlp, L, M, 1, R, 5, &s));
     overflow_rerun(ctx, &s, &rng);
+    host_spill(ctx, &s, &rng);
     mst_stack_destroy(&s);
     policies_and_schedules(ctx, &mlp, &rng);
     bad_input(ctx);

@@ -1,10 +1,11 @@
 /*
  * test_stash.c — the paged stash (DESIGN.md section 6) on the backend named
  * by --backend: random interleavings of save / restore over many handles
- * (pipeline-like orders included), restores bit-exact with rows past n still
- * poisoned and guard bytes intact, mst_pool_check and the counters compared
+ * (pipeline-like orders included), restores (whole or split into copy and
+ * page return) bit-exact with rows past n still poisoned and guard bytes intact, mst_pool_check and the counters compared
  * with a host model after every operation, no page leaked at the end; spill,
  * overflow (nothing taken or written, later saves no-ops, reset recovers),
+ * a save past the handle's rows from a larger src (an overflow),
  * sizing from a measured peak, every bad-input case, and on CUDA a captured
  * graph of a save / restore sequence replayed with different counts (the
  * CPU backend runs the same sequence eagerly).
@@ -46,7 +47,7 @@ static void model_save(model* m, slot* s, int64_t n) {
     if (m->overflow) return;
     const int64_t need = (n + m->page_rows - 1) / m->page_rows;
     const int64_t dev = need < m->cap[0] - m->used[0] ? need : m->cap[0] - m->used[0];
-    if (need - dev > m->cap[1] - m->used[1]) {
+    if (n > s->R || need - dev > m->cap[1] - m->used[1]) { /* past the handle, or too few pages */
         m->overflow = 1;
         return;
     }
@@ -147,32 +148,43 @@ static void expect_pool(env* e, const char* what) {
     CHECK(s.overflowed == e->m.overflow, "%s: overflowed %d, model %d", what, s.overflowed, e->m.overflow);
 }
 
-/* Saves n rows (random counts over E groups) of fresh random data into slot
- * i, overwriting the source right after so a restore must read the pages. */
-static void do_save(env* e, int i, int64_t n) {
+/* Saves n rows (random counts over E groups) of fresh random data from a
+ * src of src_rows rows into slot i, overwriting the source right after so a
+ * restore must read the pages. */
+static void save_from(env* e, int i, int64_t n, int64_t src_rows) {
     slot* s = &e->slots[i];
     int32_t counts[E_MAX];
     const int E = (int)mst_rng_int(e->rng, 1, E_MAX);
     mst_rng_counts(e->rng, counts, E, n, mst_rng_uniform(e->rng));
-    fill_random(e, e->host, s->R);
+    fill_random(e, e->host, src_rows);
     mst_guarded_put(e->ctx, &e->src, e->host);
     mst_guarded_put(e->ctx, &e->counts, counts);
-    mst_tensor src = mst_tensor_make(e->src.data, e->dtype, s->R, e->width);
+    mst_tensor src = mst_tensor_make(e->src.data, e->dtype, src_rows, e->width);
     mst_tensor tc = mst_tensor_make(e->counts.data, MST_DTYPE_INT32, E, 1);
     CHECK_OK(mst_stash_save(e->pool, s->h, &src, &tc));
     model_save(&e->m, s, n);
     if (s->live) memcpy(s->want, e->host, (size_t)(n * e->row_bytes));
-    fill_random(e, e->host, s->R);
+    fill_random(e, e->host, src_rows);
     mst_guarded_put(e->ctx, &e->src, e->host); /* the pages must not alias src */
 }
 
+/* save_from a src of the handle's rows. */
+static void do_save(env* e, int i, int64_t n) { save_from(e, i, n, e->slots[i].R); }
+
 /* Restores slot i into poisoned dst: rows [0, n) bit-exact, the rest (all of
- * it when the slot holds nothing) still poisoned, guards intact. */
+ * it when the slot holds nothing) still poisoned, guards intact. Half of the
+ * restores at random are split (copy, pages still held, then the return). */
 static void do_restore(env* e, int i, const char* what) {
     slot* s = &e->slots[i];
     mst_guarded_put(e->ctx, &e->dst, NULL);
     mst_tensor dst = mst_tensor_make(e->dst.data, e->dtype, s->R, e->width);
-    CHECK_OK(mst_stash_restore(e->pool, s->h, &dst));
+    if (mst_rng_int(e->rng, 0, 1)) {
+        CHECK_OK(mst_stash_restore_copy(e->pool, s->h, &dst));
+        expect_pool(e, what); /* the model still counts the pages as held */
+        CHECK_OK(mst_stash_restore_return(e->pool, s->h));
+    } else {
+        CHECK_OK(mst_stash_restore(e->pool, s->h, &dst));
+    }
     const int64_t n = s->live ? s->n : 0;
     mst_guarded_get(e->ctx, &e->dst, e->host);
     const int64_t bytes = n * e->row_bytes;
@@ -332,6 +344,33 @@ static void overflow(mst_ctx_t* ctx, mst_rng* rng) {
     env_close(&e);
 }
 
+/* A src with more rows than the handle: a save of more rows than the handle
+ * holds overflows (nothing taken or written); after a reset a save of the
+ * handle's rows from the same src restores bit-exact. */
+static void handle_capacity(mst_ctx_t* ctx, mst_rng* rng) {
+    const int64_t pr = 8, R_max = 80;
+    mst_pool_config cfg = {pr, 20, 4};
+    env e;
+    if (!env_open(&e, ctx, rng, MST_DTYPE_BF16, 24, &cfg, 2, R_max)) return;
+    slot* s = &e.slots[0];
+    mst_stash_handle_destroy(s->h);
+    s->R = 5 * pr - 3; /* 5 pages of the 12 free */
+    CHECK_OK(mst_stash_handle_create(e.pool, s->R, &s->h));
+    save_from(&e, 0, s->R + 1, R_max); /* 6 pages: past the handle */
+    CHECK(e.m.overflow && !s->live, "capacity: the model did not overflow");
+    expect_pool(&e, "capacity: save past the handle");
+    CHECK_STATUS(mst_pool_poll(e.pool), MST_ERR_OVERFLOW);
+    CHECK_STATUS(mst_ctx_check(ctx), MST_ERR_OVERFLOW);
+    do_restore(&e, 0, "capacity: restore of the overflowed save"); /* writes nothing */
+    CHECK_OK(mst_pool_reset(e.pool));
+    e.m.overflow = 0;
+    save_from(&e, 0, s->R, R_max);
+    expect_pool(&e, "capacity: save of the handle's rows");
+    do_restore(&e, 0, "capacity: restore");
+    expect_pool(&e, "capacity: end");
+    env_close(&e);
+}
+
 /* Sizing: a measuring pool big enough for everything records the peak; a
  * pool from that peak x 1.10 runs the same sequence without overflow; one
  * from 0.5 device + 0.6 host spills and does not overflow either. */
@@ -420,14 +459,14 @@ static void bad_input(mst_ctx_t* ctx, mst_rng* rng) {
     t = src, t.cols = W + 1;
     CHECK_STATUS(mst_stash_save(e.pool, s0->h, &t, &tc), MST_ERR_INVALID);
     CHECK(strstr(mst_last_error(), "width") != NULL, "message: %s", mst_last_error());
-    t = src, t.rows = s0->R + 1;
-    CHECK_STATUS(mst_stash_save(e.pool, s0->h, &t, &tc), MST_ERR_INVALID);
     t = tc, t.cols = 2;
     CHECK_STATUS(mst_stash_save(e.pool, s0->h, &src, &t), MST_ERR_INVALID);
     t = dst, t.rows = s0->R - 1;
     CHECK_STATUS(mst_stash_restore(e.pool, s0->h, &t), MST_ERR_INVALID);
     CHECK(strstr(mst_last_error(), "dst") != NULL, "message does not name dst: %s", mst_last_error());
     CHECK_STATUS(mst_stash_restore(e.pool, s0->h, NULL), MST_ERR_INVALID);
+    CHECK_STATUS(mst_stash_restore_copy(e.pool, s0->h, &t), MST_ERR_INVALID);
+    CHECK_STATUS(mst_stash_restore_return(e.pool, NULL), MST_ERR_INVALID);
     expect_pool(&e, "bad arguments");
 
     /* counts summing past src rows, and a negative count: nothing taken */
@@ -622,6 +661,7 @@ static void run(mst_ctx_t* ctx) {
     bad_input(ctx, &rng);
     spill(ctx, &rng);
     overflow(ctx, &rng);
+    handle_capacity(ctx, &rng);
     sizing(ctx, &rng);
     unaligned(ctx, &rng);
     pipeline_order(ctx, &rng);

@@ -223,6 +223,13 @@ typedef struct mst_adamw_args {
 
 struct mst_stash_args; /* paged stash: src/stash/stash.h */
 
+/* The side streams of the memory manager. */
+enum {
+    MST_SIDE_RING = 0, /* saves and page returns: every ring update, in order */
+    MST_SIDE_COPY,     /* the copies of split restores                         */
+    MST_N_SIDE,
+};
+
 typedef struct mst_backend {
     const char* name;
     /* Sets ctx->impl and ctx->desc; device is the CUDA device index. */
@@ -263,8 +270,9 @@ typedef struct mst_backend {
 
     /* streams and events (memory manager); (optional): a backend without
      * them runs everything in program order. stream NULL = the context's
-     * current stream; side_stream is the stash / restore stream. */
-    void* (*side_stream)(mst_ctx_t* ctx);                            /* (optional) */
+     * current stream; side_stream(ctx, MST_SIDE_*) is a stream of the
+     * stash traffic. */
+    void* (*side_stream)(mst_ctx_t* ctx, int which);                 /* (optional) */
     mst_status (*event_create)(mst_ctx_t* ctx, void** ev);           /* (optional) */
     void (*event_destroy)(mst_ctx_t* ctx, void* ev);                 /* (optional) */
     mst_status (*event_record)(mst_ctx_t* ctx, void* ev, void* stream); /* (optional) */

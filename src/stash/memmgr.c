@@ -5,28 +5,42 @@
  *
  *   KEEP       the tensor lives in its own [R, cols] buffer (produced there,
  *              or copied there when it is an op input)
- *   STASH      produced into a shared compute buffer (two per name, used in
- *              turn by successive layers), packed into device pages on the
- *              side stream, restored before the backward into one of two
- *              restore buffers (the next backward layer's restore is started
- *              while the current one runs: prefetch)
+ *   STASH      produced into a shared compute buffer (one per name, reused
+ *              by the next layer once its stash has read it), packed into
+ *              device pages on the side stream, restored before the backward
+ *              into one of two restore buffers (the next backward layer's
+ *              restore is started while the current one runs: prefetch)
  *   OFFLOAD    as STASH, into pinned host pages
  *   RECOMPUTE  fc2_input only: not saved; the grouped MLP recomputes it
  *   layer recompute (uniform / block): a recomputed layer saves nothing in
  *              its forward; the caller keeps the chunk input and reruns the
  *              chunk with the recompute saver before its backward
  *
- * Ordering (CUDA; the CPU runs everything in program order):
- *   main --ev--> side: stash reads a buffer only after main produced it;
- *   side --compute_free[k]--> main: compute buffer k is written again only
- *   after its stash read it; side --inputs_read--> main: a layer's input
+ * Streams (CUDA; the CPU runs everything in program order): main; ring =
+ * every save and page return of every pool, in host order (the rings are
+ * updated without atomics), so pages are used in the order the measuring
+ * step counted them; copy = the copies of restores (mst_stash_restore_copy),
+ * which run beside the saves (on PCIe: D2H and H2D at once).
+ *   main --ev_main--> ring / copy: a save or restore starts after main's work so far;
+ *   ring --compute_free--> main: the compute buffer is written again only
+ *   after its stash read it; ring --inputs_read--> main: a layer's input
  *   buffers (fc1_input, probs) are reused only after their stash read them;
- *   main --restore_free[k]--> side: a restore overwrites restore buffer k
- *   only after the backward that used it; side --restore_done[k]--> main.
+ *   ring --saved_ev--> copy: a restore copies a tensor after its save;
+ *   main --restore_free[k]--> copy: a restore overwrites restore buffer k
+ *   only after the backward that used it; copy --restore_done[k]--> main
+ *   (the backward) and --> ring (the page return, at the backward's release).
+ *
+ * Restore buffers are views into one arena: [restore_rows, cols] each, laid
+ * out widest first so that every view has max_rows addressable rows inside
+ * the arena (ops may read up to max_rows rows of a saved tensor; they use
+ * only the first sum(counts)). Handles hold restore_rows rows: a save of
+ * more rows overflows on the device and the step is rerun.
  *
  * A measuring step (eager, host-known counts) keeps stashed tensors as
  * exact-size copies, counts the pages each pool would need along the
- * schedule, and then sizes the pools: ceil(peak * factor) pages.
+ * schedule and the largest rows saved, and then sizes the pools (ceil(peak *
+ * factor) pages) and the restore buffers (largest rows * (dev_factor +
+ * host_factor), a page multiple, at most max_rows).
  */
 #include <math.h>
 #include <string.h>
@@ -39,17 +53,19 @@ typedef struct slot {            /* one saved tensor of (layer, mb, name)       
     mst_tensor keep;              /* KEEP: own [R, cols] buffer                    */
     mst_stash_handle_t* handle;   /* STASH / OFFLOAD: its page table              */
     void* exact;                  /* measuring step: [n, cols] exact copy          */
+    void* saved_ev;               /* STASH / OFFLOAD: event, its save finished     */
     int64_t n_rows;               /* rows saved (host-known in a measuring step)  */
-    int in_compute;               /* stash skipped: still in compute buffer k, or -1 */
+    int in_compute;               /* stash skipped: still in the compute buffer   */
     int restore_idx;              /* restore buffer holding it, or -1             */
     int saved;                    /* 1 between commit and release                 */
 } slot;
 
 typedef struct shared_bufs {      /* per name, for STASH / OFFLOAD / RECOMPUTE   */
-    mst_tensor compute[2];        /* [R, cols] produced into, by layer parity     */
-    void* compute_free[2];        /* event: the stash of compute[k] has read it   */
-    int compute_pending[2];       /* compute_free[k] recorded and not waited on   */
-    mst_tensor restore[2];        /* [R, cols] restored into, by backward parity  */
+    mst_tensor compute;           /* [R, cols] produced into                      */
+    void* compute_free;           /* event: the stash of compute has read it      */
+    int compute_pending;          /* compute_free recorded and not waited on      */
+    mst_tensor restore[2];        /* [R, cols] views into the arena, restored
+                                     into by backward parity                      */
     void* restore_done[2];        /* event: restore into restore[k] finished      */
     void* restore_free[2];        /* event: backward done reading restore[k]      */
     int restore_free_rec[2];      /* restore_free[k] recorded in this step        */
@@ -74,6 +90,10 @@ struct mst_memmgr {
     mst_tensor* recomp;           /* [L, N_SAVED] rerun buffers (recomputed layers) */
     void** chunk_in;              /* [L, M] [R, H] chunk inputs (chunk starts)      */
     mst_pool_t* pool[MST_N_SAVED][2]; /* [name][0 STASH device, 1 OFFLOAD host]     */
+    void* arena;                  /* restore buffers of the paged names, device    */
+    size_t arena_bytes;           /* its size                                      */
+    int64_t restore_rows;         /* rows of each restore buffer and handle; 0: none */
+    int64_t max_saved_rows;       /* measuring: largest rows of a paged tensor     */
     void* ev_main;                /* event: main stream reached a commit           */
     void* ev_side;                /* event: side stream work so far                */
     void* inputs_read;            /* event: stashes of op inputs have read them    */
@@ -81,7 +101,7 @@ struct mst_memmgr {
     /* step state */
     int measuring, sized, in_step;
     int started;                  /* a layer call of the current entry is open     */
-    int side_used;                /* this step put work on the side stream          */
+    int side_used;                /* bit i: this step put work on side stream i    */
     int32_t pos, cursor;          /* schedule entry, layer within its chunk        */
     int32_t fwd_seq, bwd_seq;     /* layers so far this step (buffer parity)       */
     /* accounting */
@@ -119,16 +139,21 @@ static int paged(mst_policy p) { return p == MST_POLICY_STASH || p == MST_POLICY
 static int kind_of(mst_policy p) { return p == MST_POLICY_OFFLOAD; } /* pool index */
 static int32_t chunk_of(const mst_memmgr_t* m, int32_t l) { return l / m->layers_per_chunk; }
 
-/* Events and side-stream switches: no-ops where the backend has no streams. */
-static mst_status ev_record(mst_memmgr_t* m, void* ev, int side) {
+/* Events and side-stream switches: no-ops where the backend has no streams.
+ * `where` is ON_MAIN or a side stream (MST_SIDE_*). */
+enum { ON_MAIN = -1 };
+static void* stream_of(mst_memmgr_t* m, int where) {
+    return where == ON_MAIN ? NULL : m->ctx->be->side_stream(m->ctx, where);
+}
+static mst_status ev_record(mst_memmgr_t* m, void* ev, int where) {
     const mst_backend* be = m->ctx->be;
     if (!be->event_record) return MST_OK;
-    return be->event_record(m->ctx, ev, side ? be->side_stream(m->ctx) : NULL);
+    return be->event_record(m->ctx, ev, stream_of(m, where));
 }
-static mst_status ev_wait(mst_memmgr_t* m, void* ev, int side) {
+static mst_status ev_wait(mst_memmgr_t* m, void* ev, int where) {
     const mst_backend* be = m->ctx->be;
     if (!be->stream_wait) return MST_OK;
-    return be->stream_wait(m->ctx, side ? be->side_stream(m->ctx) : NULL, ev);
+    return be->stream_wait(m->ctx, stream_of(m, where), ev);
 }
 static mst_status ev_new(mst_memmgr_t* m, void** ev) {
     *ev = NULL;
@@ -138,25 +163,31 @@ static void ev_free(mst_memmgr_t* m, void* ev) {
     if (ev && m->ctx->be->event_destroy) m->ctx->be->event_destroy(m->ctx, ev);
 }
 
-/* Runs a pool operation on the side stream, after main's work so far. */
+/* Runs a pool operation on side stream `side` (MST_SIDE_*), after main's
+ * work so far and after event `after` (NULL: none). */
 typedef mst_status (*side_op)(mst_pool_t* p, mst_stash_handle_t* h, mst_tensor* t,
                               const mst_tensor* counts);
 static mst_status op_stash(mst_pool_t* p, mst_stash_handle_t* h, mst_tensor* t, const mst_tensor* c) {
     return mst_stash_save(p, h, t, c);
 }
-static mst_status op_restore(mst_pool_t* p, mst_stash_handle_t* h, mst_tensor* t, const mst_tensor* c) {
+static mst_status op_restore_copy(mst_pool_t* p, mst_stash_handle_t* h, mst_tensor* t, const mst_tensor* c) {
     (void)c;
-    return mst_stash_restore(p, h, t);
+    return mst_stash_restore_copy(p, h, t);
 }
-static mst_status on_side(mst_memmgr_t* m, side_op op, mst_pool_t* p, mst_stash_handle_t* h,
-                          mst_tensor* t, const mst_tensor* counts) {
+static mst_status op_restore_return(mst_pool_t* p, mst_stash_handle_t* h, mst_tensor* t, const mst_tensor* c) {
+    (void)t, (void)c;
+    return mst_stash_restore_return(p, h);
+}
+static mst_status on_side(mst_memmgr_t* m, int side, void* after, side_op op, mst_pool_t* p,
+                          mst_stash_handle_t* h, mst_tensor* t, const mst_tensor* counts) {
     const mst_backend* be = m->ctx->be;
     if (!be->side_stream) return op(p, h, t, counts);
     void* main_stream = mst_ctx_stream(m->ctx);
-    MST_TRY(ev_record(m, m->ev_main, 0));
-    MST_TRY(ev_wait(m, m->ev_main, 1));
-    MST_TRY(mst_ctx_set_stream(m->ctx, be->side_stream(m->ctx)));
-    m->side_used = 1;
+    MST_TRY(ev_record(m, m->ev_main, ON_MAIN));
+    MST_TRY(ev_wait(m, m->ev_main, side));
+    if (after) MST_TRY(ev_wait(m, after, side));
+    MST_TRY(mst_ctx_set_stream(m->ctx, be->side_stream(m->ctx, side)));
+    m->side_used |= 1 << side;
     mst_status st = op(p, h, t, counts);
     mst_status st2 = mst_ctx_set_stream(m->ctx, main_stream);
     return st != MST_OK ? st : st2;
@@ -231,7 +262,6 @@ mst_status mst_memmgr_create(mst_ctx_t* ctx, const mst_memmgr_config* cfg, mst_m
     m->cfg.schedule = m->schedule;
     for (int32_t l = 0; l < L; l++) m->chunk_start[l] = -1;
     for (int64_t i = 0; i < (int64_t)L * M * MST_N_SAVED; i++) {
-        m->slots[i].in_compute = -1;
         m->slots[i].restore_idx = -1;
     }
     mst_status st = ev_new(m, &m->ev_main);
@@ -269,17 +299,18 @@ void mst_memmgr_destroy(mst_memmgr_t* m) {
         mst_pool_destroy(m->pool[n][0]);
         mst_pool_destroy(m->pool[n][1]);
         shared_bufs* b = &m->bufs[n];
+        mst_free(ctx, b->compute.data);
+        ev_free(m, b->compute_free);
         for (int k = 0; k < 2; k++) {
-            mst_free(ctx, b->compute[k].data);
-            mst_free(ctx, b->restore[k].data);
-            ev_free(m, b->compute_free[k]);
             ev_free(m, b->restore_done[k]);
             ev_free(m, b->restore_free[k]);
         }
     }
+    mst_free(ctx, m->arena);
     for (int64_t i = 0; m->slots && i < n_slots; i++) {
         mst_free(ctx, m->slots[i].keep.data);
         mst_free(ctx, m->slots[i].exact);
+        ev_free(m, m->slots[i].saved_ev);
     }
     for (int64_t i = 0; m->recomp && i < (int64_t)m->cfg.n_layers * MST_N_SAVED; i++)
         mst_free(ctx, m->recomp[i].data);
@@ -371,18 +402,78 @@ static mst_status alloc_tensor(mst_memmgr_t* m, mst_saved_name n, mst_tensor* t,
     return MST_OK;
 }
 
-/* The shared buffers of a name: compute buffers for produced tensors,
- * restore buffers for every paged one; allocated on first use. */
-static mst_status ensure_shared(mst_memmgr_t* m, mst_saved_name n, int compute) {
+/* The compute buffer of a name, for its produced tensors; allocated on first use. */
+static mst_status ensure_compute(mst_memmgr_t* m, mst_saved_name n) {
     shared_bufs* b = &m->bufs[n];
-    mst_tensor* t = compute ? b->compute : b->restore;
-    for (int k = 0; k < 2; k++) {
-        if (t[k].data) continue;
-        MST_TRY(alloc_tensor(m, n, &t[k], &m->rep.compute_bytes));
-        MST_TRY(ev_new(m, compute ? &b->compute_free[k] : &b->restore_done[k]));
-        if (!compute) MST_TRY(ev_new(m, &b->restore_free[k]));
+    if (b->compute.data) return MST_OK;
+    MST_TRY(alloc_tensor(m, n, &b->compute, &m->rep.compute_bytes));
+    return ev_new(m, &b->compute_free);
+}
+
+/* Is `n` stashed or offloaded on some layer (outside recompute chunks)? */
+static int name_paged(const mst_memmgr_t* m, mst_saved_name n) {
+    for (int32_t l = 0; l < m->cfg.n_layers; l++)
+        if (paged(policy_of(m, l, n)) && m->chunk_start[l] < 0) return 1;
+    return 0;
+}
+
+/* The arena layout for restore buffers of `rows` rows: the views of the
+ * paged names, widest first, both parities of a name side by side, each
+ * 256-byte aligned; returns the bytes so that every view has max_rows rows
+ * inside the arena. off[n][k] = byte offset of restore[k] of name n. */
+static size_t arena_layout(const mst_memmgr_t* m, int64_t rows, size_t off[MST_N_SAVED][2]) {
+    int order[MST_N_SAVED], n_order = 0;
+    for (int n = 0; n < MST_N_SAVED; n++) {
+        if (!name_paged(m, (mst_saved_name)n)) continue;
+        int i = n_order++;
+        for (; i > 0 && row_bytes(m, (mst_saved_name)order[i - 1]) < row_bytes(m, (mst_saved_name)n); i--)
+            order[i] = order[i - 1];
+        order[i] = n;
     }
+    size_t at = 0, need = 0;
+    for (int i = 0; i < n_order; i++)
+        for (int k = 0; k < 2; k++) {
+            const mst_saved_name n = (mst_saved_name)order[i];
+            off[n][k] = at;
+            at += ((size_t)rows * row_bytes(m, n) + 255) & ~(size_t)255;
+            if (off[n][k] + buf_bytes(m, n) > need) need = off[n][k] + buf_bytes(m, n);
+        }
+    return at > need ? at : need;
+}
+
+/* Restore buffers (and handles) of `rows` rows: re-lays the arena when the
+ * rows change; the events of every paged name exist afterwards. */
+static mst_status ensure_arena(mst_memmgr_t* m, int64_t rows) {
+    for (int n = 0; n < MST_N_SAVED; n++) {
+        shared_bufs* b = &m->bufs[n];
+        for (int k = 0; k < 2 && name_paged(m, (mst_saved_name)n); k++) {
+            if (!b->restore_done[k]) MST_TRY(ev_new(m, &b->restore_done[k]));
+            if (!b->restore_free[k]) MST_TRY(ev_new(m, &b->restore_free[k]));
+        }
+    }
+    if (rows == m->restore_rows) return MST_OK;
+    for (int n = 0; n < MST_N_SAVED; n++) free_handles(m, (mst_saved_name)n, -1); /* sized for the old rows */
+    mst_free(m->ctx, m->arena);
+    m->arena = NULL;
+    m->rep.compute_bytes -= m->arena_bytes;
+    m->arena_bytes = 0;
+    m->restore_rows = 0;
+    size_t off[MST_N_SAVED][2];
+    const size_t bytes = arena_layout(m, rows, off);
+    if (bytes) MST_TRY(mst_alloc(m->ctx, bytes, &m->arena));
+    m->arena_bytes = bytes;
+    m->rep.compute_bytes += bytes;
+    m->restore_rows = rows;
+    for (int n = 0; n < MST_N_SAVED; n++)
+        for (int k = 0; k < 2 && name_paged(m, (mst_saved_name)n); k++)
+            m->bufs[n].restore[k] = mst_tensor_make((char*)m->arena + off[n][k], dtype_of((mst_saved_name)n),
+                                                    m->cfg.max_rows, cols_of(m, (mst_saved_name)n));
     return MST_OK;
+}
+
+/* A restore buffer as the destination of a restore: its restore_rows rows. */
+static mst_tensor restore_dst(const mst_memmgr_t* m, const mst_tensor* view) {
+    return mst_tensor_make(view->data, view->dtype, m->restore_rows, view->cols);
 }
 
 /* A recomputed layer's rerun buffers are shared by every chunk: a chunk is
@@ -449,14 +540,13 @@ static mst_status sv_produce(void* self, mst_saved_name n, int64_t rows, int64_t
         return MST_OK;
     }
     if (r->mode == MODE_BWD) return mst_set_error(MST_ERR_STATE, "produce of %s in a backward", mst_saved_name_str(n));
-    MST_TRY(ensure_shared(m, n, 1));
+    MST_TRY(ensure_compute(m, n));
     shared_bufs* b = &m->bufs[n];
-    int k = m->fwd_seq & 1;
-    if (b->compute_pending[k]) { /* its last stash must have read it */
-        MST_TRY(ev_wait(m, b->compute_free[k], 0));
-        b->compute_pending[k] = 0;
+    if (b->compute_pending) { /* its last stash must have read it */
+        MST_TRY(ev_wait(m, b->compute_free, ON_MAIN));
+        b->compute_pending = 0;
     }
-    *out = b->compute[k];
+    *out = b->compute;
     return MST_OK;
 }
 
@@ -504,18 +594,16 @@ static mst_status sv_commit(void* self, mst_saved_name n, const mst_tensor* src,
         if (m->live_exact > m->peak_exact) m->peak_exact = m->live_exact;
     }
     s->saved = 1;
-    s->in_compute = -1;
+    s->in_compute = 0;
     s->restore_idx = -1;
     if (p == MST_POLICY_RECOMPUTE) return MST_OK;
     if (p == MST_POLICY_KEEP) {
         MST_TRY(alloc_tensor(m, n, &s->keep, &m->rep.kept_bytes));
         return s->keep.data == src->data ? MST_OK : mst_copy_b2b(m->ctx, s->keep.data, src->data, buf_bytes(m, n));
     }
-    MST_TRY(ensure_shared(m, n, 0));
-    int k = m->fwd_seq & 1;
-    int from_compute = src->data == m->bufs[n].compute[k].data;
+    int from_compute = src->data == m->bufs[n].compute.data;
     if (from_compute && backward_follows(m, r->layer, r->mb)) { /* no stash: used right away */
-        s->in_compute = k;
+        s->in_compute = 1;
         return MST_OK;
     }
     if (m->measuring) {
@@ -523,32 +611,36 @@ static mst_status sv_commit(void* self, mst_saved_name n, const mst_tensor* src,
         int64_t* live = &m->live_pages[n][kind_of(p)];
         *live += pages_for(m, s->n_rows);
         if (*live > m->peak_pages[n][kind_of(p)]) m->peak_pages[n][kind_of(p)] = *live;
+        if (s->n_rows > m->max_saved_rows) m->max_saved_rows = s->n_rows;
         return MST_OK;
     }
     mst_tensor t = *src;
-    MST_TRY(on_side(m, op_stash, m->pool[n][kind_of(p)], s->handle, &t, counts));
+    MST_TRY(on_side(m, MST_SIDE_RING, NULL, op_stash, m->pool[n][kind_of(p)], s->handle, &t, counts));
+    MST_TRY(ev_record(m, s->saved_ev, MST_SIDE_RING));
     if (from_compute) {
-        MST_TRY(ev_record(m, m->bufs[n].compute_free[k], 1));
-        m->bufs[n].compute_pending[k] = 1;
+        MST_TRY(ev_record(m, m->bufs[n].compute_free, MST_SIDE_RING));
+        m->bufs[n].compute_pending = 1;
     } else {
-        MST_TRY(ev_record(m, m->inputs_read, 1));
+        MST_TRY(ev_record(m, m->inputs_read, MST_SIDE_RING));
         m->inputs_pending = 1;
     }
     return MST_OK;
 }
 
-/* Starts restoring the paged tensors of (l, mb) into restore buffers k. */
+/* Starts copying the paged tensors of (l, mb) back into restore buffers k
+ * (copy stream); their pages are returned at the backward's release. */
 static mst_status issue_restore(mst_memmgr_t* m, int32_t l, int32_t mb, int k) {
     if (m->measuring || m->chunk_start[l] >= 0) return MST_OK;
     for (int n = 0; n < MST_N_SAVED; n++) {
         slot* s = slot_of(m, l, mb, (mst_saved_name)n);
-        if (!paged(policy_of(m, l, (mst_saved_name)n)) || !s->saved || s->in_compute >= 0 || s->restore_idx >= 0)
+        if (!paged(policy_of(m, l, (mst_saved_name)n)) || !s->saved || s->in_compute || s->restore_idx >= 0)
             continue;
         shared_bufs* b = &m->bufs[n];
-        if (b->restore_free_rec[k]) MST_TRY(ev_wait(m, b->restore_free[k], 1));
+        if (b->restore_free_rec[k]) MST_TRY(ev_wait(m, b->restore_free[k], MST_SIDE_COPY));
         mst_pool_t* pool = m->pool[n][kind_of(policy_of(m, l, (mst_saved_name)n))];
-        MST_TRY(on_side(m, op_restore, pool, s->handle, &b->restore[k], NULL));
-        MST_TRY(ev_record(m, b->restore_done[k], 1));
+        mst_tensor dst = restore_dst(m, &b->restore[k]);
+        MST_TRY(on_side(m, MST_SIDE_COPY, s->saved_ev, op_restore_copy, pool, s->handle, &dst, NULL));
+        MST_TRY(ev_record(m, b->restore_done[k], MST_SIDE_COPY));
         s->restore_idx = k;
     }
     return MST_OK;
@@ -580,8 +672,8 @@ static mst_status sv_fetch(void* self, mst_saved_name n, mst_tensor* out) {
         return MST_OK;
     }
     shared_bufs* b = &m->bufs[n];
-    if (s->in_compute >= 0) {
-        *out = b->compute[s->in_compute];
+    if (s->in_compute) {
+        *out = b->compute;
         return MST_OK;
     }
     int k = m->bwd_seq & 1;
@@ -591,7 +683,7 @@ static mst_status sv_fetch(void* self, mst_saved_name n, mst_tensor* out) {
         s->restore_idx = k;
     } else {
         MST_TRY(issue_restore(m, r->layer, r->mb, k)); /* when not prefetched */
-        MST_TRY(ev_wait(m, b->restore_done[s->restore_idx], 0));
+        MST_TRY(ev_wait(m, b->restore_done[s->restore_idx], ON_MAIN));
     }
     *out = b->restore[s->restore_idx];
     return MST_OK;
@@ -606,18 +698,22 @@ static mst_status sv_release(void* self, mst_saved_name n) {
     if (!s->saved) return MST_OK;
     mst_policy p = policy_of(m, r->layer, n);
     if (s->restore_idx >= 0) {
-        MST_TRY(ev_record(m, m->bufs[n].restore_free[s->restore_idx], 0));
-        m->bufs[n].restore_free_rec[s->restore_idx] = 1;
+        shared_bufs* b = &m->bufs[n];
+        MST_TRY(ev_record(m, b->restore_free[s->restore_idx], ON_MAIN));
+        b->restore_free_rec[s->restore_idx] = 1;
+        if (!m->measuring) /* the pages go back now, where the measuring step counted them free */
+            MST_TRY(on_side(m, MST_SIDE_RING, b->restore_done[s->restore_idx], op_restore_return,
+                            m->pool[n][kind_of(p)], s->handle, NULL, NULL));
     }
     if (m->measuring) {
         m->live_exact -= (size_t)s->n_rows * row_bytes(m, n);
-        if (paged(p) && s->in_compute < 0) m->live_pages[n][kind_of(p)] -= pages_for(m, s->n_rows);
+        if (paged(p) && !s->in_compute) m->live_pages[n][kind_of(p)] -= pages_for(m, s->n_rows);
         mst_free(m->ctx, s->exact);
         s->exact = NULL;
     }
     s->saved = 0;
     s->restore_idx = -1;
-    s->in_compute = -1;
+    s->in_compute = 0;
     return MST_OK;
 }
 
@@ -727,17 +823,19 @@ mst_status mst_memmgr_step_begin(mst_memmgr_t* m, int measuring) {
     if (m->in_step) return mst_set_error(MST_ERR_STATE, "step_begin inside a step");
     if (!measuring && !m->sized)
         return mst_set_error(MST_ERR_STATE, "the first step must be a measuring step (measuring = 1)");
-    if (measuring) {
+    if (measuring) { /* restore buffers for any rows up to max_rows */
+        MST_TRY(ensure_arena(m, m->cfg.max_rows));
         memset(m->live_pages, 0, sizeof m->live_pages);
         memset(m->peak_pages, 0, sizeof m->peak_pages);
         m->live_exact = m->peak_exact = 0;
+        m->max_saved_rows = 0;
     } else {
         for (int n = 0; n < MST_N_SAVED; n++)
             for (int k = 0; k < 2; k++)
                 if (m->pool[n][k]) MST_TRY(mst_pool_reset(m->pool[n][k]));
     }
     for (int n = 0; n < MST_N_SAVED; n++) {
-        memset(m->bufs[n].compute_pending, 0, sizeof m->bufs[n].compute_pending);
+        m->bufs[n].compute_pending = 0;
         memset(m->bufs[n].restore_free_rec, 0, sizeof m->bufs[n].restore_free_rec);
     }
     m->inputs_pending = m->side_used = 0;
@@ -747,9 +845,36 @@ mst_status mst_memmgr_step_begin(mst_memmgr_t* m, int measuring) {
     return MST_OK;
 }
 
-/* After a measuring step: pools of ceil(peak * factor) pages, and a handle
- * for every slot that stashes or offloads. */
+/* Rows of the restore buffers and handles after a measuring step: the
+ * largest rows saved with the pools' headroom, a page multiple, at most
+ * max_rows. */
+static int64_t sized_restore_rows(const mst_memmgr_t* m) {
+    const int64_t pr = m->cfg.page_rows;
+    int64_t rows = (int64_t)ceil((double)m->max_saved_rows * (m->cfg.dev_factor + m->cfg.host_factor));
+    rows = (rows + pr - 1) / pr * pr;
+    if (rows < pr) rows = pr;
+    return rows < m->cfg.max_rows ? rows : m->cfg.max_rows;
+}
+
+/* The pool of (name n, kind k) with at least the pages of config pc. */
+static mst_status ensure_pool(mst_memmgr_t* m, mst_saved_name n, int k, const mst_pool_config* pc) {
+    mst_pool_t** pool = &m->pool[n][k];
+    if (*pool) {
+        mst_pool_stats have;
+        MST_TRY(mst_pool_stats_get(*pool, &have));
+        if (have.n_dev_pages >= pc->n_dev_pages && have.n_host_pages >= pc->n_host_pages) return MST_OK;
+        free_handles(m, n, k);
+        mst_pool_destroy(*pool);
+        *pool = NULL;
+    }
+    return mst_pool_create(m->ctx, dtype_of(n), cols_of(m, n), pc, pool);
+}
+
+/* After a measuring step: restore buffers and handles of sized_restore_rows,
+ * pools of ceil(peak * factor) pages, and a handle and a save event for every
+ * slot that stashes or offloads. */
 static mst_status size_pools(mst_memmgr_t* m) {
+    MST_TRY(ensure_arena(m, sized_restore_rows(m)));
     for (int n = 0; n < MST_N_SAVED; n++)
         for (int k = 0; k < 2; k++) {
             int used = 0;
@@ -764,22 +889,15 @@ static mst_status size_pools(mst_memmgr_t* m) {
             MST_TRY(mst_pool_config_from_peak(&measured, k ? 0.0 : m->cfg.dev_factor,
                                               k ? m->cfg.dev_factor : m->cfg.host_factor, &pc));
             pc.page_rows = m->cfg.page_rows;
-            mst_pool_t** pool = &m->pool[n][k];
-            if (*pool) {
-                mst_pool_stats have;
-                MST_TRY(mst_pool_stats_get(*pool, &have));
-                if (have.n_dev_pages >= pc.n_dev_pages && have.n_host_pages >= pc.n_host_pages) continue;
-                free_handles(m, (mst_saved_name)n, k);
-                mst_pool_destroy(*pool);
-                *pool = NULL;
-            }
-            MST_TRY(mst_pool_create(m->ctx, dtype_of((mst_saved_name)n), cols_of(m, (mst_saved_name)n), &pc, pool));
+            MST_TRY(ensure_pool(m, (mst_saved_name)n, k, &pc));
             for (int32_t l = 0; l < m->cfg.n_layers; l++) {
                 mst_policy p = policy_of(m, l, (mst_saved_name)n);
                 if (!paged(p) || kind_of(p) != k || m->chunk_start[l] >= 0) continue;
-                for (int32_t mb = 0; mb < m->cfg.n_microbatches; mb++)
-                    MST_TRY(mst_stash_handle_create(*pool, m->cfg.max_rows,
-                                                    &slot_of(m, l, mb, (mst_saved_name)n)->handle));
+                for (int32_t mb = 0; mb < m->cfg.n_microbatches; mb++) {
+                    slot* s = slot_of(m, l, mb, (mst_saved_name)n);
+                    if (!s->handle) MST_TRY(mst_stash_handle_create(m->pool[n][k], m->restore_rows, &s->handle));
+                    if (!s->saved_ev) MST_TRY(ev_new(m, &s->saved_ev));
+                }
             }
         }
     return MST_OK;
@@ -798,9 +916,10 @@ mst_status mst_memmgr_step_end(mst_memmgr_t* m) {
                                  mst_saved_name_str((mst_saved_name)(i % MST_N_SAVED)),
                                  (long long)(i / MST_N_SAVED / m->cfg.n_microbatches),
                                  (long long)(i / MST_N_SAVED % m->cfg.n_microbatches));
-    if (m->side_used) { /* join the side stream (only if this step forked it) */
-        MST_TRY(ev_record(m, m->ev_side, 1));
-        MST_TRY(ev_wait(m, m->ev_side, 0));
+    for (int i = 0; i < MST_N_SIDE; i++) { /* join the side streams this step forked */
+        if (!(m->side_used & 1 << i)) continue;
+        MST_TRY(ev_record(m, m->ev_side, i));
+        MST_TRY(ev_wait(m, m->ev_side, ON_MAIN));
     }
     if (!m->measuring) return MST_OK;
     if (m->sized) m->rep.reruns++;

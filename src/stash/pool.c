@@ -320,12 +320,14 @@ void mst_stash_handle_destroy(mst_stash_handle_t* h) {
 
 /* ---- save and restore ----------------------------------------------------- */
 
+/* pool and handle; with name, also tensor t (dtype, width). */
 static mst_status check_rows(const mst_pool_t* pool, const mst_stash_handle_t* h, const mst_tensor* t,
                              const char* name) {
     if (!pool) return mst_set_error(MST_ERR_INVALID, "pool is NULL");
     if (!h) return mst_set_error(MST_ERR_INVALID, "handle is NULL");
     if (h->pool != pool)
         return mst_set_error(MST_ERR_INVALID, "handle #%d belongs to another pool", h->id);
+    if (!name) return MST_OK; /* no tensor to check */
     MST_TRY(mst_check_tensor(t, name, pool->dtype));
     if (t->cols != pool->width)
         return mst_set_error(MST_ERR_INVALID, "%s has %lld columns, the pool's width is %lld", name,
@@ -337,6 +339,7 @@ static mst_stash_args handle_args(const mst_pool_t* pool, const mst_stash_handle
     mst_stash_args a = pool->a;
     a.hs = h->hs;
     a.table = mst_handle_table(h->hs);
+    a.max_rows = h->max_rows;
     a.max_pages = h->max_pages;
     a.handle_id = h->id;
     return a;
@@ -345,9 +348,6 @@ static mst_stash_args handle_args(const mst_pool_t* pool, const mst_stash_handle
 mst_status mst_stash_save(mst_pool_t* pool, mst_stash_handle_t* h, const mst_tensor* src,
                           const mst_tensor* counts) {
     MST_TRY(check_rows(pool, h, src, "src"));
-    if (src->rows > h->max_rows)
-        return mst_set_error(MST_ERR_INVALID, "src has %lld rows, handle #%d holds at most %lld",
-                             (long long)src->rows, h->id, (long long)h->max_rows);
     MST_TRY(mst_check_tensor(counts, "counts", MST_DTYPE_INT32));
     if (counts->cols != 1 || counts->rows > INT32_MAX)
         return mst_set_error(MST_ERR_INVALID, "counts has shape [%lld, %lld], expected [E, 1]",
@@ -360,12 +360,30 @@ mst_status mst_stash_save(mst_pool_t* pool, mst_stash_handle_t* h, const mst_ten
     return pool->ctx->be->stash_save(pool->ctx, &a);
 }
 
-mst_status mst_stash_restore(mst_pool_t* pool, mst_stash_handle_t* h, mst_tensor* dst) {
-    MST_TRY(check_rows(pool, h, dst, "dst"));
-    if (dst->rows < h->max_rows)
-        return mst_set_error(MST_ERR_INVALID, "dst has %lld rows, fewer than handle #%d's max_rows = %lld",
-                             (long long)dst->rows, h->id, (long long)h->max_rows);
+/* One restore call: part MST_RESTORE_* (dst unused for MST_RESTORE_RETURN). */
+static mst_status restore_part(mst_pool_t* pool, mst_stash_handle_t* h, mst_tensor* dst, int32_t part) {
+    if (part != MST_RESTORE_RETURN) {
+        MST_TRY(check_rows(pool, h, dst, "dst"));
+        if (dst->rows < h->max_rows)
+            return mst_set_error(MST_ERR_INVALID, "dst has %lld rows, fewer than handle #%d's max_rows = %lld",
+                                 (long long)dst->rows, h->id, (long long)h->max_rows);
+    } else {
+        MST_TRY(check_rows(pool, h, NULL, NULL));
+    }
     mst_stash_args a = handle_args(pool, h);
-    a.dst = (char*)dst->data;
+    a.dst = part != MST_RESTORE_RETURN ? (char*)dst->data : NULL;
+    a.restore_part = part;
     return pool->ctx->be->stash_restore(pool->ctx, &a);
+}
+
+mst_status mst_stash_restore(mst_pool_t* pool, mst_stash_handle_t* h, mst_tensor* dst) {
+    return restore_part(pool, h, dst, MST_RESTORE_ALL);
+}
+
+mst_status mst_stash_restore_copy(mst_pool_t* pool, mst_stash_handle_t* h, mst_tensor* dst) {
+    return restore_part(pool, h, dst, MST_RESTORE_COPY);
+}
+
+mst_status mst_stash_restore_return(mst_pool_t* pool, mst_stash_handle_t* h) {
+    return restore_part(pool, h, NULL, MST_RESTORE_RETURN);
 }

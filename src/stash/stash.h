@@ -72,7 +72,9 @@ typedef struct mst_stash_args {
     int32_t handle_id;           /* for bad-state messages                        */
     mst_handle_state* hs;        /* [1] backend memory (save, restore)            */
     uint32_t* table;             /* [max_pages] backend memory (save, restore)    */
-    int64_t max_pages;           /* table capacity                                */
+    int64_t max_rows;            /* rows the handle holds (save, restore)         */
+    int64_t max_pages;           /* table capacity: ceil(max_rows / page_rows)    */
+    int32_t restore_part;        /* MST_RESTORE_* (restore)                       */
     const int32_t* counts;       /* [E] backend memory (save)                     */
     int32_t n_groups;            /* E (save)                                      */
     int64_t src_rows;            /* R of src (save)                               */
@@ -80,6 +82,13 @@ typedef struct mst_stash_args {
     char* dst;                   /* [R, row_bytes] (restore)                      */
     int32_t* err_flag;           /* [1] the context's MST_FLAG_* bits             */
 } mst_stash_args;
+
+/* What a restore does (mst_stash_args.restore_part). */
+enum {
+    MST_RESTORE_ALL = 0, /* copy the rows back, then return the pages          */
+    MST_RESTORE_COPY,    /* copy the rows back only; the handle keeps its pages */
+    MST_RESTORE_RETURN,  /* return the pages only (after a MST_RESTORE_COPY)    */
+};
 
 /* Host side of a pool and a handle. */
 struct mst_pool {
@@ -134,9 +143,12 @@ typedef struct mst_plan {
 } mst_plan;
 
 /* The plan of a save of n = sum(counts) rows (n = -1: bad counts): ceil(n /
- * page_rows) pages, device first, then host; anything but TAKEN takes none. */
+ * page_rows) pages, device first, then host; more rows than the handle holds
+ * (max_rows) is an overflow like too few free pages; anything but TAKEN
+ * takes none. */
 MST_HD void mst_reserve_plan(const mst_pool_state* st, const mst_handle_state* hs,
-                             const int64_t cap[MST_N_BLK], int64_t page_rows, int64_t n, mst_plan* p) {
+                             const int64_t cap[MST_N_BLK], int64_t page_rows, int64_t max_rows, int64_t n,
+                             mst_plan* p) {
     p->n = 0;
     for (int b = 0; b < MST_N_BLK; b++) {
         p->take[b] = 0;
@@ -150,7 +162,7 @@ MST_HD void mst_reserve_plan(const mst_pool_state* st, const mst_handle_state* h
     const int64_t free_dev = (int64_t)(st->tail[MST_BLK_DEV] - st->head[MST_BLK_DEV]);
     const int64_t free_host = (int64_t)(st->tail[MST_BLK_HOST] - st->head[MST_BLK_HOST]);
     const int64_t dev = need < free_dev ? need : free_dev;
-    if (need - dev > free_host) { p->outcome = MST_RESERVE_OVERFLOW; return; }
+    if (n > max_rows || need - dev > free_host) { p->outcome = MST_RESERVE_OVERFLOW; return; }
     p->take[MST_BLK_DEV] = dev;
     p->take[MST_BLK_HOST] = need - dev;
     p->n = n;

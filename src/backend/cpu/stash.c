@@ -57,7 +57,7 @@ static mst_status bad_state(const mst_stash_args* a, const char* what) {
 
 mst_status mst_cpu_stash_save(mst_ctx_t* ctx, const mst_stash_args* a) {
     mst_plan p;
-    mst_reserve_plan(a->st, a->hs, a->cap, a->page_rows, counts_sum(a), &p);
+    mst_reserve_plan(a->st, a->hs, a->cap, a->page_rows, a->max_rows, counts_sum(a), &p);
     if (p.outcome == MST_RESERVE_TAKEN) mst_ring_move(a->ring, a->cap, p.pos, p.take, a->table, 0, 0, 1);
     mst_reserve_commit(a->st, a->hs, a->cap, &p, a->handle_id);
     switch (p.outcome) {
@@ -79,7 +79,9 @@ mst_status mst_cpu_stash_restore(mst_ctx_t* ctx, const mst_stash_args* a) {
     (void)ctx;
     uint64_t pos[MST_N_BLK];
     int64_t take[MST_N_BLK];
-    if (mst_handle_live(a->st, a->hs)) copy_pages(a, a->dst, a->hs->n_rows, 0);
+    if (a->restore_part != MST_RESTORE_RETURN && mst_handle_live(a->st, a->hs))
+        copy_pages(a, a->dst, a->hs->n_rows, 0);
+    if (a->restore_part == MST_RESTORE_COPY) return MST_OK;
     switch (mst_return_begin(a->st, a->hs, a->handle_id, pos, take)) {
     case MST_RETURN_PAGES:
         mst_ring_move(a->ring, a->cap, pos, take, a->table, 1, 0, 1);

@@ -33,7 +33,7 @@ static mst_status cuda_init(mst_ctx_t* ctx, int device) {
     MST_CUDA_TRY(cudaGetDeviceProperties(&p, device));
     c->n_sm = p.multiProcessorCount;
     MST_CUDA_TRY(cudaStreamCreateWithFlags(&c->own_stream, cudaStreamNonBlocking));
-    MST_CUDA_TRY(cudaStreamCreateWithFlags(&c->side, cudaStreamNonBlocking));
+    for (int i = 0; i < MST_N_SIDE; i++) MST_CUDA_TRY(cudaStreamCreateWithFlags(&c->side[i], cudaStreamNonBlocking));
     c->stream = c->own_stream;
     MST_CUBLAS_TRY(cublasCreate(&c->blas));
     MST_CUBLAS_TRY(cublasSetStream(c->blas, c->stream));
@@ -45,7 +45,8 @@ static mst_status cuda_init(mst_ctx_t* ctx, int device) {
 static void cuda_shutdown(mst_ctx_t* ctx) {
     mst_cuda_impl* c = mst_cuda(ctx);
     if (c->blas) cublasDestroy(c->blas);
-    if (c->side) cudaStreamDestroy(c->side);
+    for (int i = 0; i < MST_N_SIDE; i++)
+        if (c->side[i]) cudaStreamDestroy(c->side[i]);
     if (c->own_stream) cudaStreamDestroy(c->own_stream);
     free(c);
     ctx->impl = NULL;
@@ -86,7 +87,7 @@ static mst_status cuda_fill(mst_ctx_t* ctx, void* dst, int byte, size_t n_bytes)
 
 static mst_status cuda_sync(mst_ctx_t* ctx) {
     mst_cuda_impl* c = mst_cuda(ctx);
-    MST_CUDA_TRY(cudaStreamSynchronize(c->side));
+    for (int i = 0; i < MST_N_SIDE; i++) MST_CUDA_TRY(cudaStreamSynchronize(c->side[i]));
     MST_CUDA_TRY(cudaStreamSynchronize(c->stream));
     return MST_OK;
 }
@@ -100,7 +101,7 @@ static mst_status cuda_set_stream(mst_ctx_t* ctx, void* s) {
     return MST_OK;
 }
 
-static void* cuda_side_stream(mst_ctx_t* ctx) { return (void*)mst_cuda(ctx)->side; }
+static void* cuda_side_stream(mst_ctx_t* ctx, int which) { return (void*)mst_cuda(ctx)->side[which]; }
 
 static mst_status cuda_event_create(mst_ctx_t* ctx, void** ev) {
     (void)ctx;

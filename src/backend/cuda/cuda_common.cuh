@@ -16,7 +16,7 @@ typedef struct mst_cuda_impl {
     int n_sm;                 /* multiprocessors, for persistent grids          */
     cudaStream_t stream;      /* where ops are enqueued (own_stream or caller's) */
     cudaStream_t own_stream;  /* created by the context                          */
-    cudaStream_t side;        /* side stream for stash / restore traffic        */
+    cudaStream_t side[MST_N_SIDE]; /* side streams: MST_SIDE_* (memory manager)  */
     cublasHandle_t blas;      /* bound to `stream`                              */
 } mst_cuda_impl;
 

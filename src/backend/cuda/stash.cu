@@ -6,10 +6,12 @@
  *   save    = one kernel: every block sums the counts and computes the same
  *             plan (mst_reserve_plan) from the untouched pool state, copies
  *             its share of rows into the pages the plan names (read from the
- *             rings), and the last block to finish writes the page table and
- *             commits the plan (mst_reserve_commit, one thread)
+ *             rings), writes its share of the page table, and the last block
+ *             to finish commits the plan (mst_reserve_commit, one thread)
  *   restore = one kernel: copies from the pages; the last block returns the
- *             pages to their rings (mst_return_begin / end)
+ *             pages to their rings (mst_return_begin / end). A split restore
+ *             is the copy kernel without the return, then a one-block
+ *             return kernel
  *   reset   = one kernel refilling both rings and clearing the counters
  *
  * Copies run on a persistent grid (as many blocks as fit on the device at
@@ -24,6 +26,12 @@ namespace {
 
 constexpr int kThreads = 256; /* every stash kernel's block size         */
 constexpr int kUnroll = 4;    /* independent vectors in flight per thread */
+constexpr int kHostBlocks = 64; /* copy grid of a pool with only host pages:
+                                   PCIe needs few blocks, and the rest of the
+                                   SMs stay free for concurrent work        */
+constexpr int kWarpThreads = 32; /* the page-return kernel: one warp (28
+                                    registers) fits beside a persistent
+                                    GEMM block, which leaves 1024 free     */
 
 /* Sum of counts [E]; *bad = a negative count was seen. Block-wide result. */
 __device__ int64_t block_counts_sum(const int32_t* counts, int32_t n_groups, int* bad) {
@@ -58,7 +66,7 @@ __device__ void block_plan(const mst_stash_args& a, mst_plan* s_plan) {
     int bad = 0;
     const int64_t sum = block_counts_sum(a.counts, a.n_groups, &bad);
     if (threadIdx.x == 0)
-        mst_reserve_plan(&st, &hs, a.cap, a.page_rows, bad || sum > a.src_rows ? -1 : sum, s_plan);
+        mst_reserve_plan(&st, &hs, a.cap, a.page_rows, a.max_rows, bad || sum > a.src_rows ? -1 : sum, s_plan);
     __syncthreads();
 }
 
@@ -78,9 +86,9 @@ __device__ bool last_block(uint32_t* done) {
     return s_last;
 }
 
-/* Save, last block: the page table, then the commit and the context flags. */
+/* Save, last block: the commit and the context flags (every block wrote its
+ * share of the page table after the plan). */
 __device__ void finish_save(const mst_stash_args& a, const mst_plan* p) {
-    mst_ring_move(a.ring, a.cap, p->pos, p->take, a.table, 0, threadIdx.x, blockDim.x);
     if (threadIdx.x != 0) return;
     mst_reserve_commit(a.st, a.hs, a.cap, p, a.handle_id);
     if (p->outcome == MST_RESERVE_OVERFLOW) mst_dev_flag(a.err_flag, MST_FLAG_OVERFLOW);
@@ -100,59 +108,87 @@ __device__ void finish_restore(const mst_stash_args& a) {
     if (threadIdx.x == 0) mst_return_end(a.st, a.hs, s_take);
 }
 
+/* The end of a copy kernel: block 0 copies bytes [tail, total) (fewer than
+ * a vector) byte by byte; then the last block to finish commits the save or
+ * returns the restore's pages (not for MST_RESTORE_COPY). */
+template <bool RESTORE>
+__device__ void copy_end(const mst_stash_args& a, const mst_plan* plan, char* rows, uint32_t tail, uint32_t total) {
+    if (blockIdx.x == 0 && threadIdx.x < total - tail) {
+        const uint32_t page_bytes = (uint32_t)(a.page_rows * a.row_bytes);
+        const uint32_t b = tail + threadIdx.x, p = b / page_bytes;
+        const uint32_t id = RESTORE ? a.table[p] : mst_plan_page(a.ring, a.cap, plan, p);
+        char* pg = mst_page_ptr(a.block, id, page_bytes) + (b - p * page_bytes);
+        if (RESTORE) rows[b] = *pg;
+        else *pg = rows[b];
+    }
+    if (RESTORE && a.restore_part == MST_RESTORE_COPY) return; /* the pages stay */
+    if (!last_block(&a.hs->done_blocks)) return;
+    if (RESTORE) finish_restore(a);
+    else finish_save(a, plan);
+}
+
 /* Rows [0, n) between the contiguous rows (src of a save, dst of a restore)
  * and the handle's pages, as vectors of V: flat vector u of the rows is
  * vector u % vpp of page u / vpp (a save looks its id up in the rings, a
- * restore in the table). Byte offsets fit in 32 bits (a handle holds < 4 GiB);
- * the last < sizeof(V) bytes go byte by byte. Each thread has kUnroll loads in
- * flight before its stores. */
+ * restore in the table). Grid-stride, each thread with kUnroll loads in
+ * flight before its stores. A save issues the loads of its first step
+ * before its plan (any row < src_rows may be read), so the plan's latency
+ * hides behind them. Byte offsets fit in 32 bits (a handle holds < 4 GiB);
+ * the last < sizeof(V) bytes go byte by byte. */
 template <typename V, bool RESTORE>
-__global__ void __launch_bounds__(kThreads) copy_kernel(mst_stash_args a) {
+__global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
     __shared__ mst_plan s_plan; /* save only */
+    const uint32_t page_bytes = (uint32_t)(a.page_rows * a.row_bytes);
+    const uint32_t vpp = page_bytes / (uint32_t)sizeof(V);
+    char* rows = RESTORE ? a.dst : (char*)a.src;
+    const uint32_t stride = gridDim.x * blockDim.x;
+    uint32_t u0 = blockIdx.x * blockDim.x + threadIdx.x;
+    V v[kUnroll];
+    bool loaded = false; /* v holds the vectors of step u0 */
     int64_t n;
-    if (RESTORE) n = mst_handle_live(a.st, a.hs) ? a.hs->n_rows : 0;
-    else {
+    if (RESTORE) {
+        n = mst_handle_live(a.st, a.hs) ? a.hs->n_rows : 0;
+    } else {
+        const int64_t src_vec = a.src_rows * a.row_bytes / (int64_t)sizeof(V);
+        const uint32_t last = (uint32_t)min(src_vec, (int64_t)UINT32_MAX) - 1;
+        if (src_vec > 0) {
+#pragma unroll
+            for (int k = 0; k < kUnroll; k++) v[k] = ((const V*)rows)[min(u0 + k * stride, last)];
+            loaded = true;
+        }
         block_plan(a, &s_plan);
         n = s_plan.n;
     }
-    const uint32_t page_bytes = (uint32_t)(a.page_rows * a.row_bytes);
     const uint32_t total = (uint32_t)(n * a.row_bytes);
-    const uint32_t vpp = page_bytes / (uint32_t)sizeof(V);
     const uint32_t n_vec = total / (uint32_t)sizeof(V);
-    char* rows = RESTORE ? a.dst : (char*)a.src;
     const uint32_t* __restrict__ table = a.table;
     auto page = [&](uint32_t p) -> char* {
         const uint32_t id = RESTORE ? table[p] : mst_plan_page(a.ring, a.cap, &s_plan, p);
         return mst_page_ptr(a.block, id, page_bytes);
     };
-    const uint32_t stride = gridDim.x * blockDim.x;
-    for (uint32_t u0 = blockIdx.x * blockDim.x + threadIdx.x; u0 < n_vec; u0 += kUnroll * stride) {
-        V v[kUnroll];
+    for (; u0 < n_vec; u0 += kUnroll * stride, loaded = false) {
         V* to[kUnroll];
 #pragma unroll
-        for (int k = 0; k < kUnroll; k++) { /* clamped: every load valid, no branch */
+        for (int k = 0; k < kUnroll; k++) { /* clamped: every address valid, no branch */
             const uint32_t u = min(u0 + k * stride, n_vec - 1);
             const uint32_t p = u / vpp;
             V* pg = (V*)page(p) + (u - p * vpp);
             V* row = (V*)rows + u;
-            v[k] = RESTORE ? *pg : *row;
+            if (!loaded) v[k] = RESTORE ? *pg : *row;
             to[k] = RESTORE ? row : pg;
         }
 #pragma unroll
         for (int k = 0; k < kUnroll; k++)
             if (u0 + k * stride < n_vec) *to[k] = v[k];
     }
-    const uint32_t tail = n_vec * (uint32_t)sizeof(V);
-    if (blockIdx.x == 0 && threadIdx.x < total - tail) {
-        const uint32_t b = tail + threadIdx.x, p = b / page_bytes;
-        char* pg = page(p) + (b - p * page_bytes);
-        if (RESTORE) rows[b] = *pg;
-        else *pg = rows[b];
-    }
-    if (!last_block(&a.hs->done_blocks)) return;
-    if (RESTORE) finish_restore(a);
-    else finish_save(a, &s_plan);
+    if (!RESTORE) /* this block's share of the page table */
+        mst_ring_move(a.ring, a.cap, s_plan.pos, s_plan.take, a.table, 0, blockIdx.x * blockDim.x + threadIdx.x,
+                      (int64_t)gridDim.x * blockDim.x);
+    copy_end<RESTORE>(a, &s_plan, rows, n_vec * (uint32_t)sizeof(V), total);
 }
+
+/* The page return of a split restore (MST_RESTORE_RETURN): one warp. */
+__global__ void __launch_bounds__(kWarpThreads) return_kernel(mst_stash_args a) { finish_restore(a); }
 
 __global__ void __launch_bounds__(kThreads) reset_kernel(mst_stash_args a) {
     const int64_t start = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
@@ -163,7 +199,8 @@ __global__ void __launch_bounds__(kThreads) reset_kernel(mst_stash_args a) {
 int n_sm(mst_ctx_t* ctx) { return mst_cuda(ctx)->n_sm; }
 
 /* Persistent grid for a handle's largest copy (static: graph-safe): as many
- * blocks as fit on the device at once, fewer for small handles. */
+ * blocks as fit on the device at once (kHostBlocks for a pool of host pages
+ * only), fewer for small handles. */
 template <typename V, bool RESTORE>
 mst_status copy_grid(mst_ctx_t* ctx, const mst_stash_args* a, unsigned* grid) {
     static int per_sm = 0; /* resident blocks per SM, asked once */
@@ -172,7 +209,8 @@ mst_status copy_grid(mst_ctx_t* ctx, const mst_stash_args* a, unsigned* grid) {
     const int64_t max_vec = a->max_pages * a->page_rows * a->row_bytes / (int64_t)sizeof(V);
     const int64_t per_block = (int64_t)kThreads * kUnroll;
     const int64_t want = (max_vec + per_block - 1) / per_block;
-    const int64_t cap = (int64_t)n_sm(ctx) * (per_sm > 0 ? per_sm : 1);
+    int64_t cap = (int64_t)n_sm(ctx) * (per_sm > 0 ? per_sm : 1);
+    if (a->cap[MST_BLK_DEV] == 0 && cap > kHostBlocks) cap = kHostBlocks;
     *grid = (unsigned)(want < 1 ? 1 : want < cap ? want : cap);
     return MST_OK;
 }
@@ -212,7 +250,10 @@ extern "C" mst_status mst_cuda_stash_save(mst_ctx_t* ctx, const mst_stash_args* 
 }
 
 extern "C" mst_status mst_cuda_stash_restore(mst_ctx_t* ctx, const mst_stash_args* a) {
-    return copy<true>(ctx, a, a->dst);
+    if (a->restore_part != MST_RESTORE_RETURN) return copy<true>(ctx, a, a->dst);
+    return_kernel<<<1, kWarpThreads, 0, mst_cuda(ctx)->stream>>>(*a);
+    MST_CUDA_LAUNCHED();
+    return MST_OK;
 }
 
 extern "C" mst_status mst_cuda_host_alloc(mst_ctx_t* ctx, size_t n_bytes, void** out) {
