@@ -286,15 +286,15 @@ __device__ __forceinline__ void epilogue_tma(const gg_problem& p, const CUtensor
 }
 
 /* ---- tile hand-out ----
- * The producer thread picks every tile of its CTA and passes the id to the
- * consumers through a ring of TSLOTS ids in shared memory (mbarriers as for
- * the stages); -1 ends the work. Forward and dgrad tiles all have the same
- * K: they stride over the grid. wgrad tiles are drawn one at a time from
- * the schedule's counter (an integer atomic), so a CTA that drew short-K
- * tiles goes on at once; the k-th draw alternates between the front of the
- * schedule (largest groups: long K, tensor-core bound) and its back
- * (smallest groups: bound by their main_grad traffic), so both kinds run at
- * every moment and the longest tiles start first. */
+ * The producer thread draws every tile of its CTA from the schedule's
+ * counter (an integer atomic) and passes the id to the consumers through a
+ * ring of TSLOTS ids in shared memory (mbarriers as for the stages); -1 ends
+ * the work. Drawing, not striding, lets the CTAs that start late (their SM
+ * busy with a stash copy on a side stream) or drew short tiles share the
+ * work. wgrad's k-th draw alternates between the front of the schedule
+ * (largest groups: long K, tensor-core bound) and its back (smallest
+ * groups: bound by their main_grad traffic), so both kinds run at every
+ * moment and the longest tiles start first. */
 constexpr int TSLOTS = 4;
 struct tile_pipe {
     uint64_t full[TSLOTS], empty[TSLOTS];
@@ -304,15 +304,12 @@ struct tile_pipe {
 /* The schedule tile of the k-th draw of wgrad (a permutation of [0, n)). */
 __device__ __forceinline__ int32_t wgrad_tile(int32_t k, int32_t n) { return k & 1 ? n - 1 - (k >> 1) : k >> 1; }
 
-/* Producer: the i-th tile of this CTA, or -1 past the last. */
+/* Producer: the next tile of this CTA, or -1 when all are drawn. */
 template <int OP>
-__device__ __forceinline__ int32_t next_tile(const gg_sched& s, int32_t i, int32_t n) {
-    if (OP == GG_WGRAD) {
-        const int32_t k = gg_next_tile(s);
-        return k < n ? wgrad_tile(k, n) : -1;
-    }
-    const int32_t k = (int32_t)blockIdx.x + i * (int32_t)gridDim.x;
-    return k < n ? k : -1;
+__device__ __forceinline__ int32_t next_tile(const gg_sched& s, int32_t n) {
+    const int32_t k = gg_next_tile(s);
+    if (k >= n) return -1;
+    return OP == GG_WGRAD ? wgrad_tile(k, n) : k;
 }
 
 template <int OP>
@@ -346,8 +343,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (threadIdx.x != 0) return;
         int st = 0, ts = 0;
         uint32_t ph = 0, tph = 0;
-        for (int32_t i = 0;; i++) {
-            const int32_t ti = next_tile<OP>(s, i, n_tiles);
+        for (;;) {
+            const int32_t ti = next_tile<OP>(s, n_tiles);
             mbar_wait(&tp.empty[ts], tph ^ 1);
             tp.id[ts] = ti;
             mbar_arrive(&tp.full[ts]);
