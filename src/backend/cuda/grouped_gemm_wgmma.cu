@@ -89,22 +89,11 @@ __device__ __forceinline__ void tma_3d(void* dst, const CUtensorMap* map, int c0
 }
 
 /* Shared chunk -> the box of C at (col c0, row c1, group c2): store, or
- * reduce-add; completion tracked by this thread's bulk groups. main_grad
- * (wgrad: `grad`) is written with L2 evict-first: it is touched once per
- * call, and the operands the next tiles read should keep the L2. */
-__device__ __forceinline__ void tma_out(const CUtensorMap* map, const void* src, int c0, int c1, int c2, int add,
-                                        int grad) {
+ * reduce-add; completion tracked by this thread's bulk groups. */
+__device__ __forceinline__ void tma_out(const CUtensorMap* map, const void* src, int c0, int c1, int c2, int add) {
     if (add)
         asm volatile(
-            "{\n.reg .b64 pol;\ncreatepolicy.fractional.L2::evict_first.b64 pol, 1.0;\n"
-            "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group.L2::cache_hint"
-            " [%0, {%1, %2, %3}], [%4], pol;\n}\n" ::"l"(map),
-            "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(src))
-            : "memory");
-    else if (grad)
-        asm volatile(
-            "{\n.reg .b64 pol;\ncreatepolicy.fractional.L2::evict_first.b64 pol, 1.0;\n"
-            "cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group.L2::cache_hint [%0, {%1, %2, %3}], [%4], pol;\n}\n" ::"l"(map),
+            "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(map),
             "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(src))
             : "memory");
     else
@@ -242,8 +231,8 @@ __device__ __forceinline__ void put_pair(uint8_t* chunk, int r, int c, float v0,
  * chunk buffers used in turn; n counts the chunks sent so far. chunk_begin:
  * thread 0 waits until the copy that last used the next buffer has read it;
  * then every thread writes its part. chunk_end: thread 0 hands the chunk to
- * a TMA store at (c0, c1, c2) of `map` (reduce-add when `add`; `grad`:
- * see tma_out), which clips it to the tensor's extents. */
+ * a TMA store at (c0, c1, c2) of `map` (reduce-add when `add`), which clips
+ * it to the tensor's extents. */
 struct out_ring {
     uint8_t* buf; /* [C_BUFS][C_BYTES] */
     int n, cw, wt;
@@ -254,10 +243,10 @@ __device__ __forceinline__ uint8_t* chunk_begin(out_ring& o) {
     return o.buf + (o.n % C_BUFS) * C_BYTES;
 }
 __device__ __forceinline__ void chunk_end(out_ring& o, const CUtensorMap* map, const uint8_t* chunk, int c0, int c1,
-                                          int c2, int add, int grad) {
+                                          int c2, int add) {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     asm volatile("bar.sync %0, 128;\n" ::"r"(2 + o.cw) : "memory");
-    if (o.wt == 0) tma_out(map, chunk, c0, c1, c2, add, grad);
+    if (o.wt == 0) tma_out(map, chunk, c0, c1, c2, add);
     o.n++;
 }
 
@@ -292,8 +281,7 @@ __device__ __forceinline__ void epilogue_tma(const gg_problem& p, const CUtensor
             put_pair<OP>(chunk, r, 8 * i + c, v0, v1);
             put_pair<OP>(chunk, r + 8, 8 * i + c, v2, v3);
         }
-        chunk_end(o, mc, chunk, t.n0 + j * CC, row, OP == GG_WGRAD ? t.g : 0, OP == GG_WGRAD && p.accumulate,
-                  OP == GG_WGRAD);
+        chunk_end(o, mc, chunk, t.n0 + j * CC, row, OP == GG_WGRAD ? t.g : 0, OP == GG_WGRAD && p.accumulate);
     }
 }
 
