@@ -8,8 +8,9 @@
  *   roof    one dense cublasGemmEx of the same total FLOPs
  * Every variant is captured in a CUDA graph and replayed (launch gaps out of
  * the figures), the variants of one op interleaved round by round; a
- * variant that cannot be captured is timed eagerly and says so. Shapes (total rows x in -> out, E) with balanced and skewed (Zipf-like)
- * counts, buffers of max_rows = 1.5 x rows. Before timing, sampled outputs
+ * variant that cannot be captured is timed eagerly and says so. Shapes
+ * (total rows x in -> out, E) with balanced and skewed (Zipf-like) counts,
+ * buffers of max_rows = 1.5 x rows. Before timing, sampled outputs
  * of ours and of the loop are checked against float64 references.
  * A short table is printed last; --json writes every figure.
  */

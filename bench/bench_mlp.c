@@ -8,9 +8,10 @@
  * shape the forward (6 rows H F FLOPs) and backward (12 rows H F FLOPs, wgrad
  * ACCUMULATE into main_grad) graph replays, and the activation kernels alone
  * (their share of each pass; fusing them into the GEMM epilogues was
- * measured slower, see docs/perf-notes.md), all interleaved round by round. The counts of every
- * shape go into the JSON, so bench/torch/mlp.py runs the PyTorch baseline on
- * the same counts and prints the ratio. A short table is printed last.
+ * measured slower, see docs/perf-notes.md), all interleaved round by
+ * round. The counts of every shape go into the JSON, so bench/torch/mlp.py
+ * runs the PyTorch baseline on the same counts and prints the ratio. A
+ * short table is printed last.
  */
 #include <math.h>
 #include <stdio.h>

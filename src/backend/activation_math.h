@@ -31,9 +31,10 @@ MST_HD mst_act_param mst_act_param_make(mst_activation act, float limit, float a
     return p;
 }
 
-/* On the GPU with the fast exponential and division (a few ulp): the
- * activation kernels and the fused fc1 epilogue both run this, so their z
- * agree bit for bit; the CPU reference stays with expf. */
+/* On the GPU with the fast exponential and division (a few ulp; the
+ * forward kernel was compute-bound with the IEEE ones); the CPU reference
+ * stays with expf. Forward, backward and the recompute of fc2_input all run
+ * this, so a recomputed z has the same bits on each backend. */
 MST_HD float mst_act_sigmoid(float v) {
 #ifdef __CUDA_ARCH__
     return __fdividef(1.0f, 1.0f + __expf(-v));

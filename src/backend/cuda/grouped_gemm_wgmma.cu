@@ -4,8 +4,8 @@
  * feeds a ring of shared-memory stages with TMA (cp.async.bulk.tensor,
  * 128-byte swizzle) completing on mbarriers; warpgroups 1 and 2 multiply
  * with wgmma straight from shared memory (M/N-major operands through the
- * descriptor's transpose bit) and write the epilogue from registers. Both
- * consumers share one 128 x 256 tile (64 rows each, wgmma.m64n256k16).
+ * descriptor's transpose bit). Both consumers share one 128 x 256 tile (64
+ * rows each, wgmma.m64n256k16).
  * Tiles come from the device schedule (see "tile hand-out").
  *
  * Output goes through shared memory: each consumer stages its 64 x 256
