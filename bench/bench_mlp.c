@@ -273,11 +273,11 @@ static mst_status time_graphs(mst_ctx_t* ctx, mlp_bufs* b, const bench_op* ops, 
     cudaGraph_t g[8] = {0};
     cudaGraphExec_t ge[8] = {0};
     cudaEvent_t e0, e1;
-    mst_status st = n <= 8 ? MST_OK : mst_set_error(MST_ERR_INVALID, "n = %d graphs: at most 8", n);
-    for (int k = 0; k < n && st == MST_OK; k++) {
+    if (n > 8) return mst_set_error(MST_ERR_INVALID, "n = %d graphs: at most 8", n);
+    for (int k = 0; k < n; k++) {
         MST_TRY(mst_ctx_set_stream(ctx, s));
         CUDA_BENCH(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-        st = enqueue(ctx, b, ops[k]);
+        const mst_status st = enqueue(ctx, b, ops[k]);
         cudaError_t ce = cudaStreamEndCapture(s, &g[k]);
         MST_TRY(mst_ctx_set_stream(ctx, NULL));
         MST_TRY(st);
@@ -285,7 +285,6 @@ static mst_status time_graphs(mst_ctx_t* ctx, mlp_bufs* b, const bench_op* ops, 
         CUDA_BENCH(cudaGraphInstantiate(&ge[k], g[k], 0));
         ms[k] = 0;
     }
-    MST_TRY(st);
     CUDA_BENCH(cudaEventCreate(&e0));
     CUDA_BENCH(cudaEventCreate(&e1));
     for (int i = 0; i < iters + 3; i++)

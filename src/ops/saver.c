@@ -20,29 +20,27 @@ const char* mst_policy_str(mst_policy p) {
     return (unsigned)p < MST_N_POLICIES ? policy_names[p] : "unknown";
 }
 
-/* Index of s in names [n], or -1. */
-static int lookup(const char* s, const char* const* names, int n) {
+/* *out = the index of s in names [n]; else an error naming `what` and the
+ * names expected. */
+static mst_status parse_name(const char* s, const char* const* names, int n, const char* what,
+                             const char* expected, int* out) {
     for (int i = 0; s && i < n; i++)
-        if (strcmp(s, names[i]) == 0) return i;
-    return -1;
+        if (strcmp(s, names[i]) == 0) return *out = i, MST_OK;
+    return mst_set_error(MST_ERR_INVALID, "%s '%s': expected %s", what, s ? s : "(null)", expected);
 }
 
 mst_status mst_saved_name_parse(const char* s, mst_saved_name* out) {
-    int i = lookup(s, saved_names, MST_N_SAVED);
-    if (i < 0 || !out)
-        return mst_set_error(MST_ERR_INVALID,
-                             "saved name '%s': expected fc1_input, act_input, fc2_input or probs",
-                             s ? s : "(null)");
+    int i = 0;
+    if (!out) return mst_set_error(MST_ERR_INVALID, "saved name '%s': out is NULL", s ? s : "(null)");
+    MST_TRY(parse_name(s, saved_names, MST_N_SAVED, "saved name", "fc1_input, act_input, fc2_input or probs", &i));
     *out = (mst_saved_name)i;
     return MST_OK;
 }
 
 mst_status mst_policy_parse(const char* s, mst_policy* out) {
-    int i = lookup(s, policy_names, MST_N_POLICIES);
-    if (i < 0 || !out)
-        return mst_set_error(MST_ERR_INVALID,
-                             "policy '%s': expected keep, stash, offload or recompute",
-                             s ? s : "(null)");
+    int i = 0;
+    if (!out) return mst_set_error(MST_ERR_INVALID, "policy '%s': out is NULL", s ? s : "(null)");
+    MST_TRY(parse_name(s, policy_names, MST_N_POLICIES, "policy", "keep, stash, offload or recompute", &i));
     *out = (mst_policy)i;
     return MST_OK;
 }

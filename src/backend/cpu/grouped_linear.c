@@ -64,38 +64,30 @@ static void rows_times_weight(gl_scratch* s, const mst_gl_args* a, int32_t g, co
                 (int)k, 1.0f, s->rows_a, (int)k, s->weight, (int)I, 0.0f, s->rows_b, (int)n_out);
 }
 
-mst_status mst_cpu_gl_forward(mst_ctx_t* ctx, const mst_gl_args* a) {
+/* The forward (y = x W^T + bias[g] s) or the dgrad (dx = dy W), group by group. */
+static mst_status rows_op(mst_ctx_t* ctx, const mst_gl_args* a, int forward) {
     gl_scratch s;
     MST_TRY(scratch_make(ctx, a, &s));
-    const int64_t I = a->in, O = a->out;
+    const int64_t I = a->in, O = a->out, k = forward ? I : O, n_out = forward ? O : I;
+    const uint16_t* in = forward ? a->x : a->dy; /* [R, k]     */
+    uint16_t* out = forward ? a->y : a->dx;      /* [R, n_out] */
     for (int32_t g = 0; g < a->n_groups; g++) {
         int64_t r0 = s.off[g], n = s.off[g + 1] - r0;
         if (n == 0) continue;
-        rows_times_weight(&s, a, g, a->x + r0 * I, n, 1);
-        for (int64_t r = 0; r < n && a->bias; r++) {
+        rows_times_weight(&s, a, g, in + r0 * k, n, forward);
+        for (int64_t r = 0; r < n && forward && a->bias; r++) {
             float sc = a->scale ? a->scale[r0 + r] : 1.0f;
             for (int64_t o = 0; o < O; o++)
                 s.rows_b[r * O + o] += mst_bf16_to_fp32(a->bias[(int64_t)g * O + o]) * sc;
         }
-        mst_fp32_to_bf16_array(a->y + r0 * O, s.rows_b, (size_t)(n * O));
+        mst_fp32_to_bf16_array(out + r0 * n_out, s.rows_b, (size_t)(n * n_out));
     }
     scratch_free(&s);
     return MST_OK;
 }
 
-mst_status mst_cpu_gl_dgrad(mst_ctx_t* ctx, const mst_gl_args* a) {
-    gl_scratch s;
-    MST_TRY(scratch_make(ctx, a, &s));
-    const int64_t I = a->in, O = a->out;
-    for (int32_t g = 0; g < a->n_groups; g++) {
-        int64_t r0 = s.off[g], n = s.off[g + 1] - r0;
-        if (n == 0) continue;
-        rows_times_weight(&s, a, g, a->dy + r0 * O, n, 0);
-        mst_fp32_to_bf16_array(a->dx + r0 * I, s.rows_b, (size_t)(n * I));
-    }
-    scratch_free(&s);
-    return MST_OK;
-}
+mst_status mst_cpu_gl_forward(mst_ctx_t* ctx, const mst_gl_args* a) { return rows_op(ctx, a, 1); }
+mst_status mst_cpu_gl_dgrad(mst_ctx_t* ctx, const mst_gl_args* a) { return rows_op(ctx, a, 0); }
 
 /* dbias[g] (+)= sum_r dy[r] s[r], summed in row order; ds[r] = dy[r] . bias[g]. */
 static void bias_grads(const mst_gl_args* a, int32_t g, int64_t r0, int64_t n, const float* dy) {

@@ -169,8 +169,9 @@ static mst_status bias_grads(mst_ctx_t* ctx, const mst_gl_args* a, const gg_sche
 
 static int aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
 
-/* The op as C = A B^T over groups (see grouped_gemm.cuh). */
-static gg_problem make_problem(const mst_gl_args* a, int op) {
+/* The op as C = A B^T over groups (see grouped_gemm.cuh); `force` is
+ * MST_GG_KERNEL (see use_wgmma). */
+static gg_problem make_problem(const mst_gl_args* a, int op, const char* force) {
     gg_problem p;
     memset(&p, 0, sizeof p);
     const int32_t I = (int32_t)a->in, O = (int32_t)a->out;
@@ -193,7 +194,6 @@ static gg_problem make_problem(const mst_gl_args* a, int op) {
         p.accumulate = a->accumulate;
     }
     p.vec = I % 8 == 0 && O % 8 == 0 && aligned16(p.a) && aligned16(p.b) && aligned16(p.c);
-    const char* force = getenv("MST_GG_KERNEL");
     p.staged_out = !(force && strcmp(force, "wgmma_regs") == 0);
     return p;
 }
@@ -202,13 +202,12 @@ static gg_problem make_problem(const mst_gl_args* a, int op) {
  * mma.sync kernel takes everything else. MST_GG_KERNEL=mma forces the
  * mma.sync kernel, MST_GG_KERNEL=wgmma_regs the Hopper kernel with forward
  * and dgrad stored from registers (benchmarks compare them this way). */
-static int use_wgmma(mst_ctx_t* ctx, const gg_problem* p) {
+static int use_wgmma(mst_ctx_t* ctx, const gg_problem* p, const char* force) {
     int major = 0;
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, mst_cuda(ctx)->device) != cudaSuccess) {
         cudaGetLastError();
         return 0;
     }
-    const char* force = getenv("MST_GG_KERNEL");
     return p->vec && major == 9 && !(force && strcmp(force, "mma") == 0);
 }
 
@@ -221,11 +220,13 @@ static mst_status check_extents(const mst_gl_args* a) {
     return MST_OK;
 }
 
-/* Enqueues problem p (made from a): schedule, GEMM, bias gradients. */
-static mst_status gg_run(mst_ctx_t* ctx, const mst_gl_args* a, const gg_problem& p) {
+/* Enqueues op `op` of a: schedule, GEMM, bias gradients. */
+static mst_status gg_op(mst_ctx_t* ctx, const mst_gl_args* a, int op) {
+    MST_TRY(check_extents(a));
     mst_cuda_impl* c = mst_cuda(ctx);
-    const int op = p.op;
-    const int wgmma = use_wgmma(ctx, &p);
+    const char* force = getenv("MST_GG_KERNEL");
+    const gg_problem p = make_problem(a, op, force);
+    const int wgmma = use_wgmma(ctx, &p, force);
     int bm, bn;
     if (wgmma) gg_wgmma_tile(&bm, &bn);
     else gg_mma_tile(&bm, &bn);
@@ -248,11 +249,6 @@ static mst_status gg_run(mst_ctx_t* ctx, const mst_gl_args* a, const gg_problem&
     else MST_TRY(gg_launch_mma(&p, &s, c->n_sm, c->stream));
     if (op == GG_WGRAD) MST_TRY(bias_grads(ctx, a, &s));
     return MST_OK;
-}
-
-static mst_status gg_op(mst_ctx_t* ctx, const mst_gl_args* a, int op) {
-    MST_TRY(check_extents(a));
-    return gg_run(ctx, a, make_problem(a, op));
 }
 
 extern "C" mst_status mst_cuda_gl_forward(mst_ctx_t* ctx, const mst_gl_args* a) {
