@@ -128,12 +128,11 @@ __device__ __forceinline__ void gg_add_old_pair(const gg_problem& p, const gg_ti
 }
 
 /* Epilogue of every kernel: writes one accumulator pair (row m, cols n,
- * n+1 of the group's C): y / dx in bf16 (forward adds bias[g] * s[r]), or
- * main_grad_w in fp32 (old values already added for ACCUMULATE). Masked to
- * the group's extents. */
+ * n+1 of the group's C): y / dx in bf16, or main_grad_w in fp32 (old values
+ * already added for ACCUMULATE). Masked to the group's extents. */
 template <int OP>
-__device__ __forceinline__ void gg_store_pair(const gg_problem& p, const gg_tile& t, int m, int n,
-                                              float v0, float v1) {
+__device__ __forceinline__ void gg_put_pair(const gg_problem& p, const gg_tile& t, int m, int n, float v0,
+                                            float v1) {
     if (m >= t.m_lim || n >= t.n_lim) return;
     bool two = n + 1 < t.n_lim;
     if (OP == GG_WGRAD) {
@@ -145,19 +144,25 @@ __device__ __forceinline__ void gg_store_pair(const gg_problem& p, const gg_tile
         }
         return;
     }
-    int64_t r = (int64_t)t.row0 + m;
-    if (OP == GG_FWD && p.bias) {
-        float s = p.scale ? p.scale[r] : 1.0f;
-        const __nv_bfloat16* bg = (const __nv_bfloat16*)p.bias + (int64_t)t.g * p.N + n;
-        v0 += __bfloat162float(bg[0]) * s;
-        if (two) v1 += __bfloat162float(bg[1]) * s;
-    }
-    __nv_bfloat16* c = (__nv_bfloat16*)p.c + r * p.ldc + n;
+    __nv_bfloat16* c = (__nv_bfloat16*)p.c + ((int64_t)t.row0 + m) * p.ldc + n;
     if (two && p.vec) *(__nv_bfloat162*)c = __floats2bfloat162_rn(v0, v1);
     else {
         c[0] = __float2bfloat16_rn(v0);
         if (two) c[1] = __float2bfloat16_rn(v1);
     }
+}
+
+/* The same, the forward first adding bias[g] * s[r]. */
+template <int OP>
+__device__ __forceinline__ void gg_store_pair(const gg_problem& p, const gg_tile& t, int m, int n,
+                                              float v0, float v1) {
+    if (OP == GG_FWD && p.bias && m < t.m_lim && n < t.n_lim) {
+        float s = p.scale ? p.scale[(int64_t)t.row0 + m] : 1.0f;
+        const __nv_bfloat16* bg = (const __nv_bfloat16*)p.bias + (int64_t)t.g * p.N + n;
+        v0 += __bfloat162float(bg[0]) * s;
+        if (n + 1 < t.n_lim) v1 += __bfloat162float(bg[1]) * s;
+    }
+    gg_put_pair<OP>(p, t, m, n, v0, v1);
 }
 
 #ifdef __cplusplus

@@ -202,16 +202,56 @@ __device__ __forceinline__ void mma_block(float (&acc)[128], uint32_t a, uint32_
     for (int kk = 0; kk < BK / 16; kk++) wgmma_n256<TA, TB, 0>(acc, desc_a<OP>(a, cw, kk), desc_b<OP>(b, kk));
 }
 
-/* Epilogue of forward and dgrad: accumulator fragment 4i .. 4i+3 holds rows
- * r, r + 8 and columns c, c + 1 (m64nNk16 layout), stored from registers. */
+/* Accumulator fragment 4i .. 4i+3 of thread wt of a consumer warpgroup
+ * holds rows r, r + 8 and columns c, c + 1 of column block i (8 wide) of
+ * the warpgroup's 64 x 256 block (m64nNk16 layout). */
+__device__ __forceinline__ int frag_row(int wt) { return (wt >> 5) * 16 + ((wt & 31) >> 2); }
+__device__ __forceinline__ int frag_col(int wt) { return (wt & 3) * 2; }
+
+/* The forward's bias terms of this thread's fragment: bias[g] at columns
+ * (8 i + c, + 1) of the tile and the scales of rows r, r + 8 (1 without a
+ * scale). Loaded before the mainloop, which hides their latency; zero
+ * without a bias or past the extents. */
+struct frag_bias {
+    __nv_bfloat162 b[BN / 8];
+    float s0, s1;
+};
 template <int OP>
-__device__ __forceinline__ void epilogue(const gg_problem& p, const gg_tile& t, float (&acc)[128], int cw,
-                                         int warp, int lane) {
-    const int m = t.m0 + 64 * cw + warp * 16 + (lane >> 2), n = t.n0 + (lane & 3) * 2;
+__device__ __forceinline__ void load_bias(const gg_problem& p, const gg_tile& t, int cw, int wt,
+                                          frag_bias& fb) {
+    if (OP != GG_FWD || !p.bias) return;
+    const int m = t.m0 + 64 * cw + frag_row(wt), c = frag_col(wt);
+    const __nv_bfloat16* bias = (const __nv_bfloat16*)p.bias + (int64_t)t.g * p.N + t.n0 + c; /* [8 i] */
+    const __nv_bfloat16 zero = __float2bfloat16_rn(0.0f);
+#pragma unroll
+    for (int i = 0; i < BN / 8; i++) { /* N is a multiple of 8 here (p.vec): c + 1 is in when c is */
+        const int in = t.n0 + 8 * i + c < t.n_lim;
+        fb.b[i] = __halves2bfloat162(in ? bias[8 * i] : zero, in ? bias[8 * i + 1] : zero);
+    }
+    fb.s0 = p.scale && m < t.m_lim ? p.scale[t.row0 + m] : 1.0f;
+    fb.s1 = p.scale && m + 8 < t.m_lim ? p.scale[t.row0 + m + 8] : 1.0f;
+}
+/* v0 .. v3 of column block i += bias * scale (forward with a bias). */
+template <int OP>
+__device__ __forceinline__ void add_bias(const gg_problem& p, const frag_bias& fb, int i, float& v0, float& v1,
+                                         float& v2, float& v3) {
+    if (OP != GG_FWD || !p.bias) return;
+    const float b0 = __low2float(fb.b[i]), b1 = __high2float(fb.b[i]);
+    v0 += b0 * fb.s0, v1 += b1 * fb.s0, v2 += b0 * fb.s1, v3 += b1 * fb.s1;
+}
+
+/* Epilogue of forward and dgrad for row blocks that reach past the group's
+ * count: stored from registers, masked. */
+template <int OP>
+__device__ __forceinline__ void epilogue(const gg_problem& p, const gg_tile& t, float (&acc)[128],
+                                         const frag_bias& fb, int cw, int wt) {
+    const int m = t.m0 + 64 * cw + frag_row(wt), n = t.n0 + frag_col(wt);
 #pragma unroll
     for (int i = 0; i < BN / 8; i++) {
-        gg_store_pair<OP>(p, t, m, n + 8 * i, acc[4 * i], acc[4 * i + 1]);
-        gg_store_pair<OP>(p, t, m + 8, n + 8 * i, acc[4 * i + 2], acc[4 * i + 3]);
+        float v0 = acc[4 * i], v1 = acc[4 * i + 1], v2 = acc[4 * i + 2], v3 = acc[4 * i + 3];
+        add_bias<OP>(p, fb, i, v0, v1, v2, v3);
+        gg_put_pair<OP>(p, t, m, n + 8 * i, v0, v1);
+        gg_put_pair<OP>(p, t, m + 8, n + 8 * i, v2, v3);
     }
 }
 
@@ -255,17 +295,11 @@ __device__ __forceinline__ void chunk_end(out_ring& o, const CUtensorMap* map, c
  * scale[r]; wgrad ACCUMULATE reduce-adds. */
 template <int OP>
 __device__ __forceinline__ void epilogue_tma(const gg_problem& p, const CUtensorMap* mc, const gg_tile& t,
-                                             float (&acc)[128], out_ring& o) {
+                                             float (&acc)[128], const frag_bias& fb, out_ring& o) {
     const int cw = o.cw, wt = o.wt;
     constexpr int CC = OP == GG_WGRAD ? 32 : 64; /* columns of one chunk */
-    const int r = (wt >> 5) * 16 + ((wt & 31) >> 2), c = (wt & 3) * 2;
+    const int r = frag_row(wt), c = frag_col(wt);
     const int row = OP == GG_WGRAD ? t.m0 + 64 * cw : t.row0 + t.m0 + 64 * cw; /* C row of chunk row 0 */
-    const __nv_bfloat16* bias = NULL;                  /* [N] of group g, from column n0 */
-    float s0 = 1.0f, s1 = 1.0f;                        /* scale of rows r, r + 8 */
-    if (OP == GG_FWD && p.bias) {
-        bias = (const __nv_bfloat16*)p.bias + (int64_t)t.g * p.N + t.n0;
-        if (p.scale) s0 = p.scale[row + r], s1 = p.scale[row + r + 8];
-    }
 #pragma unroll
     for (int j = 0; j < BN / CC; j++) {
         uint8_t* chunk = chunk_begin(o);
@@ -273,11 +307,7 @@ __device__ __forceinline__ void epilogue_tma(const gg_problem& p, const CUtensor
         for (int i = 0; i < CC / 8; i++) {
             const float* f = acc + 4 * (j * (CC / 8) + i);
             float v0 = f[0], v1 = f[1], v2 = f[2], v3 = f[3];
-            const int n = j * CC + 8 * i + c; /* tile column */
-            if (OP == GG_FWD && bias && t.n0 + n < t.n_lim) {
-                const float b0 = __bfloat162float(bias[n]), b1 = __bfloat162float(bias[n + 1]);
-                v0 += b0 * s0, v1 += b1 * s0, v2 += b0 * s1, v3 += b1 * s1;
-            }
+            add_bias<OP>(p, fb, j * (CC / 8) + i, v0, v1, v2, v3);
             put_pair<OP>(chunk, r, 8 * i + c, v0, v1);
             put_pair<OP>(chunk, r + 8, 8 * i + c, v2, v3);
         }
@@ -362,8 +392,9 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     /* consumers */
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-    const int cw = wg - 1, ct = threadIdx.x - 128, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    const int cw = wg - 1, ct = threadIdx.x - 128, lane = threadIdx.x & 31;
     float acc[128];
+    frag_bias fb;
     out_ring out = {sc + cw * C_BUFS * C_BYTES, 0, cw, ct & 127};
     int st = 0, ts = 0;
     uint32_t ph = 0, tph = 0;
@@ -376,6 +407,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (ti < 0) break;
         const gg_tile t = gg_decode(p, s, ti, BM, BN);
         const int nk = gg_cdiv(t.k_len, BK);
+        load_bias<OP>(p, t, cw, ct & 127, fb);
 #pragma unroll
         for (int i = 0; i < 128; i++) acc[i] = 0.0f;
         fence_acc(acc);
@@ -401,8 +433,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         /* forward / dgrad rows past the group's count must not be written:
          * a warpgroup with such rows stores from registers, masked */
         const int staged = OP == GG_WGRAD || (p.staged_out && t.m0 + 64 * (cw + 1) <= t.m_lim);
-        if (staged) epilogue_tma<OP>(p, &map_c, t, acc, out);
-        else epilogue<OP>(p, t, acc, cw, warp, lane);
+        if (staged) epilogue_tma<OP>(p, &map_c, t, acc, fb, out);
+        else epilogue<OP>(p, t, acc, fb, cw, ct & 127);
     }
     if ((ct & 127) == 0) bulk_wait_all(); /* staging buffers read, C written */
 }
