@@ -6,13 +6,20 @@
  *   save    = one kernel: every block sums the counts and computes the same
  *             plan (mst_reserve_plan) from the untouched pool state, copies
  *             its share of rows into the pages the plan names (read from the
- *             rings), writes its share of the page table, and the last block
- *             to finish commits the plan (mst_reserve_commit, one thread)
- *   restore = one kernel: copies from the pages; the last block returns the
- *             pages to their rings (mst_return_begin / end). A split restore
- *             is the copy kernel without the return, then a one-block
- *             return kernel
+ *             rings) and writes its share of the page table. The last block
+ *             to have read the pool state commits the plan
+ *             (mst_reserve_commit, one thread) once its copy is done
+ *   restore = one kernel: copies from the pages; the last block to have read
+ *             the handle's state returns the pages to their rings
+ *             (mst_return_begin / end, one warp). A split restore is the copy
+ *             kernel without the return, then a one-warp return kernel
  *   reset   = one kernel refilling both rings and clearing the counters
+ *
+ * No block waits for another: a block counts itself as a reader once its
+ * reads of the pool and handle state are done (an atomic whose result is
+ * used only after the copy), so the block that counts last may change that
+ * state while the others still copy (they no longer read it; the rings and
+ * the table they read do not change before the kernel ends).
  *
  * Copies run on a persistent grid (as many blocks as fit on the device at
  * once) in 16-byte vectors. The bookkeeping is the source the CPU backend
@@ -70,24 +77,26 @@ __device__ void block_plan(const mst_stash_args& a, mst_plan* s_plan) {
     __syncthreads();
 }
 
-/* True in every thread of the grid's last block to get here (all others have
- * finished, so they read the state before this block changes it). Resets the
- * counter for the handle's next operation. */
-__device__ bool last_block(uint32_t* done) {
-    __shared__ int s_last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        s_last = atomicAdd(done, 1u) == gridDim.x - 1;
-        if (s_last) *done = 0;
-    }
-    __syncthreads();
-    if (s_last) __threadfence();
-    return s_last;
+/* Thread 0, once its block's reads of the pool and handle state are done:
+ * the block's ticket as a reader (the last block gets gridDim.x - 1). The
+ * caller uses it only after its copy, so the atomic's latency is hidden. */
+__device__ uint32_t count_reader(uint32_t* done) {
+    __threadfence(); /* the state reads come before the count */
+    return atomicAdd(done, 1u);
 }
 
-/* Save, last block: the commit and the context flags (every block wrote its
- * share of the page table after the plan). */
+/* Every lane of warp 0 after its copy: true when thread 0's ticket was the
+ * last; then every block has read the state, and the counter is reset for
+ * the handle's next operation. */
+__device__ bool last_reader(uint32_t* done, uint32_t ticket) {
+    const bool last = __shfl_sync(0xffffffffu, ticket, 0) == gridDim.x - 1;
+    if (last && threadIdx.x == 0) *done = 0;
+    if (last) __threadfence(); /* the state changes come after every read */
+    return last;
+}
+
+/* Save, last reader, thread 0: the commit and the context flags (every block
+ * writes its share of the page table itself). */
 __device__ void finish_save(const mst_stash_args& a, const mst_plan* p) {
     if (threadIdx.x != 0) return;
     mst_reserve_commit(a.st, a.hs, a.cap, p, a.handle_id);
@@ -95,24 +104,27 @@ __device__ void finish_save(const mst_stash_args& a, const mst_plan* p) {
     if (p->outcome == MST_RESERVE_COUNTS) mst_dev_flag(a.err_flag, MST_FLAG_COUNTS);
 }
 
-/* Restore, last block: the pages go back to their rings. */
+/* Restore, one warp (warp 0 of the last reader, or the return kernel): the
+ * pages go back to their rings. */
 __device__ void finish_restore(const mst_stash_args& a) {
     __shared__ int s_ret;
     __shared__ uint64_t s_pos[MST_N_BLK];
     __shared__ int64_t s_take[MST_N_BLK];
     if (threadIdx.x == 0) s_ret = mst_return_begin(a.st, a.hs, a.handle_id, s_pos, s_take);
-    __syncthreads();
+    __syncwarp();
     if (s_ret != MST_RETURN_PAGES) return;
-    mst_ring_move(a.ring, a.cap, s_pos, s_take, a.table, 1, threadIdx.x, blockDim.x);
-    __syncthreads();
+    mst_ring_move(a.ring, a.cap, s_pos, s_take, a.table, 1, threadIdx.x, kWarpThreads);
+    __syncwarp();
     if (threadIdx.x == 0) mst_return_end(a.st, a.hs, s_take);
 }
 
 /* The end of a copy kernel: block 0 copies bytes [tail, total) (fewer than
- * a vector) byte by byte; then the last block to finish commits the save or
- * returns the restore's pages (not for MST_RESTORE_COPY). */
+ * a vector) byte by byte; then warp 0 of the last reader commits the save or
+ * returns the restore's pages (not for MST_RESTORE_COPY, which counts no
+ * readers). */
 template <bool RESTORE>
-__device__ void copy_end(const mst_stash_args& a, const mst_plan* plan, char* rows, uint32_t tail, uint32_t total) {
+__device__ void copy_end(const mst_stash_args& a, const mst_plan* plan, char* rows, uint32_t tail, uint32_t total,
+                         uint32_t ticket) {
     if (blockIdx.x == 0 && threadIdx.x < total - tail) {
         const uint32_t page_bytes = (uint32_t)(a.page_rows * a.row_bytes);
         const uint32_t b = tail + threadIdx.x, p = b / page_bytes;
@@ -121,10 +133,22 @@ __device__ void copy_end(const mst_stash_args& a, const mst_plan* plan, char* ro
         if (RESTORE) rows[b] = *pg;
         else *pg = rows[b];
     }
-    if (RESTORE && a.restore_part == MST_RESTORE_COPY) return; /* the pages stay */
-    if (!last_block(&a.hs->done_blocks)) return;
+    if ((RESTORE && a.restore_part == MST_RESTORE_COPY) || threadIdx.x >= kWarpThreads) return;
+    if (!last_reader(&a.hs->done_blocks, ticket)) return;
     if (RESTORE) finish_restore(a);
     else finish_save(a, plan);
+}
+
+/* Restore, every thread: rows the handle holds (0 when it holds none), read
+ * by thread 0; *ticket = its reader ticket (not for MST_RESTORE_COPY). */
+__device__ int64_t restore_rows(const mst_stash_args& a, uint32_t* ticket) {
+    __shared__ int64_t s_n;
+    if (threadIdx.x == 0) {
+        s_n = mst_handle_live(a.st, a.hs) ? a.hs->n_rows : 0;
+        if (a.restore_part != MST_RESTORE_COPY) *ticket = count_reader(&a.hs->done_blocks);
+    }
+    __syncthreads();
+    return s_n;
 }
 
 /* Rows [0, n) between the contiguous rows (src of a save, dst of a restore)
@@ -146,8 +170,9 @@ __global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
     V v[kUnroll];
     bool loaded = false; /* v holds the vectors of step u0 */
     int64_t n;
+    uint32_t ticket = 0; /* thread 0: reader ticket */
     if (RESTORE) {
-        n = mst_handle_live(a.st, a.hs) ? a.hs->n_rows : 0;
+        n = restore_rows(a, &ticket);
     } else {
         const int64_t src_vec = a.src_rows * a.row_bytes / (int64_t)sizeof(V);
         const uint32_t last = (uint32_t)min(src_vec, (int64_t)UINT32_MAX) - 1;
@@ -157,6 +182,7 @@ __global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
             loaded = true;
         }
         block_plan(a, &s_plan);
+        if (threadIdx.x == 0) ticket = count_reader(&a.hs->done_blocks);
         n = s_plan.n;
     }
     const uint32_t total = (uint32_t)(n * a.row_bytes);
@@ -184,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
     if (!RESTORE) /* this block's share of the page table */
         mst_ring_move(a.ring, a.cap, s_plan.pos, s_plan.take, a.table, 0, blockIdx.x * blockDim.x + threadIdx.x,
                       (int64_t)gridDim.x * blockDim.x);
-    copy_end<RESTORE>(a, &s_plan, rows, n_vec * (uint32_t)sizeof(V), total);
+    copy_end<RESTORE>(a, &s_plan, rows, n_vec * (uint32_t)sizeof(V), total, ticket);
 }
 
 /* The page return of a split restore (MST_RESTORE_RETURN): one warp. */
