@@ -32,7 +32,11 @@
 namespace {
 
 constexpr int kThreads = 256; /* every stash kernel's block size         */
-constexpr int kUnroll = 4;    /* independent vectors in flight per thread */
+/* Independent vectors in flight per thread, and resident blocks per SM that
+ * the registers must allow: a restore's loads wait for a page-table lookup,
+ * so it keeps more in flight; a save holds its first loads across the plan. */
+template <bool RESTORE> constexpr int kUnroll = RESTORE ? 8 : 4;
+template <bool RESTORE> constexpr int kMinBlocks = RESTORE ? 4 : 5;
 constexpr int kHostBlocks = 64; /* copy grid of a pool with only host pages:
                                    PCIe needs few blocks, and the rest of the
                                    SMs stay free for concurrent work        */
@@ -140,14 +144,13 @@ __device__ void copy_end(const mst_stash_args& a, const mst_plan* plan, char* ro
 }
 
 /* Restore, every thread: rows the handle holds (0 when it holds none), read
- * by thread 0; *ticket = its reader ticket (not for MST_RESTORE_COPY). */
+ * by thread 0, which then takes its reader ticket (not for MST_RESTORE_COPY)
+ * while the others start copying. */
 __device__ int64_t restore_rows(const mst_stash_args& a, uint32_t* ticket) {
     __shared__ int64_t s_n;
-    if (threadIdx.x == 0) {
-        s_n = mst_handle_live(a.st, a.hs) ? a.hs->n_rows : 0;
-        if (a.restore_part != MST_RESTORE_COPY) *ticket = count_reader(&a.hs->done_blocks);
-    }
+    if (threadIdx.x == 0) s_n = mst_handle_live(a.st, a.hs) ? a.hs->n_rows : 0;
     __syncthreads();
+    if (threadIdx.x == 0 && a.restore_part != MST_RESTORE_COPY) *ticket = count_reader(&a.hs->done_blocks);
     return s_n;
 }
 
@@ -160,14 +163,15 @@ __device__ int64_t restore_rows(const mst_stash_args& a, uint32_t* ticket) {
  * hides behind them. Byte offsets fit in 32 bits (a handle holds < 4 GiB);
  * the last < sizeof(V) bytes go byte by byte. */
 template <typename V, bool RESTORE>
-__global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks<RESTORE>) copy_kernel(mst_stash_args a) {
+    constexpr int kU = kUnroll<RESTORE>;
     __shared__ mst_plan s_plan; /* save only */
     const uint32_t page_bytes = (uint32_t)(a.page_rows * a.row_bytes);
     const uint32_t vpp = page_bytes / (uint32_t)sizeof(V);
     char* rows = RESTORE ? a.dst : (char*)a.src;
     const uint32_t stride = gridDim.x * blockDim.x;
     uint32_t u0 = blockIdx.x * blockDim.x + threadIdx.x;
-    V v[kUnroll];
+    V v[kU];
     bool loaded = false; /* v holds the vectors of step u0 */
     int64_t n;
     uint32_t ticket = 0; /* thread 0: reader ticket */
@@ -178,7 +182,7 @@ __global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
         const uint32_t last = (uint32_t)min(src_vec, (int64_t)UINT32_MAX) - 1;
         if (src_vec > 0) {
 #pragma unroll
-            for (int k = 0; k < kUnroll; k++) v[k] = ((const V*)rows)[min(u0 + k * stride, last)];
+            for (int k = 0; k < kU; k++) v[k] = ((const V*)rows)[min(u0 + k * stride, last)];
             loaded = true;
         }
         block_plan(a, &s_plan);
@@ -192,10 +196,10 @@ __global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
         const uint32_t id = RESTORE ? table[p] : mst_plan_page(a.ring, a.cap, &s_plan, p);
         return mst_page_ptr(a.block, id, page_bytes);
     };
-    for (; u0 < n_vec; u0 += kUnroll * stride, loaded = false) {
-        V* to[kUnroll];
+    for (; u0 < n_vec; u0 += kU * stride, loaded = false) {
+        V* to[kU];
 #pragma unroll
-        for (int k = 0; k < kUnroll; k++) { /* clamped: every address valid, no branch */
+        for (int k = 0; k < kU; k++) { /* clamped: every address valid, no branch */
             const uint32_t u = min(u0 + k * stride, n_vec - 1);
             const uint32_t p = u / vpp;
             V* pg = (V*)page(p) + (u - p * vpp);
@@ -204,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
             to[k] = RESTORE ? row : pg;
         }
 #pragma unroll
-        for (int k = 0; k < kUnroll; k++)
+        for (int k = 0; k < kU; k++)
             if (u0 + k * stride < n_vec) *to[k] = v[k];
     }
     if (!RESTORE) /* this block's share of the page table */
@@ -233,7 +237,7 @@ mst_status copy_grid(mst_ctx_t* ctx, const mst_stash_args* a, unsigned* grid) {
     if (per_sm == 0)
         MST_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, copy_kernel<V, RESTORE>, kThreads, 0));
     const int64_t max_vec = a->max_pages * a->page_rows * a->row_bytes / (int64_t)sizeof(V);
-    const int64_t per_block = (int64_t)kThreads * kUnroll;
+    const int64_t per_block = (int64_t)kThreads * kUnroll<RESTORE>;
     const int64_t want = (max_vec + per_block - 1) / per_block;
     int64_t cap = (int64_t)n_sm(ctx) * (per_sm > 0 ? per_sm : 1);
     if (a->cap[MST_BLK_DEV] == 0 && cap > kHostBlocks) cap = kHostBlocks;
