@@ -31,18 +31,20 @@
 
 namespace {
 
-constexpr int kThreads = 256; /* every stash kernel's block size         */
-/* Independent vectors in flight per thread, and resident blocks per SM that
- * the registers must allow: a restore's loads wait for a page-table lookup,
- * so it keeps more in flight; a save holds its first loads across the plan. */
-template <bool RESTORE> constexpr int kUnroll = RESTORE ? 8 : 4;
-template <bool RESTORE> constexpr int kMinBlocks = RESTORE ? 4 : 5;
+constexpr int kThreads = 256; /* block size of the vector copy and reset  */
+constexpr int kUnroll = 4;    /* independent vectors in flight per thread */
 constexpr int kHostBlocks = 64; /* copy grid of a pool with only host pages:
                                    PCIe needs few blocks, and the rest of the
                                    SMs stay free for concurrent work        */
-constexpr int kWarpThreads = 32; /* the page-return kernel: one warp (28
-                                    registers) fits beside a persistent
-                                    GEMM block, which leaves 1024 free     */
+constexpr int kWarpThreads = 32; /* the page-return kernel: one warp of at
+                                    most 32 registers fits beside a
+                                    persistent GEMM block, which leaves
+                                    1024 free; and the bulk copy's block  */
+constexpr uint32_t kChunk = 16384; /* bytes of one bulk copy (divides the
+                                      pages of rows of 256-byte multiples) */
+constexpr int kStages = 12;        /* bulk copies in flight per block:
+                                      192 KiB of shared memory, one block
+                                      per SM                               */
 
 /* Sum of counts [E]; *bad = a negative count was seen. Block-wide result. */
 __device__ int64_t block_counts_sum(const int32_t* counts, int32_t n_groups, int* bad) {
@@ -163,8 +165,8 @@ __device__ int64_t restore_rows(const mst_stash_args& a, uint32_t* ticket) {
  * hides behind them. Byte offsets fit in 32 bits (a handle holds < 4 GiB);
  * the last < sizeof(V) bytes go byte by byte. */
 template <typename V, bool RESTORE>
-__global__ void __launch_bounds__(kThreads, kMinBlocks<RESTORE>) copy_kernel(mst_stash_args a) {
-    constexpr int kU = kUnroll<RESTORE>;
+__global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
+    constexpr int kU = kUnroll;
     __shared__ mst_plan s_plan; /* save only */
     const uint32_t page_bytes = (uint32_t)(a.page_rows * a.row_bytes);
     const uint32_t vpp = page_bytes / (uint32_t)sizeof(V);
@@ -217,8 +219,123 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<RESTORE>) copy_kernel(mst
     copy_end<RESTORE>(a, &s_plan, rows, n_vec * (uint32_t)sizeof(V), total, ticket);
 }
 
+/* ---- bulk copy: the copy engine of each SM (cp.async.bulk) moves chunks of
+ * kChunk bytes through kStages slots of shared memory; lane 0 drives it. */
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+typedef struct bulk_pipe {
+    char* slot;    /* [kStages, kChunk] shared memory              */
+    uint64_t* bar; /* [kStages] shared: slot i % kStages is loaded */
+} bulk_pipe;
+
+/* Lane 0: chunk i of this block (global bytes `from`, `bytes` a multiple of
+ * 16) into slot i % kStages. */
+__device__ void bulk_load(const bulk_pipe& q, uint32_t i, const char* from, uint32_t bytes) {
+    const uint32_t bar = smem_addr(&q.bar[i % kStages]);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_addr(q.slot + (size_t)(i % kStages) * kChunk)), "l"(from), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+
+/* Lane 0: until chunk i's load has landed (the (i / kStages)-th use of its slot). */
+__device__ void bulk_wait(const bulk_pipe& q, uint32_t i) {
+    asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}\n"
+                 ::"r"(smem_addr(&q.bar[i % kStages])), "r"((i / kStages) & 1u) : "memory");
+}
+
+/* Lane 0: chunk i from its slot to global bytes `to`, as one bulk group. */
+__device__ void bulk_store(const bulk_pipe& q, uint32_t i, char* to, uint32_t bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                 ::"l"(to), "r"(smem_addr(q.slot + (size_t)(i % kStages) * kChunk)), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+/* Chunk c (bytes [c * kChunk, ...) of the rows) inside its page: a save
+ * looks the page up in the rings, a restore in the table. A chunk never
+ * crosses a page (kChunk divides page_bytes). */
+template <bool RESTORE>
+__device__ char* chunk_in_page(const mst_stash_args& a, const mst_plan* plan, uint32_t c, uint32_t page_bytes) {
+    const uint32_t b = c * kChunk, p = b / page_bytes;
+    const uint32_t id = RESTORE ? a.table[p] : mst_plan_page(a.ring, a.cap, plan, p);
+    return mst_page_ptr(a.block, id, page_bytes) + (b - p * page_bytes);
+}
+
+/* Chunks of this block among the chunks of `bytes`: c = blockIdx.x + i * gridDim.x. */
+__device__ uint32_t my_chunks(uint32_t bytes) {
+    const uint32_t n = (bytes + kChunk - 1) / kChunk;
+    return n > blockIdx.x ? (n - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+}
+
+/* Bytes of this block's chunk i among `bytes` (a multiple of 16). */
+__device__ uint32_t chunk_bytes(uint32_t i, uint32_t bytes) {
+    const uint32_t b = (blockIdx.x + i * gridDim.x) * kChunk;
+    return min(kChunk, bytes - b);
+}
+
+/* Lane 0: this block's chunks i < my of `bytes` (its first `loaded` loads
+ * already issued), each slot refilled once the store before the last one
+ * has read it; then waits for every load and store it issued. */
+template <bool RESTORE>
+__device__ void bulk_run(const mst_stash_args& a, const bulk_pipe& q, const mst_plan* plan, char* rows,
+                         uint32_t page_bytes, uint32_t bytes, uint32_t my, uint32_t loaded) {
+    auto row_of = [&](uint32_t i) { return rows + (size_t)(blockIdx.x + i * gridDim.x) * kChunk; };
+    auto page_of = [&](uint32_t i) { return chunk_in_page<RESTORE>(a, plan, blockIdx.x + i * gridDim.x, page_bytes); };
+    for (uint32_t i = loaded; i < my && i < (uint32_t)kStages; i++, loaded++)
+        bulk_load(q, i, RESTORE ? page_of(i) : row_of(i), chunk_bytes(i, bytes));
+    for (uint32_t i = 0; i < my; i++) {
+        bulk_wait(q, i);
+        bulk_store(q, i, RESTORE ? row_of(i) : page_of(i), chunk_bytes(i, bytes));
+        const uint32_t next = i - 1 + kStages;
+        if (i >= 1 && next < my) {
+            asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+            bulk_load(q, next, RESTORE ? page_of(next) : row_of(next), chunk_bytes(next, bytes));
+        }
+    }
+    for (uint32_t i = my; i < loaded; i++) bulk_wait(q, i); /* a save's first loads past its rows */
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+/* The copy of copy_kernel by bulk copies, for 16-byte aligned rows whose
+ * pages hold whole chunks: one warp per SM. A save issues the loads of its
+ * first chunks of the source before its plan. */
+template <bool RESTORE>
+__global__ void __launch_bounds__(kWarpThreads, 1) bulk_kernel(mst_stash_args a) {
+    extern __shared__ __align__(128) char slots[]; /* [kStages, kChunk] */
+    __shared__ __align__(8) uint64_t bars[kStages];
+    __shared__ mst_plan s_plan; /* save only */
+    const bulk_pipe q = {slots, bars};
+    const uint32_t page_bytes = (uint32_t)(a.page_rows * a.row_bytes);
+    char* rows = RESTORE ? a.dst : (char*)a.src;
+    const bool lead = threadIdx.x == 0;
+    if (lead) {
+        for (int i = 0; i < kStages; i++) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[i])));
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
+    uint32_t ticket = 0, loaded = 0;
+    int64_t n;
+    if (RESTORE) {
+        n = restore_rows(a, &ticket);
+    } else {
+        const uint32_t src_bytes = (uint32_t)min(a.src_rows * a.row_bytes, (int64_t)UINT32_MAX) & ~15u;
+        for (uint32_t i = 0; lead && i < my_chunks(src_bytes) && i < (uint32_t)kStages; i++, loaded++)
+            bulk_load(q, i, rows + (size_t)(blockIdx.x + i * gridDim.x) * kChunk, chunk_bytes(i, src_bytes));
+        block_plan(a, &s_plan);
+        if (lead) ticket = count_reader(&a.hs->done_blocks);
+        n = s_plan.n;
+    }
+    const uint32_t total = (uint32_t)(n * a.row_bytes), bytes = total & ~15u;
+    if (lead) bulk_run<RESTORE>(a, q, &s_plan, rows, page_bytes, bytes, my_chunks(bytes), loaded);
+    __syncwarp();
+    if (!RESTORE) /* this block's share of the page table */
+        mst_ring_move(a.ring, a.cap, s_plan.pos, s_plan.take, a.table, 0, blockIdx.x * kWarpThreads + threadIdx.x,
+                      (int64_t)gridDim.x * kWarpThreads);
+    copy_end<RESTORE>(a, &s_plan, rows, bytes, total, ticket);
+}
+
 /* The page return of a split restore (MST_RESTORE_RETURN): one warp. */
-__global__ void __launch_bounds__(kWarpThreads) return_kernel(mst_stash_args a) { finish_restore(a); }
+__global__ void __maxnreg__(32) return_kernel(mst_stash_args a) { finish_restore(a); }
 
 __global__ void __launch_bounds__(kThreads) reset_kernel(mst_stash_args a) {
     const int64_t start = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
@@ -237,7 +354,7 @@ mst_status copy_grid(mst_ctx_t* ctx, const mst_stash_args* a, unsigned* grid) {
     if (per_sm == 0)
         MST_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, copy_kernel<V, RESTORE>, kThreads, 0));
     const int64_t max_vec = a->max_pages * a->page_rows * a->row_bytes / (int64_t)sizeof(V);
-    const int64_t per_block = (int64_t)kThreads * kUnroll<RESTORE>;
+    const int64_t per_block = (int64_t)kThreads * kUnroll;
     const int64_t want = (max_vec + per_block - 1) / per_block;
     int64_t cap = (int64_t)n_sm(ctx) * (per_sm > 0 ? per_sm : 1);
     if (a->cap[MST_BLK_DEV] == 0 && cap > kHostBlocks) cap = kHostBlocks;
@@ -255,11 +372,31 @@ mst_status launch_copy(mst_ctx_t* ctx, const mst_stash_args* a) {
     return MST_OK;
 }
 
-/* 16-byte vectors when the rows are 16-byte aligned (pages always are:
- * page_rows is a multiple of 8), else one element at a time. */
+/* Bulk copies, one block per SM (fewer for small handles). */
+template <bool RESTORE>
+mst_status launch_bulk(mst_ctx_t* ctx, const mst_stash_args* a) {
+    constexpr int smem = kStages * (int)kChunk;
+    static bool sized = false; /* the shared memory attribute, set once */
+    if (!sized) MST_CUDA_TRY(cudaFuncSetAttribute(bulk_kernel<RESTORE>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    sized = true;
+    const int64_t want = (a->max_pages * a->page_rows * a->row_bytes + kChunk - 1) / kChunk;
+    const unsigned grid = (unsigned)(want < n_sm(ctx) ? (want < 1 ? 1 : want) : n_sm(ctx));
+    bulk_kernel<RESTORE><<<grid, kWarpThreads, smem, mst_cuda(ctx)->stream>>>(*a);
+    MST_CUDA_LAUNCHED();
+    return MST_OK;
+}
+
+/* Bulk copies for a pool with device pages whose pages hold whole chunks and
+ * 16-byte aligned rows; else 16-byte vectors when the rows are 16-byte
+ * aligned (pages always are: page_rows is a multiple of 8), else one element
+ * at a time. A pool of host pages only keeps the vector copy on kHostBlocks
+ * blocks (PCIe needs no more; the bulk copy was not faster there). */
 template <bool RESTORE>
 mst_status copy(mst_ctx_t* ctx, const mst_stash_args* a, const void* rows) {
-    if ((uintptr_t)rows % 16 == 0) return launch_copy<uint4, RESTORE>(ctx, a);
+    const bool aligned = (uintptr_t)rows % 16 == 0;
+    if (aligned && a->cap[MST_BLK_DEV] > 0 && (a->page_rows * a->row_bytes) % kChunk == 0)
+        return launch_bulk<RESTORE>(ctx, a);
+    if (aligned) return launch_copy<uint4, RESTORE>(ctx, a);
     if (a->elt_bytes == 4) return launch_copy<uint32_t, RESTORE>(ctx, a);
     return launch_copy<uint16_t, RESTORE>(ctx, a);
 }
