@@ -274,16 +274,17 @@ __device__ uint32_t chunk_bytes(uint32_t i, uint32_t bytes) {
     return min(kChunk, bytes - b);
 }
 
-/* Lane 0: this block's chunks i < my of `bytes` (its first `loaded` loads
- * already issued), each slot refilled once the store before the last one
- * has read it; then waits for every load and store it issued. */
+/* Lane 0: this block's chunks i < my of `bytes` (a save's first `loaded`
+ * loads already issued; a restore's first kStages pages looked up in
+ * first[]), each slot refilled once the store before the last one has read
+ * it; then waits for every load and store it issued. */
 template <bool RESTORE>
 __device__ void bulk_run(const mst_stash_args& a, const bulk_pipe& q, const mst_plan* plan, char* rows,
-                         uint32_t page_bytes, uint32_t bytes, uint32_t my, uint32_t loaded) {
+                         char* const* first, uint32_t page_bytes, uint32_t bytes, uint32_t my, uint32_t loaded) {
     auto row_of = [&](uint32_t i) { return rows + (size_t)(blockIdx.x + i * gridDim.x) * kChunk; };
     auto page_of = [&](uint32_t i) { return chunk_in_page<RESTORE>(a, plan, blockIdx.x + i * gridDim.x, page_bytes); };
     for (uint32_t i = loaded; i < my && i < (uint32_t)kStages; i++, loaded++)
-        bulk_load(q, i, RESTORE ? page_of(i) : row_of(i), chunk_bytes(i, bytes));
+        bulk_load(q, i, RESTORE ? first[i] : row_of(i), chunk_bytes(i, bytes));
     for (uint32_t i = 0; i < my; i++) {
         bulk_wait(q, i);
         bulk_store(q, i, RESTORE ? row_of(i) : page_of(i), chunk_bytes(i, bytes));
@@ -304,7 +305,8 @@ template <bool RESTORE>
 __global__ void __launch_bounds__(kWarpThreads, 1) bulk_kernel(mst_stash_args a) {
     extern __shared__ __align__(128) char slots[]; /* [kStages, kChunk] */
     __shared__ __align__(8) uint64_t bars[kStages];
-    __shared__ mst_plan s_plan; /* save only */
+    __shared__ mst_plan s_plan;        /* save only */
+    __shared__ char* s_first[kStages]; /* restore: pages of the first chunks */
     const bulk_pipe q = {slots, bars};
     const uint32_t page_bytes = (uint32_t)(a.page_rows * a.row_bytes);
     char* rows = RESTORE ? a.dst : (char*)a.src;
@@ -325,8 +327,11 @@ __global__ void __launch_bounds__(kWarpThreads, 1) bulk_kernel(mst_stash_args a)
         if (lead) ticket = count_reader(&a.hs->done_blocks);
         n = s_plan.n;
     }
-    const uint32_t total = (uint32_t)(n * a.row_bytes), bytes = total & ~15u;
-    if (lead) bulk_run<RESTORE>(a, q, &s_plan, rows, page_bytes, bytes, my_chunks(bytes), loaded);
+    const uint32_t total = (uint32_t)(n * a.row_bytes), bytes = total & ~15u, my = my_chunks(bytes);
+    if (RESTORE && threadIdx.x < min(my, (uint32_t)kStages)) /* the first lookups side by side */
+        s_first[threadIdx.x] = chunk_in_page<RESTORE>(a, &s_plan, blockIdx.x + threadIdx.x * gridDim.x, page_bytes);
+    __syncwarp();
+    if (lead) bulk_run<RESTORE>(a, q, &s_plan, rows, s_first, page_bytes, bytes, my, loaded);
     __syncwarp();
     if (!RESTORE) /* this block's share of the page table */
         mst_ring_move(a.ring, a.cap, s_plan.pos, s_plan.take, a.table, 0, blockIdx.x * kWarpThreads + threadIdx.x,
