@@ -9,21 +9,26 @@
  *             rings) and writes its share of the page table. The last block
  *             to have read the pool state commits the plan
  *             (mst_reserve_commit, one thread) once its copy is done
- *   restore = one kernel: copies from the pages; the last block to have read
- *             the handle's state returns the pages to their rings
- *             (mst_return_begin / end, one warp). A split restore is the copy
- *             kernel without the return, then a one-warp return kernel
+ *   restore = one kernel: copies from the pages and writes its share of
+ *             the page ids back into the rings (past their tails); the last
+ *             block to have read the handle's state moves the tails and
+ *             empties the handle (mst_return_begin / end, one thread). A
+ *             split restore is the copy kernel without the return, then a
+ *             one-warp return kernel
  *   reset   = one kernel refilling both rings and clearing the counters
  *
  * No block waits for another: a block counts itself as a reader once its
  * reads of the pool and handle state are done (an atomic whose result is
  * used only after the copy), so the block that counts last may change that
- * state while the others still copy (they no longer read it; the rings and
- * the table they read do not change before the kernel ends).
+ * state while the others still copy (they no longer read it; the ring
+ * entries and the table they read do not change before the kernel ends).
  *
- * Copies run on a persistent grid (as many blocks as fit on the device at
- * once) in 16-byte vectors. The bookkeeping is the source the CPU backend
- * runs too (src/stash/stash.h). Host pages are pinned, mapped host memory
+ * Device-page copies whose pages hold whole 16 KiB chunks go by bulk copies
+ * (cp.async.bulk through shared memory, one warp per SM); the others, and
+ * pools of host pages only, by 16-byte vectors.
+ *
+ * Vector copies run on a persistent grid (as many blocks as fit on the
+ * device at once). The bookkeeping is the source the CPU backend runs too (src/stash/stash.h). Host pages are pinned, mapped host memory
  * that the copy kernels write and read over PCIe.
  */
 #include "../../stash/stash.h"
@@ -110,8 +115,18 @@ __device__ void finish_save(const mst_stash_args& a, const mst_plan* p) {
     if (p->outcome == MST_RESERVE_COUNTS) mst_dev_flag(a.err_flag, MST_FLAG_COUNTS);
 }
 
-/* Restore, one warp (warp 0 of the last reader, or the return kernel): the
- * pages go back to their rings. */
+/* Restore, last reader, thread 0: the ring tails move past the pages that
+ * every block wrote back, and the handle is emptied (a handle that holds
+ * none: flagged or not, as mst_return_begin says). */
+__device__ void finish_return(const mst_stash_args& a) {
+    if (threadIdx.x != 0) return;
+    uint64_t pos[MST_N_BLK];
+    int64_t take[MST_N_BLK];
+    if (mst_return_begin(a.st, a.hs, a.handle_id, pos, take) == MST_RETURN_PAGES) mst_return_end(a.st, a.hs, take);
+}
+
+/* The page return of a split restore, one warp: the pages go back to their
+ * rings. */
 __device__ void finish_restore(const mst_stash_args& a) {
     __shared__ int s_ret;
     __shared__ uint64_t s_pos[MST_N_BLK];
@@ -125,8 +140,8 @@ __device__ void finish_restore(const mst_stash_args& a) {
 }
 
 /* The end of a copy kernel: block 0 copies bytes [tail, total) (fewer than
- * a vector) byte by byte; then warp 0 of the last reader commits the save or
- * returns the restore's pages (not for MST_RESTORE_COPY, which counts no
+ * a vector) byte by byte; then the last reader commits the save or the
+ * restore's page return (not for MST_RESTORE_COPY, which counts no
  * readers). */
 template <bool RESTORE>
 __device__ void copy_end(const mst_stash_args& a, const mst_plan* plan, char* rows, uint32_t tail, uint32_t total,
@@ -141,16 +156,31 @@ __device__ void copy_end(const mst_stash_args& a, const mst_plan* plan, char* ro
     }
     if ((RESTORE && a.restore_part == MST_RESTORE_COPY) || threadIdx.x >= kWarpThreads) return;
     if (!last_reader(&a.hs->done_blocks, ticket)) return;
-    if (RESTORE) finish_restore(a);
+    if (RESTORE) finish_return(a);
     else finish_save(a, plan);
 }
 
-/* Restore, every thread: rows the handle holds (0 when it holds none), read
- * by thread 0, which then takes its reader ticket (not for MST_RESTORE_COPY)
- * while the others start copying. */
-__device__ int64_t restore_rows(const mst_stash_args& a, uint32_t* ticket) {
+/* Where a restore's pages go back: ring positions and counts (0 for
+ * MST_RESTORE_COPY or a handle that holds none). Every block writes its
+ * share of the ring entries; the last reader moves the tails. */
+typedef struct page_return {
+    uint64_t pos[MST_N_BLK];  /* st->tail[b] before the return */
+    int64_t take[MST_N_BLK];  /* pages going back to ring b     */
+} page_return;
+
+/* Restore, every thread: rows the handle holds (0 when it holds none) and
+ * *r, read by thread 0, which then takes its reader ticket (not for
+ * MST_RESTORE_COPY) while the others start copying. */
+__device__ int64_t restore_rows(const mst_stash_args& a, page_return* r, uint32_t* ticket) {
     __shared__ int64_t s_n;
-    if (threadIdx.x == 0) s_n = mst_handle_live(a.st, a.hs) ? a.hs->n_rows : 0;
+    if (threadIdx.x == 0) {
+        const int live = mst_handle_live(a.st, a.hs);
+        s_n = live ? a.hs->n_rows : 0;
+        for (int b = 0; b < MST_N_BLK; b++) {
+            r->pos[b] = a.st->tail[b];
+            r->take[b] = live && a.restore_part == MST_RESTORE_ALL ? a.hs->n_pages[b] : 0;
+        }
+    }
     __syncthreads();
     if (threadIdx.x == 0 && a.restore_part != MST_RESTORE_COPY) *ticket = count_reader(&a.hs->done_blocks);
     return s_n;
@@ -167,7 +197,8 @@ __device__ int64_t restore_rows(const mst_stash_args& a, uint32_t* ticket) {
 template <typename V, bool RESTORE>
 __global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
     constexpr int kU = kUnroll;
-    __shared__ mst_plan s_plan; /* save only */
+    __shared__ mst_plan s_plan;    /* save only    */
+    __shared__ page_return s_ret; /* restore only */
     const uint32_t page_bytes = (uint32_t)(a.page_rows * a.row_bytes);
     const uint32_t vpp = page_bytes / (uint32_t)sizeof(V);
     char* rows = RESTORE ? a.dst : (char*)a.src;
@@ -178,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
     int64_t n;
     uint32_t ticket = 0; /* thread 0: reader ticket */
     if (RESTORE) {
-        n = restore_rows(a, &ticket);
+        n = restore_rows(a, &s_ret, &ticket);
     } else {
         const int64_t src_vec = a.src_rows * a.row_bytes / (int64_t)sizeof(V);
         const uint32_t last = (uint32_t)min(src_vec, (int64_t)UINT32_MAX) - 1;
@@ -213,9 +244,9 @@ __global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
         for (int k = 0; k < kU; k++)
             if (u0 + k * stride < n_vec) *to[k] = v[k];
     }
-    if (!RESTORE) /* this block's share of the page table */
-        mst_ring_move(a.ring, a.cap, s_plan.pos, s_plan.take, a.table, 0, blockIdx.x * blockDim.x + threadIdx.x,
-                      (int64_t)gridDim.x * blockDim.x);
+    /* this block's share of the page table (save) or of the page return (restore) */
+    mst_ring_move(a.ring, a.cap, RESTORE ? s_ret.pos : s_plan.pos, RESTORE ? s_ret.take : s_plan.take, a.table,
+                  RESTORE, blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
     copy_end<RESTORE>(a, &s_plan, rows, n_vec * (uint32_t)sizeof(V), total, ticket);
 }
 
@@ -306,6 +337,7 @@ __global__ void __launch_bounds__(kWarpThreads, 1) bulk_kernel(mst_stash_args a)
     extern __shared__ __align__(128) char slots[]; /* [kStages, kChunk] */
     __shared__ __align__(8) uint64_t bars[kStages];
     __shared__ mst_plan s_plan;        /* save only */
+    __shared__ page_return s_ret;      /* restore only */
     __shared__ char* s_first[kStages]; /* restore: pages of the first chunks */
     const bulk_pipe q = {slots, bars};
     const uint32_t page_bytes = (uint32_t)(a.page_rows * a.row_bytes);
@@ -318,7 +350,7 @@ __global__ void __launch_bounds__(kWarpThreads, 1) bulk_kernel(mst_stash_args a)
     uint32_t ticket = 0, loaded = 0;
     int64_t n;
     if (RESTORE) {
-        n = restore_rows(a, &ticket);
+        n = restore_rows(a, &s_ret, &ticket);
     } else {
         const uint32_t src_bytes = (uint32_t)min(a.src_rows * a.row_bytes, (int64_t)UINT32_MAX) & ~15u;
         for (uint32_t i = 0; lead && i < my_chunks(src_bytes) && i < (uint32_t)kStages; i++, loaded++)
@@ -333,9 +365,9 @@ __global__ void __launch_bounds__(kWarpThreads, 1) bulk_kernel(mst_stash_args a)
     __syncwarp();
     if (lead) bulk_run<RESTORE>(a, q, &s_plan, rows, s_first, page_bytes, bytes, my, loaded);
     __syncwarp();
-    if (!RESTORE) /* this block's share of the page table */
-        mst_ring_move(a.ring, a.cap, s_plan.pos, s_plan.take, a.table, 0, blockIdx.x * kWarpThreads + threadIdx.x,
-                      (int64_t)gridDim.x * kWarpThreads);
+    /* this block's share of the page table (save) or of the page return (restore) */
+    mst_ring_move(a.ring, a.cap, RESTORE ? s_ret.pos : s_plan.pos, RESTORE ? s_ret.take : s_plan.take, a.table,
+                  RESTORE, blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
     copy_end<RESTORE>(a, &s_plan, rows, bytes, total, ticket);
 }
 
