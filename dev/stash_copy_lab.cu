@@ -161,12 +161,10 @@ static float timed(Lab& L, F&& op) {
 }
 
 /* The pages hold the rows in table order, checked after each variant. */
-static bool check(Lab& L, bool to_pages, const std::vector<uint32_t>& table, const std::vector<uint4>& ref,
-                  bool host_pages) {
+static bool check(Lab& L, bool to_pages, const std::vector<uint32_t>& table, const std::vector<uint4>& ref) {
     std::vector<uint4> got(L.n_vec);
     CK(cudaDeviceSynchronize());
     CK(cudaMemcpy(got.data(), to_pages ? L.pages : L.rows, L.bytes, cudaMemcpyDefault));
-    (void)host_pages;
     for (uint32_t u = 0; u < L.n_vec; u++) {
         const uint32_t p = u / L.vpp;
         const size_t at = to_pages ? (size_t)table[p] * L.vpp + (u - p * L.vpp) : u;
@@ -177,7 +175,7 @@ static bool check(Lab& L, bool to_pages, const std::vector<uint32_t>& table, con
 
 template <int U, int MINB, int HINT, bool TO_PAGES>
 static void run_ldst(Lab& L, const char* name, int grid, float base_ms, double moved, const std::vector<uint32_t>& tab,
-                     const std::vector<uint4>& ref, bool host) {
+                     const std::vector<uint4>& ref) {
     if (grid <= 0) {
         int per_sm = 0;
         CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ldst_copy<U, MINB, HINT, TO_PAGES>, 256, 0));
@@ -189,14 +187,14 @@ static void run_ldst(Lab& L, const char* name, int grid, float base_ms, double m
     const float ms = timed(L, [&] {
         ldst_copy<U, MINB, HINT, TO_PAGES><<<grid, 256, 0, L.st>>>(L.rows, L.pages, L.table, L.vpp, L.n_vec);
     });
-    const bool ok = check(L, TO_PAGES, tab, ref, host);
+    const bool ok = check(L, TO_PAGES, tab, ref);
     printf("  %-34s grid %5d regs %3d  %8.1f GB/s  ratio %.3f  %s\n", name, grid, fa.numRegs, moved / ms / 1e6,
            base_ms / ms, ok ? "ok" : "WRONG");
 }
 
 template <int S, bool TO_PAGES>
 static void run_tma(Lab& L, const char* name, uint32_t chunk, float base_ms, double moved,
-                    const std::vector<uint32_t>& tab, const std::vector<uint4>& ref, bool host) {
+                    const std::vector<uint32_t>& tab, const std::vector<uint4>& ref) {
     const size_t smem = (size_t)S * chunk;
     CK(cudaFuncSetAttribute(tma_copy<S, TO_PAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     const uint32_t page_bytes = L.vpp * 16, cpp = page_bytes / chunk, n_chunks = (uint32_t)(L.bytes / chunk);
@@ -205,7 +203,7 @@ static void run_tma(Lab& L, const char* name, uint32_t chunk, float base_ms, dou
         tma_copy<S, TO_PAGES><<<L.n_sm, 32, smem, L.st>>>((char*)L.rows, (char*)L.pages, L.table, chunk, cpp,
                                                           n_chunks);
     });
-    const bool ok = check(L, TO_PAGES, tab, ref, host);
+    const bool ok = check(L, TO_PAGES, tab, ref);
     printf("  %-34s chunk %6u x %d  %8.1f GB/s  ratio %.3f  %s\n", name, chunk, S, moved / ms / 1e6, base_ms / ms,
            ok ? "ok" : "WRONG");
 }
@@ -262,45 +260,45 @@ int main(int argc, char** argv) {
         printf(" %u rows x 4096 bf16 (%.0f MiB): cudaMemcpyAsync %.1f GB/s (%.3f ms)\n", rows, L.bytes / 1048576.0,
                moved / base_ms / 1e6, base_ms);
         if (!host) {
-            run_ldst<4, 5, PLAIN, true>(L, "ldst u4 5/SM (stash v3)", 0, base_ms, moved, tab, ref, false);
-            run_ldst<4, 5, STREAM, true>(L, "ldst u4 5/SM cs hints", 0, base_ms, moved, tab, ref, false);
-            run_ldst<4, 5, L2_256, true>(L, "ldst u4 5/SM L2::256B", 0, base_ms, moved, tab, ref, false);
-            run_ldst<8, 4, PLAIN, true>(L, "ldst u8 4/SM", 0, base_ms, moved, tab, ref, false);
-            run_ldst<8, 3, PLAIN, true>(L, "ldst u8 3/SM", 0, base_ms, moved, tab, ref, false);
-            run_ldst<8, 4, STREAM, true>(L, "ldst u8 4/SM cs hints", 0, base_ms, moved, tab, ref, false);
-            run_ldst<8, 4, L2_256, true>(L, "ldst u8 4/SM L2::256B", 0, base_ms, moved, tab, ref, false);
-            run_ldst<4, 8, PLAIN, true>(L, "ldst u4 8/SM", 0, base_ms, moved, tab, ref, false);
-            run_ldst<2, 8, PLAIN, true>(L, "ldst u2 8/SM", 0, base_ms, moved, tab, ref, false);
-            run_ldst<4, 5, PLAIN, false>(L, "restore ldst u4 5/SM (v3)", 0, base_ms, moved, tab, ref, false);
-            run_ldst<8, 4, PLAIN, false>(L, "restore ldst u8 4/SM", 0, base_ms, moved, tab, ref, false);
-            run_tma<4, true>(L, "tma", 32768, base_ms, moved, tab, ref, false);
-            run_tma<6, true>(L, "tma", 32768, base_ms, moved, tab, ref, false);
-            run_tma<12, true>(L, "tma", 16384, base_ms, moved, tab, ref, false);
-            run_tma<3, true>(L, "tma", 65536, base_ms, moved, tab, ref, false);
-            run_tma<6, false>(L, "restore tma", 32768, base_ms, moved, tab, ref, false);
+            run_ldst<4, 5, PLAIN, true>(L, "ldst u4 5/SM (stash v3)", 0, base_ms, moved, tab, ref);
+            run_ldst<4, 5, STREAM, true>(L, "ldst u4 5/SM cs hints", 0, base_ms, moved, tab, ref);
+            run_ldst<4, 5, L2_256, true>(L, "ldst u4 5/SM L2::256B", 0, base_ms, moved, tab, ref);
+            run_ldst<8, 4, PLAIN, true>(L, "ldst u8 4/SM", 0, base_ms, moved, tab, ref);
+            run_ldst<8, 3, PLAIN, true>(L, "ldst u8 3/SM", 0, base_ms, moved, tab, ref);
+            run_ldst<8, 4, STREAM, true>(L, "ldst u8 4/SM cs hints", 0, base_ms, moved, tab, ref);
+            run_ldst<8, 4, L2_256, true>(L, "ldst u8 4/SM L2::256B", 0, base_ms, moved, tab, ref);
+            run_ldst<4, 8, PLAIN, true>(L, "ldst u4 8/SM", 0, base_ms, moved, tab, ref);
+            run_ldst<2, 8, PLAIN, true>(L, "ldst u2 8/SM", 0, base_ms, moved, tab, ref);
+            run_ldst<4, 5, PLAIN, false>(L, "restore ldst u4 5/SM (v3)", 0, base_ms, moved, tab, ref);
+            run_ldst<8, 4, PLAIN, false>(L, "restore ldst u8 4/SM", 0, base_ms, moved, tab, ref);
+            run_tma<4, true>(L, "tma", 32768, base_ms, moved, tab, ref);
+            run_tma<6, true>(L, "tma", 32768, base_ms, moved, tab, ref);
+            run_tma<12, true>(L, "tma", 16384, base_ms, moved, tab, ref);
+            run_tma<3, true>(L, "tma", 65536, base_ms, moved, tab, ref);
+            run_tma<6, false>(L, "restore tma", 32768, base_ms, moved, tab, ref);
         } else if (d2h) {
-            run_ldst<4, 5, PLAIN, true>(L, "d2h ldst u4 (v3 grid 64)", 64, base_ms, moved, tab, ref, true);
-            run_ldst<4, 5, PLAIN, true>(L, "d2h ldst u4", 32, base_ms, moved, tab, ref, true);
-            run_ldst<4, 5, PLAIN, true>(L, "d2h ldst u4", 132, base_ms, moved, tab, ref, true);
-            run_ldst<4, 5, PLAIN, true>(L, "d2h ldst u4", 264, base_ms, moved, tab, ref, true);
-            run_ldst<8, 4, PLAIN, true>(L, "d2h ldst u8", 64, base_ms, moved, tab, ref, true);
-            run_ldst<4, 5, STREAM, true>(L, "d2h ldst u4 cs", 64, base_ms, moved, tab, ref, true);
-            run_tma<4, true>(L, "d2h tma", 32768, base_ms, moved, tab, ref, true);
-            run_tma<8, true>(L, "d2h tma", 16384, base_ms, moved, tab, ref, true);
+            run_ldst<4, 5, PLAIN, true>(L, "d2h ldst u4 (v3 grid 64)", 64, base_ms, moved, tab, ref);
+            run_ldst<4, 5, PLAIN, true>(L, "d2h ldst u4", 32, base_ms, moved, tab, ref);
+            run_ldst<4, 5, PLAIN, true>(L, "d2h ldst u4", 132, base_ms, moved, tab, ref);
+            run_ldst<4, 5, PLAIN, true>(L, "d2h ldst u4", 264, base_ms, moved, tab, ref);
+            run_ldst<8, 4, PLAIN, true>(L, "d2h ldst u8", 64, base_ms, moved, tab, ref);
+            run_ldst<4, 5, STREAM, true>(L, "d2h ldst u4 cs", 64, base_ms, moved, tab, ref);
+            run_tma<4, true>(L, "d2h tma", 32768, base_ms, moved, tab, ref);
+            run_tma<8, true>(L, "d2h tma", 16384, base_ms, moved, tab, ref);
         } else {
-            run_ldst<4, 5, PLAIN, false>(L, "h2d ldst u4 (v3 grid 64)", 64, base_ms, moved, tab, ref, true);
-            run_ldst<4, 5, PLAIN, false>(L, "h2d ldst u4", 32, base_ms, moved, tab, ref, true);
-            run_ldst<4, 5, PLAIN, false>(L, "h2d ldst u4", 132, base_ms, moved, tab, ref, true);
-            run_ldst<4, 5, PLAIN, false>(L, "h2d ldst u4", 264, base_ms, moved, tab, ref, true);
-            run_ldst<4, 5, PLAIN, false>(L, "h2d ldst u4", 660, base_ms, moved, tab, ref, true);
-            run_ldst<8, 4, PLAIN, false>(L, "h2d ldst u8", 64, base_ms, moved, tab, ref, true);
-            run_ldst<8, 4, PLAIN, false>(L, "h2d ldst u8", 132, base_ms, moved, tab, ref, true);
-            run_ldst<4, 5, L2_256, false>(L, "h2d ldst u4 L2::256B", 64, base_ms, moved, tab, ref, true);
-            run_ldst<4, 5, L2_256, false>(L, "h2d ldst u4 L2::256B", 132, base_ms, moved, tab, ref, true);
-            run_ldst<4, 5, STREAM, false>(L, "h2d ldst u4 cs", 64, base_ms, moved, tab, ref, true);
-            run_tma<4, false>(L, "h2d tma", 32768, base_ms, moved, tab, ref, true);
-            run_tma<8, false>(L, "h2d tma", 16384, base_ms, moved, tab, ref, true);
-            run_tma<3, false>(L, "h2d tma", 65536, base_ms, moved, tab, ref, true);
+            run_ldst<4, 5, PLAIN, false>(L, "h2d ldst u4 (v3 grid 64)", 64, base_ms, moved, tab, ref);
+            run_ldst<4, 5, PLAIN, false>(L, "h2d ldst u4", 32, base_ms, moved, tab, ref);
+            run_ldst<4, 5, PLAIN, false>(L, "h2d ldst u4", 132, base_ms, moved, tab, ref);
+            run_ldst<4, 5, PLAIN, false>(L, "h2d ldst u4", 264, base_ms, moved, tab, ref);
+            run_ldst<4, 5, PLAIN, false>(L, "h2d ldst u4", 660, base_ms, moved, tab, ref);
+            run_ldst<8, 4, PLAIN, false>(L, "h2d ldst u8", 64, base_ms, moved, tab, ref);
+            run_ldst<8, 4, PLAIN, false>(L, "h2d ldst u8", 132, base_ms, moved, tab, ref);
+            run_ldst<4, 5, L2_256, false>(L, "h2d ldst u4 L2::256B", 64, base_ms, moved, tab, ref);
+            run_ldst<4, 5, L2_256, false>(L, "h2d ldst u4 L2::256B", 132, base_ms, moved, tab, ref);
+            run_ldst<4, 5, STREAM, false>(L, "h2d ldst u4 cs", 64, base_ms, moved, tab, ref);
+            run_tma<4, false>(L, "h2d tma", 32768, base_ms, moved, tab, ref);
+            run_tma<8, false>(L, "h2d tma", 16384, base_ms, moved, tab, ref);
+            run_tma<3, false>(L, "h2d tma", 65536, base_ms, moved, tab, ref);
         }
         cudaFree(L.rows);
         cudaFree(L.table);

@@ -28,8 +28,9 @@
  * pools of host pages only, by 16-byte vectors.
  *
  * Vector copies run on a persistent grid (as many blocks as fit on the
- * device at once). The bookkeeping is the source the CPU backend runs too (src/stash/stash.h). Host pages are pinned, mapped host memory
- * that the copy kernels write and read over PCIe.
+ * device at once). The bookkeeping is the source the CPU backend runs too
+ * (src/stash/stash.h). Host pages are pinned, mapped host memory that the
+ * copy kernels write and read over PCIe.
  */
 #include "../../stash/stash.h"
 #include "cuda_common.cuh"
@@ -196,7 +197,6 @@ __device__ int64_t restore_rows(const mst_stash_args& a, page_return* r, uint32_
  * the last < sizeof(V) bytes go byte by byte. */
 template <typename V, bool RESTORE>
 __global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
-    constexpr int kU = kUnroll;
     __shared__ mst_plan s_plan;    /* save only    */
     __shared__ page_return s_ret; /* restore only */
     const uint32_t page_bytes = (uint32_t)(a.page_rows * a.row_bytes);
@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
     char* rows = RESTORE ? a.dst : (char*)a.src;
     const uint32_t stride = gridDim.x * blockDim.x;
     uint32_t u0 = blockIdx.x * blockDim.x + threadIdx.x;
-    V v[kU];
+    V v[kUnroll];
     bool loaded = false; /* v holds the vectors of step u0 */
     int64_t n;
     uint32_t ticket = 0; /* thread 0: reader ticket */
@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
         const uint32_t last = (uint32_t)min(src_vec, (int64_t)UINT32_MAX) - 1;
         if (src_vec > 0) {
 #pragma unroll
-            for (int k = 0; k < kU; k++) v[k] = ((const V*)rows)[min(u0 + k * stride, last)];
+            for (int k = 0; k < kUnroll; k++) v[k] = ((const V*)rows)[min(u0 + k * stride, last)];
             loaded = true;
         }
         block_plan(a, &s_plan);
@@ -229,10 +229,10 @@ __global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
         const uint32_t id = RESTORE ? table[p] : mst_plan_page(a.ring, a.cap, &s_plan, p);
         return mst_page_ptr(a.block, id, page_bytes);
     };
-    for (; u0 < n_vec; u0 += kU * stride, loaded = false) {
-        V* to[kU];
+    for (; u0 < n_vec; u0 += kUnroll * stride, loaded = false) {
+        V* to[kUnroll];
 #pragma unroll
-        for (int k = 0; k < kU; k++) { /* clamped: every address valid, no branch */
+        for (int k = 0; k < kUnroll; k++) { /* clamped: every address valid, no branch */
             const uint32_t u = min(u0 + k * stride, n_vec - 1);
             const uint32_t p = u / vpp;
             V* pg = (V*)page(p) + (u - p * vpp);
@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
             to[k] = RESTORE ? row : pg;
         }
 #pragma unroll
-        for (int k = 0; k < kU; k++)
+        for (int k = 0; k < kUnroll; k++)
             if (u0 + k * stride < n_vec) *to[k] = v[k];
     }
     /* this block's share of the page table (save) or of the page return (restore) */
