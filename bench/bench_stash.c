@@ -14,7 +14,8 @@
  * Each configuration is validated first (restore bit-exact, rows past n
  * untouched, mst_pool_check clean, no page left); then save, restore and the
  * baseline are timed with events, interleaved, and the median is kept.
- * Ratios and a short table come last.
+ * Ratios and a short table come last. --width W keeps the cases of that
+ * width only (A/B runs of one kernel change).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -277,11 +278,13 @@ static void bench_bufs_close(bench_bufs* b) {
 int mst_bench_stash(int argc, char** argv) {
     const char* json = NULL;
     int iters = 20;
+    int64_t only_width = 0; /* 0: every width */
     for (int i = 0; i < argc; i++) {
         if (strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
         else if (strcmp(argv[i], "--iters") == 0 && i + 1 < argc) iters = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--width") == 0 && i + 1 < argc) only_width = atoll(argv[++i]);
         else {
-            fprintf(stderr, "usage: moestash bench stash [--json FILE] [--iters N]\n");
+            fprintf(stderr, "usage: moestash bench stash [--json FILE] [--iters N] [--width W]\n");
             return 2;
         }
     }
@@ -298,11 +301,14 @@ int mst_bench_stash(int argc, char** argv) {
     enum { N_W = 4, N_R = 4, N_CASES = N_W * N_R + 3 * N_R };
     stash_case cases[N_CASES];
     int n = 0;
-    for (int w = 0; w < N_W; w++)
-        for (int r = 0; r < N_R; r++)
-            cases[n++] = (stash_case){widths[w] == 1 ? MST_DTYPE_FP32 : MST_DTYPE_BF16, widths[w], rows[r], 0};
-    for (int w = 0; w < 3; w++)
-        for (int r = 0; r < N_R; r++) cases[n++] = (stash_case){MST_DTYPE_BF16, widths[w], rows[r], 1};
+    for (int spill = 0; spill < 2; spill++)
+        for (int w = 0; w < N_W - spill; w++) /* spill: bf16 widths only */
+            for (int r = 0; r < N_R && (only_width == 0 || only_width == widths[w]); r++)
+                cases[n++] = (stash_case){widths[w] == 1 ? MST_DTYPE_FP32 : MST_DTYPE_BF16, widths[w], rows[r], spill};
+    if (n == 0) {
+        fprintf(stderr, "moestash bench stash: --width %lld: expected 2048, 4096, 7168 or 1\n", (long long)only_width);
+        return 2;
+    }
     mst_ctx_t* ctx = NULL;
     if (!st_ok(mst_ctx_create(MST_BACKEND_CUDA, 0, &ctx), "context")) return 1;
     printf("bench stash on %s (page_rows %d, max_rows = 1.5 x rows, %d groups, median of %d)\n",

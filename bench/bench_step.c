@@ -1,5 +1,5 @@
 /*
- * bench_step.c — `moestash bench step [--json FILE] [--small]`: one training
+ * bench_step.c — `moestash bench step [--json FILE] [--small] [--only LABEL]`: one training
  * step of a stack of grouped-MLP layers (8 layers, rows 32768, hidden 4096,
  * ffn 1024, E 16, max_rows = 1.5 x rows, skewed counts) over 4 microbatches
  * with the 1F1B schedule of a 4-stage pipeline's first rank, one CUDA graph
@@ -12,6 +12,7 @@
  * = saved activations + compute buffers (kept buffers, page blocks
  * allocated, shared compute / restore buffers); weights, gradients and the
  * stack's own input/output buffers are reported apart. A short table last.
+ * --only LABEL runs KEEP and the case of that label only (e.g. "offload").
  */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <math.h>
@@ -222,12 +223,13 @@ static void write_json(const char* path, const step_shape* sh, const step_result
                "\"pinned_d2h_gbs\": %.2f, \"pinned_h2d_gbs\": %.2f, \"policies\": [",
             device, sh->layers, sh->micro, (long long)sh->rows, (long long)sh->hidden, (long long)sh->ffn, sh->E,
             sh->stages, d2h, h2d);
-    for (int i = 0; i < n; i++)
-        fprintf(f, "%s{\"policy\": \"%s\", \"dev_factor\": %.2f, \"host_factor\": %.2f, \"step_ms\": %.3f, \"exact_step_ms\": %.3f, \"act_bytes\": %zu, "
+    for (int i = 0, k = 0; i < n; i++)
+        if (r[i].c) /* a case that ran */
+            fprintf(f, "%s{\"policy\": \"%s\", \"dev_factor\": %.2f, \"host_factor\": %.2f, \"step_ms\": %.3f, \"exact_step_ms\": %.3f, \"act_bytes\": %zu, "
                    "\"kept_bytes\": %zu, \"compute_bytes\": %zu, \"dev_pages_bytes\": %zu, \"dev_pages_peak_bytes\": %zu, "
                    "\"host_pages_bytes\": %zu, \"host_pages_peak_bytes\": %zu, \"exact_bytes\": %zu, "
                    "\"static_keep_bytes\": %zu, \"bit_identical_to_keep\": %s}",
-                i ? ", " : "", r[i].c->policy, r[i].c->dev_factor, r[i].c->host_factor, r[i].step_ms, r[i].exact_ms, r[i].act_bytes, r[i].rep.kept_bytes,
+                k++ ? ", " : "", r[i].c->policy, r[i].c->dev_factor, r[i].c->host_factor, r[i].step_ms, r[i].exact_ms, r[i].act_bytes, r[i].rep.kept_bytes,
                 r[i].rep.compute_bytes, r[i].rep.dev_pages_bytes, r[i].rep.dev_pages_peak_bytes,
                 r[i].rep.host_pages_bytes, r[i].rep.host_pages_peak_bytes, r[i].rep.exact_bytes,
                 r[i].rep.static_keep_bytes, r[i].hash == r[0].hash ? "true" : "false");
@@ -238,15 +240,23 @@ static void write_json(const char* path, const step_shape* sh, const step_result
 int mst_bench_step(int argc, char** argv) {
     const char* json = NULL;
     const char* backend = NULL;
+    const char* only = NULL; /* NULL: every case */
     int use_small = 0;
     for (int i = 0; i < argc; i++) {
         if (strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
         else if (strcmp(argv[i], "--backend") == 0 && i + 1 < argc) backend = argv[++i];
         else if (strcmp(argv[i], "--small") == 0) use_small = 1;
+        else if (strcmp(argv[i], "--only") == 0 && i + 1 < argc) only = argv[++i];
         else {
-            fprintf(stderr, "moestash bench step: unknown argument '%s' (--json FILE, --backend B, --small)\n", argv[i]);
+            fprintf(stderr, "moestash bench step: unknown argument '%s' (--json FILE, --backend B, --small, --only LABEL)\n", argv[i]);
             return 2;
         }
+    }
+    int run[N_CASES], n_run = 0; /* cases to run: KEEP always */
+    for (int i = 0; i < N_CASES; i++) n_run += run[i] = i == CASE_KEEP || !only || strcmp(only, cases[i].label) == 0;
+    if (n_run == 1 && only) {
+        fprintf(stderr, "moestash bench step: --only '%s': no case has that label\n", only);
+        return 2;
     }
     mst_backend_kind kind;
     if (mst_cli_backend(backend, &kind)) return 2;
@@ -271,7 +281,9 @@ int mst_bench_step(int argc, char** argv) {
     if (st == MST_OK) st = mst_stack_route(&s, counts, 9);
     enum { NP = N_CASES };
     step_result r[NP];
+    memset(r, 0, sizeof r);
     for (int i = 0; i < NP && st == MST_OK; i++) {
+        if (!run[i]) continue;
         st = run_policy(ctx, &s, sch, n, sh, &cases[i], &r[i]);
         if (st == MST_OK)
             printf("  %-62s dev %.2f host %.2f  step %9.2f ms  exact-shape step %9.2f ms  activations %7.3f GiB  %s\n",
@@ -285,7 +297,7 @@ int mst_bench_step(int argc, char** argv) {
         return 1;
     }
     int same = 1;
-    for (int i = 1; i < NP; i++) same &= r[i].hash == r[0].hash;
+    for (int i = 1; i < NP; i++) same &= !run[i] || r[i].hash == r[0].hash;
     double d2h, h2d;
     pinned_roof(ctx, &d2h, &h2d);
     size_t exact = r[0].rep.exact_bytes;
@@ -297,10 +309,10 @@ int mst_bench_step(int argc, char** argv) {
     printf("\n%-11s %9s %9s %12s %10s %10s %10s\n", "policy", "step ms", "vs keep", "act GiB", "vs exact",
            "vs keep", "pages pk");
     for (int i = 0; i < NP; i++)
-        printf("%-11.11s %9.2f %8.3fx %12.3f %9.3fx %9.3fx %10.3f\n", cases[i].label, r[i].step_ms,
+        if (run[i]) printf("%-11.11s %9.2f %8.3fx %12.3f %9.3fx %9.3fx %10.3f\n", cases[i].label, r[i].step_ms,
                r[i].step_ms / r[0].step_ms, gib(r[i].act_bytes), (double)r[i].act_bytes / exact,
                (double)r[i].act_bytes / r[0].act_bytes, gib(r[i].pages_peak));
-    if (d2h > 0) { /* OFFLOAD moves each saved byte out and back within its step */
+    if (d2h > 0 && run[CASE_OFFLOAD]) { /* OFFLOAD moves each saved byte out and back within its step */
         const step_result* o = &r[CASE_OFFLOAD];
         double bytes = 2.0 * (double)o->rep.host_pages_peak_bytes;
         printf("offload: >= %.2f GB moved per step in %.2f ms: %.1f GB/s (%.0f%% of the pinned D2H roof; "
@@ -308,7 +320,7 @@ int mst_bench_step(int argc, char** argv) {
                100 * bytes / o->step_ms / 1e6 / d2h, 100 * bytes / o->step_ms / 1e6 / (d2h + h2d));
     }
     for (int i = CASE_STASH; i <= CASE_STASH_SPILL; i++)
-        printf("targets, stash dev %.2f host %.2f: act <= 1.10x exact (%.3fx) and <= 0.75x keep (%.3fx); "
+        if (run[i]) printf("targets, stash dev %.2f host %.2f: act <= 1.10x exact (%.3fx) and <= 0.75x keep (%.3fx); "
                "step <= 1.05x keep (%.3fx)\n", cases[i].dev_factor, cases[i].host_factor,
                (double)r[i].act_bytes / exact, (double)r[i].act_bytes / r[0].act_bytes, r[i].step_ms / r[0].step_ms);
     printf("all policies bit-identical to keep: %s\n", same ? "yes" : "NO");

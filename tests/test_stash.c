@@ -573,8 +573,8 @@ static mst_status seq_enqueue(graph_seq* g) {
     return st;
 }
 
-static void graph_replay(mst_ctx_t* ctx, mst_rng* rng) {
-    const int64_t pr = 16, R = 200, W = 136;
+static void graph_replay(mst_ctx_t* ctx, mst_rng* rng, int64_t W) {
+    const int64_t pr = 16, R = 200;
     mst_pool_config cfg = {pr, 14, 13}; /* two live saves of <= 13 pages: spills */
     env e;
     if (!env_open(&e, ctx, rng, MST_DTYPE_BF16, W, &cfg, G_SLOTS, R)) return;
@@ -665,7 +665,8 @@ static void run(mst_ctx_t* ctx) {
     sizing(ctx, &rng);
     unaligned(ctx, &rng);
     pipeline_order(ctx, &rng);
-    graph_replay(ctx, &rng);
+    graph_replay(ctx, &rng, 136);
+    graph_replay(ctx, &rng, 512); /* 16 KiB pages: CUDA's bulk copy */
     /* widths: fp32 probs, bf16 of several widths (odd ones too), page sizes */
     random_interleave(ctx, &rng, MST_DTYPE_FP32, 1, 64, 8, 120, 0.5);
     random_interleave(ctx, &rng, MST_DTYPE_BF16, 8, 8, 10, 150, 0.3);
@@ -673,6 +674,11 @@ static void run(mst_ctx_t* ctx) {
     random_interleave(ctx, &rng, MST_DTYPE_BF16, 264, 64, 6, 80, 1.0);
     random_interleave(ctx, &rng, MST_DTYPE_BF16, 7, 24, 8, 100, 0.0);
     random_interleave(ctx, &rng, MST_DTYPE_FP32, 33, 8, 8, 100, 0.7);
+    /* pages of whole 16 KiB chunks (CUDA's bulk copy), with host pages, and
+       with rows of 2 bytes (a tail under 16 bytes) */
+    random_interleave(ctx, &rng, MST_DTYPE_BF16, 512, 16, 8, 120, 0.6);
+    random_interleave(ctx, &rng, MST_DTYPE_BF16, 2048, 64, 4, 60, 1.0);
+    random_interleave(ctx, &rng, MST_DTYPE_BF16, 1, 8192, 4, 60, 0.5);
 }
 
 int main(int argc, char** argv) { return mst_test_main(argc, argv, run); }

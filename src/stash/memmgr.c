@@ -9,7 +9,9 @@
  *              by the next layer once its stash has read it), packed into
  *              device pages on the side stream, restored before the backward
  *              into one of two restore buffers (the next backward layer's
- *              restore is started while the current one runs: prefetch)
+ *              restore is started while the current one runs, and a
+ *              backward entry's first two while the forward before it runs:
+ *              prefetch)
  *   OFFLOAD    as STASH, into pinned host pages
  *   RECOMPUTE  fc2_input only: not saved; the grouped MLP recomputes it
  *   layer recompute (uniform / block): a recomputed layer saves nothing in
@@ -777,10 +779,24 @@ static mst_status inputs_free(mst_memmgr_t* m) {
     return ev_wait(m, m->inputs_read, 0);
 }
 
+/* At the start of a forward entry that a backward entry follows: the
+ * restores of that backward's first two layers start now, into the restore
+ * buffers it will use, beside this forward's saves (on PCIe: H2D beside
+ * D2H). Restores already issued, and tensors not saved yet, are skipped. */
+static mst_status prefetch_next_entry(mst_memmgr_t* m) {
+    if (m->cursor != 0 || m->pos + 1 >= m->cfg.n_schedule || !m->schedule[m->pos + 1].backward) return MST_OK;
+    const mst_sched_entry e = m->schedule[m->pos + 1];
+    const int32_t top = (e.chunk + 1) * m->layers_per_chunk - 1;
+    for (int32_t i = 0; i < 2 && i < m->layers_per_chunk; i++)
+        MST_TRY(issue_restore(m, top - i, e.microbatch, (m->bwd_seq + 1 + i) & 1));
+    return MST_OK;
+}
+
 mst_status mst_memmgr_forward(mst_memmgr_t* m, int32_t layer, int32_t mb, const mst_saver** out) {
     MST_TRY(check_call(m, layer, mb, out));
     MST_TRY(expect(m, 0, layer, mb));
     MST_TRY(inputs_free(m));
+    MST_TRY(prefetch_next_entry(m));
     m->fwd_seq++;
     *out = saver_for(m, layer, mb, m->chunk_start[layer] >= 0 ? MODE_DISCARD : MODE_FWD);
     return MST_OK;

@@ -56,8 +56,9 @@ typedef struct mst_handle_state {
     int32_t n_pages[MST_N_BLK]; /* pages held from each block                    */
     int32_t state;              /* MST_HANDLE_*                                  */
     uint32_t epoch;             /* pool epoch at the save                        */
-    uint32_t done_blocks;       /* CUDA save / restore: blocks finished; the
-                                   last one commits                              */
+    uint32_t done_blocks;       /* CUDA save / restore: blocks that have read
+                                   the state; the last one commits (0 between
+                                   operations)                                   */
 } mst_handle_state;
 
 /* One save, restore or reset, as the backend slots receive it. */

@@ -6,32 +6,51 @@
  *   save    = one kernel: every block sums the counts and computes the same
  *             plan (mst_reserve_plan) from the untouched pool state, copies
  *             its share of rows into the pages the plan names (read from the
- *             rings), writes its share of the page table, and the last block
- *             to finish commits the plan (mst_reserve_commit, one thread)
- *   restore = one kernel: copies from the pages; the last block returns the
- *             pages to their rings (mst_return_begin / end). A split restore
- *             is the copy kernel without the return, then a one-block
- *             return kernel
+ *             rings) and writes its share of the page table. The last block
+ *             to have read the pool state commits the plan
+ *             (mst_reserve_commit, one thread) once its copy is done
+ *   restore = one kernel: copies from the pages and writes its share of
+ *             the page ids back into the rings (past their tails); the last
+ *             block to have read the handle's state moves the tails and
+ *             empties the handle (mst_return_begin / end, one thread). A
+ *             split restore is the copy kernel without the return, then a
+ *             one-warp return kernel
  *   reset   = one kernel refilling both rings and clearing the counters
  *
- * Copies run on a persistent grid (as many blocks as fit on the device at
- * once) in 16-byte vectors. The bookkeeping is the source the CPU backend
- * runs too (src/stash/stash.h). Host pages are pinned, mapped host memory
- * that the copy kernels write and read over PCIe.
+ * No block waits for another: a block counts itself as a reader once its
+ * reads of the pool and handle state are done (an atomic whose result is
+ * used only after the copy), so the block that counts last may change that
+ * state while the others still copy (they no longer read it; the ring
+ * entries and the table they read do not change before the kernel ends).
+ *
+ * Device-page copies whose pages hold whole 16 KiB chunks go by bulk copies
+ * (cp.async.bulk through shared memory, one warp per SM); the others, and
+ * pools of host pages only, by 16-byte vectors.
+ *
+ * Vector copies run on a persistent grid (as many blocks as fit on the
+ * device at once). The bookkeeping is the source the CPU backend runs too
+ * (src/stash/stash.h). Host pages are pinned, mapped host memory that the
+ * copy kernels write and read over PCIe.
  */
 #include "../../stash/stash.h"
 #include "cuda_common.cuh"
 
 namespace {
 
-constexpr int kThreads = 256; /* every stash kernel's block size         */
+constexpr int kThreads = 256; /* block size of the vector copy and reset  */
 constexpr int kUnroll = 4;    /* independent vectors in flight per thread */
 constexpr int kHostBlocks = 64; /* copy grid of a pool with only host pages:
                                    PCIe needs few blocks, and the rest of the
                                    SMs stay free for concurrent work        */
-constexpr int kWarpThreads = 32; /* the page-return kernel: one warp (28
-                                    registers) fits beside a persistent
-                                    GEMM block, which leaves 1024 free     */
+constexpr int kWarpThreads = 32; /* the page-return kernel: one warp of at
+                                    most 32 registers fits beside a
+                                    persistent GEMM block, which leaves
+                                    1024 free; and the bulk copy's block  */
+constexpr uint32_t kChunk = 16384; /* bytes of one bulk copy (divides the
+                                      pages of rows of 256-byte multiples) */
+constexpr int kStages = 12;        /* bulk copies in flight per block:
+                                      192 KiB of shared memory, one block
+                                      per SM                               */
 
 /* Sum of counts [E]; *bad = a negative count was seen. Block-wide result. */
 __device__ int64_t block_counts_sum(const int32_t* counts, int32_t n_groups, int* bad) {
@@ -70,24 +89,26 @@ __device__ void block_plan(const mst_stash_args& a, mst_plan* s_plan) {
     __syncthreads();
 }
 
-/* True in every thread of the grid's last block to get here (all others have
- * finished, so they read the state before this block changes it). Resets the
- * counter for the handle's next operation. */
-__device__ bool last_block(uint32_t* done) {
-    __shared__ int s_last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        s_last = atomicAdd(done, 1u) == gridDim.x - 1;
-        if (s_last) *done = 0;
-    }
-    __syncthreads();
-    if (s_last) __threadfence();
-    return s_last;
+/* Thread 0, once its block's reads of the pool and handle state are done:
+ * the block's ticket as a reader (the last block gets gridDim.x - 1). The
+ * caller uses it only after its copy, so the atomic's latency is hidden. */
+__device__ uint32_t count_reader(uint32_t* done) {
+    __threadfence(); /* the state reads come before the count */
+    return atomicAdd(done, 1u);
 }
 
-/* Save, last block: the commit and the context flags (every block wrote its
- * share of the page table after the plan). */
+/* Every lane of warp 0 after its copy: true when thread 0's ticket was the
+ * last; then every block has read the state, and the counter is reset for
+ * the handle's next operation. */
+__device__ bool last_reader(uint32_t* done, uint32_t ticket) {
+    const bool last = __shfl_sync(0xffffffffu, ticket, 0) == gridDim.x - 1;
+    if (last && threadIdx.x == 0) *done = 0;
+    if (last) __threadfence(); /* the state changes come after every read */
+    return last;
+}
+
+/* Save, last reader, thread 0: the commit and the context flags (every block
+ * writes its share of the page table itself). */
 __device__ void finish_save(const mst_stash_args& a, const mst_plan* p) {
     if (threadIdx.x != 0) return;
     mst_reserve_commit(a.st, a.hs, a.cap, p, a.handle_id);
@@ -95,24 +116,37 @@ __device__ void finish_save(const mst_stash_args& a, const mst_plan* p) {
     if (p->outcome == MST_RESERVE_COUNTS) mst_dev_flag(a.err_flag, MST_FLAG_COUNTS);
 }
 
-/* Restore, last block: the pages go back to their rings. */
+/* Restore, last reader, thread 0: the ring tails move past the pages that
+ * every block wrote back, and the handle is emptied (a handle that holds
+ * none: flagged or not, as mst_return_begin says). */
+__device__ void finish_return(const mst_stash_args& a) {
+    if (threadIdx.x != 0) return;
+    uint64_t pos[MST_N_BLK];
+    int64_t take[MST_N_BLK];
+    if (mst_return_begin(a.st, a.hs, a.handle_id, pos, take) == MST_RETURN_PAGES) mst_return_end(a.st, a.hs, take);
+}
+
+/* The page return of a split restore, one warp: the pages go back to their
+ * rings. */
 __device__ void finish_restore(const mst_stash_args& a) {
     __shared__ int s_ret;
     __shared__ uint64_t s_pos[MST_N_BLK];
     __shared__ int64_t s_take[MST_N_BLK];
     if (threadIdx.x == 0) s_ret = mst_return_begin(a.st, a.hs, a.handle_id, s_pos, s_take);
-    __syncthreads();
+    __syncwarp();
     if (s_ret != MST_RETURN_PAGES) return;
-    mst_ring_move(a.ring, a.cap, s_pos, s_take, a.table, 1, threadIdx.x, blockDim.x);
-    __syncthreads();
+    mst_ring_move(a.ring, a.cap, s_pos, s_take, a.table, 1, threadIdx.x, kWarpThreads);
+    __syncwarp();
     if (threadIdx.x == 0) mst_return_end(a.st, a.hs, s_take);
 }
 
 /* The end of a copy kernel: block 0 copies bytes [tail, total) (fewer than
- * a vector) byte by byte; then the last block to finish commits the save or
- * returns the restore's pages (not for MST_RESTORE_COPY). */
+ * a vector) byte by byte; then the last reader commits the save or the
+ * restore's page return (not for MST_RESTORE_COPY, which counts no
+ * readers). */
 template <bool RESTORE>
-__device__ void copy_end(const mst_stash_args& a, const mst_plan* plan, char* rows, uint32_t tail, uint32_t total) {
+__device__ void copy_end(const mst_stash_args& a, const mst_plan* plan, char* rows, uint32_t tail, uint32_t total,
+                         uint32_t ticket) {
     if (blockIdx.x == 0 && threadIdx.x < total - tail) {
         const uint32_t page_bytes = (uint32_t)(a.page_rows * a.row_bytes);
         const uint32_t b = tail + threadIdx.x, p = b / page_bytes;
@@ -121,10 +155,36 @@ __device__ void copy_end(const mst_stash_args& a, const mst_plan* plan, char* ro
         if (RESTORE) rows[b] = *pg;
         else *pg = rows[b];
     }
-    if (RESTORE && a.restore_part == MST_RESTORE_COPY) return; /* the pages stay */
-    if (!last_block(&a.hs->done_blocks)) return;
-    if (RESTORE) finish_restore(a);
+    if ((RESTORE && a.restore_part == MST_RESTORE_COPY) || threadIdx.x >= kWarpThreads) return;
+    if (!last_reader(&a.hs->done_blocks, ticket)) return;
+    if (RESTORE) finish_return(a);
     else finish_save(a, plan);
+}
+
+/* Where a restore's pages go back: ring positions and counts (0 for
+ * MST_RESTORE_COPY or a handle that holds none). Every block writes its
+ * share of the ring entries; the last reader moves the tails. */
+typedef struct page_return {
+    uint64_t pos[MST_N_BLK];  /* st->tail[b] before the return */
+    int64_t take[MST_N_BLK];  /* pages going back to ring b     */
+} page_return;
+
+/* Restore, every thread: rows the handle holds (0 when it holds none) and
+ * *r, read by thread 0, which then takes its reader ticket (not for
+ * MST_RESTORE_COPY) while the others start copying. */
+__device__ int64_t restore_rows(const mst_stash_args& a, page_return* r, uint32_t* ticket) {
+    __shared__ int64_t s_n;
+    if (threadIdx.x == 0) {
+        const int live = mst_handle_live(a.st, a.hs);
+        s_n = live ? a.hs->n_rows : 0;
+        for (int b = 0; b < MST_N_BLK; b++) {
+            r->pos[b] = a.st->tail[b];
+            r->take[b] = live && a.restore_part == MST_RESTORE_ALL ? a.hs->n_pages[b] : 0;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && a.restore_part != MST_RESTORE_COPY) *ticket = count_reader(&a.hs->done_blocks);
+    return s_n;
 }
 
 /* Rows [0, n) between the contiguous rows (src of a save, dst of a restore)
@@ -137,7 +197,8 @@ __device__ void copy_end(const mst_stash_args& a, const mst_plan* plan, char* ro
  * the last < sizeof(V) bytes go byte by byte. */
 template <typename V, bool RESTORE>
 __global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
-    __shared__ mst_plan s_plan; /* save only */
+    __shared__ mst_plan s_plan;    /* save only    */
+    __shared__ page_return s_ret; /* restore only */
     const uint32_t page_bytes = (uint32_t)(a.page_rows * a.row_bytes);
     const uint32_t vpp = page_bytes / (uint32_t)sizeof(V);
     char* rows = RESTORE ? a.dst : (char*)a.src;
@@ -146,8 +207,9 @@ __global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
     V v[kUnroll];
     bool loaded = false; /* v holds the vectors of step u0 */
     int64_t n;
+    uint32_t ticket = 0; /* thread 0: reader ticket */
     if (RESTORE) {
-        n = mst_handle_live(a.st, a.hs) ? a.hs->n_rows : 0;
+        n = restore_rows(a, &s_ret, &ticket);
     } else {
         const int64_t src_vec = a.src_rows * a.row_bytes / (int64_t)sizeof(V);
         const uint32_t last = (uint32_t)min(src_vec, (int64_t)UINT32_MAX) - 1;
@@ -157,6 +219,7 @@ __global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
             loaded = true;
         }
         block_plan(a, &s_plan);
+        if (threadIdx.x == 0) ticket = count_reader(&a.hs->done_blocks);
         n = s_plan.n;
     }
     const uint32_t total = (uint32_t)(n * a.row_bytes);
@@ -181,14 +244,135 @@ __global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
         for (int k = 0; k < kUnroll; k++)
             if (u0 + k * stride < n_vec) *to[k] = v[k];
     }
-    if (!RESTORE) /* this block's share of the page table */
-        mst_ring_move(a.ring, a.cap, s_plan.pos, s_plan.take, a.table, 0, blockIdx.x * blockDim.x + threadIdx.x,
-                      (int64_t)gridDim.x * blockDim.x);
-    copy_end<RESTORE>(a, &s_plan, rows, n_vec * (uint32_t)sizeof(V), total);
+    /* this block's share of the page table (save) or of the page return (restore) */
+    mst_ring_move(a.ring, a.cap, RESTORE ? s_ret.pos : s_plan.pos, RESTORE ? s_ret.take : s_plan.take, a.table,
+                  RESTORE, blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
+    copy_end<RESTORE>(a, &s_plan, rows, n_vec * (uint32_t)sizeof(V), total, ticket);
+}
+
+/* ---- bulk copy: the copy engine of each SM (cp.async.bulk) moves chunks of
+ * kChunk bytes through kStages slots of shared memory; lane 0 drives it. */
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+typedef struct bulk_pipe {
+    char* slot;    /* [kStages, kChunk] shared memory              */
+    uint64_t* bar; /* [kStages] shared: slot i % kStages is loaded */
+} bulk_pipe;
+
+/* Lane 0: chunk i of this block (global bytes `from`, `bytes` a multiple of
+ * 16) into slot i % kStages. */
+__device__ void bulk_load(const bulk_pipe& q, uint32_t i, const char* from, uint32_t bytes) {
+    const uint32_t bar = smem_addr(&q.bar[i % kStages]);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_addr(q.slot + (size_t)(i % kStages) * kChunk)), "l"(from), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+
+/* Lane 0: until chunk i's load has landed (the (i / kStages)-th use of its slot). */
+__device__ void bulk_wait(const bulk_pipe& q, uint32_t i) {
+    asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}\n"
+                 ::"r"(smem_addr(&q.bar[i % kStages])), "r"((i / kStages) & 1u) : "memory");
+}
+
+/* Lane 0: chunk i from its slot to global bytes `to`, as one bulk group. */
+__device__ void bulk_store(const bulk_pipe& q, uint32_t i, char* to, uint32_t bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                 ::"l"(to), "r"(smem_addr(q.slot + (size_t)(i % kStages) * kChunk)), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+/* Chunk c (bytes [c * kChunk, ...) of the rows) inside its page: a save
+ * looks the page up in the rings, a restore in the table. A chunk never
+ * crosses a page (kChunk divides page_bytes). */
+template <bool RESTORE>
+__device__ char* chunk_in_page(const mst_stash_args& a, const mst_plan* plan, uint32_t c, uint32_t page_bytes) {
+    const uint32_t b = c * kChunk, p = b / page_bytes;
+    const uint32_t id = RESTORE ? a.table[p] : mst_plan_page(a.ring, a.cap, plan, p);
+    return mst_page_ptr(a.block, id, page_bytes) + (b - p * page_bytes);
+}
+
+/* Chunks of this block among the chunks of `bytes`: c = blockIdx.x + i * gridDim.x. */
+__device__ uint32_t my_chunks(uint32_t bytes) {
+    const uint32_t n = (bytes + kChunk - 1) / kChunk;
+    return n > blockIdx.x ? (n - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+}
+
+/* Bytes of this block's chunk i among `bytes` (a multiple of 16). */
+__device__ uint32_t chunk_bytes(uint32_t i, uint32_t bytes) {
+    const uint32_t b = (blockIdx.x + i * gridDim.x) * kChunk;
+    return min(kChunk, bytes - b);
+}
+
+/* Lane 0: this block's chunks i < my of `bytes` (a save's first `loaded`
+ * loads already issued; a restore's first kStages pages looked up in
+ * first[]), each slot refilled once the store before the last one has read
+ * it; then waits for every load and store it issued. */
+template <bool RESTORE>
+__device__ void bulk_run(const mst_stash_args& a, const bulk_pipe& q, const mst_plan* plan, char* rows,
+                         char* const* first, uint32_t page_bytes, uint32_t bytes, uint32_t my, uint32_t loaded) {
+    auto row_of = [&](uint32_t i) { return rows + (size_t)(blockIdx.x + i * gridDim.x) * kChunk; };
+    auto page_of = [&](uint32_t i) { return chunk_in_page<RESTORE>(a, plan, blockIdx.x + i * gridDim.x, page_bytes); };
+    for (uint32_t i = loaded; i < my && i < (uint32_t)kStages; i++, loaded++)
+        bulk_load(q, i, RESTORE ? first[i] : row_of(i), chunk_bytes(i, bytes));
+    for (uint32_t i = 0; i < my; i++) {
+        bulk_wait(q, i);
+        bulk_store(q, i, RESTORE ? row_of(i) : page_of(i), chunk_bytes(i, bytes));
+        const uint32_t next = i - 1 + kStages;
+        if (i >= 1 && next < my) {
+            asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+            bulk_load(q, next, RESTORE ? page_of(next) : row_of(next), chunk_bytes(next, bytes));
+        }
+    }
+    for (uint32_t i = my; i < loaded; i++) bulk_wait(q, i); /* a save's first loads past its rows */
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+/* The copy of copy_kernel by bulk copies, for 16-byte aligned rows whose
+ * pages hold whole chunks: one warp per SM. A save issues the loads of its
+ * first chunks of the source before its plan. */
+template <bool RESTORE>
+__global__ void __launch_bounds__(kWarpThreads, 1) bulk_kernel(mst_stash_args a) {
+    extern __shared__ __align__(128) char slots[]; /* [kStages, kChunk] */
+    __shared__ __align__(8) uint64_t bars[kStages];
+    __shared__ mst_plan s_plan;        /* save only */
+    __shared__ page_return s_ret;      /* restore only */
+    __shared__ char* s_first[kStages]; /* restore: pages of the first chunks */
+    const bulk_pipe q = {slots, bars};
+    const uint32_t page_bytes = (uint32_t)(a.page_rows * a.row_bytes);
+    char* rows = RESTORE ? a.dst : (char*)a.src;
+    const bool lead = threadIdx.x == 0;
+    if (lead) {
+        for (int i = 0; i < kStages; i++) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[i])));
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
+    uint32_t ticket = 0, loaded = 0;
+    int64_t n;
+    if (RESTORE) {
+        n = restore_rows(a, &s_ret, &ticket);
+    } else {
+        const uint32_t src_bytes = (uint32_t)min(a.src_rows * a.row_bytes, (int64_t)UINT32_MAX) & ~15u;
+        for (uint32_t i = 0; lead && i < my_chunks(src_bytes) && i < (uint32_t)kStages; i++, loaded++)
+            bulk_load(q, i, rows + (size_t)(blockIdx.x + i * gridDim.x) * kChunk, chunk_bytes(i, src_bytes));
+        block_plan(a, &s_plan);
+        if (lead) ticket = count_reader(&a.hs->done_blocks);
+        n = s_plan.n;
+    }
+    const uint32_t total = (uint32_t)(n * a.row_bytes), bytes = total & ~15u, my = my_chunks(bytes);
+    if (RESTORE && threadIdx.x < min(my, (uint32_t)kStages)) /* the first lookups side by side */
+        s_first[threadIdx.x] = chunk_in_page<RESTORE>(a, &s_plan, blockIdx.x + threadIdx.x * gridDim.x, page_bytes);
+    __syncwarp();
+    if (lead) bulk_run<RESTORE>(a, q, &s_plan, rows, s_first, page_bytes, bytes, my, loaded);
+    __syncwarp();
+    /* this block's share of the page table (save) or of the page return (restore) */
+    mst_ring_move(a.ring, a.cap, RESTORE ? s_ret.pos : s_plan.pos, RESTORE ? s_ret.take : s_plan.take, a.table,
+                  RESTORE, blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
+    copy_end<RESTORE>(a, &s_plan, rows, bytes, total, ticket);
 }
 
 /* The page return of a split restore (MST_RESTORE_RETURN): one warp. */
-__global__ void __launch_bounds__(kWarpThreads) return_kernel(mst_stash_args a) { finish_restore(a); }
+__global__ void __maxnreg__(32) return_kernel(mst_stash_args a) { finish_restore(a); }
 
 __global__ void __launch_bounds__(kThreads) reset_kernel(mst_stash_args a) {
     const int64_t start = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
@@ -225,11 +409,31 @@ mst_status launch_copy(mst_ctx_t* ctx, const mst_stash_args* a) {
     return MST_OK;
 }
 
-/* 16-byte vectors when the rows are 16-byte aligned (pages always are:
- * page_rows is a multiple of 8), else one element at a time. */
+/* Bulk copies, one block per SM (fewer for small handles). */
+template <bool RESTORE>
+mst_status launch_bulk(mst_ctx_t* ctx, const mst_stash_args* a) {
+    constexpr int smem = kStages * (int)kChunk;
+    static bool sized = false; /* the shared memory attribute, set once */
+    if (!sized) MST_CUDA_TRY(cudaFuncSetAttribute(bulk_kernel<RESTORE>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    sized = true;
+    const int64_t want = (a->max_pages * a->page_rows * a->row_bytes + kChunk - 1) / kChunk;
+    const unsigned grid = (unsigned)(want < n_sm(ctx) ? (want < 1 ? 1 : want) : n_sm(ctx));
+    bulk_kernel<RESTORE><<<grid, kWarpThreads, smem, mst_cuda(ctx)->stream>>>(*a);
+    MST_CUDA_LAUNCHED();
+    return MST_OK;
+}
+
+/* Bulk copies for a pool with device pages whose pages hold whole chunks and
+ * 16-byte aligned rows; else 16-byte vectors when the rows are 16-byte
+ * aligned (pages always are: page_rows is a multiple of 8), else one element
+ * at a time. A pool of host pages only keeps the vector copy on kHostBlocks
+ * blocks (PCIe needs no more; the bulk copy was not faster there). */
 template <bool RESTORE>
 mst_status copy(mst_ctx_t* ctx, const mst_stash_args* a, const void* rows) {
-    if ((uintptr_t)rows % 16 == 0) return launch_copy<uint4, RESTORE>(ctx, a);
+    const bool aligned = (uintptr_t)rows % 16 == 0;
+    if (aligned && a->cap[MST_BLK_DEV] > 0 && (a->page_rows * a->row_bytes) % kChunk == 0)
+        return launch_bulk<RESTORE>(ctx, a);
+    if (aligned) return launch_copy<uint4, RESTORE>(ctx, a);
     if (a->elt_bytes == 4) return launch_copy<uint32_t, RESTORE>(ctx, a);
     return launch_copy<uint16_t, RESTORE>(ctx, a);
 }
