@@ -28,7 +28,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   rc=$?
   grep -E 'Passed|Failed|\*\*\*' "$out/gpu-tests.log" | tail -40
   [ $rc = 0 ] || grep -E '^FAIL' "$out/gpu-tests.log" | head -30
-  summary+=("gpu tests: $(grep -oE '[0-9]+% tests passed, [0-9]+ tests failed out of [0-9]+' "$out/gpu-tests.log" || echo 'no result')")
+  summary+=("gpu tests: $(grep -oE '[0-9]+% tests passed.* out of [0-9]+' "$out/gpu-tests.log" || echo 'no result')")
   sanitize=${MST_SANITIZE_GPU:-}
   [ "$sanitize" = 1 ] && sanitize=$(cd build-gpu && ls test_* | grep -v '\.')
   for t in $sanitize; do
