@@ -134,7 +134,7 @@ static int run_case(bench_bufs* b, const stash_case* c, stash_result* r) {
     memset(counts, 0, sizeof counts);
     for (int64_t i = 0; i < c->rows; i++) counts[splitmix(&seed) % N_GROUPS]++;
     const int64_t pages = (c->rows + MST_POOL_PAGE_ROWS - 1) / MST_POOL_PAGE_ROWS;
-    mst_pool_config cfg = {MST_POOL_PAGE_ROWS, c->spill ? 0 : pages, c->spill ? pages : 0};
+    mst_pool_config cfg = {MST_POOL_PAGE_ROWS, c->spill ? 0 : pages, c->spill ? pages : 0, 0}; /* all SMs: nothing runs beside */
     mst_pool_t* pool = NULL;
     mst_stash_handle_t* h = NULL;
     if (!st_ok(mst_pool_create(b->ctx, c->dtype, c->width, &cfg, &pool), "pool create")) return 0;

@@ -316,6 +316,11 @@ typedef struct mst_pool_config {
     int64_t page_rows;    /* rows per page, a multiple of 8 (default 64)   */
     int64_t n_dev_pages;  /* pages of the device block (>= 0)               */
     int64_t n_host_pages; /* pages of the pinned host block (>= 0; 0: none) */
+    int32_t copy_sms;     /* SMs one save or restore may use (>= 0; 0: as many
+                             as help). Copies that run beside compute on a
+                             side stream go faster on all SMs but take them
+                             from the compute: a few SMs each copy at a higher
+                             rate and leave the rest to it (CUDA) */
 } mst_pool_config;
 
 typedef struct mst_pool_stats {

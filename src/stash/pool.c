@@ -18,7 +18,7 @@ static mst_status need_slot(const mst_ctx_t* ctx, int present, const char* name)
 /* ---- sizing -------------------------------------------------------------- */
 
 mst_pool_config mst_pool_config_default(int64_t n_dev_pages) {
-    mst_pool_config c = {MST_POOL_PAGE_ROWS, n_dev_pages, 0};
+    mst_pool_config c = {MST_POOL_PAGE_ROWS, n_dev_pages, 0, 0};
     return c;
 }
 
@@ -34,6 +34,7 @@ mst_status mst_pool_config_from_peak(const mst_pool_stats* measured, double dev_
     out->page_rows = measured->page_rows;
     out->n_dev_pages = (int64_t)ceil(peak * dev_factor);
     out->n_host_pages = (int64_t)ceil(peak * host_factor);
+    out->copy_sms = 0;
     if (out->n_dev_pages + out->n_host_pages == 0) out->n_dev_pages = 1;
     return MST_OK;
 }
@@ -52,6 +53,8 @@ static mst_status check_config(const mst_pool_config* cfg, int64_t row_bytes) {
     if (cfg->n_dev_pages >= (int64_t)MST_PAGE_HOST || cfg->n_host_pages >= (int64_t)MST_PAGE_HOST)
         return mst_set_error(MST_ERR_INVALID, "cfg: %lld device / %lld host pages, at most 2^31 - 1",
                              (long long)cfg->n_dev_pages, (long long)cfg->n_host_pages);
+    if (cfg->copy_sms < 0)
+        return mst_set_error(MST_ERR_INVALID, "copy_sms = %d: expected >= 0 (0: as many as help)", cfg->copy_sms);
     if (cfg->page_rows * row_bytes >= ((int64_t)1 << 32))
         return mst_set_error(MST_ERR_INVALID, "cfg.page_rows = %lld: a page of %lld bytes is >= 4 GiB",
                              (long long)cfg->page_rows, (long long)(cfg->page_rows * row_bytes));
@@ -96,6 +99,7 @@ mst_status mst_pool_create(mst_ctx_t* ctx, mst_dtype dtype, int64_t width,
     p->page_bytes = cfg->page_rows * row_bytes;
     p->a.cap[MST_BLK_DEV] = cfg->n_dev_pages;
     p->a.cap[MST_BLK_HOST] = cfg->n_host_pages;
+    p->a.copy_sms = cfg->copy_sms;
     p->a.page_rows = cfg->page_rows;
     p->a.row_bytes = row_bytes;
     p->a.elt_bytes = (int32_t)mst_dtype_size(dtype);

@@ -71,6 +71,7 @@ typedef struct mst_stash_args {
     int64_t row_bytes;           /* W * dtype size                                */
     int32_t elt_bytes;           /* dtype size                                    */
     int32_t handle_id;           /* for bad-state messages                        */
+    int32_t copy_sms;            /* SMs a copy may use (0: as many as help)       */
     mst_handle_state* hs;        /* [1] backend memory (save, restore)            */
     uint32_t* table;             /* [max_pages] backend memory (save, restore)    */
     int64_t max_rows;            /* rows the handle holds (save, restore)         */

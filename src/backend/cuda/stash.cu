@@ -380,11 +380,15 @@ __global__ void __launch_bounds__(kThreads) reset_kernel(mst_stash_args a) {
     if (start == 0) mst_state_reset(a.st, a.cap);
 }
 
-int n_sm(mst_ctx_t* ctx) { return mst_cuda(ctx)->n_sm; }
+/* SMs a copy of pool state a may use: the pool's copy_sms, or all. */
+int copy_sms(mst_ctx_t* ctx, const mst_stash_args* a) {
+    const int n = mst_cuda(ctx)->n_sm;
+    return a->copy_sms > 0 && a->copy_sms < n ? a->copy_sms : n;
+}
 
 /* Persistent grid for a handle's largest copy (static: graph-safe): as many
- * blocks as fit on the device at once (kHostBlocks for a pool of host pages
- * only), fewer for small handles. */
+ * blocks as fit on the copy's SMs at once (kHostBlocks for a pool of host
+ * pages only), fewer for small handles. */
 template <typename V, bool RESTORE>
 mst_status copy_grid(mst_ctx_t* ctx, const mst_stash_args* a, unsigned* grid) {
     static int per_sm = 0; /* resident blocks per SM, asked once */
@@ -393,7 +397,7 @@ mst_status copy_grid(mst_ctx_t* ctx, const mst_stash_args* a, unsigned* grid) {
     const int64_t max_vec = a->max_pages * a->page_rows * a->row_bytes / (int64_t)sizeof(V);
     const int64_t per_block = (int64_t)kThreads * kUnroll;
     const int64_t want = (max_vec + per_block - 1) / per_block;
-    int64_t cap = (int64_t)n_sm(ctx) * (per_sm > 0 ? per_sm : 1);
+    int64_t cap = (int64_t)copy_sms(ctx, a) * (per_sm > 0 ? per_sm : 1);
     if (a->cap[MST_BLK_DEV] == 0 && cap > kHostBlocks) cap = kHostBlocks;
     *grid = (unsigned)(want < 1 ? 1 : want < cap ? want : cap);
     return MST_OK;
@@ -409,7 +413,7 @@ mst_status launch_copy(mst_ctx_t* ctx, const mst_stash_args* a) {
     return MST_OK;
 }
 
-/* Bulk copies, one block per SM (fewer for small handles). */
+/* Bulk copies, one block per SM of the copy (fewer for small handles). */
 template <bool RESTORE>
 mst_status launch_bulk(mst_ctx_t* ctx, const mst_stash_args* a) {
     constexpr int smem = kStages * (int)kChunk;
@@ -417,7 +421,8 @@ mst_status launch_bulk(mst_ctx_t* ctx, const mst_stash_args* a) {
     if (!sized) MST_CUDA_TRY(cudaFuncSetAttribute(bulk_kernel<RESTORE>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     sized = true;
     const int64_t want = (a->max_pages * a->page_rows * a->row_bytes + kChunk - 1) / kChunk;
-    const unsigned grid = (unsigned)(want < n_sm(ctx) ? (want < 1 ? 1 : want) : n_sm(ctx));
+    const int cap = copy_sms(ctx, a);
+    const unsigned grid = (unsigned)(want < cap ? (want < 1 ? 1 : want) : cap);
     bulk_kernel<RESTORE><<<grid, kWarpThreads, smem, mst_cuda(ctx)->stream>>>(*a);
     MST_CUDA_LAUNCHED();
     return MST_OK;
@@ -442,7 +447,7 @@ mst_status copy(mst_ctx_t* ctx, const mst_stash_args* a, const void* rows) {
 
 extern "C" mst_status mst_cuda_stash_reset(mst_ctx_t* ctx, const mst_stash_args* a) {
     const int64_t n = a->cap[MST_BLK_DEV] > a->cap[MST_BLK_HOST] ? a->cap[MST_BLK_DEV] : a->cap[MST_BLK_HOST];
-    const int64_t want = (n + kThreads - 1) / kThreads, cap = (int64_t)n_sm(ctx) * 4; /* a few waves */
+    const int64_t want = (n + kThreads - 1) / kThreads, cap = (int64_t)mst_cuda(ctx)->n_sm * 4; /* a few waves */
     const unsigned grid = (unsigned)(want < 1 ? 1 : want < cap ? want : cap);
     reset_kernel<<<grid, kThreads, 0, mst_cuda(ctx)->stream>>>(*a);
     MST_CUDA_LAUNCHED();
