@@ -145,12 +145,6 @@ static int32_t chunk_of(const mst_memmgr_t* m, int32_t l) { return l / m->layers
  * `where` is ON_MAIN or a side stream (MST_SIDE_*). */
 enum { ON_MAIN = -1 };
 
-/* SMs of one side-stream copy of a device pool (mst_pool_config.copy_sms).
- * The copies run beside the GEMMs, which hold every SM they get: on 20 SMs a
- * copy moves about as fast (more bytes in flight per SM) and leaves the rest
- * to the GEMM. bench step, H100, STASH vs KEEP: 1.075-1.079 on all 132 SMs,
- * 1.065-1.071 on 40, 1.047-1.055 on 20, 1.051-1.058 on 16, 1.068 on 8. */
-enum { SIDE_COPY_SMS = 20 };
 static void* stream_of(mst_memmgr_t* m, int where) {
     return where == ON_MAIN ? NULL : m->ctx->be->side_stream(m->ctx, where);
 }
@@ -892,6 +886,13 @@ static mst_status ensure_pool(mst_memmgr_t* m, mst_saved_name n, int k, const ms
     }
     return mst_pool_create(m->ctx, dtype_of(n), cols_of(m, n), pc, pool);
 }
+
+/* SMs of one side-stream copy of a pool (mst_pool_config.copy_sms).
+ * The copies run beside the GEMMs, which hold every SM they get: on 20 SMs a
+ * copy moves about as fast (more bytes in flight per SM) and leaves the rest
+ * to the GEMM. bench step, H100, STASH vs KEEP: 1.075-1.079 on all 132 SMs,
+ * 1.065-1.071 on 40, 1.047-1.055 on 20, 1.051-1.058 on 16, 1.068 on 8. */
+enum { SIDE_COPY_SMS = 20 };
 
 /* After a measuring step: restore buffers and handles of sized_restore_rows,
  * pools of ceil(peak * factor) pages, and a handle and a save event for every
