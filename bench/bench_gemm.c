@@ -1,5 +1,5 @@
 /*
- * bench_gemm.c — `moestash bench gemm [--json FILE] [--reps N]`: the CUDA
+ * bench_gemm.c — `moestash bench gemm [--json FILE] [--reps N] [--op NAME]`: the CUDA
  * grouped linear (forward TN, dgrad NN, wgrad NT with ACCUMULATE) with
  * device-side counts, graph-replayed, beside three cuBLAS baselines measured
  * in the same run on the same buffers:
@@ -12,7 +12,8 @@
  * (total rows x in -> out, E) with balanced and skewed (Zipf-like) counts,
  * buffers of max_rows = 1.5 x rows. Before timing, sampled outputs
  * of ours and of the loop are checked against float64 references.
- * A short table is printed last; --json writes every figure.
+ * A short table is printed last; --json writes every figure. --op runs one
+ * op (forward, dgrad or wgrad) alone.
  */
 #include <math.h>
 #include <stdio.h>
@@ -423,6 +424,7 @@ static void write_json(FILE* f, const char* device, const gemm_fig (*fig)[2][N_O
             for (int op = 0; op < N_OPS; op++) {
                 const gemm_shape* s = &shapes[si];
                 const gemm_fig* fg = &fig[si][d][op];
+                if (fg->ms[V_ROOF] <= 0) continue; /* not run (--op) */
                 fprintf(f, "%s    {\"rows\": %lld, \"in\": %lld, \"out\": %lld, \"E\": %d, \"counts\": \"%s\", \"op\": \"%s\"",
                         first ? "" : ",\n", (long long)s->rows, (long long)s->in, (long long)s->out, s->E,
                         d ? "skewed" : "balanced", op_names[op]);
@@ -444,14 +446,23 @@ static const char* tf_str(char* buf, const gemm_shape* s, double ms) {
     return buf;
 }
 
+/* The index of op name s, or -1. */
+static int op_index(const char* s) {
+    for (int op = 0; op < N_OPS; op++)
+        if (strcmp(s, op_names[op]) == 0) return op;
+    return -1;
+}
+
 int mst_bench_gemm(int argc, char** argv) {
     const char* json = NULL;
-    int reps = 20;
+    int reps = 20, only = -1;
     for (int i = 0; i < argc; i++) {
         if (strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
         else if (strcmp(argv[i], "--reps") == 0 && i + 1 < argc) reps = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--op") == 0 && i + 1 < argc && (only = op_index(argv[++i])) >= 0) continue;
         else {
-            fprintf(stderr, "bench gemm: unknown argument '%s' (--json FILE, --reps N)\n", argv[i]);
+            fprintf(stderr, "bench gemm: bad argument '%s' (--json FILE, --reps N, --op forward|dgrad|wgrad)\n",
+                    argv[i]);
             return 2;
         }
     }
@@ -484,6 +495,7 @@ int mst_bench_gemm(int argc, char** argv) {
         for (int d = 0; d < 2; d++) {
             if (!set_counts(ctx, &b, s->rows, d)) return 1;
             for (int op = 0; op < N_OPS; op++) {
+                if (only >= 0 && op != only) continue;
                 gemm_fig* f = &fig[si][d][op];
                 bench_run br = {ctx, blas, &b, op, V_OURS};
                 for (int v = 0; v <= V_LOOP; v++) {
@@ -524,6 +536,10 @@ int mst_bench_gemm(int argc, char** argv) {
             printf("%-24s %-8s", name, d ? "skewed" : "balanced");
             for (int op = 0; op < N_OPS; op++) {
                 const gemm_fig* f = &fig[si][d][op];
+                if (only >= 0 && op != only) {
+                    printf(" | %-24s", "-");
+                    continue;
+                }
                 printf(" | %4.2f (%5.0f / %5.0f)     ", f->ms[V_OURS] > 0 ? f->ms[V_ROOF] / f->ms[V_OURS] : 0,
                        tflops(s, f->ms[V_OURS]), tflops(s, f->ms[V_ROOF]));
             }

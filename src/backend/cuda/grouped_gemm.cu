@@ -86,7 +86,7 @@ __global__ void schedule_kernel(const int32_t* counts, int32_t n_groups, int64_t
             int ok = !bad && total <= max_rows;
             if (!ok) mst_dev_flag(err_flag, MST_FLAG_COUNTS);
             s.hdr[GG_H_TILES] = ok ? tiles : 0;
-            s.hdr[GG_H_NEXT] = 0;
+            s.hdr[GG_H_NEXT] = s.hdr[GG_H_NEXT + 1] = 0;
             s.hdr[GG_H_OK] = ok;
         }
     }

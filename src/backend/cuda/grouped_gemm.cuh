@@ -19,12 +19,13 @@
 enum gg_op { GG_FWD = 0, GG_DGRAD = 1, GG_WGRAD = 2 };
 
 /* Schedule header words (int32, backend memory). */
-enum { GG_H_TILES = 0, GG_H_NEXT = 1, GG_H_OK = 2, GG_H_WORDS = 4 };
+enum { GG_H_TILES = 0, GG_H_OK = 1, GG_H_NEXT = 2, GG_H_WORDS = 4 };
 
 /* The device schedule of one op, inside the MST_WS_OP workspace:
  *   hdr[GG_H_TILES] = tile_off[E] when counts are valid, else 0 (no work)
- *   hdr[GG_H_NEXT]  = next tile to hand out (dynamic persistent scheduler)
  *   hdr[GG_H_OK]    = 1 when counts are valid
+ *   hdr[GG_H_NEXT], hdr[GG_H_NEXT + 1] = tiles handed out from the front and
+ *                     from the back of the schedule (one 64-bit word)
  * Invariants (valid counts): off[0] = 0, off[g+1] = off[g] + counts[g] <= R;
  * tile_off[0] = 0, tile_off[s+1] - tile_off[s] = tiles of group order[s];
  * order is a permutation of [0, E) by decreasing rows (largest first). */
@@ -101,9 +102,16 @@ __device__ __forceinline__ gg_tile gg_decode(const gg_problem& p, const gg_sched
     return tl;
 }
 
-/* Hands out the next tile to a persistent CTA (integer atomics only). */
-__device__ __forceinline__ int32_t gg_next_tile(const gg_sched& s) {
-    return atomicAdd(s.hdr + GG_H_NEXT, 1);
+/* Hands out the next of the schedule's n tiles to a persistent CTA, or -1
+ * when all are out: from the front (largest groups first) or from the
+ * back. Both ends count in one 64-bit word, so the two never hand out the
+ * same tile (integer atomics only). */
+__device__ __forceinline__ int32_t gg_next_tile(const gg_sched& s, int32_t n, int back) {
+    const unsigned long long old =
+        atomicAdd((unsigned long long*)(s.hdr + GG_H_NEXT), back ? 1ull << 32 : 1ull);
+    const int32_t front_out = (int32_t)(uint32_t)old, back_out = (int32_t)(old >> 32);
+    if (front_out + back_out >= n) return -1;
+    return back ? n - 1 - back_out : front_out;
 }
 
 /* Where main_grad_w element (m, n) of the tile's group lives (wgrad). */

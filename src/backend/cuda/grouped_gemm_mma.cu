@@ -147,10 +147,10 @@ __global__ void __launch_bounds__(THREADS) mma_kernel(const gg_problem p, const 
 
     for (;;) {
         __syncthreads(); /* the previous tile is done with `next` and the stages */
-        if (threadIdx.x == 0) next = gg_next_tile(s);
+        if (threadIdx.x == 0) next = gg_next_tile(s, n_tiles, 0);
         __syncthreads();
         const int32_t ti = next;
-        if (ti >= n_tiles) break;
+        if (ti < 0) break;
         const gg_tile t = gg_decode(p, s, ti, BM, BN);
         const uint16_t *a, *b;
         operand_bases<OP>(p, t, a, b);
