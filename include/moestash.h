@@ -523,6 +523,13 @@ mst_status mst_memmgr_recompute(mst_memmgr_t* m, int32_t layer, int32_t mb, cons
 /* A buffer [R, H] bf16 kept for the input of the recompute chunk that starts
  * at `layer`, microbatch mb. */
 mst_status mst_memmgr_chunk_input(mst_memmgr_t* m, int32_t layer, int32_t mb, mst_tensor* out);
+/* The [R, cols] buffer that tensor `name` of (layer, mb) is kept in when its
+ * policy is KEEP (outside recompute chunks); out->data = NULL otherwise. A
+ * caller that writes the tensor there before the forward of (layer, mb)
+ * (the previous layer's output, as this layer's fc1_input) spares commit's
+ * copy of its R rows. */
+mst_status mst_memmgr_keep_buffer(mst_memmgr_t* m, int32_t layer, int32_t mb, mst_saved_name name,
+                                  mst_tensor* out);
 mst_status mst_memmgr_step_end(mst_memmgr_t* m);
 mst_status mst_memmgr_step_check(mst_memmgr_t* m);
 /* Device int32: nonzero when this step overflowed (the optimizer skips). */

@@ -289,6 +289,17 @@ static void bad_input(mst_ctx_t* ctx) {
     CHECK_STATUS(mst_memmgr_set_policy(m, 5, MST_SAVED_ACT_INPUT, MST_POLICY_KEEP), MST_ERR_INVALID);
     mst_recompute_config rc = {MST_RECOMPUTE_BLOCK, 3};
     CHECK_STATUS(mst_memmgr_set_recompute(m, &rc), MST_ERR_INVALID);
+    mst_tensor kb;
+    CHECK_STATUS(mst_memmgr_keep_buffer(m, 2, 0, MST_SAVED_FC1_INPUT, &kb), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "layer = 2") != NULL, "message names the layer: %s", mst_last_error());
+    CHECK_STATUS(mst_memmgr_keep_buffer(m, 1, -1, MST_SAVED_FC1_INPUT, &kb), MST_ERR_INVALID);
+    CHECK_OK(mst_memmgr_set_policy(m, 1, MST_SAVED_FC1_INPUT, MST_POLICY_STASH));
+    CHECK_OK(mst_memmgr_keep_buffer(m, 1, 0, MST_SAVED_FC1_INPUT, &kb));
+    CHECK(kb.data == NULL, "a stashed fc1_input has no keep buffer");
+    CHECK_OK(mst_memmgr_set_policy(m, 1, MST_SAVED_FC1_INPUT, MST_POLICY_KEEP));
+    CHECK_OK(mst_memmgr_keep_buffer(m, 1, 0, MST_SAVED_FC1_INPUT, &kb));
+    CHECK(kb.data != NULL && kb.rows == 64 && kb.cols == 16, "keep buffer [%lld, %lld]", (long long)kb.rows,
+          (long long)kb.cols);
     CHECK_STATUS(mst_memmgr_step_begin(m, 0), MST_ERR_STATE); /* first step must measure */
     CHECK_OK(mst_memmgr_step_begin(m, 1));
     const mst_saver* sv;

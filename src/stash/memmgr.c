@@ -501,6 +501,22 @@ mst_status mst_memmgr_chunk_input(mst_memmgr_t* m, int32_t layer, int32_t mb, ms
     return MST_OK;
 }
 
+mst_status mst_memmgr_keep_buffer(mst_memmgr_t* m, int32_t layer, int32_t mb, mst_saved_name name,
+                                  mst_tensor* out) {
+    if (!m || !out) return mst_set_error(MST_ERR_INVALID, "m or out is NULL");
+    if (layer < 0 || layer >= m->cfg.n_layers)
+        return mst_set_error(MST_ERR_INVALID, "layer = %d, must be in [0, %d)", layer, m->cfg.n_layers);
+    if (mb < 0 || mb >= m->cfg.n_microbatches)
+        return mst_set_error(MST_ERR_INVALID, "mb = %d, must be in [0, %d)", mb, m->cfg.n_microbatches);
+    if ((int)name < 0 || name >= MST_N_SAVED) return mst_set_error(MST_ERR_INVALID, "name = %d", (int)name);
+    memset(out, 0, sizeof *out);
+    if (policy_of(m, layer, name) != MST_POLICY_KEEP || m->chunk_start[layer] >= 0) return MST_OK;
+    slot* s = slot_of(m, layer, mb, name);
+    MST_TRY(alloc_tensor(m, name, &s->keep, &m->rep.kept_bytes));
+    *out = s->keep;
+    return MST_OK;
+}
+
 /* ---- the saver ------------------------------------------------------------- */
 
 static int64_t pages_for(const mst_memmgr_t* m, int64_t rows) {

@@ -143,9 +143,12 @@ mst_status mst_stack_route(mst_stack* s, const int32_t* host_counts, uint64_t se
 
 static int32_t per_chunk(const mst_stack* s) { return s->n_layers / s->virtual_stages; }
 
+/* Forward of chunk c: layer outputs inside the chunk go straight into the
+ * next layer's KEEP buffer of fc1_input where it has one (no copy at its
+ * commit), else into the ping-pong buffers. */
 static mst_status forward_chunk(mst_stack* s, int32_t c, int32_t mb) {
     const int32_t lpc = per_chunk(s), first = c * lpc;
-    const mst_tensor* x = &s->io[idx(s, c, mb)];
+    mst_tensor x = s->io[idx(s, c, mb)], y;
     for (int32_t i = 0; i < lpc; i++) {
         int32_t l = first + i;
         const mst_saver* sv;
@@ -153,11 +156,15 @@ static mst_status forward_chunk(mst_stack* s, int32_t c, int32_t mb) {
         if (mst_memmgr_recompute_chunk(s->mm, l) == l) { /* keep the recompute chunk's input */
             mst_tensor in;
             MST_TRY(mst_memmgr_chunk_input(s->mm, l, mb, &in));
-            MST_TRY(mst_copy_b2b(s->ctx, in.data, x->data, mst_tensor_bytes(x)));
+            MST_TRY(mst_copy_b2b(s->ctx, in.data, x.data, mst_tensor_bytes(&x)));
         }
-        mst_tensor* y = i == lpc - 1 ? &s->io[idx(s, c + 1, mb)] : &s->act[i & 1];
-        MST_TRY(mst_grouped_mlp_forward(s->ctx, &s->mlp, &s->w[l], x, &s->probs[idx(s, l, mb)],
-                                        &s->counts[idx(s, l, mb)], sv, y));
+        if (i == lpc - 1) y = s->io[idx(s, c + 1, mb)];
+        else {
+            MST_TRY(mst_memmgr_keep_buffer(s->mm, l + 1, mb, MST_SAVED_FC1_INPUT, &y));
+            if (!y.data) y = s->act[i & 1];
+        }
+        MST_TRY(mst_grouped_mlp_forward(s->ctx, &s->mlp, &s->w[l], &x, &s->probs[idx(s, l, mb)],
+                                        &s->counts[idx(s, l, mb)], sv, &y));
         x = y;
     }
     return MST_OK;
