@@ -104,11 +104,26 @@ mst_status mst_fill(mst_ctx_t* ctx, void* dst, int byte, size_t n_bytes);
 /* ---- tensors ------------------------------------------------------------- */
 
 /* A 2-D row-major view of backend memory. Does not own its data. */
+/* Rows held in pages (a stashed tensor, read in place): row r is row
+ * r % page_rows of page table[r / page_rows]; an id with bit 31 set is page
+ * (id & 0x7fffffff) of the host block, else of the device block. Rows past
+ * table_rows and ids past their block read as zeros. */
+typedef struct mst_pages {
+    const uint32_t* table; /* backend memory, [table_rows / page_rows] ids  */
+    void* block[2];        /* device block, pinned host block (or NULL)      */
+    int64_t n_pages[2];    /* pages of each block                            */
+    int64_t page_rows;     /* rows per page                                  */
+    int64_t table_rows;    /* rows the table covers (a page_rows multiple)   */
+} mst_pages;
+
 typedef struct mst_tensor {
     void* data;      /* backend memory, rows * cols elements */
     mst_dtype dtype;
     int64_t rows;
     int64_t cols;
+    const mst_pages* pages; /* NULL: rows at data; else the rows are in these
+                               pages (data unused). Only the x of
+                               mst_grouped_linear_wgrad may be paged */
 } mst_tensor;
 
 mst_tensor mst_tensor_make(void* data, mst_dtype dtype, int64_t rows, int64_t cols);
@@ -388,6 +403,10 @@ mst_status mst_stash_restore(mst_pool_t* pool, mst_stash_handle_t* h, mst_tensor
  * with the pool's other operations and after the copy. */
 mst_status mst_stash_restore_copy(mst_pool_t* pool, mst_stash_handle_t* h, mst_tensor* dst);
 mst_status mst_stash_restore_return(mst_pool_t* pool, mst_stash_handle_t* h);
+/* The handle's rows in place, for an op that reads them from the pages
+ * (mst_tensor.pages) instead of a restore: valid once the save has run and
+ * until mst_stash_restore_return gives the pages back. */
+mst_status mst_stash_handle_pages(const mst_stash_handle_t* h, mst_pages* out);
 
 /* ---- schedules ------------------------------------------------------------ *
  * The order of forward and backward passes over (model chunk, microbatch) on

@@ -106,6 +106,64 @@ static void expect_fp32(mst_ctx_t* ctx, const mst_guarded* g, const double* ref,
     free(want);
 }
 
+/* wgrad ACCUMULATE with x read from the pages of a stash (random page
+ * rows; device pages only, or about half spilled to the host block; page
+ * rows that the Hopper kernel cannot read go through a gather) gives the bits of
+ * the same call on x in memory (acc, acc_b); a paged x is refused where it
+ * cannot be read (DEFERRED, any other argument). */
+static void paged_x_wgrad(mst_ctx_t* ctx, mst_rng* rng, const gl_case* c, const mst_tensor* x,
+                          const mst_tensor* dy, const mst_tensor* ps, const mst_tensor* counts,
+                          mst_guarded* gmw, mst_guarded* gmb, mst_tensor* pmb, const float* g0,
+                          const float* g0_b, const float* acc, const float* acc_b) {
+    static const int64_t page_rows[] = {8, 16, 64, 128};
+    mst_pool_config pc = mst_pool_config_default(1);
+    pc.page_rows = page_rows[mst_rng_next(rng) % 4];
+    const int64_t need = (c->total + pc.page_rows - 1) / pc.page_rows;
+    const int spill = (int)(mst_rng_next(rng) % 2); /* else device pages only */
+    pc.n_dev_pages = spill ? need / 2 : need + 1;
+    pc.n_host_pages = spill ? need - need / 2 + 1 : 0;
+    printf("  paged x: %lld rows per page, %lld device + %lld host pages\n", (long long)pc.page_rows,
+           (long long)pc.n_dev_pages, (long long)pc.n_host_pages);
+    mst_pool_t* pool = NULL;
+    mst_stash_handle_t* h = NULL;
+    CHECK_OK(mst_pool_create(ctx, MST_DTYPE_BF16, c->I, &pc, &pool));
+    CHECK_OK(mst_stash_handle_create(pool, c->R, &h));
+    CHECK_OK(mst_stash_save(pool, h, x, counts));
+    mst_pages pages;
+    CHECK_OK(mst_stash_handle_pages(h, &pages));
+    mst_tensor xp = *x;
+    xp.pages = &pages;
+    mst_tensor mw = mst_tensor_make(gmw->data, MST_DTYPE_FP32, c->E * c->O, c->I);
+    mst_guarded_put(ctx, gmw, g0);
+    mst_guarded_put(ctx, gmb, g0_b);
+    CHECK_OK(mst_grouped_linear_wgrad(ctx, dy, &xp, ps, NULL, counts, &mw, pmb, NULL, MST_WGRAD_ACCUMULATE));
+    CHECK_OK(mst_ctx_check(ctx));
+    float* got = (float*)malloc(gmw->n_bytes);
+    float* got_b = (float*)malloc(gmb->n_bytes);
+    mst_guarded_get(ctx, gmw, got);
+    mst_guarded_get(ctx, gmb, got_b);
+    int64_t bad = mst_first_diff(got, acc, gmw->n_bytes);
+    double worst = 0, scale = 0;
+    for (size_t i = 0; i < gmw->n_bytes / 4; i++) {
+        worst = fmax(worst, fabs((double)got[i] - acc[i]));
+        scale = fmax(scale, fabs((double)acc[i]));
+    }
+    CHECK(bad < 0, "paged-x wgrad differs from x in memory at byte %lld (max diff %.3g of max %.3g)", (long long)bad,
+          worst, scale);
+    CHECK(!pmb || mst_first_diff(got_b, acc_b, gmb->n_bytes) < 0, "paged-x wgrad dbias differs");
+    CHECK(mst_guarded_intact(ctx, gmw), "paged-x wgrad: guard bytes overwritten");
+    CHECK_STATUS(mst_grouped_linear_wgrad(ctx, dy, &xp, ps, NULL, counts, &mw, pmb, NULL, MST_WGRAD_DEFERRED),
+                 MST_ERR_UNSUPPORTED);
+    CHECK_STATUS(mst_grouped_linear_wgrad(ctx, &xp, x, ps, NULL, counts, &mw, pmb, NULL, MST_WGRAD_ACCUMULATE),
+                 MST_ERR_INVALID); /* a paged dy */
+    CHECK(strstr(mst_last_error(), "paged") != NULL, "message says paged: %s", mst_last_error());
+    CHECK_OK(mst_stash_restore_return(pool, h));
+    CHECK_OK(mst_pool_check(pool));
+    mst_stash_handle_destroy(h);
+    mst_pool_destroy(pool);
+    free(got), free(got_b);
+}
+
 static void run_case(mst_ctx_t* ctx, mst_rng* rng, const gl_case* c) {
     const int E = c->E;
     printf("case E=%d I=%lld O=%lld rows=%lld max_rows=%lld\n", E, (long long)c->I, (long long)c->O,
@@ -213,6 +271,8 @@ static void run_case(mst_ctx_t* ctx, mst_rng* rng, const gl_case* c) {
         CHECK(bad < 0, "wgrad accumulate dW[%lld] = %.9g, expected old %.9g + dW %.9g exactly", (long long)bad,
               bad < 0 ? 0.0 : acc[bad], bad < 0 ? 0.0 : g0[bad], bad < 0 ? 0.0 : ovw[bad]);
     }
+
+    paged_x_wgrad(ctx, rng, c, &x, &dy, ps, &counts, &gmw, &gmb, pmb, g0, g0_b, acc, acc_b);
 
     mst_guarded_put(ctx, &gmw, g0);
     mst_guarded_put(ctx, &gmb, g0_b);

@@ -30,6 +30,17 @@ enum {
     MST_FLAG_OVERFLOW = 2, /* a stash pool ran out of pages                     */
 };
 
+/* Row r of a paged tensor (rows of row_bytes): its address, or NULL when it
+ * is past the table or its page id past its block (the row reads as zeros). */
+MST_HD const char* mst_paged_row(const mst_pages* pg, int64_t r, int64_t row_bytes) {
+    if (r >= pg->table_rows) return 0;
+    const uint32_t id = pg->table[r / pg->page_rows];
+    const int b = (int)(id >> 31);
+    const int64_t i = (int64_t)(id & 0x7fffffffu);
+    if (i >= pg->n_pages[b]) return 0;
+    return (const char*)pg->block[b] + (i * pg->page_rows + r % pg->page_rows) * row_bytes;
+}
+
 typedef enum mst_copy_dir { MST_COPY_H2B, MST_COPY_B2H, MST_COPY_B2B } mst_copy_dir;
 
 /* One grouped-linear call: forward, dgrad or wgrad (fields not used by an op
@@ -41,6 +52,7 @@ typedef struct mst_gl_args {
     int64_t out;            /* O                                             */
     const int32_t* counts;  /* [E] backend memory                            */
     const uint16_t* x;      /* [R, I] bf16 (forward, wgrad)                  */
+    const mst_pages* x_pages; /* wgrad: x's rows in these pages (x unused), or NULL */
     const uint16_t* w;      /* [E, O, I] bf16 (forward, dgrad)               */
     const uint16_t* bias;   /* [E, O] bf16 (optional: forward, wgrad dscale) */
     const float* scale;     /* [R] fp32 (optional: forward, wgrad dbias)     */

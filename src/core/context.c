@@ -152,7 +152,7 @@ mst_status mst_fill(mst_ctx_t* ctx, void* dst, int byte, size_t n_bytes) {
 }
 
 mst_tensor mst_tensor_make(void* data, mst_dtype dtype, int64_t rows, int64_t cols) {
-    mst_tensor t = {data, dtype, rows, cols};
+    mst_tensor t = {data, dtype, rows, cols, NULL};
     return t;
 }
 

@@ -16,7 +16,7 @@ extern "C" {
 
 /* Workspace slots: scratch that ops reuse between calls (grown outside graph
  * capture: run an op once before capturing it). */
-enum { MST_WS_MLP_A = 0, MST_WS_MLP_B, MST_WS_MLP_C, MST_WS_OP, MST_N_WS };
+enum { MST_WS_MLP_A = 0, MST_WS_MLP_B, MST_WS_MLP_C, MST_WS_OP, MST_WS_GATHER, MST_N_WS };
 
 typedef struct mst_alloc_rec {
     void* ptr;           /* backend memory */

@@ -41,6 +41,8 @@ mst_status mst_check_ctx(const mst_ctx_t* ctx) {
 
 mst_status mst_check_tensor(const mst_tensor* t, const char* name, mst_dtype dtype) {
     if (!t) return mst_set_error(MST_ERR_INVALID, "%s is NULL", name);
+    if (t->pages)
+        return mst_set_error(MST_ERR_INVALID, "%s is paged: only the x of grouped_linear_wgrad may be", name);
     if (!t->data) return mst_set_error(MST_ERR_INVALID, "%s.data is NULL", name);
     if (t->dtype != dtype)
         return mst_set_error(MST_ERR_INVALID, "%s.dtype is %s, expected %s", name,

@@ -106,6 +106,32 @@ static mst_status defer(mst_ctx_t* ctx, const mst_gl_args* a) {
     return MST_OK;
 }
 
+/* wgrad's x [R, I] bf16, in memory or in pages; fills a->x or a->x_pages.
+ * A paged x is read when the op runs: DEFERRED would read it after its owner
+ * may have given the pages back. */
+static mst_status check_x(const mst_tensor* x, mst_wgrad_mode mode, mst_gl_args* a) {
+    if (!x || !x->pages) {
+        MST_TRY(mst_check_tensor(x, "x", MST_DTYPE_BF16));
+        a->x = (const uint16_t*)x->data;
+        return MST_OK;
+    }
+    mst_tensor t = *x;
+    t.pages = NULL;
+    t.data = (void*)x->pages->table; /* checked as present below */
+    MST_TRY(mst_check_tensor(&t, "x", MST_DTYPE_BF16));
+    const mst_pages* pg = x->pages;
+    if (pg->page_rows <= 0 || pg->n_pages[0] < 0 || pg->n_pages[1] < 0 ||
+        (pg->n_pages[0] > 0 && !pg->block[0]) || (pg->n_pages[1] > 0 && !pg->block[1]))
+        return mst_set_error(MST_ERR_INVALID, "x.pages: page_rows %lld, blocks of %lld / %lld pages at %p / %p",
+                             (long long)pg->page_rows, (long long)pg->n_pages[0], (long long)pg->n_pages[1],
+                             pg->block[0], pg->block[1]);
+    if (mode == MST_WGRAD_DEFERRED)
+        return mst_set_error(MST_ERR_UNSUPPORTED, "x is paged: DEFERRED wgrad would read it after the pages "
+                                                  "may be given back; use ACCUMULATE or OVERWRITE");
+    a->x_pages = pg;
+    return MST_OK;
+}
+
 mst_status mst_grouped_linear_wgrad(mst_ctx_t* ctx, const mst_tensor* dy, const mst_tensor* x,
                                     const mst_tensor* scale, const mst_tensor* bias,
                                     const mst_tensor* counts, mst_tensor* main_grad_w,
@@ -116,7 +142,7 @@ mst_status mst_grouped_linear_wgrad(mst_ctx_t* ctx, const mst_tensor* dy, const 
     if (mode != MST_WGRAD_OVERWRITE && mode != MST_WGRAD_ACCUMULATE && mode != MST_WGRAD_DEFERRED)
         return mst_set_error(MST_ERR_INVALID, "mode = %d is not a mst_wgrad_mode", (int)mode);
     MST_TRY(check_counts(counts, &a));
-    MST_TRY(mst_check_tensor(x, "x", MST_DTYPE_BF16));
+    MST_TRY(check_x(x, mode, &a));
     MST_TRY(mst_check_tensor(dy, "dy", MST_DTYPE_BF16));
     a.max_rows = x->rows;
     a.in = x->cols;
@@ -141,7 +167,6 @@ mst_status mst_grouped_linear_wgrad(mst_ctx_t* ctx, const mst_tensor* dy, const 
         a.bias = (const uint16_t*)bias->data;
         a.dscale = (float*)dscale->data;
     }
-    a.x = (const uint16_t*)x->data;
     a.dy = (const uint16_t*)dy->data;
     a.main_grad_w = (float*)main_grad_w->data;
     a.accumulate = mode != MST_WGRAD_OVERWRITE;

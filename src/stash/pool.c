@@ -279,6 +279,20 @@ mst_status mst_pool_check(mst_pool_t* pool) {
 
 /* ---- handles ------------------------------------------------------------- */
 
+mst_status mst_stash_handle_pages(const mst_stash_handle_t* h, mst_pages* out) {
+    if (!h || !out) return mst_set_error(MST_ERR_INVALID, "h or out is NULL");
+    const mst_stash_args* a = &h->pool->a;
+    memset(out, 0, sizeof *out);
+    out->table = mst_handle_table(h->hs);
+    for (int b = 0; b < MST_N_BLK; b++) {
+        out->block[b] = a->block[b];
+        out->n_pages[b] = a->cap[b];
+    }
+    out->page_rows = a->page_rows;
+    out->table_rows = h->max_pages * a->page_rows;
+    return MST_OK;
+}
+
 mst_status mst_stash_handle_create(mst_pool_t* pool, int64_t max_rows, mst_stash_handle_t** out) {
     if (!pool) return mst_set_error(MST_ERR_INVALID, "pool is NULL");
     if (!out) return mst_set_error(MST_ERR_INVALID, "out is NULL");

@@ -110,6 +110,20 @@ static void bias_grads(const mst_gl_args* a, int32_t g, int64_t r0, int64_t n, c
     }
 }
 
+/* Rows [r0, r0 + n) of wgrad's x as fp32 [n, I], from memory or pages. */
+static void x_rows(const mst_gl_args* a, int64_t r0, int64_t n, float* out) {
+    const int64_t I = a->in;
+    if (!a->x_pages) {
+        mst_bf16_to_fp32_array(out, a->x + r0 * I, (size_t)(n * I));
+        return;
+    }
+    for (int64_t r = 0; r < n; r++) {
+        const uint16_t* row = (const uint16_t*)mst_paged_row(a->x_pages, r0 + r, I * 2);
+        if (row) mst_bf16_to_fp32_array(out + r * I, row, (size_t)I);
+        else memset(out + r * I, 0, sizeof(float) * (size_t)I);
+    }
+}
+
 mst_status mst_cpu_gl_wgrad(mst_ctx_t* ctx, const mst_gl_args* a) {
     gl_scratch s;
     MST_TRY(scratch_make(ctx, a, &s));
@@ -123,7 +137,7 @@ mst_status mst_cpu_gl_wgrad(mst_ctx_t* ctx, const mst_gl_args* a) {
             continue;
         }
         mst_bf16_to_fp32_array(s.rows_a, a->dy + r0 * O, (size_t)(n * O));
-        mst_bf16_to_fp32_array(s.rows_b, a->x + r0 * I, (size_t)(n * I));
+        x_rows(a, r0, n, s.rows_b);
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)O, (int)I, (int)n, 1.0f,
                     s.rows_a, (int)O, s.rows_b, (int)I, a->accumulate ? 1.0f : 0.0f, mg, (int)I);
         bias_grads(a, g, r0, n, s.rows_a);

@@ -211,11 +211,11 @@ static gg_problem make_problem(const mst_gl_args* a, int op, const char* force) 
         p.c = a->dx, p.ldc = I;
     } else {
         p.M = O, p.N = I;
-        p.a = a->dy, p.lda = O, p.b = a->x, p.ldb = I;
+        p.a = a->dy, p.lda = O, p.b = a->x_pages ? NULL : a->x, p.ldb = I; /* NULL: paged (gg_op) */
         p.c = a->main_grad_w, p.ldc = I;
         p.accumulate = a->accumulate;
     }
-    p.vec = I % 8 == 0 && O % 8 == 0 && aligned16(p.a) && aligned16(p.b) && aligned16(p.c);
+    p.vec = I % 8 == 0 && O % 8 == 0 && aligned16(p.a) && (!p.b || aligned16(p.b)) && aligned16(p.c);
     p.staged_out = !(force && strcmp(force, "wgmma_regs") == 0);
     return p;
 }
@@ -242,13 +242,44 @@ static mst_status check_extents(const mst_gl_args* a) {
     return MST_OK;
 }
 
+/* x [R, I] of a paged wgrad gathered into rows of memory; rows past the
+ * table or in pages past their block become zeros. */
+__global__ void gather_kernel(mst_pages pg, int64_t R, int64_t I, uint16_t* out) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < R * I; i += (int64_t)gridDim.x * blockDim.x) {
+        const uint16_t* row = (const uint16_t*)mst_paged_row(&pg, i / I, I * 2);
+        out[i] = row ? row[i % I] : 0;
+    }
+}
+
+/* The Hopper kernel reads x from pages of a multiple of GG_K_ALIGN rows (a
+ * box then stays in one page); the other kernels, and other page sizes,
+ * read x gathered into the MST_WS_GATHER workspace. */
+static mst_status paged_x(mst_ctx_t* ctx, const mst_gl_args* a, int wgmma, gg_problem* p, const mst_pages** direct) {
+    const int64_t pr = a->x_pages->page_rows;
+    *direct = NULL;
+    if (wgmma && pr % GG_K_ALIGN == 0 && pr <= INT32_MAX && a->x_pages->table_rows / pr <= INT32_MAX &&
+        a->x_pages->n_pages[0] <= INT32_MAX && a->x_pages->n_pages[1] <= INT32_MAX) {
+        *direct = a->x_pages;
+        return MST_OK;
+    }
+    void* ws = NULL;
+    MST_TRY(mst_workspace(ctx, MST_WS_GATHER, (size_t)(a->max_rows * a->in * 2), &ws));
+    gather_kernel<<<4 * mst_cuda(ctx)->n_sm, 256, 0, mst_cuda(ctx)->stream>>>(*a->x_pages, a->max_rows, a->in,
+                                                                             (uint16_t*)ws);
+    MST_CUDA_LAUNCHED();
+    p->b = (const uint16_t*)ws;
+    return MST_OK;
+}
+
 /* Enqueues op `op` of a: schedule, GEMM, bias gradients. */
 static mst_status gg_op(mst_ctx_t* ctx, const mst_gl_args* a, int op) {
     MST_TRY(check_extents(a));
     mst_cuda_impl* c = mst_cuda(ctx);
     const char* force = getenv("MST_GG_KERNEL");
-    const gg_problem p = make_problem(a, op, force);
+    gg_problem p = make_problem(a, op, force);
     const int wgmma = use_wgmma(ctx, &p, force);
+    const mst_pages* x_pages = NULL;
+    if (op == GG_WGRAD && a->x_pages) MST_TRY(paged_x(ctx, a, wgmma, &p, &x_pages));
     int bm, bn;
     if (wgmma) gg_wgmma_tile(&bm, &bn);
     else gg_mma_tile(&bm, &bn);
@@ -267,7 +298,7 @@ static mst_status gg_op(mst_ctx_t* ctx, const mst_gl_args* a, int op) {
                                                       tiles_fixed, op == GG_WGRAD && !a->accumulate,
                                                       s, ctx->err_flag);
     MST_CUDA_LAUNCHED();
-    if (wgmma) MST_TRY(gg_launch_wgmma(&p, &s, a->max_rows, c->n_sm, c->stream));
+    if (wgmma) MST_TRY(gg_launch_wgmma(&p, &s, a->max_rows, c->n_sm, c->stream, x_pages));
     else MST_TRY(gg_launch_mma(&p, &s, c->n_sm, c->stream));
     if (op == GG_WGRAD) MST_TRY(bias_grads(ctx, a, &s));
     return MST_OK;

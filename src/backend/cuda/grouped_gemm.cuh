@@ -58,6 +58,14 @@ typedef struct gg_problem {
                  the compiler stopped splitting it into registers (measured:
                  forward at short K 20 % slower, the mma dgrad 25 %) */
 
+/* wgrad's x read from pages by the Hopper kernel (table NULL: x in memory). */
+typedef struct gg_paged {
+    const uint32_t* table; /* [table_pages] page ids (bit 31: host block) */
+    int32_t page_rows;     /* a multiple of GG_K_ALIGN                     */
+    int32_t table_pages;   /* entries of the table                         */
+    int32_t n_pages[2];    /* pages of the device and the host block       */
+} gg_paged;
+
 /* One output tile of the schedule, decoded. */
 typedef struct gg_tile {
     int32_t g;             /* group                                         */
@@ -100,6 +108,20 @@ __device__ __forceinline__ gg_tile gg_decode(const gg_problem& p, const gg_sched
     tl.m0 = (first + in_band % h) * BM;
     tl.n0 = (in_band / h) * BN;
     return tl;
+}
+
+/* The Hopper wgrad starts a tile's k-blocks at the multiple of GG_K_ALIGN
+ * rows at or before the group's first row, so that x read from pages comes
+ * in boxes of GG_K_ALIGN rows that each lie in one page, and so that x in
+ * memory and x in pages are summed in the same k16 steps (the same bits).
+ * Returns the rows added in front (they are dropped: dy's are zeroed) and
+ * moves t.row0 / t.k_len to match. */
+#define GG_K_ALIGN 16
+__device__ __forceinline__ int32_t gg_align_k(gg_tile& t) {
+    const int32_t head = t.row0 & (GG_K_ALIGN - 1);
+    t.row0 -= head;
+    t.k_len += head;
+    return head;
 }
 
 /* Hands out the next of the schedule's n tiles to a persistent CTA, or -1
@@ -181,7 +203,7 @@ mst_status gg_launch_mma(const gg_problem* p, const gg_sched* s, int n_sm, cudaS
 void gg_mma_tile(int* bm, int* bn); /* the mma kernel's CTA tile */
 /* Hopper path: operands through TMA (needs rows 16-byte aligned: p->vec). */
 mst_status gg_launch_wgmma(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm,
-                           cudaStream_t stream);
+                           cudaStream_t stream, const mst_pages* x_pages);
 void gg_wgmma_tile(int* bm, int* bn); /* the wgmma kernel's CTA tile */
 #ifdef __cplusplus
 }

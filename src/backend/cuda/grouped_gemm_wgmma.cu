@@ -157,10 +157,26 @@ __device__ __forceinline__ uint64_t desc_b(uint32_t sb, int kk) {
     return desc(sb + kk * 32, 16, 8 * ROW_BYTES);
 }
 
+/* wgrad, x in pages: x rows [r, + GG_K_ALIGN) (inside one page) x cols
+ * [n0, + BN) into the B stage sb at row offset `row`, from the device or
+ * the host block; a row past the table or a page id past its block loads
+ * zeros (a page coordinate outside the map). */
+__device__ __forceinline__ void load_paged(uint8_t* sb, int row, const CUtensorMap* mbd, const CUtensorMap* mbh,
+                                           const gg_paged& pg, int r, int n0, uint64_t* full) {
+    const int q = r / pg.page_rows;
+    const uint32_t id = q < pg.table_pages ? __ldg(pg.table + q) : 0xffffffffu;
+    const int b = (int)(id >> 31), i = (int)(id & 0x7fffffffu);
+    const int page = i < (b ? pg.n_pages[1] : pg.n_pages[0]) ? i : INT32_MAX;
+#pragma unroll
+    for (int j = 0; j < BN / 64; j++)
+        tma_3d(sb + j * BOX_BYTES + row * ROW_BYTES, b ? mbh : mbd, n0 + 64 * j, r % pg.page_rows, page, full);
+}
+
 /* The producer's loads of k-block k0 of tile t into one stage. */
 template <int OP>
-__device__ __forceinline__ void load_stage(const CUtensorMap* ma, const CUtensorMap* mb, const gg_tile& t,
-                                           int k0, uint8_t* sa, uint8_t* sb, uint64_t* full) {
+__device__ __forceinline__ void load_stage(const CUtensorMap* ma, const CUtensorMap* mb, const CUtensorMap* mbh,
+                                           const gg_paged& pg, const gg_tile& t, int k0, uint8_t* sa,
+                                           uint8_t* sb, uint64_t* full) {
     mbar_expect_tx(full, A_BYTES + B_BYTES);
     if (OP == GG_WGRAD) { /* A: dy rows [row0 + k0, +BK) x cols [m0, m0 + BM), two boxes */
         tma_2d(sa, ma, t.m0, t.row0 + k0, full);
@@ -171,6 +187,10 @@ __device__ __forceinline__ void load_stage(const CUtensorMap* ma, const CUtensor
     if (OP == GG_FWD) { /* B: W[g] rows [n0, +BN) x K [k0, +BK), one box */
         tma_3d(sb, mb, k0, t.n0, t.g, full);
     } else {
+        if (OP == GG_WGRAD && pg.table) { /* x rows from pages, GG_K_ALIGN rows (one page) at a time */
+            for (int r = 0; r < BK; r += GG_K_ALIGN) load_paged(sb, r, mb, mbh, pg, t.row0 + k0 + r, t.n0, full);
+            return;
+        }
 #pragma unroll
         for (int j = 0; j < BN / 64; j++) {
             if (OP == GG_DGRAD) tma_3d(sb + j * BOX_BYTES, mb, t.n0 + 64 * j, k0, t.g, full); /* W[g] [O][I] */
@@ -179,19 +199,30 @@ __device__ __forceinline__ void load_stage(const CUtensorMap* ma, const CUtensor
     }
 }
 
-/* wgrad: zero the stage rows [valid, BK) of every box (rows past the
- * group's count), then make the writes visible to the tensor cores and
- * wait for the other consumer (named barrier 1). */
-__device__ __forceinline__ void zero_tail_rows(uint8_t* sa, uint8_t* sb, int valid, int ct) {
-    const int per_box = (BK - valid) * (ROW_BYTES / 16);
+/* wgrad: zero the stage rows outside [lo, hi) of every box (rows before
+ * the group's first row or past its count), then make the writes visible to
+ * the tensor cores and wait for the other consumer (named barrier 1). */
+__device__ __forceinline__ void zero_rows(uint8_t* sa, uint8_t* sb, int lo, int hi, int ct) {
+    const int n = lo + BK - hi, per_box = n * (ROW_BYTES / 16);
     const int boxes = (int)((A_BYTES + B_BYTES) / BOX_BYTES);
     for (int i = ct; i < boxes * per_box; i += CONSUMERS) {
-        int box = i / per_box, rem = i % per_box;
+        int box = i / per_box, rem = i % per_box, row = rem / 8;
         uint8_t* base = box < 2 ? sa + box * BOX_BYTES : sb + (box - 2) * BOX_BYTES;
-        *(uint4*)(base + (valid + rem / 8) * ROW_BYTES + (rem % 8) * 16) = make_uint4(0, 0, 0, 0);
+        *(uint4*)(base + (row < lo ? row : hi + row - lo) * ROW_BYTES + (rem % 8) * 16) = make_uint4(0, 0, 0, 0);
     }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory");
+}
+
+/* wgrad, a k-block with only head rows to drop (rows [0, lo), lo <
+ * GG_K_ALIGN, belong to the groups before: data, not padding): consumer cw
+ * zeroes them in its own A box only (a zero row of dy drops the row), then
+ * syncs its warpgroup (named barrier 2 + cw) instead of both consumers. */
+__device__ __forceinline__ void zero_head(uint8_t* sa, int lo, int cw, int wt) {
+    for (int i = wt; i < lo * (int)(ROW_BYTES / 16); i += 128)
+        *(uint4*)(sa + cw * BOX_BYTES + (i / 8) * ROW_BYTES + (i % 8) * 16) = make_uint4(0, 0, 0, 0);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
 }
 
 /* One k-block of MMAs for consumer warpgroup cw: rows [64 cw, +64) x 256. */
@@ -338,7 +369,8 @@ struct tile_pipe {
 template <int OP>
 __global__ void __launch_bounds__(THREADS, 1)
     wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                 const __grid_constant__ CUtensorMap map_c, const gg_problem p, const gg_sched s, int back) {
+                 const __grid_constant__ CUtensorMap map_c, const __grid_constant__ CUtensorMap map_bh,
+                 const gg_problem p, const gg_sched s, const gg_paged pg, int back) {
     extern __shared__ uint8_t smem_raw[];
     __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
     __shared__ tile_pipe tp;
@@ -374,10 +406,11 @@ __global__ void __launch_bounds__(THREADS, 1)
             mbar_arrive(&tp.full[ts]);
             if (++ts == TSLOTS) ts = 0, tph ^= 1;
             if (ti < 0) break;
-            const gg_tile t = gg_decode(p, s, ti, BM, BN);
+            gg_tile t = gg_decode(p, s, ti, BM, BN);
+            if (OP == GG_WGRAD) gg_align_k(t);
             for (int k0 = 0; k0 < t.k_len; k0 += BK) {
                 mbar_wait(&empty[st], ph ^ 1);
-                load_stage<OP>(&map_a, &map_b, t, k0, sa + st * A_BYTES, sb + st * B_BYTES, &full[st]);
+                load_stage<OP>(&map_a, &map_b, &map_bh, pg, t, k0, sa + st * A_BYTES, sb + st * B_BYTES, &full[st]);
                 if (++st == STAGES) st = 0, ph ^= 1;
             }
         }
@@ -399,7 +432,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (lane == 0) mbar_arrive(&tp.empty[ts]);
         if (++ts == TSLOTS) ts = 0, tph ^= 1;
         if (ti < 0) break;
-        const gg_tile t = gg_decode(p, s, ti, BM, BN);
+        gg_tile t = gg_decode(p, s, ti, BM, BN);
+        const int head = OP == GG_WGRAD ? gg_align_k(t) : 0;
         const int nk = gg_cdiv(t.k_len, BK);
         load_bias<OP>(p, t, cw, ct & 127, fb);
 #pragma unroll
@@ -410,8 +444,9 @@ __global__ void __launch_bounds__(THREADS, 1)
             mbar_wait(&full[st], ph);
             uint8_t* a = sa + st * A_BYTES;
             uint8_t* b = sb + st * B_BYTES;
-            const int valid = t.k_len - kb * BK;
-            if (OP == GG_WGRAD && valid < BK) zero_tail_rows(a, b, valid, ct);
+            const int lo = kb ? 0 : head, hi = min(t.k_len - kb * BK, BK);
+            if (OP == GG_WGRAD && hi < BK) zero_rows(a, b, lo, hi, ct);
+            else if (OP == GG_WGRAD && lo > 0) zero_head(a, lo, cw, ct & 127);
             wgmma_fence();
             mma_block<OP>(acc, smem_u32(a), smem_u32(b), cw);
             wgmma_commit();
@@ -477,6 +512,24 @@ mst_status make_map(CUtensorMap* map, const void* base, int elem, int rank, int6
     return MST_OK;
 }
 
+/* wgrad's x in pages: maps of the device and the host block as [pages]
+ * [page_rows][I] (boxes of GG_K_ALIGN rows x 64), and the kernel's view. A
+ * block without pages gets the other's map (no id reaches it). */
+mst_status make_paged(const gg_problem* p, const mst_pages* x, CUtensorMap* mbd, CUtensorMap* mbh, gg_paged* pg) {
+    CUtensorMap* maps[2] = {mbd, mbh};
+    for (int b = 0; b < 2; b++)
+        if (x->n_pages[b] > 0)
+            MST_TRY(make_map(maps[b], x->block[b], 2, 3, p->ldb, x->page_rows, x->n_pages[b], 64, GG_K_ALIGN));
+    if (x->n_pages[0] == 0) *mbd = *mbh;
+    if (x->n_pages[1] == 0) *mbh = *mbd;
+    pg->table = x->table;
+    pg->page_rows = (int32_t)x->page_rows;
+    pg->table_pages = (int32_t)(x->table_rows / x->page_rows);
+    pg->n_pages[0] = (int32_t)x->n_pages[0];
+    pg->n_pages[1] = (int32_t)x->n_pages[1];
+    return MST_OK;
+}
+
 /* Tensor maps of the op's operands (K-major boxes are [BM or BN rows][BK],
  * M/N-major boxes [BK rows][64]) and of C (boxes of 64 rows x 128 bytes). */
 mst_status make_maps(const gg_problem* p, int64_t max_rows, CUtensorMap* ma, CUtensorMap* mb, CUtensorMap* mc) {
@@ -491,15 +544,19 @@ mst_status make_maps(const gg_problem* p, int64_t max_rows, CUtensorMap* ma, CUt
         MST_TRY(make_map(mc, p->c, 2, 3, p->ldc, max_rows, 1, 64, 64)); /* dx [1][R][I] */
         return make_map(mb, p->b, 2, 3, p->ldb, p->K, E, 64, BK);
     }
-    MST_TRY(make_map(ma, p->a, 2, 2, p->lda, max_rows, 1, 64, BK)); /* dy [R][O] */
-    MST_TRY(make_map(mb, p->b, 2, 2, p->ldb, max_rows, 1, 64, BK)); /* x  [R][I] */
-    return make_map(mc, p->c, 4, 3, p->ldc, p->M, E, 32, 64);       /* main_grad [E][O][I] */
+    MST_TRY(make_map(ma, p->a, 2, 2, p->lda, max_rows, 1, 64, BK));      /* dy [R][O] */
+    if (p->b) MST_TRY(make_map(mb, p->b, 2, 2, p->ldb, max_rows, 1, 64, BK)); /* x [R][I], unless paged */
+    return make_map(mc, p->c, 4, 3, p->ldc, p->M, E, 32, 64);            /* main_grad [E][O][I] */
 }
 
 template <int OP>
-mst_status launch(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm, cudaStream_t stream) {
-    CUtensorMap ma, mb, mc;
+mst_status launch(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm, cudaStream_t stream,
+                  const mst_pages* x_pages) {
+    CUtensorMap ma, mb, mc, mbh;
+    gg_paged pg = {};
     MST_TRY(make_maps(p, max_rows, &ma, &mb, &mc));
+    if (x_pages) MST_TRY(make_paged(p, x_pages, &mb, &mbh, &pg));
+    else mbh = mb;
     static int ready = 0; /* attribute set once, on the first (eager) call */
     if (!ready) {
         MST_CUDA_TRY(cudaFuncSetAttribute(wgmma_kernel<OP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -507,7 +564,7 @@ mst_status launch(const gg_problem* p, const gg_sched* s, int64_t max_rows, int 
         ready = 1;
     }
     const int back = OP == GG_WGRAD ? n_sm * BACK_PCT / 100 : 0;
-    wgmma_kernel<OP><<<n_sm, THREADS, SMEM_BYTES, stream>>>(ma, mb, mc, *p, *s, back);
+    wgmma_kernel<OP><<<n_sm, THREADS, SMEM_BYTES, stream>>>(ma, mb, mc, mbh, *p, *s, pg, back);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
@@ -515,11 +572,11 @@ mst_status launch(const gg_problem* p, const gg_sched* s, int64_t max_rows, int 
 } // namespace
 
 extern "C" mst_status gg_launch_wgmma(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm,
-                                      cudaStream_t stream) {
+                                      cudaStream_t stream, const mst_pages* x_pages) {
     switch (p->op) {
-    case GG_FWD: return launch<GG_FWD>(p, s, max_rows, n_sm, stream);
-    case GG_DGRAD: return launch<GG_DGRAD>(p, s, max_rows, n_sm, stream);
-    default: return launch<GG_WGRAD>(p, s, max_rows, n_sm, stream);
+    case GG_FWD: return launch<GG_FWD>(p, s, max_rows, n_sm, stream, NULL);
+    case GG_DGRAD: return launch<GG_DGRAD>(p, s, max_rows, n_sm, stream, NULL);
+    default: return launch<GG_WGRAD>(p, s, max_rows, n_sm, stream, x_pages);
     }
 }
 
