@@ -46,12 +46,13 @@ static const char* op_names[N_OPS] = {"forward", "dgrad", "wgrad"};
 /* ours: the default kernel (TMA + wgmma on Hopper); ours_mma: the mma.sync
  * kernel; ours_regs: the wgmma kernel with forward / dgrad stored from
  * registers (wgrad is the same as ours); forced through MST_GG_KERNEL, for
- * the perf notes. */
-enum { V_OURS, V_OURS_MMA, V_OURS_REGS, V_LOOP, V_GROUPED, V_ROOF, N_VARIANTS };
-static const char* variant_names[N_VARIANTS] = {"ours",        "ours_mma",       "ours_regs",
+ * the perf notes; ours_paged: wgrad only, x read in place from the pages of
+ * a stash (64 rows per page), as the memory manager's STASH backward does. */
+enum { V_OURS, V_OURS_MMA, V_OURS_REGS, V_OURS_PAGED, V_LOOP, V_GROUPED, V_ROOF, N_VARIANTS };
+static const char* variant_names[N_VARIANTS] = {"ours",        "ours_mma",       "ours_regs",  "ours_paged",
                                                 "cublas_loop", "cublas_grouped", "dense_roof"};
-static const char* variant_kernel[N_VARIANTS] = {NULL, "mma", "wgmma_regs", NULL, NULL, NULL};
-static int is_ours(int v) { return v <= V_OURS_REGS; }
+static const char* variant_kernel[N_VARIANTS] = {NULL, "mma", "wgmma_regs", NULL, NULL, NULL, NULL};
+static int is_ours(int v) { return v <= V_OURS_PAGED; }
 
 #define BLK (1 << 22) /* elements of the random block every input repeats */
 
@@ -65,6 +66,10 @@ typedef struct gemm_bufs {
     mst_tensor y, dx, mg;     /* [R,O] [R,I] bf16, [E*O,I] fp32  */
     uint16_t *hx, *hw, *hdy;  /* [BLK] host blocks the inputs repeat */
     void** ptrs_d;            /* [3 * E] device pointer arrays (grouped) */
+    mst_pool_t* pool;         /* pages of x for ours_paged (64 rows each) */
+    mst_stash_handle_t* h;    /* x's rows [0, sum(counts)) in the pool    */
+    mst_pages pages;          /* h's view                                 */
+    mst_tensor xp;            /* x read from `pages`                      */
 } gemm_bufs;
 
 typedef struct gemm_fig {
@@ -209,17 +214,23 @@ static cublasStatus_t grouped(bench_run* br) {
                                       CUBLAS_COMPUTE_32F);
 }
 
+/* wgrad's x for the variant: in memory, or in the pages (ours_paged). */
+static const mst_tensor* wgrad_x(const bench_run* br) {
+    return br->variant == V_OURS_PAGED ? &br->b->xp : &br->b->x;
+}
+
 /* Enqueues one variant of one op on the context's stream; 0 on success. */
 static int enqueue(bench_run* br) {
     gemm_bufs* b = br->b;
     if (is_ours(br->variant)) {
         mst_status st;
+        if (br->variant == V_OURS_PAGED && br->op != OP_WGRAD) return 1; /* wgrad only */
         if (variant_kernel[br->variant]) setenv("MST_GG_KERNEL", variant_kernel[br->variant], 1);
         else unsetenv("MST_GG_KERNEL");
         if (br->op == OP_FWD) st = mst_grouped_linear_forward(br->ctx, &b->x, &b->w, NULL, NULL, &b->counts, &b->y);
         else if (br->op == OP_DGRAD) st = mst_grouped_linear_dgrad(br->ctx, &b->dy, &b->w, &b->counts, &b->dx);
         else
-            st = mst_grouped_linear_wgrad(br->ctx, &b->dy, &b->x, NULL, NULL, &b->counts, &b->mg, NULL, NULL,
+            st = mst_grouped_linear_wgrad(br->ctx, &b->dy, wgrad_x(br), NULL, NULL, &b->counts, &b->mg, NULL, NULL,
                                           MST_WGRAD_ACCUMULATE);
         unsetenv("MST_GG_KERNEL");
         if (st != MST_OK) fprintf(stderr, "bench gemm: ours %s: %s\n", op_names[br->op], mst_last_error());
@@ -320,7 +331,7 @@ static double check_variant(bench_run* br, uint64_t seed) {
         mst_fill(br->ctx, b->mg.data, is_ours(br->variant) ? 0xFF : 0, mst_tensor_bytes(&b->mg));
         if (is_ours(br->variant)) {
             if (variant_kernel[br->variant]) setenv("MST_GG_KERNEL", variant_kernel[br->variant], 1);
-            mst_status st = mst_grouped_linear_wgrad(br->ctx, &b->dy, &b->x, NULL, NULL, &b->counts, &b->mg,
+            mst_status st = mst_grouped_linear_wgrad(br->ctx, &b->dy, wgrad_x(br), NULL, NULL, &b->counts, &b->mg,
                                                      NULL, NULL, MST_WGRAD_OVERWRITE);
             unsetenv("MST_GG_KERNEL");
             if (st != MST_OK) return INFINITY;
@@ -376,6 +387,9 @@ static int bufs_alloc(mst_ctx_t* ctx, gemm_bufs* b, const gemm_shape* s) {
     if (st == MST_OK) st = mst_alloc(ctx, 2 * (size_t)(b->R * b->I), &dx);
     if (st == MST_OK) st = mst_alloc(ctx, 4 * (size_t)(b->E * b->O * b->I), &mg);
     if (st == MST_OK) st = mst_alloc(ctx, sizeof(void*) * 3 * (size_t)b->E, (void**)&b->ptrs_d);
+    mst_pool_config pc = mst_pool_config_default((b->R + 63) / 64);
+    if (st == MST_OK) st = mst_pool_create(ctx, MST_DTYPE_BF16, b->I, &pc, &b->pool);
+    if (st == MST_OK) st = mst_stash_handle_create(b->pool, b->R, &b->h);
     if (st != MST_OK) {
         fprintf(stderr, "bench gemm: %s\n", mst_last_error());
         return 0;
@@ -400,14 +414,25 @@ static int bufs_alloc(mst_ctx_t* ctx, gemm_bufs* b, const gemm_shape* s) {
 static void bufs_free(mst_ctx_t* ctx, gemm_bufs* b) {
     void* p[] = {b->counts.data, b->x.data, b->w.data, b->dy.data, b->y.data, b->dx.data, b->mg.data, b->ptrs_d};
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) mst_free(ctx, p[i]);
+    mst_stash_handle_destroy(b->h);
+    mst_pool_destroy(b->pool);
     free(b->counts_h), free(b->off_h), free(b->hx), free(b->hw), free(b->hdy);
 }
 
+/* New counts, and x's rows under them stashed again for ours_paged. */
 static int set_counts(mst_ctx_t* ctx, gemm_bufs* b, int64_t T, int skewed) {
     make_counts(b->counts_h, b->E, T, skewed, 1234 + (uint64_t)b->E);
     b->off_h[0] = 0;
     for (int g = 0; g < b->E; g++) b->off_h[g + 1] = b->off_h[g] + b->counts_h[g];
-    return mst_copy_h2b(ctx, b->counts.data, b->counts_h, sizeof(int32_t) * b->E) == MST_OK;
+    if (mst_copy_h2b(ctx, b->counts.data, b->counts_h, sizeof(int32_t) * b->E) != MST_OK ||
+        mst_pool_reset(b->pool) != MST_OK || mst_stash_save(b->pool, b->h, &b->x, &b->counts) != MST_OK ||
+        mst_stash_handle_pages(b->h, &b->pages) != MST_OK || mst_pool_poll(b->pool) != MST_OK) {
+        fprintf(stderr, "bench gemm: %s\n", mst_last_error());
+        return 0;
+    }
+    b->xp = b->x;
+    b->xp.pages = &b->pages;
+    return 1;
 }
 
 /* ---- report ------------------------------------------------------------------ */
@@ -500,6 +525,7 @@ int mst_bench_gemm(int argc, char** argv) {
                 bench_run br = {ctx, blas, &b, op, V_OURS};
                 for (int v = 0; v <= V_LOOP; v++) {
                     br.variant = v;
+                    if (v == V_OURS_PAGED && op != OP_WGRAD) continue; /* wgrad only: err 0, n/a */
                     f->err[v] = check_variant(&br, 99 + (uint64_t)op);
                     fails += !(f->err[v] < 1e-2);
                 }
@@ -508,12 +534,12 @@ int mst_bench_gemm(int argc, char** argv) {
                 for (int v = 0; v <= V_LOOP; v++) worst = f->err[v] > worst ? f->err[v] : worst;
                 char t[N_VARIANTS][16];
                 printf("%6lld x %4lld -> %4lld E=%3d %-8s %-7s max err %.0e  TFLOP/s: ours %s mma %s regs %s  "
-                       "loop %s  grouped %s  roof %s  ours/roof %.2f\n",
+                       "paged %s  loop %s  grouped %s  roof %s  ours/roof %.2f\n",
                        (long long)s->rows, (long long)s->in, (long long)s->out, s->E, d ? "skewed" : "balanced",
                        op_names[op], worst, tf_str(t[0], s, f->ms[V_OURS]),
                        tf_str(t[1], s, f->ms[V_OURS_MMA]), tf_str(t[2], s, f->ms[V_OURS_REGS]),
-                       tf_str(t[3], s, f->ms[V_LOOP]), tf_str(t[4], s, f->ms[V_GROUPED]),
-                       tf_str(t[5], s, f->ms[V_ROOF]),
+                       tf_str(t[3], s, f->ms[V_OURS_PAGED]), tf_str(t[4], s, f->ms[V_LOOP]),
+                       tf_str(t[5], s, f->ms[V_GROUPED]), tf_str(t[6], s, f->ms[V_ROOF]),
                        f->ms[V_OURS] > 0 ? f->ms[V_ROOF] / f->ms[V_OURS] : 0);
                 fflush(stdout);
             }

@@ -258,6 +258,10 @@ typedef struct mst_backend {
     mst_status (*gl_forward)(mst_ctx_t* ctx, const mst_gl_args* a);
     mst_status (*gl_dgrad)(mst_ctx_t* ctx, const mst_gl_args* a);
     mst_status (*gl_wgrad)(mst_ctx_t* ctx, const mst_gl_args* a);
+    /* (optional) 1 when gl_wgrad reads an x of width `in` (dy of width `out`)
+     * from pages of page_rows rows as it is, with no memory of its own (a
+     * graph-captured step cannot allocate); absent: never. */
+    int (*gl_wgrad_pages)(mst_ctx_t* ctx, int64_t page_rows, int64_t in, int64_t out);
 
     /* model ops */
     mst_status (*mm)(mst_ctx_t* ctx, const mst_mm_args* a);

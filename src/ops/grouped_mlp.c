@@ -141,7 +141,8 @@ static mst_status produce(const mst_saver* s, const mst_mlp_config* cfg, mst_sav
     return check_like(out, mst_saved_name_str(n), dt, R, cols);
 }
 
-/* Fetches `n`; data NULL is allowed only where RECOMPUTE is (fc2_input). */
+/* Fetches `n`; data NULL is allowed only where RECOMPUTE is (fc2_input),
+ * pages only where a wgrad's x is the one reader (fc1_input, fc2_input). */
 static mst_status fetch(const mst_saver* s, const mst_mlp_config* cfg, mst_saved_name n, int64_t R,
                         mst_tensor* out) {
     int64_t cols;
@@ -149,7 +150,9 @@ static mst_status fetch(const mst_saver* s, const mst_mlp_config* cfg, mst_saved
     saved_like(cfg, n, &cols, &dt);
     MST_TRY(s->fetch(s->self, n, out));
     if (n == MST_SAVED_FC2_INPUT && !out->data) return MST_OK;
-    return check_like(out, mst_saved_name_str(n), dt, R, cols);
+    mst_tensor v = *out;
+    if (n == MST_SAVED_FC1_INPUT || n == MST_SAVED_FC2_INPUT) v.pages = NULL; /* wgrad checks them */
+    return check_like(&v, mst_saved_name_str(n), dt, R, cols);
 }
 
 /* ---- forward -------------------------------------------------------------- */

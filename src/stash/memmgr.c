@@ -58,6 +58,7 @@ typedef struct slot {            /* one saved tensor of (layer, mb, name)       
     void* saved_ev;               /* STASH / OFFLOAD: event, its save finished     */
     int64_t n_rows;               /* rows saved (host-known in a measuring step)  */
     int in_compute;               /* stash skipped: still in the compute buffer   */
+    mst_pages pages;              /* read in place: the view fetch handed out     */
     int restore_idx;              /* restore buffer holding it, or -1             */
     int saved;                    /* 1 between commit and release                 */
 } slot;
@@ -95,6 +96,8 @@ struct mst_memmgr {
     void* arena;                  /* restore buffers of the paged names, device    */
     size_t arena_bytes;           /* its size                                      */
     int64_t restore_rows;         /* rows of each restore buffer and handle; 0: none */
+    int arena_sized;              /* the arena holds views of restored names only */
+    int pages_read[MST_N_SAVED];  /* the wgrad reads name n from pages as they are */
     int64_t max_saved_rows;       /* measuring: largest rows of a paged tensor     */
     void* ev_main;                /* event: main stream reached a commit           */
     void* ev_side;                /* event: side stream work so far                */
@@ -139,6 +142,9 @@ static slot* slot_of(mst_memmgr_t* m, int32_t l, int32_t mb, mst_saved_name n) {
 }
 static int paged(mst_policy p) { return p == MST_POLICY_STASH || p == MST_POLICY_OFFLOAD; }
 static int kind_of(mst_policy p) { return p == MST_POLICY_OFFLOAD; } /* pool index */
+/* Names that the grouped MLP's backward reads only as a wgrad's x, and that
+ * wgrad reads from pages as they are on this backend and these shapes. */
+static int wgrad_x_only(const mst_memmgr_t* m, mst_saved_name n) { return m->pages_read[n]; }
 static int32_t chunk_of(const mst_memmgr_t* m, int32_t l) { return l / m->layers_per_chunk; }
 
 /* Events and side-stream switches: no-ops where the backend has no streams.
@@ -276,6 +282,9 @@ mst_status mst_memmgr_create(mst_ctx_t* ctx, const mst_memmgr_config* cfg, mst_m
     }
     for (int n = 0; n < MST_N_SAVED; n++)
         m->rep.static_keep_bytes += (size_t)L * M * buf_bytes(m, (mst_saved_name)n);
+    const mst_backend* be = ctx->be; /* fc1_input: x of fc1's wgrad (dy 2F wide); fc2_input: of fc2's (dy H) */
+    m->pages_read[MST_SAVED_FC1_INPUT] = be->gl_wgrad_pages && be->gl_wgrad_pages(ctx, m->cfg.page_rows, cfg->hidden, 2 * cfg->ffn);
+    m->pages_read[MST_SAVED_FC2_INPUT] = be->gl_wgrad_pages && be->gl_wgrad_pages(ctx, m->cfg.page_rows, cfg->ffn, cfg->hidden);
     *out = m;
     return MST_OK;
 }
@@ -420,14 +429,26 @@ static int name_paged(const mst_memmgr_t* m, mst_saved_name n) {
     return 0;
 }
 
+/* Does name n need restore buffers? In a measuring step every paged name
+ * does; in a sized step those that some layer offloads or that a wgrad
+ * does not read alone (the others are read in place). */
+static int name_restored(const mst_memmgr_t* m, mst_saved_name n, int sized) {
+    if (!name_paged(m, n)) return 0;
+    if (!sized || !wgrad_x_only(m, n)) return 1;
+    for (int32_t l = 0; l < m->cfg.n_layers; l++)
+        if (policy_of(m, l, n) == MST_POLICY_OFFLOAD && m->chunk_start[l] < 0) return 1;
+    return 0;
+}
+
 /* The arena layout for restore buffers of `rows` rows: the views of the
- * paged names, widest first, both parities of a name side by side, each
- * 256-byte aligned; returns the bytes so that every view has max_rows rows
- * inside the arena. off[n][k] = byte offset of restore[k] of name n. */
-static size_t arena_layout(const mst_memmgr_t* m, int64_t rows, size_t off[MST_N_SAVED][2]) {
+ * restored names (name_restored), widest first, both parities of a name
+ * side by side, each 256-byte aligned; returns the bytes so that every view
+ * has max_rows rows inside the arena. off[n][k] = byte offset of restore[k]
+ * of name n. */
+static size_t arena_layout(const mst_memmgr_t* m, int64_t rows, int sized, size_t off[MST_N_SAVED][2]) {
     int order[MST_N_SAVED], n_order = 0;
     for (int n = 0; n < MST_N_SAVED; n++) {
-        if (!name_paged(m, (mst_saved_name)n)) continue;
+        if (!name_restored(m, (mst_saved_name)n, sized)) continue;
         int i = n_order++;
         for (; i > 0 && row_bytes(m, (mst_saved_name)order[i - 1]) < row_bytes(m, (mst_saved_name)n); i--)
             order[i] = order[i - 1];
@@ -444,9 +465,10 @@ static size_t arena_layout(const mst_memmgr_t* m, int64_t rows, size_t off[MST_N
     return at > need ? at : need;
 }
 
-/* Restore buffers (and handles) of `rows` rows: re-lays the arena when the
- * rows change; the events of every paged name exist afterwards. */
-static mst_status ensure_arena(mst_memmgr_t* m, int64_t rows) {
+/* Restore buffers (and handles) of `rows` rows for a measuring or a sized
+ * step: re-lays the arena when either changes; the events of every paged
+ * name exist afterwards. */
+static mst_status ensure_arena(mst_memmgr_t* m, int64_t rows, int sized) {
     for (int n = 0; n < MST_N_SAVED; n++) {
         shared_bufs* b = &m->bufs[n];
         for (int k = 0; k < 2 && name_paged(m, (mst_saved_name)n); k++) {
@@ -454,7 +476,7 @@ static mst_status ensure_arena(mst_memmgr_t* m, int64_t rows) {
             if (!b->restore_free[k]) MST_TRY(ev_new(m, &b->restore_free[k]));
         }
     }
-    if (rows == m->restore_rows) return MST_OK;
+    if (rows == m->restore_rows && sized == m->arena_sized) return MST_OK;
     for (int n = 0; n < MST_N_SAVED; n++) free_handles(m, (mst_saved_name)n, -1); /* sized for the old rows */
     mst_free(m->ctx, m->arena);
     m->arena = NULL;
@@ -462,15 +484,18 @@ static mst_status ensure_arena(mst_memmgr_t* m, int64_t rows) {
     m->arena_bytes = 0;
     m->restore_rows = 0;
     size_t off[MST_N_SAVED][2];
-    const size_t bytes = arena_layout(m, rows, off);
+    const size_t bytes = arena_layout(m, rows, sized, off);
     if (bytes) MST_TRY(mst_alloc(m->ctx, bytes, &m->arena));
     m->arena_bytes = bytes;
     m->rep.compute_bytes += bytes;
     m->restore_rows = rows;
+    m->arena_sized = sized;
     for (int n = 0; n < MST_N_SAVED; n++)
-        for (int k = 0; k < 2 && name_paged(m, (mst_saved_name)n); k++)
-            m->bufs[n].restore[k] = mst_tensor_make((char*)m->arena + off[n][k], dtype_of((mst_saved_name)n),
-                                                    m->cfg.max_rows, cols_of(m, (mst_saved_name)n));
+        for (int k = 0; k < 2; k++)
+            m->bufs[n].restore[k] = name_restored(m, (mst_saved_name)n, sized)
+                                        ? mst_tensor_make((char*)m->arena + off[n][k], dtype_of((mst_saved_name)n),
+                                                          m->cfg.max_rows, cols_of(m, (mst_saved_name)n))
+                                        : mst_tensor_make(NULL, dtype_of((mst_saved_name)n), 0, 0);
     return MST_OK;
 }
 
@@ -646,13 +671,22 @@ static mst_status sv_commit(void* self, mst_saved_name n, const mst_tensor* src,
     return MST_OK;
 }
 
+/* In a sized step a stashed fc1_input / fc2_input is read from its device
+ * pages in place (no restore copy): the backward waits for its save and
+ * the pages go back at its release. Offloaded ones are restored (in place
+ * the wgrad would read them over PCIe once per row block of its output). */
+static int in_place(const mst_memmgr_t* m, int32_t l, mst_saved_name n) {
+    return !m->measuring && policy_of(m, l, n) == MST_POLICY_STASH && wgrad_x_only(m, n);
+}
+
 /* Starts copying the paged tensors of (l, mb) back into restore buffers k
  * (copy stream); their pages are returned at the backward's release. */
 static mst_status issue_restore(mst_memmgr_t* m, int32_t l, int32_t mb, int k) {
     if (m->measuring || m->chunk_start[l] >= 0) return MST_OK;
     for (int n = 0; n < MST_N_SAVED; n++) {
         slot* s = slot_of(m, l, mb, (mst_saved_name)n);
-        if (!paged(policy_of(m, l, (mst_saved_name)n)) || !s->saved || s->in_compute || s->restore_idx >= 0)
+        if (!paged(policy_of(m, l, (mst_saved_name)n)) || !s->saved || s->in_compute || s->restore_idx >= 0 ||
+            in_place(m, l, (mst_saved_name)n))
             continue;
         shared_bufs* b = &m->bufs[n];
         if (b->restore_free_rec[k]) MST_TRY(ev_wait(m, b->restore_free[k], MST_SIDE_COPY));
@@ -695,6 +729,13 @@ static mst_status sv_fetch(void* self, mst_saved_name n, mst_tensor* out) {
         *out = b->compute;
         return MST_OK;
     }
+    if (in_place(m, r->layer, n)) {
+        MST_TRY(ev_wait(m, s->saved_ev, ON_MAIN)); /* its pages are written */
+        MST_TRY(mst_stash_handle_pages(s->handle, &s->pages));
+        *out = mst_tensor_make((void*)s->pages.table, dtype_of(n), m->cfg.max_rows, cols_of(m, n));
+        out->pages = &s->pages;
+        return MST_OK;
+    }
     int k = m->bwd_seq & 1;
     if (m->measuring) {
         size_t bytes = (size_t)s->n_rows * row_bytes(m, n);
@@ -723,7 +764,8 @@ static mst_status sv_release(void* self, mst_saved_name n) {
         if (!m->measuring) /* the pages go back now, where the measuring step counted them free */
             MST_TRY(on_side(m, MST_SIDE_RING, b->restore_done[s->restore_idx], op_restore_return,
                             m->pool[n][kind_of(p)], s->handle, NULL, NULL));
-    }
+    } else if (in_place(m, r->layer, n) && !s->in_compute) /* after the backward's reads (main, so far) */
+        MST_TRY(on_side(m, MST_SIDE_RING, NULL, op_restore_return, m->pool[n][kind_of(p)], s->handle, NULL, NULL));
     if (m->measuring) {
         m->live_exact -= (size_t)s->n_rows * row_bytes(m, n);
         if (paged(p) && !s->in_compute) m->live_pages[n][kind_of(p)] -= pages_for(m, s->n_rows);
@@ -857,7 +899,7 @@ mst_status mst_memmgr_step_begin(mst_memmgr_t* m, int measuring) {
     if (!measuring && !m->sized)
         return mst_set_error(MST_ERR_STATE, "the first step must be a measuring step (measuring = 1)");
     if (measuring) { /* restore buffers for any rows up to max_rows */
-        MST_TRY(ensure_arena(m, m->cfg.max_rows));
+        MST_TRY(ensure_arena(m, m->cfg.max_rows, 0));
         memset(m->live_pages, 0, sizeof m->live_pages);
         memset(m->peak_pages, 0, sizeof m->peak_pages);
         m->live_exact = m->peak_exact = 0;
@@ -914,7 +956,7 @@ enum { SIDE_COPY_SMS = 20 };
  * pools of ceil(peak * factor) pages, and a handle and a save event for every
  * slot that stashes or offloads. */
 static mst_status size_pools(mst_memmgr_t* m) {
-    MST_TRY(ensure_arena(m, sized_restore_rows(m)));
+    MST_TRY(ensure_arena(m, sized_restore_rows(m), 1));
     for (int n = 0; n < MST_N_SAVED; n++)
         for (int k = 0; k < 2; k++) {
             int used = 0;

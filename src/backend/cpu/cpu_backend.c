@@ -64,6 +64,7 @@ const mst_backend mst_backend_cpu = {
     .gl_forward = mst_cpu_gl_forward,
     .gl_dgrad = mst_cpu_gl_dgrad,
     .gl_wgrad = mst_cpu_gl_wgrad,
+    .gl_wgrad_pages = mst_cpu_gl_wgrad_pages,
     /* model ops */
     .mm = mst_cpu_mm,
     .norm_forward = mst_cpu_norm_forward,

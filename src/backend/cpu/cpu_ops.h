@@ -9,6 +9,7 @@
 mst_status mst_cpu_gl_forward(mst_ctx_t* ctx, const mst_gl_args* a);
 mst_status mst_cpu_gl_dgrad(mst_ctx_t* ctx, const mst_gl_args* a);
 mst_status mst_cpu_gl_wgrad(mst_ctx_t* ctx, const mst_gl_args* a);
+int mst_cpu_gl_wgrad_pages(mst_ctx_t* ctx, int64_t page_rows, int64_t in, int64_t out);
 
 /* grouped MLP activation (activation.c) */
 mst_status mst_cpu_act_forward(mst_ctx_t* ctx, const mst_act_args* a);

@@ -140,6 +140,7 @@ extern "C" const mst_backend mst_backend_cuda = {
     .gl_forward = mst_cuda_gl_forward,
     .gl_dgrad = mst_cuda_gl_dgrad,
     .gl_wgrad = mst_cuda_gl_wgrad,
+    .gl_wgrad_pages = mst_cuda_gl_wgrad_pages,
     /* model ops */
     .mm = mst_cuda_mm,
     .norm_forward = mst_cuda_norm_forward,

@@ -13,6 +13,8 @@ extern "C" {
 mst_status mst_cuda_gl_forward(mst_ctx_t* ctx, const mst_gl_args* a);
 mst_status mst_cuda_gl_dgrad(mst_ctx_t* ctx, const mst_gl_args* a);
 mst_status mst_cuda_gl_wgrad(mst_ctx_t* ctx, const mst_gl_args* a);
+/* 1 when the Hopper kernel reads wgrad's x from such pages itself (no gather workspace). */
+int mst_cuda_gl_wgrad_pages(mst_ctx_t* ctx, int64_t page_rows, int64_t in, int64_t out);
 
 /* grouped MLP activation (activation.cu) */
 mst_status mst_cuda_act_forward(mst_ctx_t* ctx, const mst_act_args* a);

@@ -224,13 +224,13 @@ static gg_problem make_problem(const mst_gl_args* a, int op, const char* force) 
  * mma.sync kernel takes everything else. MST_GG_KERNEL=mma forces the
  * mma.sync kernel, MST_GG_KERNEL=wgmma_regs the Hopper kernel with forward
  * and dgrad stored from registers (benchmarks compare them this way). */
-static int use_wgmma(mst_ctx_t* ctx, const gg_problem* p, const char* force) {
+static int hopper(mst_ctx_t* ctx, const char* force) {
     int major = 0;
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, mst_cuda(ctx)->device) != cudaSuccess) {
         cudaGetLastError();
         return 0;
     }
-    return p->vec && major == 9 && !(force && strcmp(force, "mma") == 0);
+    return major == 9 && !(force && strcmp(force, "mma") == 0);
 }
 
 static mst_status check_extents(const mst_gl_args* a) {
@@ -251,14 +251,18 @@ __global__ void gather_kernel(mst_pages pg, int64_t R, int64_t I, uint16_t* out)
     }
 }
 
-/* The Hopper kernel reads x from pages of a multiple of GG_K_ALIGN rows (a
- * box then stays in one page); the other kernels, and other page sizes,
- * read x gathered into the MST_WS_GATHER workspace. */
+/* The Hopper kernel reads x from pages of 2^k >= GG_K_ALIGN rows (a box
+ * then stays in one page); the other kernels, and other page sizes, read x
+ * gathered into the MST_WS_GATHER workspace. */
+static int pages_ok(int64_t page_rows) {
+    return page_rows >= GG_K_ALIGN && page_rows <= (1 << 30) && (page_rows & (page_rows - 1)) == 0;
+}
+
 static mst_status paged_x(mst_ctx_t* ctx, const mst_gl_args* a, int wgmma, gg_problem* p, const mst_pages** direct) {
     const int64_t pr = a->x_pages->page_rows;
     *direct = NULL;
-    if (wgmma && pr % GG_K_ALIGN == 0 && pr <= INT32_MAX && a->x_pages->table_rows / pr <= INT32_MAX &&
-        a->x_pages->n_pages[0] <= INT32_MAX && a->x_pages->n_pages[1] <= INT32_MAX) {
+    if (wgmma && pages_ok(pr) && a->x_pages->table_rows <= INT32_MAX && a->x_pages->n_pages[0] <= INT32_MAX &&
+        a->x_pages->n_pages[1] <= INT32_MAX) {
         *direct = a->x_pages;
         return MST_OK;
     }
@@ -277,7 +281,7 @@ static mst_status gg_op(mst_ctx_t* ctx, const mst_gl_args* a, int op) {
     mst_cuda_impl* c = mst_cuda(ctx);
     const char* force = getenv("MST_GG_KERNEL");
     gg_problem p = make_problem(a, op, force);
-    const int wgmma = use_wgmma(ctx, &p, force);
+    const int wgmma = p.vec && hopper(ctx, force);
     const mst_pages* x_pages = NULL;
     if (op == GG_WGRAD && a->x_pages) MST_TRY(paged_x(ctx, a, wgmma, &p, &x_pages));
     int bm, bn;
@@ -312,4 +316,8 @@ extern "C" mst_status mst_cuda_gl_dgrad(mst_ctx_t* ctx, const mst_gl_args* a) {
 }
 extern "C" mst_status mst_cuda_gl_wgrad(mst_ctx_t* ctx, const mst_gl_args* a) {
     return gg_op(ctx, a, GG_WGRAD);
+}
+/* The Hopper kernel's paged loads (see paged_x), for rows of 16-byte multiples. */
+extern "C" int mst_cuda_gl_wgrad_pages(mst_ctx_t* ctx, int64_t page_rows, int64_t in, int64_t out) {
+    return hopper(ctx, getenv("MST_GG_KERNEL")) && in % 8 == 0 && out % 8 == 0 && pages_ok(page_rows);
 }

@@ -61,7 +61,7 @@ typedef struct gg_problem {
 /* wgrad's x read from pages by the Hopper kernel (table NULL: x in memory). */
 typedef struct gg_paged {
     const uint32_t* table; /* [table_pages] page ids (bit 31: host block) */
-    int32_t page_rows;     /* a multiple of GG_K_ALIGN                     */
+    int32_t page_shift;    /* log2 of the page rows, a power of 2 >= GG_K_ALIGN */
     int32_t table_pages;   /* entries of the table                         */
     int32_t n_pages[2];    /* pages of the device and the host block       */
 } gg_paged;
@@ -111,12 +111,13 @@ __device__ __forceinline__ gg_tile gg_decode(const gg_problem& p, const gg_sched
 }
 
 /* The Hopper wgrad starts a tile's k-blocks at the multiple of GG_K_ALIGN
- * rows at or before the group's first row, so that x read from pages comes
- * in boxes of GG_K_ALIGN rows that each lie in one page, and so that x in
- * memory and x in pages are summed in the same k16 steps (the same bits).
- * Returns the rows added in front (they are dropped: dy's are zeroed) and
- * moves t.row0 / t.k_len to match. */
-#define GG_K_ALIGN 16
+ * rows (its k-block) at or before the group's first row, so that a k-block
+ * of x read from pages of a multiple of GG_K_ALIGN rows lies in one page
+ * (one box per column block, as from memory), and so that x in memory and
+ * x in pages are summed in the same k16 steps (the same bits). Returns the
+ * rows added in front (they are dropped: dy's are zeroed) and moves t.row0
+ * / t.k_len to match. */
+#define GG_K_ALIGN 64
 __device__ __forceinline__ int32_t gg_align_k(gg_tile& t) {
     const int32_t head = t.row0 & (GG_K_ALIGN - 1);
     t.row0 -= head;

@@ -157,26 +157,37 @@ __device__ __forceinline__ uint64_t desc_b(uint32_t sb, int kk) {
     return desc(sb + kk * 32, 16, 8 * ROW_BYTES);
 }
 
-/* wgrad, x in pages: x rows [r, + GG_K_ALIGN) (inside one page) x cols
- * [n0, + BN) into the B stage sb at row offset `row`, from the device or
- * the host block; a row past the table or a page id past its block loads
- * zeros (a page coordinate outside the map). */
-__device__ __forceinline__ void load_paged(uint8_t* sb, int row, const CUtensorMap* mbd, const CUtensorMap* mbh,
-                                           const gg_paged& pg, int r, int n0, uint64_t* full) {
-    const int q = r / pg.page_rows;
-    const uint32_t id = q < pg.table_pages ? __ldg(pg.table + q) : 0xffffffffu;
-    const int b = (int)(id >> 31), i = (int)(id & 0x7fffffffu);
-    const int page = i < (b ? pg.n_pages[1] : pg.n_pages[0]) ? i : INT32_MAX;
+/* wgrad, x in pages: the id of the page that holds the k-block of rows
+ * [r0, + BK) (0xffffffff past the table). The producer issues the load
+ * before it waits for a free stage (volatile: it stays there), so that it
+ * lands during the wait. */
+__device__ __forceinline__ uint32_t lookup_page(const gg_paged& pg, int r0) {
+    const uint32_t q = (uint32_t)r0 >> pg.page_shift;
+    uint32_t id = 0xffffffffu;
+    if (q < (uint32_t)pg.table_pages) asm volatile("ld.global.nc.u32 %0, [%1];\n" : "=r"(id) : "l"(pg.table + q));
+    return id;
+}
+
+/* The k-block of x rows [r0, + BK) (inside page `id`) x cols [n0, + BN)
+ * into the B stage sb, from the device or the host block (each mapped as
+ * [pages][page_rows][I]); an id past its block loads zeros (a page
+ * coordinate outside the map). */
+__device__ __forceinline__ void load_paged(uint8_t* sb, const CUtensorMap* mbd, const CUtensorMap* mbh,
+                                           const gg_paged& pg, uint32_t id, int r0, int n0, uint64_t* full) {
+    const int host = (int)(id >> 31);
+    const uint32_t i = id & 0x7fffffffu;
+    const int page = i < (uint32_t)(host ? pg.n_pages[1] : pg.n_pages[0]) ? (int)i : INT32_MAX;
+    const int row = (int)((uint32_t)r0 & ((1u << pg.page_shift) - 1));
+    const CUtensorMap* m = host ? mbh : mbd;
 #pragma unroll
-    for (int j = 0; j < BN / 64; j++)
-        tma_3d(sb + j * BOX_BYTES + row * ROW_BYTES, b ? mbh : mbd, n0 + 64 * j, r % pg.page_rows, page, full);
+    for (int j = 0; j < BN / 64; j++) tma_3d(sb + j * BOX_BYTES, m, n0 + 64 * j, row, page, full);
 }
 
 /* The producer's loads of k-block k0 of tile t into one stage. */
 template <int OP>
 __device__ __forceinline__ void load_stage(const CUtensorMap* ma, const CUtensorMap* mb, const CUtensorMap* mbh,
-                                           const gg_paged& pg, const gg_tile& t, int k0, uint8_t* sa,
-                                           uint8_t* sb, uint64_t* full) {
+                                           const gg_paged& pg, uint32_t page, const gg_tile& t, int k0,
+                                           uint8_t* sa, uint8_t* sb, uint64_t* full) {
     mbar_expect_tx(full, A_BYTES + B_BYTES);
     if (OP == GG_WGRAD) { /* A: dy rows [row0 + k0, +BK) x cols [m0, m0 + BM), two boxes */
         tma_2d(sa, ma, t.m0, t.row0 + k0, full);
@@ -187,8 +198,8 @@ __device__ __forceinline__ void load_stage(const CUtensorMap* ma, const CUtensor
     if (OP == GG_FWD) { /* B: W[g] rows [n0, +BN) x K [k0, +BK), one box */
         tma_3d(sb, mb, k0, t.n0, t.g, full);
     } else {
-        if (OP == GG_WGRAD && pg.table) { /* x rows from pages, GG_K_ALIGN rows (one page) at a time */
-            for (int r = 0; r < BK; r += GG_K_ALIGN) load_paged(sb, r, mb, mbh, pg, t.row0 + k0 + r, t.n0, full);
+        if (OP == GG_WGRAD && pg.table) { /* x rows from pages: the k-block lies in one page */
+            load_paged(sb, mb, mbh, pg, page, t.row0 + k0, t.n0, full);
             return;
         }
 #pragma unroll
@@ -214,8 +225,8 @@ __device__ __forceinline__ void zero_rows(uint8_t* sa, uint8_t* sb, int lo, int 
     asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory");
 }
 
-/* wgrad, a k-block with only head rows to drop (rows [0, lo), lo <
- * GG_K_ALIGN, belong to the groups before: data, not padding): consumer cw
+/* wgrad, a k-block with only head rows to drop (rows [0, lo) belong to
+ * the groups before: data, not padding): consumer cw
  * zeroes them in its own A box only (a zero row of dy drops the row), then
  * syncs its warpgroup (named barrier 2 + cw) instead of both consumers. */
 __device__ __forceinline__ void zero_head(uint8_t* sa, int lo, int cw, int wt) {
@@ -409,8 +420,10 @@ __global__ void __launch_bounds__(THREADS, 1)
             gg_tile t = gg_decode(p, s, ti, BM, BN);
             if (OP == GG_WGRAD) gg_align_k(t);
             for (int k0 = 0; k0 < t.k_len; k0 += BK) {
+                const uint32_t page = OP == GG_WGRAD && pg.table ? lookup_page(pg, t.row0 + k0) : 0;
                 mbar_wait(&empty[st], ph ^ 1);
-                load_stage<OP>(&map_a, &map_b, &map_bh, pg, t, k0, sa + st * A_BYTES, sb + st * B_BYTES, &full[st]);
+                load_stage<OP>(&map_a, &map_b, &map_bh, pg, page, t, k0, sa + st * A_BYTES, sb + st * B_BYTES,
+                               &full[st]);
                 if (++st == STAGES) st = 0, ph ^= 1;
             }
         }
@@ -513,17 +526,17 @@ mst_status make_map(CUtensorMap* map, const void* base, int elem, int rank, int6
 }
 
 /* wgrad's x in pages: maps of the device and the host block as [pages]
- * [page_rows][I] (boxes of GG_K_ALIGN rows x 64), and the kernel's view. A
- * block without pages gets the other's map (no id reaches it). */
+ * [page_rows][I] (boxes of BK rows x 64), and the kernel's view. A block
+ * without pages gets the other's map (no id reaches it). */
 mst_status make_paged(const gg_problem* p, const mst_pages* x, CUtensorMap* mbd, CUtensorMap* mbh, gg_paged* pg) {
     CUtensorMap* maps[2] = {mbd, mbh};
     for (int b = 0; b < 2; b++)
         if (x->n_pages[b] > 0)
-            MST_TRY(make_map(maps[b], x->block[b], 2, 3, p->ldb, x->page_rows, x->n_pages[b], 64, GG_K_ALIGN));
+            MST_TRY(make_map(maps[b], x->block[b], 2, 3, p->ldb, x->page_rows, x->n_pages[b], 64, BK));
     if (x->n_pages[0] == 0) *mbd = *mbh;
     if (x->n_pages[1] == 0) *mbh = *mbd;
     pg->table = x->table;
-    pg->page_rows = (int32_t)x->page_rows;
+    while ((1ll << pg->page_shift) < x->page_rows) pg->page_shift++;
     pg->table_pages = (int32_t)(x->table_rows / x->page_rows);
     pg->n_pages[0] = (int32_t)x->n_pages[0];
     pg->n_pages[1] = (int32_t)x->n_pages[1];
