@@ -85,6 +85,49 @@ typedef struct act_case {
     int bias; /* the fc2 bias term in dprobs */
 } act_case;
 
+/* The same activation with h read from the pages of a stash (random page
+ * rows, device pages only or half of them spilled to the host block) gives
+ * the bits of h in memory: z, dh, dprobs. */
+static void act_paged_h(mst_ctx_t* ctx, mst_rng* rng, const mst_act_args* a, const mst_guarded* gc,
+                        const uint16_t* z, const uint16_t* dh, const float* dp, mst_guarded* gz, mst_guarded* gdh,
+                        mst_guarded* gdp) {
+    static const int64_t page_rows[] = {8, 16, 64};
+    mst_pool_config pc = mst_pool_config_default(1);
+    pc.page_rows = page_rows[mst_rng_next(rng) % 3];
+    const int64_t need = (a->max_rows + pc.page_rows - 1) / pc.page_rows;
+    const int spill = (int)(mst_rng_next(rng) % 2);
+    pc.n_dev_pages = spill ? need / 2 : need;
+    pc.n_host_pages = spill ? need - need / 2 : 0;
+    mst_pool_t* pool = NULL;
+    mst_stash_handle_t* h = NULL;
+    CHECK_OK(mst_pool_create(ctx, MST_DTYPE_BF16, 2 * a->ffn, &pc, &pool));
+    CHECK_OK(mst_stash_handle_create(pool, a->max_rows, &h));
+    mst_tensor ht = mst_tensor_make((void*)a->h, MST_DTYPE_BF16, a->max_rows, 2 * a->ffn);
+    mst_tensor counts = mst_tensor_make(gc->data, MST_DTYPE_INT32, a->n_groups, 1);
+    CHECK_OK(mst_stash_save(pool, h, &ht, &counts));
+    mst_act_args b = *a;
+    CHECK_OK(mst_stash_handle_pages(h, &b.h_pages));
+    b.h = NULL;
+    mst_guarded* outs[] = {gz, gdh, gdp};
+    for (int i = 0; i < 3; i++) mst_guarded_put(ctx, outs[i], NULL); /* poisoned again */
+    CHECK_OK(ctx->be->act_forward(ctx, &b));
+    CHECK_OK(ctx->be->act_backward(ctx, &b));
+    CHECK_OK(mst_ctx_check(ctx));
+    void* got[3] = {malloc(gz->n_bytes), malloc(gdh->n_bytes), malloc(gdp->n_bytes)};
+    const void* want[3] = {z, dh, dp};
+    const char* names[3] = {"z", "dh", "dprobs"};
+    for (int i = 0; i < 3; i++) {
+        mst_guarded_get(ctx, outs[i], got[i]);
+        int64_t bad = mst_first_diff(got[i], want[i], outs[i]->n_bytes);
+        CHECK(bad < 0, "paged h (%lld rows per page, spill %d): %s differs at byte %lld", (long long)pc.page_rows,
+              spill, names[i], (long long)bad);
+        free(got[i]);
+    }
+    CHECK_OK(mst_stash_restore_return(pool, h));
+    mst_stash_handle_destroy(h);
+    mst_pool_destroy(pool);
+}
+
 static void act_run(mst_ctx_t* ctx, mst_rng* rng, const act_case* c) {
     const int E = c->E;
     const int64_t F = c->F, H = c->H, R = c->R;
@@ -136,12 +179,13 @@ static void act_run(mst_ctx_t* ctx, mst_rng* rng, const act_case* c) {
     mst_guarded_put(ctx, &gdz, dz);
     mst_guarded_put(ctx, &gdy, dy);
     mst_guarded_put(ctx, &gb2, b2);
-    mst_act_args a = {E, R, F, H, (const int32_t*)gc.data, (const uint16_t*)gh.data,
-                      (const float*)gp.data, (uint16_t*)gz.data, (const uint16_t*)gdz.data,
-                      (uint16_t*)gdh.data, (float*)gdp.data,
-                      c->bias ? (const uint16_t*)gdy.data : NULL,
-                      c->bias ? (const uint16_t*)gb2.data : NULL, cfg.act, cfg.clamp_limit,
-                      cfg.clamp_alpha};
+    mst_act_args a = {0};
+    a.n_groups = E, a.max_rows = R, a.ffn = F, a.hidden = H;
+    a.counts = (const int32_t*)gc.data, a.h = (const uint16_t*)gh.data, a.probs = (const float*)gp.data;
+    a.z = (uint16_t*)gz.data, a.dz = (const uint16_t*)gdz.data, a.dh = (uint16_t*)gdh.data;
+    a.dprobs = (float*)gdp.data;
+    a.dy = c->bias ? (const uint16_t*)gdy.data : NULL, a.b2 = c->bias ? (const uint16_t*)gb2.data : NULL;
+    a.act = cfg.act, a.limit = cfg.clamp_limit, a.alpha = cfg.clamp_alpha;
     CHECK(ctx->be->act_forward && ctx->be->act_backward, "backend %s has no activation slots", ctx->be->name);
     if (!ctx->be->act_forward || !ctx->be->act_backward) goto done;
     CHECK_OK(ctx->be->act_forward(ctx, &a));
@@ -175,6 +219,7 @@ static void act_run(mst_ctx_t* ctx, mst_rng* rng, const act_case* c) {
     CHECK(padding_poisoned(dp, n, R, 4), "dprobs: padding rows written");
     CHECK(mst_guarded_intact(ctx, &gz) && mst_guarded_intact(ctx, &gdh) && mst_guarded_intact(ctx, &gdp),
           "activation: guard bytes overwritten");
+    act_paged_h(ctx, rng, &a, &gc, z, dh, dp, &gz, &gdh, &gdp);
     free(z), free(dh), free(dp);
 done:;
     mst_guarded* all[] = {&gc, &gh, &gp, &gz, &gdz, &gdy, &gb2, &gdh, &gdp};

@@ -74,6 +74,8 @@ typedef struct mst_act_args {
     int64_t hidden;         /* H: width of dy and b2 (backward with b2)       */
     const int32_t* counts;  /* [E] backend memory                             */
     const uint16_t* h;      /* [R, 2F] bf16 fc1 output [a | b]                */
+    mst_pages h_pages;      /* table NULL: h in memory; else h's rows in these
+                               pages (a stashed act_input read in place)      */
     const float* probs;     /* [R] fp32 router prob p                         */
     uint16_t* z;            /* [R, F] bf16 out (forward)                      */
     const uint16_t* dz;     /* [R, F] bf16 in (backward)                      */
@@ -85,6 +87,12 @@ typedef struct mst_act_args {
     float limit;            /* L (clamped)                                    */
     float alpha;            /* sigmoid slope (clamped)                        */
 } mst_act_args;
+
+/* Row r of h [2F]: in memory or in its page; NULL: a row that reads as zeros. */
+MST_HD const uint16_t* mst_act_h_row(const mst_act_args* a, int64_t r) {
+    if (!a->h_pages.table) return a->h + r * 2 * a->ffn;
+    return (const uint16_t*)mst_paged_row(&a->h_pages, r, 4 * a->ffn);
+}
 
 /* ---- model ops: argument structs (the trainer's transformer, src/model/) ---- *
  * Row-major everywhere; bf16 storage, fp32 accumulation, bf16 rounding on

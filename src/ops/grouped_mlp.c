@@ -100,6 +100,7 @@ static mst_act_args act_args(const mst_mlp_config* cfg, const mst_tensor* counts
     a.hidden = cfg->hidden;
     a.counts = (const int32_t*)counts->data;
     a.h = (const uint16_t*)h->data;
+    if (h->pages) a.h_pages = *h->pages; /* a stashed act_input read in place */
     a.probs = (const float*)probs->data;
     a.act = cfg->act;
     a.limit = cfg->clamp_limit;
@@ -142,7 +143,8 @@ static mst_status produce(const mst_saver* s, const mst_mlp_config* cfg, mst_sav
 }
 
 /* Fetches `n`; data NULL is allowed only where RECOMPUTE is (fc2_input),
- * pages only where a wgrad's x is the one reader (fc1_input, fc2_input). */
+ * pages where the readers take them: a wgrad's x (fc1_input, fc2_input)
+ * and the activation (act_input). */
 static mst_status fetch(const mst_saver* s, const mst_mlp_config* cfg, mst_saved_name n, int64_t R,
                         mst_tensor* out) {
     int64_t cols;
@@ -151,7 +153,7 @@ static mst_status fetch(const mst_saver* s, const mst_mlp_config* cfg, mst_saved
     MST_TRY(s->fetch(s->self, n, out));
     if (n == MST_SAVED_FC2_INPUT && !out->data) return MST_OK;
     mst_tensor v = *out;
-    if (n == MST_SAVED_FC1_INPUT || n == MST_SAVED_FC2_INPUT) v.pages = NULL; /* wgrad checks them */
+    if (n != MST_SAVED_PROBS) v.pages = NULL; /* read by a wgrad (its check) or the activation (as pages) */
     return check_like(&v, mst_saved_name_str(n), dt, R, cols);
 }
 

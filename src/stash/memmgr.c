@@ -142,9 +142,10 @@ static slot* slot_of(mst_memmgr_t* m, int32_t l, int32_t mb, mst_saved_name n) {
 }
 static int paged(mst_policy p) { return p == MST_POLICY_STASH || p == MST_POLICY_OFFLOAD; }
 static int kind_of(mst_policy p) { return p == MST_POLICY_OFFLOAD; } /* pool index */
-/* Names that the grouped MLP's backward reads only as a wgrad's x, and that
- * wgrad reads from pages as they are on this backend and these shapes. */
-static int wgrad_x_only(const mst_memmgr_t* m, mst_saved_name n) { return m->pages_read[n]; }
+/* Names that the grouped MLP's backward reads from pages as they are on
+ * this backend and these shapes (fc1_input, fc2_input: a wgrad's x;
+ * act_input: the activation, any backend). */
+static int read_from_pages(const mst_memmgr_t* m, mst_saved_name n) { return m->pages_read[n]; }
 static int32_t chunk_of(const mst_memmgr_t* m, int32_t l) { return l / m->layers_per_chunk; }
 
 /* Events and side-stream switches: no-ops where the backend has no streams.
@@ -285,6 +286,7 @@ mst_status mst_memmgr_create(mst_ctx_t* ctx, const mst_memmgr_config* cfg, mst_m
     const mst_backend* be = ctx->be; /* fc1_input: x of fc1's wgrad (dy 2F wide); fc2_input: of fc2's (dy H) */
     m->pages_read[MST_SAVED_FC1_INPUT] = be->gl_wgrad_pages && be->gl_wgrad_pages(ctx, m->cfg.page_rows, cfg->hidden, 2 * cfg->ffn);
     m->pages_read[MST_SAVED_FC2_INPUT] = be->gl_wgrad_pages && be->gl_wgrad_pages(ctx, m->cfg.page_rows, cfg->ffn, cfg->hidden);
+    m->pages_read[MST_SAVED_ACT_INPUT] = 1;
     *out = m;
     return MST_OK;
 }
@@ -434,7 +436,7 @@ static int name_paged(const mst_memmgr_t* m, mst_saved_name n) {
  * does not read alone (the others are read in place). */
 static int name_restored(const mst_memmgr_t* m, mst_saved_name n, int sized) {
     if (!name_paged(m, n)) return 0;
-    if (!sized || !wgrad_x_only(m, n)) return 1;
+    if (!sized || !read_from_pages(m, n)) return 1;
     for (int32_t l = 0; l < m->cfg.n_layers; l++)
         if (policy_of(m, l, n) == MST_POLICY_OFFLOAD && m->chunk_start[l] < 0) return 1;
     return 0;
@@ -671,12 +673,13 @@ static mst_status sv_commit(void* self, mst_saved_name n, const mst_tensor* src,
     return MST_OK;
 }
 
-/* In a sized step a stashed fc1_input / fc2_input is read from its device
- * pages in place (no restore copy): the backward waits for its save and
- * the pages go back at its release. Offloaded ones are restored (in place
- * the wgrad would read them over PCIe once per row block of its output). */
+/* In a sized step a stashed fc1_input, fc2_input or act_input is read from
+ * its device pages in place (no restore copy) where read_from_pages: the
+ * backward waits for its save and the pages go back at its release.
+ * Offloaded ones are restored (in place the wgrad would read them over PCIe
+ * once per row block of its output). */
 static int in_place(const mst_memmgr_t* m, int32_t l, mst_saved_name n) {
-    return !m->measuring && policy_of(m, l, n) == MST_POLICY_STASH && wgrad_x_only(m, n);
+    return !m->measuring && policy_of(m, l, n) == MST_POLICY_STASH && read_from_pages(m, n);
 }
 
 /* Starts copying the paged tensors of (l, mb) back into restore buffers k

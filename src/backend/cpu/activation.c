@@ -21,15 +21,18 @@ static mst_status act_offsets(mst_ctx_t* ctx, const mst_act_args* a, int64_t** o
     return st;
 }
 
+/* Element c of an h row (NULL: zeros). */
+static float h_value(const uint16_t* h, int64_t c) { return h ? mst_bf16_to_fp32(h[c]) : 0.0f; }
+
 mst_status mst_cpu_act_forward(mst_ctx_t* ctx, const mst_act_args* a) {
     int64_t* off;
     MST_TRY(act_offsets(ctx, a, &off));
     const int64_t F = a->ffn, n = off[a->n_groups];
     const mst_act_param q = mst_act_param_make(a->act, a->limit, a->alpha);
     for (int64_t r = 0; r < n; r++) {
-        const uint16_t* h = a->h + r * 2 * F; /* [2F] */
+        const uint16_t* h = mst_act_h_row(a, r); /* [2F] */
         for (int64_t c = 0; c < F; c++) {
-            float z0 = mst_act_value(q, mst_bf16_to_fp32(h[c]), mst_bf16_to_fp32(h[F + c]));
+            float z0 = mst_act_value(q, h_value(h, c), h_value(h, F + c));
             a->z[r * F + c] = mst_fp32_to_bf16(z0 * a->probs[r]);
         }
     }
@@ -53,13 +56,12 @@ mst_status mst_cpu_act_backward(mst_ctx_t* ctx, const mst_act_args* a) {
     const mst_act_param q = mst_act_param_make(a->act, a->limit, a->alpha);
     for (int32_t g = 0; g < a->n_groups; g++) {
         for (int64_t r = off[g]; r < off[g + 1]; r++) {
-            const uint16_t* h = a->h + r * 2 * F; /* [2F] */
-            uint16_t* dh = a->dh + r * 2 * F;     /* [2F] */
+            const uint16_t* h = mst_act_h_row(a, r); /* [2F] */
+            uint16_t* dh = a->dh + r * 2 * F;        /* [2F] */
             float p = a->probs[r], dprob = 0.0f;
             for (int64_t c = 0; c < F; c++) {
                 float dz = mst_bf16_to_fp32(a->dz[r * F + c]), da, db;
-                float z0 = mst_act_grad(q, mst_bf16_to_fp32(h[c]), mst_bf16_to_fp32(h[F + c]),
-                                        dz * p, &da, &db);
+                float z0 = mst_act_grad(q, h_value(h, c), h_value(h, F + c), dz * p, &da, &db);
                 dh[c] = mst_fp32_to_bf16(da);
                 dh[F + c] = mst_fp32_to_bf16(db);
                 dprob += dz * z0;

@@ -83,6 +83,15 @@ __device__ __forceinline__ void load_bf16(const uint16_t* __restrict__ p, float*
     }
 }
 
+/* V values of an h row from column c (h NULL: zeros). */
+template <int V>
+__device__ __forceinline__ void load_h(const uint16_t* h, int64_t c, float* f) {
+    if (h) load_bf16<V>(h + c, f);
+    else
+#pragma unroll
+        for (int i = 0; i < V; i++) f[i] = 0.0f;
+}
+
 template <int V>
 __device__ __forceinline__ void store_bf16(uint16_t* __restrict__ p, const float* f) {
     if constexpr (V == 8) {
@@ -105,13 +114,13 @@ act_forward_kernel(const mst_act_args a, const mst_act_param q, int32_t* flag) {
     const int64_t F = a.ffn;
     for (int64_t r = (int64_t)blockIdx.x * ACT_WARPS + (threadIdx.x >> 5); r < n;
          r += (int64_t)gridDim.x * ACT_WARPS) {
-        const uint16_t* h = a.h + r * 2 * F; /* [2F] */
-        uint16_t* z = a.z + r * F;           /* [F]  */
+        const uint16_t* h = mst_act_h_row(&a, r); /* [2F] */
+        uint16_t* z = a.z + r * F;                /* [F]  */
         const float p = a.probs[r];
         for (int64_t c = lane * V; c < F; c += 32 * V) {
             float av[V], bv[V], zv[V];
-            load_bf16<V>(h + c, av);
-            load_bf16<V>(h + F + c, bv);
+            load_h<V>(h, c, av);
+            load_h<V>(h, F + c, bv);
 #pragma unroll
             for (int i = 0; i < V; i++) zv[i] = mst_act_value(q, av[i], bv[i]) * p;
             store_bf16<V>(z + c, zv);
@@ -135,15 +144,15 @@ act_backward_kernel(const mst_act_args a, const mst_act_param q, int32_t* flag) 
     const int64_t F = a.ffn, H = a.hidden;
     for (int64_t r = (int64_t)blockIdx.x * ACT_WARPS + (threadIdx.x >> 5); r < n;
          r += (int64_t)gridDim.x * ACT_WARPS) {
-        const uint16_t* h = a.h + r * 2 * F; /* [2F] */
-        const uint16_t* dz = a.dz + r * F;   /* [F]  */
-        uint16_t* dh = a.dh + r * 2 * F;     /* [2F] */
+        const uint16_t* h = mst_act_h_row(&a, r); /* [2F] */
+        const uint16_t* dz = a.dz + r * F;        /* [F]  */
+        uint16_t* dh = a.dh + r * 2 * F;          /* [2F] */
         const float p = a.probs[r];
         float dprob = 0.0f;
         for (int64_t c = lane * V; c < F; c += 32 * V) {
             float av[V], bv[V], dzv[V], dav[V], dbv[V];
-            load_bf16<V>(h + c, av);
-            load_bf16<V>(h + F + c, bv);
+            load_h<V>(h, c, av);
+            load_h<V>(h, F + c, bv);
             load_bf16<V>(dz + c, dzv);
 #pragma unroll
             for (int i = 0; i < V; i++)
@@ -171,8 +180,9 @@ static int aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
 
 /* 8-wide (16-byte) access needs every row start and base 16-byte aligned. */
 static int act_vec8(const mst_act_args* a) {
-    int ok = a->ffn % 8 == 0 && aligned16(a->h) && aligned16(a->z) && aligned16(a->dz) &&
-             aligned16(a->dh);
+    const int h_ok = a->h_pages.table ? aligned16(a->h_pages.block[0]) && aligned16(a->h_pages.block[1])
+                                      : aligned16(a->h);
+    int ok = a->ffn % 8 == 0 && h_ok && aligned16(a->z) && aligned16(a->dz) && aligned16(a->dh);
     if (a->b2) ok = ok && a->hidden % 8 == 0 && aligned16(a->dy) && aligned16(a->b2);
     return ok;
 }
