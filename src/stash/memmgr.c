@@ -7,11 +7,13 @@
  *              or copied there when it is an op input)
  *   STASH      produced into a shared compute buffer (one per name, reused
  *              by the next layer once its stash has read it), packed into
- *              device pages on the side stream, restored before the backward
- *              into one of two restore buffers (the next backward layer's
- *              restore is started while the current one runs, and a
- *              backward entry's first two while the forward before it runs:
- *              prefetch)
+ *              device pages on the side stream. In the backward, the names
+ *              whose readers take pages (read_from_pages: fc1_input and
+ *              fc2_input, a wgrad's x; act_input, the activation) are read
+ *              from the pages in place; the others are restored into one of
+ *              two restore buffers (the next backward layer's restore is
+ *              started while the current one runs, and a backward entry's
+ *              first two while the forward before it runs: prefetch)
  *   OFFLOAD    as STASH, into pinned host pages
  *   RECOMPUTE  fc2_input only: not saved; the grouped MLP recomputes it
  *   layer recompute (uniform / block): a recomputed layer saves nothing in
