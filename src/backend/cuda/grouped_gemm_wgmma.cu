@@ -22,7 +22,10 @@
  * past max_rows). For forward and dgrad such rows only reach accumulator rows
  * that the epilogue never stores. For wgrad, where rows are the K dimension,
  * the consumer zeroes the stage rows past the group's count before the MMA,
- * so no row outside the group contributes.
+ * so no row outside the group contributes. wgrad's k-blocks start at the
+ * multiple of 64 rows at or before the group's first row (gg_align_k), so
+ * that x may come from the pages of a stash (one page per k-block, the same
+ * bits as from memory); the rows in front are dropped through dy.
  */
 #include <cuda.h>
 
@@ -225,10 +228,10 @@ __device__ __forceinline__ void zero_rows(uint8_t* sa, uint8_t* sb, int lo, int 
     asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory");
 }
 
-/* wgrad, a k-block with only head rows to drop (rows [0, lo) belong to
- * the groups before: data, not padding): consumer cw
- * zeroes them in its own A box only (a zero row of dy drops the row), then
- * syncs its warpgroup (named barrier 2 + cw) instead of both consumers. */
+/* wgrad, a k-block with only head rows to drop (rows [0, lo) belong to the
+ * groups before: data, not padding): consumer cw zeroes them in its own A
+ * box only (a zero row of dy drops the row), then syncs its warpgroup
+ * (named barrier 2 + cw) instead of both consumers. */
 __device__ __forceinline__ void zero_head(uint8_t* sa, int lo, int cw, int wt) {
     for (int i = wt; i < lo * (int)(ROW_BYTES / 16); i += 128)
         *(uint4*)(sa + cw * BOX_BYTES + (i / 8) * ROW_BYTES + (i % 8) * 16) = make_uint4(0, 0, 0, 0);
