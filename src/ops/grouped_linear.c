@@ -115,16 +115,17 @@ static mst_status check_x(const mst_tensor* x, mst_wgrad_mode mode, mst_gl_args*
         a->x = (const uint16_t*)x->data;
         return MST_OK;
     }
-    mst_tensor t = *x;
-    t.pages = NULL;
-    t.data = (void*)x->pages->table; /* checked as present below */
-    MST_TRY(mst_check_tensor(&t, "x", MST_DTYPE_BF16));
     const mst_pages* pg = x->pages;
-    if (pg->page_rows <= 0 || pg->n_pages[0] < 0 || pg->n_pages[1] < 0 ||
+    if (!pg->table || pg->page_rows <= 0 || pg->n_pages[0] < 0 || pg->n_pages[1] < 0 ||
         (pg->n_pages[0] > 0 && !pg->block[0]) || (pg->n_pages[1] > 0 && !pg->block[1]))
-        return mst_set_error(MST_ERR_INVALID, "x.pages: page_rows %lld, blocks of %lld / %lld pages at %p / %p",
-                             (long long)pg->page_rows, (long long)pg->n_pages[0], (long long)pg->n_pages[1],
-                             pg->block[0], pg->block[1]);
+        return mst_set_error(MST_ERR_INVALID,
+                             "x.pages: table %p, page_rows %lld, blocks of %lld / %lld pages at %p / %p",
+                             (const void*)pg->table, (long long)pg->page_rows, (long long)pg->n_pages[0],
+                             (long long)pg->n_pages[1], pg->block[0], pg->block[1]);
+    mst_tensor t = *x; /* dtype and shape as for x in memory (data is unused) */
+    t.pages = NULL;
+    t.data = (void*)pg->table;
+    MST_TRY(mst_check_tensor(&t, "x", MST_DTYPE_BF16));
     if (mode == MST_WGRAD_DEFERRED)
         return mst_set_error(MST_ERR_UNSUPPORTED, "x is paged: DEFERRED wgrad would read it after the pages "
                                                   "may be given back; use ACCUMULATE or OVERWRITE");

@@ -99,7 +99,7 @@ struct mst_memmgr {
     size_t arena_bytes;           /* its size                                      */
     int64_t restore_rows;         /* rows of each restore buffer and handle; 0: none */
     int arena_sized;              /* the arena holds views of restored names only */
-    int pages_read[MST_N_SAVED];  /* the wgrad reads name n from pages as they are */
+    int pages_read[MST_N_SAVED];  /* the backward reads name n from its pages as they are */
     int64_t max_saved_rows;       /* measuring: largest rows of a paged tensor     */
     void* ev_main;                /* event: main stream reached a commit           */
     void* ev_side;                /* event: side stream work so far                */
@@ -149,6 +149,14 @@ static int kind_of(mst_policy p) { return p == MST_POLICY_OFFLOAD; } /* pool ind
  * act_input: the activation, any backend). */
 static int read_from_pages(const mst_memmgr_t* m, mst_saved_name n) { return m->pages_read[n]; }
 static int32_t chunk_of(const mst_memmgr_t* m, int32_t l) { return l / m->layers_per_chunk; }
+/* Layer l and microbatch mb in range, else an error naming the one that is not. */
+static mst_status check_layer_mb(const mst_memmgr_t* m, int32_t l, int32_t mb) {
+    if (l < 0 || l >= m->cfg.n_layers)
+        return mst_set_error(MST_ERR_INVALID, "layer = %d, must be in [0, %d)", l, m->cfg.n_layers);
+    if (mb < 0 || mb >= m->cfg.n_microbatches)
+        return mst_set_error(MST_ERR_INVALID, "mb = %d, must be in [0, %d)", mb, m->cfg.n_microbatches);
+    return MST_OK;
+}
 
 /* Events and side-stream switches: no-ops where the backend has no streams.
  * `where` is ON_MAIN or a side stream (MST_SIDE_*). */
@@ -286,8 +294,9 @@ mst_status mst_memmgr_create(mst_ctx_t* ctx, const mst_memmgr_config* cfg, mst_m
     for (int n = 0; n < MST_N_SAVED; n++)
         m->rep.static_keep_bytes += (size_t)L * M * buf_bytes(m, (mst_saved_name)n);
     const mst_backend* be = ctx->be; /* fc1_input: x of fc1's wgrad (dy 2F wide); fc2_input: of fc2's (dy H) */
-    m->pages_read[MST_SAVED_FC1_INPUT] = be->gl_wgrad_pages && be->gl_wgrad_pages(ctx, m->cfg.page_rows, cfg->hidden, 2 * cfg->ffn);
-    m->pages_read[MST_SAVED_FC2_INPUT] = be->gl_wgrad_pages && be->gl_wgrad_pages(ctx, m->cfg.page_rows, cfg->ffn, cfg->hidden);
+    const int64_t pr = m->cfg.page_rows;
+    m->pages_read[MST_SAVED_FC1_INPUT] = be->gl_wgrad_pages && be->gl_wgrad_pages(ctx, pr, cfg->hidden, 2 * cfg->ffn);
+    m->pages_read[MST_SAVED_FC2_INPUT] = be->gl_wgrad_pages && be->gl_wgrad_pages(ctx, pr, cfg->ffn, cfg->hidden);
     m->pages_read[MST_SAVED_ACT_INPUT] = 1;
     *out = m;
     return MST_OK;
@@ -434,8 +443,8 @@ static int name_paged(const mst_memmgr_t* m, mst_saved_name n) {
 }
 
 /* Does name n need restore buffers? In a measuring step every paged name
- * does; in a sized step those that some layer offloads or that a wgrad
- * does not read alone (the others are read in place). */
+ * does; in a sized step those that some layer offloads or that the backward
+ * does not read from pages (the others are read in place). */
 static int name_restored(const mst_memmgr_t* m, mst_saved_name n, int sized) {
     if (!name_paged(m, n)) return 0;
     if (!sized || !read_from_pages(m, n)) return 1;
@@ -533,10 +542,7 @@ mst_status mst_memmgr_chunk_input(mst_memmgr_t* m, int32_t layer, int32_t mb, ms
 mst_status mst_memmgr_keep_buffer(mst_memmgr_t* m, int32_t layer, int32_t mb, mst_saved_name name,
                                   mst_tensor* out) {
     if (!m || !out) return mst_set_error(MST_ERR_INVALID, "m or out is NULL");
-    if (layer < 0 || layer >= m->cfg.n_layers)
-        return mst_set_error(MST_ERR_INVALID, "layer = %d, must be in [0, %d)", layer, m->cfg.n_layers);
-    if (mb < 0 || mb >= m->cfg.n_microbatches)
-        return mst_set_error(MST_ERR_INVALID, "mb = %d, must be in [0, %d)", mb, m->cfg.n_microbatches);
+    MST_TRY(check_layer_mb(m, layer, mb));
     if ((int)name < 0 || name >= MST_N_SAVED) return mst_set_error(MST_ERR_INVALID, "name = %d", (int)name);
     memset(out, 0, sizeof *out);
     if (policy_of(m, layer, name) != MST_POLICY_KEEP || m->chunk_start[layer] >= 0) return MST_OK;
@@ -799,11 +805,7 @@ static mst_status check_call(const mst_memmgr_t* m, int32_t l, int32_t mb, const
     if (!m) return mst_set_error(MST_ERR_INVALID, "m is NULL");
     if (!out) return mst_set_error(MST_ERR_INVALID, "out is NULL");
     if (!m->in_step) return mst_set_error(MST_ERR_STATE, "call outside mst_memmgr_step_begin / step_end");
-    if (l < 0 || l >= m->cfg.n_layers)
-        return mst_set_error(MST_ERR_INVALID, "layer = %d, must be in [0, %d)", l, m->cfg.n_layers);
-    if (mb < 0 || mb >= m->cfg.n_microbatches)
-        return mst_set_error(MST_ERR_INVALID, "mb = %d, must be in [0, %d)", mb, m->cfg.n_microbatches);
-    return MST_OK;
+    return check_layer_mb(m, l, mb);
 }
 
 /* The previous layer call is over: move the cursor past it. */
