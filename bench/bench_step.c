@@ -12,6 +12,9 @@
  * = saved activations + compute buffers (kept buffers, page blocks
  * allocated, shared compute / restore buffers); weights, gradients and the
  * stack's own input/output buffers are reported apart. A short table last.
+ * Timing: KEEP's step stays captured; every other case is replayed in turn
+ * with it (7 rounds on CUDA), and its ratio is taken to the KEEP replays
+ * beside it, so that clocks and temperature drift out of the ratio.
  * --only LABEL runs KEEP and the case of that label only (e.g. "offload").
  */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime */
@@ -58,6 +61,7 @@ static const step_case cases[N_CASES] = {
 typedef struct step_result {
     const step_case* c;
     double step_ms;        /* graph replay (CUDA) or eager step (CPU), median */
+    double keep_ms;        /* KEEP's median, replayed in turn with this case */
     double exact_ms;       /* measuring step: exact shapes, eager, no graph   */
     size_t act_bytes;      /* saved activations + compute buffers             */
     size_t pages_peak;     /* device + host pages in use at peak               */
@@ -105,80 +109,128 @@ static mst_status hash_buffer(mst_ctx_t* ctx, const void* p, size_t n_bytes, uin
     return st;
 }
 
-/* One sized step: on CUDA captured once and replayed `iters` times (median
- * time); on the CPU run eagerly. */
-static mst_status timed_steps(mst_ctx_t* ctx, mst_stack* s, const mst_sched_entry* sch, int32_t n,
-                              int iters, double* ms) {
-    double t[16];
+/* A case ready to replay: its manager and, on CUDA, its step captured in
+ * one graph (a cudaGraphExec_t). */
+typedef struct step_run {
+    mst_memmgr_t* mm;
+    void* exec;
+} step_run;
+
+/* Size the manager of case c (its measuring step, timed into r->exact_ms)
+ * and capture one sized step. */
+static mst_status prepare_case(mst_ctx_t* ctx, mst_stack* s, const mst_sched_entry* sch, int32_t n,
+                               const step_shape* sh, const step_case* c, step_result* r, step_run* run) {
+    memset(r, 0, sizeof *r);
+    memset(run, 0, sizeof *run);
+    r->c = c;
+    mst_memmgr_config mc = {sh->layers, sh->micro, 1, s->max_rows, sh->hidden, sh->ffn, sch, n, 64,
+                            c->dev_factor, c->host_factor};
+    MST_TRY(mst_memmgr_create(ctx, &mc, &run->mm));
+    s->mm = run->mm;
+    MST_TRY(mst_memmgr_set_policy_spec(s->mm, c->policy));
+    double t0 = now_ms();
+    MST_TRY(mst_stack_step(s, sch, n, 1));
+    MST_TRY(mst_ctx_sync(ctx));
+    r->exact_ms = now_ms() - t0;
+    MST_TRY(mst_memmgr_step_check(s->mm));
 #ifdef MST_HAVE_CUDA
     if (mst_ctx_backend(ctx) == MST_BACKEND_CUDA) {
         cudaStream_t st = (cudaStream_t)mst_ctx_stream(ctx);
         cudaGraph_t g;
         cudaGraphExec_t ge;
-        cudaEvent_t e0, e1;
         if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
             return mst_set_error(MST_ERR_BACKEND, "begin capture");
         mst_status rs = mst_stack_step(s, sch, n, 0);
         cudaError_t e = cudaStreamEndCapture(st, &g);
         if (rs != MST_OK) return rs;
-        if (e != cudaSuccess || cudaGraphInstantiate(&ge, g, 0) != cudaSuccess)
-            return mst_set_error(MST_ERR_BACKEND, "graph capture of a step: %s", cudaGetErrorString(e));
-        cudaEventCreate(&e0);
-        cudaEventCreate(&e1);
-        for (int i = 0; i <= iters; i++) { /* the first replay warms up */
-            cudaEventRecord(e0, st);
-            cudaGraphLaunch(ge, st);
-            cudaEventRecord(e1, st);
-            if ((e = cudaEventSynchronize(e1)) != cudaSuccess)
-                return mst_set_error(MST_ERR_BACKEND, "step replay: %s", cudaGetErrorString(e));
-            float f;
-            cudaEventElapsedTime(&f, e0, e1);
-            if (i) t[i - 1] = f;
-        }
-        cudaEventDestroy(e0), cudaEventDestroy(e1);
-        cudaGraphExecDestroy(ge), cudaGraphDestroy(g);
-        qsort(t, (size_t)iters, sizeof t[0], cmp_double);
-        *ms = t[iters / 2];
-        return MST_OK;
+        if (e == cudaSuccess) e = cudaGraphInstantiate(&ge, g, 0);
+        if (e != cudaSuccess) return mst_set_error(MST_ERR_BACKEND, "graph of a step: %s", cudaGetErrorString(e));
+        cudaGraphDestroy(g);
+        run->exec = ge;
     }
 #endif
-    for (int i = 0; i < iters; i++) {
-        double t0 = now_ms();
-        MST_TRY(mst_stack_step(s, sch, n, 0));
-        MST_TRY(mst_ctx_sync(ctx));
-        t[i] = now_ms() - t0;
-    }
-    qsort(t, (size_t)iters, sizeof t[0], cmp_double);
-    *ms = t[iters / 2];
     return MST_OK;
 }
 
-static mst_status run_policy(mst_ctx_t* ctx, mst_stack* s, const mst_sched_entry* sch, int32_t n,
-                             const step_shape* sh, const step_case* c, step_result* r) {
-    memset(r, 0, sizeof *r);
-    r->c = c;
-    mst_memmgr_config mc = {sh->layers, sh->micro, 1, s->max_rows, sh->hidden, sh->ffn, sch, n, 64,
-                            c->dev_factor, c->host_factor};
-    MST_TRY(mst_memmgr_create(ctx, &mc, &s->mm));
-    mst_status st = mst_memmgr_set_policy_spec(s->mm, c->policy);
+/* One sized step of run: a graph replay on CUDA, an eager step on the CPU;
+ * *ms its time. */
+static mst_status replay(mst_ctx_t* ctx, mst_stack* s, const mst_sched_entry* sch, int32_t n,
+                         const step_run* run, double* ms) {
+#ifdef MST_HAVE_CUDA
+    if (run->exec) {
+        cudaStream_t st = (cudaStream_t)mst_ctx_stream(ctx);
+        cudaEvent_t e0, e1;
+        cudaEventCreate(&e0);
+        cudaEventCreate(&e1);
+        cudaEventRecord(e0, st);
+        cudaGraphLaunch((cudaGraphExec_t)run->exec, st);
+        cudaEventRecord(e1, st);
+        cudaError_t e = cudaEventSynchronize(e1);
+        float f = 0;
+        if (e == cudaSuccess) cudaEventElapsedTime(&f, e0, e1);
+        cudaEventDestroy(e0), cudaEventDestroy(e1);
+        if (e != cudaSuccess) return mst_set_error(MST_ERR_BACKEND, "step replay: %s", cudaGetErrorString(e));
+        *ms = f;
+        return MST_OK;
+    }
+#endif
+    s->mm = run->mm;
     double t0 = now_ms();
-    if (st == MST_OK) st = mst_stack_step(s, sch, n, 1);
-    if (st == MST_OK) st = mst_ctx_sync(ctx);
-    r->exact_ms = now_ms() - t0;
-    if (st == MST_OK) st = mst_memmgr_step_check(s->mm);
-    if (st == MST_OK) st = timed_steps(ctx, s, sch, n, mst_ctx_backend(ctx) == MST_BACKEND_CUDA ? 5 : 3, &r->step_ms);
-    if (st == MST_OK) st = mst_memmgr_step_check(s->mm);
-    if (st == MST_OK) st = mst_memmgr_check(s->mm);
-    if (st == MST_OK) st = mst_mem_report(s->mm, &r->rep);
-    r->hash = 0xcbf29ce484222325ull;
-    if (st == MST_OK) st = hash_buffer(ctx, s->gbuf, s->gbuf_bytes, &r->hash);
-    for (int32_t i = 0; i < sh->layers * sh->micro && st == MST_OK; i++) /* rows past n stay as created */
-        st = hash_buffer(ctx, s->dprobs[i].data, (size_t)sh->rows * 4, &r->hash);
+    MST_TRY(mst_stack_step(s, sch, n, 0));
+    MST_TRY(mst_ctx_sync(ctx));
+    *ms = now_ms() - t0;
+    return MST_OK;
+}
+
+/* One more step of run, then the hash of what it left: main_grads, dprobs. */
+static mst_status hash_step(mst_ctx_t* ctx, mst_stack* s, const mst_sched_entry* sch, int32_t n,
+                            const step_shape* sh, const step_run* run, uint64_t* h) {
+    double ms;
+    MST_TRY(replay(ctx, s, sch, n, run, &ms));
+    *h = 0xcbf29ce484222325ull;
+    MST_TRY(hash_buffer(ctx, s->gbuf, s->gbuf_bytes, h));
+    for (int32_t i = 0; i < sh->layers * sh->micro; i++) /* rows past n stay as created */
+        MST_TRY(hash_buffer(ctx, s->dprobs[i].data, (size_t)sh->rows * 4, h));
+    return MST_OK;
+}
+
+/* The manager's checks after its replays (no overflow, no page leaked), its
+ * memory report; then the run is freed. */
+static mst_status finish_case(mst_stack* s, step_run* run, step_result* r) {
+    mst_status st = mst_memmgr_step_check(run->mm);
+    if (st == MST_OK) st = mst_memmgr_check(run->mm);
+    if (st == MST_OK) st = mst_mem_report(run->mm, &r->rep);
     r->act_bytes = r->rep.kept_bytes + r->rep.compute_bytes + r->rep.dev_pages_bytes;
     r->pages_peak = r->rep.dev_pages_peak_bytes + r->rep.host_pages_peak_bytes;
-    mst_memmgr_destroy(s->mm);
+#ifdef MST_HAVE_CUDA
+    if (run->exec) cudaGraphExecDestroy((cudaGraphExec_t)run->exec);
+#endif
+    mst_memmgr_destroy(run->mm);
+    memset(run, 0, sizeof *run);
     s->mm = NULL;
     return st;
+}
+
+/* Steps of case c timed against KEEP's: KEEP and c replayed in turn,
+ * `rounds` times after one warm-up each, so that both see the same clocks
+ * and temperature. r->step_ms and r->keep_ms are the medians; KEEP's times
+ * are also added to keep_t[*n_keep]. */
+static mst_status time_pair(mst_ctx_t* ctx, mst_stack* s, const mst_sched_entry* sch, int32_t n,
+                            const step_run* keep, const step_run* run, int rounds, step_result* r,
+                            double* keep_t, int* n_keep) {
+    double tc[16], tk[16], ms;
+    MST_TRY(replay(ctx, s, sch, n, keep, &ms));
+    MST_TRY(replay(ctx, s, sch, n, run, &ms));
+    for (int i = 0; i < rounds; i++) {
+        MST_TRY(replay(ctx, s, sch, n, keep, &tk[i]));
+        MST_TRY(replay(ctx, s, sch, n, run, &tc[i]));
+        keep_t[(*n_keep)++] = tk[i];
+    }
+    qsort(tk, (size_t)rounds, sizeof tk[0], cmp_double);
+    qsort(tc, (size_t)rounds, sizeof tc[0], cmp_double);
+    r->keep_ms = tk[rounds / 2];
+    r->step_ms = tc[rounds / 2];
+    return MST_OK;
 }
 
 /* Pinned host <-> device copy roof, GB/s of one direction each. */
@@ -225,11 +277,11 @@ static void write_json(const char* path, const step_shape* sh, const step_result
             sh->stages, d2h, h2d);
     for (int i = 0, k = 0; i < n; i++)
         if (r[i].c) /* a case that ran */
-            fprintf(f, "%s{\"policy\": \"%s\", \"dev_factor\": %.2f, \"host_factor\": %.2f, \"step_ms\": %.3f, \"exact_step_ms\": %.3f, \"act_bytes\": %zu, "
+            fprintf(f, "%s{\"policy\": \"%s\", \"dev_factor\": %.2f, \"host_factor\": %.2f, \"step_ms\": %.3f, \"keep_ms_beside\": %.3f, \"exact_step_ms\": %.3f, \"act_bytes\": %zu, "
                    "\"kept_bytes\": %zu, \"compute_bytes\": %zu, \"dev_pages_bytes\": %zu, \"dev_pages_peak_bytes\": %zu, "
                    "\"host_pages_bytes\": %zu, \"host_pages_peak_bytes\": %zu, \"exact_bytes\": %zu, "
                    "\"static_keep_bytes\": %zu, \"bit_identical_to_keep\": %s}",
-                k++ ? ", " : "", r[i].c->policy, r[i].c->dev_factor, r[i].c->host_factor, r[i].step_ms, r[i].exact_ms, r[i].act_bytes, r[i].rep.kept_bytes,
+                k++ ? ", " : "", r[i].c->policy, r[i].c->dev_factor, r[i].c->host_factor, r[i].step_ms, r[i].keep_ms, r[i].exact_ms, r[i].act_bytes, r[i].rep.kept_bytes,
                 r[i].rep.compute_bytes, r[i].rep.dev_pages_bytes, r[i].rep.dev_pages_peak_bytes,
                 r[i].rep.host_pages_bytes, r[i].rep.host_pages_peak_bytes, r[i].rep.exact_bytes,
                 r[i].rep.static_keep_bytes, r[i].hash == r[0].hash ? "true" : "false");
@@ -269,7 +321,7 @@ int mst_bench_step(int argc, char** argv) {
     printf("bench step on %s\n", mst_ctx_describe(ctx));
     mst_mlp_config mlp = mst_mlp_config_default(sh->E, sh->hidden, sh->ffn);
     int64_t R = sh->rows * 3 / 2;
-    mst_stack s;
+    mst_stack s = {0};
     mst_schedule_config sc = {MST_SCHEDULE_1F1B, sh->stages, 0, sh->micro, 1};
     int32_t n = 2 * sh->micro;
     mst_sched_entry sch[64];
@@ -279,19 +331,39 @@ int mst_bench_step(int argc, char** argv) {
     mst_status st = mst_schedule_make(&sc, sch, n);
     if (st == MST_OK) st = mst_stack_create(ctx, &mlp, sh->layers, sh->micro, 1, R, 7, &s);
     if (st == MST_OK) st = mst_stack_route(&s, counts, 9);
-    enum { NP = N_CASES };
+    enum { NP = N_CASES, ROUNDS_MAX = 16 };
+    const int rounds = kind == MST_BACKEND_CUDA ? 7 : 3;
     step_result r[NP];
+    step_run keep = {0}, cur = {0};
+    double keep_t[NP * ROUNDS_MAX];
+    int n_keep = 0;
     memset(r, 0, sizeof r);
-    for (int i = 0; i < NP && st == MST_OK; i++) {
+    if (st == MST_OK) st = prepare_case(ctx, &s, sch, n, sh, &cases[CASE_KEEP], &r[0], &keep);
+    if (st == MST_OK) st = hash_step(ctx, &s, sch, n, sh, &keep, &r[0].hash);
+    for (int i = 1; i < NP && st == MST_OK; i++) {
         if (!run[i]) continue;
-        st = run_policy(ctx, &s, sch, n, sh, &cases[i], &r[i]);
+        st = prepare_case(ctx, &s, sch, n, sh, &cases[i], &r[i], &cur);
+        if (st == MST_OK) st = time_pair(ctx, &s, sch, n, &keep, &cur, rounds, &r[i], keep_t, &n_keep);
+        if (st == MST_OK) st = hash_step(ctx, &s, sch, n, sh, &cur, &r[i].hash);
+        mst_status fs = cur.mm ? finish_case(&s, &cur, &r[i]) : MST_OK;
+        if (st == MST_OK) st = fs;
         if (st == MST_OK)
-            printf("  %-62s dev %.2f host %.2f  step %9.2f ms  exact-shape step %9.2f ms  activations %7.3f GiB  %s\n",
-                   cases[i].policy, cases[i].dev_factor, cases[i].host_factor, r[i].step_ms, r[i].exact_ms,
-                   gib(r[i].act_bytes), r[i].hash == r[0].hash ? "bit-identical" : "DIFFERS");
+            printf("  %-62s dev %.2f host %.2f  step %9.2f ms (keep beside it %9.2f ms: %.3fx)  exact-shape step %9.2f ms  "
+                   "activations %7.3f GiB  %s\n", cases[i].policy, cases[i].dev_factor, cases[i].host_factor,
+                   r[i].step_ms, r[i].keep_ms, r[i].step_ms / r[i].keep_ms, r[i].exact_ms, gib(r[i].act_bytes),
+                   r[i].hash == r[0].hash ? "bit-identical" : "DIFFERS");
+    }
+    if (keep.mm) {
+        mst_status fs = finish_case(&s, &keep, &r[0]);
+        if (st == MST_OK) st = fs;
+    }
+    if (st == MST_OK) { /* KEEP: the median of all its replays */
+        qsort(keep_t, (size_t)n_keep, sizeof keep_t[0], cmp_double);
+        r[0].step_ms = r[0].keep_ms = keep_t[n_keep / 2];
     }
     if (st != MST_OK) {
         fprintf(stderr, "bench step: %s\n", mst_last_error());
+        mst_stack_destroy(&s);
         mst_ctx_destroy(ctx);
         free(counts);
         return 1;
@@ -310,7 +382,7 @@ int mst_bench_step(int argc, char** argv) {
            "vs keep", "pages pk");
     for (int i = 0; i < NP; i++)
         if (run[i]) printf("%-11.11s %9.2f %8.3fx %12.3f %9.3fx %9.3fx %10.3f\n", cases[i].label, r[i].step_ms,
-               r[i].step_ms / r[0].step_ms, gib(r[i].act_bytes), (double)r[i].act_bytes / exact,
+               r[i].step_ms / r[i].keep_ms, gib(r[i].act_bytes), (double)r[i].act_bytes / exact,
                (double)r[i].act_bytes / r[0].act_bytes, gib(r[i].pages_peak));
     if (d2h > 0 && run[CASE_OFFLOAD]) { /* OFFLOAD moves each saved byte out and back within its step */
         const step_result* o = &r[CASE_OFFLOAD];
@@ -322,7 +394,7 @@ int mst_bench_step(int argc, char** argv) {
     for (int i = CASE_STASH; i <= CASE_STASH_SPILL; i++)
         if (run[i]) printf("targets, stash dev %.2f host %.2f: act <= 1.10x exact (%.3fx) and <= 0.75x keep (%.3fx); "
                "step <= 1.05x keep (%.3fx)\n", cases[i].dev_factor, cases[i].host_factor,
-               (double)r[i].act_bytes / exact, (double)r[i].act_bytes / r[0].act_bytes, r[i].step_ms / r[0].step_ms);
+               (double)r[i].act_bytes / exact, (double)r[i].act_bytes / r[0].act_bytes, r[i].step_ms / r[i].keep_ms);
     printf("all policies bit-identical to keep: %s\n", same ? "yes" : "NO");
     if (json) write_json(json, sh, r, NP, d2h, h2d, mst_ctx_describe(ctx));
     mst_stack_destroy(&s);

@@ -111,6 +111,46 @@ static void expect_fp32(mst_ctx_t* ctx, const mst_guarded* g, const double* ref,
  * rows that the Hopper kernel cannot read go through a gather) gives the bits of
  * the same call on x in memory (acc, acc_b); a paged x is refused where it
  * cannot be read (DEFERRED, any other argument). */
+/* A page id past its block (device or host bit) reads as a page of zeros:
+ * wgrad over the paged x with table entry j made bad equals wgrad over x in
+ * memory with the rows of page j zeroed, bit for bit. The entry is put back. */
+static void bad_page_id(mst_ctx_t* ctx, mst_rng* rng, const gl_case* c, const mst_tensor* x, const mst_tensor* xp,
+                        const mst_tensor* dy, const mst_tensor* ps, const mst_tensor* counts, mst_guarded* gmw,
+                        const float* g0) {
+    const mst_pages* pg = xp->pages;
+    const int64_t used = (c->total + pg->page_rows - 1) / pg->page_rows, R = c->R, I = c->I;
+    if (used == 0) return;
+    const int64_t j = (int64_t)(mst_rng_next(rng) % (uint64_t)used);
+    const uint32_t host = (uint32_t)(mst_rng_next(rng) % 2);
+    const uint32_t bad = host << 31 | (uint32_t)(pg->n_pages[host] + mst_rng_next(rng) % 3);
+    uint16_t* hx = (uint16_t*)malloc((size_t)(2 * R * I));
+    CHECK_OK(mst_copy_b2h(ctx, hx, x->data, (size_t)(2 * R * I)));
+    const int64_t r1 = (j + 1) * pg->page_rows < R ? (j + 1) * pg->page_rows : R;
+    memset(hx + j * pg->page_rows * I, 0, (size_t)(2 * (r1 - j * pg->page_rows) * I));
+    mst_guarded gxz = mst_guarded_alloc(ctx, (size_t)(2 * R * I));
+    mst_guarded_put(ctx, &gxz, hx);
+    mst_tensor xz = mst_tensor_make(gxz.data, MST_DTYPE_BF16, R, I);
+    mst_tensor mw = mst_tensor_make(gmw->data, MST_DTYPE_FP32, c->E * c->O, I);
+    float* want = (float*)malloc(gmw->n_bytes);
+    float* got = (float*)malloc(gmw->n_bytes);
+    mst_guarded_put(ctx, gmw, g0);
+    CHECK_OK(mst_grouped_linear_wgrad(ctx, dy, &xz, ps, NULL, counts, &mw, NULL, NULL, MST_WGRAD_ACCUMULATE));
+    mst_guarded_get(ctx, gmw, want);
+    uint32_t good;
+    CHECK_OK(mst_copy_b2h(ctx, &good, pg->table + j, 4));
+    CHECK_OK(mst_copy_h2b(ctx, (uint32_t*)pg->table + j, &bad, 4));
+    mst_guarded_put(ctx, gmw, g0);
+    CHECK_OK(mst_grouped_linear_wgrad(ctx, dy, xp, ps, NULL, counts, &mw, NULL, NULL, MST_WGRAD_ACCUMULATE));
+    CHECK_OK(mst_ctx_check(ctx));
+    mst_guarded_get(ctx, gmw, got);
+    CHECK(mst_first_diff(got, want, gmw->n_bytes) < 0, "page id 0x%08x (page %lld of the table) past its block: "
+          "wgrad differs from x with those rows zeroed", bad, (long long)j);
+    CHECK(mst_guarded_intact(ctx, gmw), "bad page id: guard bytes overwritten");
+    CHECK_OK(mst_copy_h2b(ctx, (uint32_t*)pg->table + j, &good, 4));
+    mst_guarded_free(ctx, &gxz);
+    free(hx), free(want), free(got);
+}
+
 static void paged_x_wgrad(mst_ctx_t* ctx, mst_rng* rng, const gl_case* c, const mst_tensor* x,
                           const mst_tensor* dy, const mst_tensor* ps, const mst_tensor* counts,
                           mst_guarded* gmw, mst_guarded* gmb, mst_tensor* pmb, const float* g0,
@@ -157,6 +197,7 @@ static void paged_x_wgrad(mst_ctx_t* ctx, mst_rng* rng, const gl_case* c, const 
     CHECK_STATUS(mst_grouped_linear_wgrad(ctx, &xp, x, ps, NULL, counts, &mw, pmb, NULL, MST_WGRAD_ACCUMULATE),
                  MST_ERR_INVALID); /* a paged dy */
     CHECK(strstr(mst_last_error(), "paged") != NULL, "message says paged: %s", mst_last_error());
+    bad_page_id(ctx, rng, c, x, &xp, dy, ps, counts, gmw, g0);
     CHECK_OK(mst_stash_restore_return(pool, h));
     CHECK_OK(mst_pool_check(pool));
     mst_stash_handle_destroy(h);

@@ -64,6 +64,7 @@ typedef struct gg_paged {
     int32_t page_shift;    /* log2 of the page rows, a power of 2 >= GG_K_ALIGN */
     int32_t table_pages;   /* entries of the table                         */
     int32_t n_pages[2];    /* pages of the device and the host block       */
+    int32_t map_pages[2];  /* pages of the map each block reads through (a block without pages has the other's) */
 } gg_paged;
 
 /* One output tile of the schedule, decoded. */

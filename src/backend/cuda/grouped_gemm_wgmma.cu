@@ -173,13 +173,14 @@ __device__ __forceinline__ uint32_t lookup_page(const gg_paged& pg, int r0) {
 
 /* The k-block of x rows [r0, + BK) (inside page `id`) x cols [n0, + BN)
  * into the B stage sb, from the device or the host block (each mapped as
- * [pages][page_rows][I]); an id past its block loads zeros (a page
- * coordinate outside the map). */
+ * [pages][page_rows][I]); an id past its block loads zeros (the box one
+ * page past the end of the map: wholly out of bounds, as rows past
+ * max_rows are). */
 __device__ __forceinline__ void load_paged(uint8_t* sb, const CUtensorMap* mbd, const CUtensorMap* mbh,
                                            const gg_paged& pg, uint32_t id, int r0, int n0, uint64_t* full) {
     const int host = (int)(id >> 31);
     const uint32_t i = id & 0x7fffffffu;
-    const int page = i < (uint32_t)(host ? pg.n_pages[1] : pg.n_pages[0]) ? (int)i : INT32_MAX;
+    const int page = i < (uint32_t)pg.n_pages[host] ? (int)i : pg.map_pages[host];
     const int row = (int)((uint32_t)r0 & ((1u << pg.page_shift) - 1));
     const CUtensorMap* m = host ? mbh : mbd;
 #pragma unroll
@@ -543,6 +544,7 @@ mst_status make_paged(const gg_problem* p, const mst_pages* x, CUtensorMap* mbd,
     pg->table_pages = (int32_t)(x->table_rows / x->page_rows);
     pg->n_pages[0] = (int32_t)x->n_pages[0];
     pg->n_pages[1] = (int32_t)x->n_pages[1];
+    for (int b = 0; b < 2; b++) pg->map_pages[b] = pg->n_pages[pg->n_pages[b] > 0 ? b : 1 - b];
     return MST_OK;
 }
 
