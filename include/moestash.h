@@ -218,6 +218,11 @@ typedef struct mst_saver {
      * the fetched data is still read by mst_wgrad_flush(): keep it valid
      * until the flush. */
     mst_status (*release)(void* self, mst_saved_name name);
+    /* Forward, optional (NULL: never), before the producer of `name` runs:
+     * pages (out->table set) that the producer writes the saved rows into
+     * besides its output, so that commit copies nothing; out->table NULL:
+     * the saver does not take the tensor that way. */
+    mst_status (*claim)(void* self, mst_saved_name name, const mst_tensor* counts, mst_pages* out);
 } mst_saver;
 
 /* The basic saver: KEEP for every name, RECOMPUTE for fc2_input only; STASH
@@ -393,6 +398,12 @@ void mst_stash_handle_destroy(mst_stash_handle_t* h);
  * larger) is an overflow: flagged on the device like too few pages. */
 mst_status mst_stash_save(mst_pool_t* pool, mst_stash_handle_t* h, const mst_tensor* src,
                           const mst_tensor* counts);
+/* A save without the copy: takes and tables the pages for rows
+ * [0, sum(counts)) of a [rows, W] tensor that its producer then writes into
+ * them itself (mst_stash_handle_pages). Overflow and bad counts as a save;
+ * after an overflow the producer's writes go nowhere (the table is not the
+ * handle's): the step is rerun. */
+mst_status mst_stash_claim(mst_pool_t* pool, mst_stash_handle_t* h, int64_t rows, const mst_tensor* counts);
 /* dst [R, W] with R >= the handle's max_rows: copies the saved rows back into
  * rows [0, n) (rows past n untouched) and returns the pages to their rings. */
 mst_status mst_stash_restore(mst_pool_t* pool, mst_stash_handle_t* h, mst_tensor* dst);

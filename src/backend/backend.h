@@ -78,6 +78,8 @@ typedef struct mst_act_args {
                                pages (a stashed act_input read in place)      */
     const float* probs;     /* [R] fp32 router prob p                         */
     uint16_t* z;            /* [R, F] bf16 out (forward)                      */
+    mst_pages h_out, z_out; /* forward, table NULL: none; else h and z are also
+                               written into these pages (claimed stashes)      */
     const uint16_t* dz;     /* [R, F] bf16 in (backward)                      */
     uint16_t* dh;           /* [R, 2F] bf16 out (backward)                    */
     float* dprobs;          /* [R] fp32 out (backward): dz . act(h) (+ dy . b2[g]) */
@@ -87,6 +89,11 @@ typedef struct mst_act_args {
     float limit;            /* L (clamped)                                    */
     float alpha;            /* sigmoid slope (clamped)                        */
 } mst_act_args;
+
+/* Row r of a paged tensor the op writes (mst_paged_row); NULL: not written. */
+MST_HD uint16_t* mst_paged_out_row(const mst_pages* pg, int64_t r, int64_t row_bytes) {
+    return pg->table ? (uint16_t*)mst_paged_row(pg, r, row_bytes) : 0;
+}
 
 /* Row r of h [2F]: in memory or in its page; NULL: a row that reads as zeros. */
 MST_HD const uint16_t* mst_act_h_row(const mst_act_args* a, int64_t r) {

@@ -117,10 +117,14 @@ static mst_status act_dispatch(mst_ctx_t* ctx, mst_status (*op)(mst_ctx_t*, cons
 }
 
 /* z = act(h) * p: the forward, and the recompute of fc2_input in backward. */
+/* z = act(h) * p; h and z also into the pages of h_out / z_out (claimed). */
 static mst_status act_forward(mst_ctx_t* ctx, const mst_mlp_config* cfg, const mst_tensor* h,
-                              const mst_tensor* probs, const mst_tensor* counts, mst_tensor* z) {
+                              const mst_tensor* probs, const mst_tensor* counts, const mst_pages* h_out,
+                              const mst_pages* z_out, mst_tensor* z) {
     mst_act_args a = act_args(cfg, counts, h, probs);
     a.z = (uint16_t*)z->data;
+    a.h_out = *h_out;
+    a.z_out = *z_out;
     return act_dispatch(ctx, ctx->be->act_forward, &a, "activation forward");
 }
 
@@ -171,13 +175,18 @@ mst_status mst_grouped_mlp_forward(mst_ctx_t* ctx, const mst_mlp_config* cfg,
     MST_TRY(check_like(y, "y", MST_DTYPE_BF16, R, cfg->hidden));
 
     mst_tensor h, z;
+    mst_pages h_out = {0}, z_out = {0}; /* the activation writes h and z into these too */
     MST_TRY(produce(saver, cfg, MST_SAVED_ACT_INPUT, R, &h));
     MST_TRY(produce(saver, cfg, MST_SAVED_FC2_INPUT, R, &z));
+    if (saver->claim) {
+        MST_TRY(saver->claim(saver->self, MST_SAVED_ACT_INPUT, counts, &h_out));
+        MST_TRY(saver->claim(saver->self, MST_SAVED_FC2_INPUT, counts, &z_out));
+    }
     MST_TRY(saver->commit(saver->self, MST_SAVED_FC1_INPUT, x, counts));
     MST_TRY(saver->commit(saver->self, MST_SAVED_PROBS, probs, counts));
     MST_TRY(mst_grouped_linear_forward(ctx, x, &w->w1, &w->b1, NULL, counts, &h));
     MST_TRY(saver->commit(saver->self, MST_SAVED_ACT_INPUT, &h, counts));
-    MST_TRY(act_forward(ctx, cfg, &h, probs, counts, &z));
+    MST_TRY(act_forward(ctx, cfg, &h, probs, counts, &h_out, &z_out, &z));
     MST_TRY(saver->commit(saver->self, MST_SAVED_FC2_INPUT, &z, counts));
     return mst_grouped_linear_forward(ctx, &z, &w->w2, &w->b2, probs, counts, y);
 }
@@ -238,7 +247,8 @@ static mst_status fetch_all(mst_ctx_t* ctx, const mst_mlp_config* cfg, const mst
     MST_TRY(fetch(s, cfg, MST_SAVED_PROBS, R, &v->p));
     if (v->z.data) return MST_OK;
     MST_TRY(scratch(ctx, MST_WS_MLP_C, R, cfg->ffn, &v->z));
-    return act_forward(ctx, cfg, &v->h, &v->p, counts, &v->z); /* same kernel, same bits */
+    const mst_pages none = {0};
+    return act_forward(ctx, cfg, &v->h, &v->p, counts, &none, &none, &v->z); /* same kernel, same bits */
 }
 
 mst_status mst_grouped_mlp_backward(mst_ctx_t* ctx, const mst_mlp_config* cfg,

@@ -163,7 +163,7 @@ mst_status mst_saver_basic_create(mst_ctx_t* ctx, int64_t max_rows,
     mst_saver_basic_t* s = (mst_saver_basic_t*)calloc(1, sizeof *s);
     if (!s) return mst_set_error(MST_ERR_OOM, "basic saver");
     s->ctx = ctx;
-    s->saver = (mst_saver){s, basic_produce, basic_commit, basic_fetch, basic_release};
+    s->saver = (mst_saver){s, basic_produce, basic_commit, basic_fetch, basic_release, NULL};
     for (int n = 0; n < MST_N_SAVED; n++) {
         int64_t cols;
         mst_dtype dt;

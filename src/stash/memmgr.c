@@ -60,6 +60,7 @@ typedef struct slot {            /* one saved tensor of (layer, mb, name)       
     void* saved_ev;               /* STASH / OFFLOAD: event, its save finished     */
     int64_t n_rows;               /* rows saved (host-known in a measuring step)  */
     int in_compute;               /* stash skipped: still in the compute buffer   */
+    int claimed;                  /* claimed, its producer writes the pages; until commit */
     mst_pages pages;              /* read in place: the view fetch handed out     */
     int restore_idx;              /* restore buffer holding it, or -1             */
     int saved;                    /* 1 between commit and release                 */
@@ -189,6 +190,9 @@ typedef mst_status (*side_op)(mst_pool_t* p, mst_stash_handle_t* h, mst_tensor* 
                               const mst_tensor* counts);
 static mst_status op_stash(mst_pool_t* p, mst_stash_handle_t* h, mst_tensor* t, const mst_tensor* c) {
     return mst_stash_save(p, h, t, c);
+}
+static mst_status op_claim(mst_pool_t* p, mst_stash_handle_t* h, mst_tensor* t, const mst_tensor* c) {
+    return mst_stash_claim(p, h, t->rows, c);
 }
 static mst_status op_restore_copy(mst_pool_t* p, mst_stash_handle_t* h, mst_tensor* t, const mst_tensor* c) {
     (void)c;
@@ -655,6 +659,10 @@ static mst_status sv_commit(void* self, mst_saved_name n, const mst_tensor* src,
         MST_TRY(alloc_tensor(m, n, &s->keep, &m->rep.kept_bytes));
         return s->keep.data == src->data ? MST_OK : mst_copy_b2b(m->ctx, s->keep.data, src->data, buf_bytes(m, n));
     }
+    if (s->claimed) { /* its producer writes the pages (sv_claim): nothing to copy */
+        s->claimed = 0;
+        return MST_OK;
+    }
     int from_compute = src->data == m->bufs[n].compute.data;
     if (from_compute && backward_follows(m, r->layer, r->mb)) { /* no stash: used right away */
         s->in_compute = 1;
@@ -760,6 +768,31 @@ static mst_status sv_fetch(void* self, mst_saved_name n, mst_tensor* out) {
     return MST_OK;
 }
 
+/* A stashed tensor read in place, claimed before its producer runs: the
+ * claim (a save without the copy) takes its pages on the ring stream, in
+ * order with the pool's other ring updates, main waits for it, and the
+ * producer writes the rows into the pages besides its output; the commit
+ * then copies nothing. */
+static mst_status sv_claim(void* self, mst_saved_name n, const mst_tensor* counts, mst_pages* out) {
+    saver_ref* r = (saver_ref*)self;
+    mst_memmgr_t* m = r->m;
+    memset(out, 0, sizeof *out);
+    if ((int)n < 0 || n >= MST_N_SAVED) return mst_set_error(MST_ERR_INVALID, "name = %d", (int)n);
+    if (r->mode != MODE_FWD || !in_place(m, r->layer, n) || backward_follows(m, r->layer, r->mb)) return MST_OK;
+    slot* s = slot_of(m, r->layer, r->mb, n);
+    if (s->saved || s->claimed)
+        return mst_set_error(MST_ERR_STATE, "%s of (layer %d, mb %d) claimed after its commit or twice",
+                             mst_saved_name_str(n), r->layer, r->mb);
+    MST_TRY(ensure_compute(m, n));
+    mst_tensor t = m->bufs[n].compute; /* [R, cols]: counts past R are bad counts, as in a save */
+    MST_TRY(on_side(m, MST_SIDE_RING, NULL, op_claim, m->pool[n][kind_of(MST_POLICY_STASH)], s->handle, &t, counts));
+    MST_TRY(ev_record(m, s->saved_ev, MST_SIDE_RING));
+    MST_TRY(ev_wait(m, s->saved_ev, ON_MAIN));
+    MST_TRY(mst_stash_handle_pages(s->handle, out));
+    s->claimed = 1;
+    return MST_OK;
+}
+
 static mst_status sv_release(void* self, mst_saved_name n) {
     saver_ref* r = (saver_ref*)self;
     mst_memmgr_t* m = r->m;
@@ -797,7 +830,7 @@ static const mst_saver* saver_for(mst_memmgr_t* m, int32_t l, int32_t mb, int mo
     r->layer = l;
     r->mb = mb;
     r->mode = mode;
-    r->saver = (mst_saver){r, sv_produce, sv_commit, sv_fetch, sv_release};
+    r->saver = (mst_saver){r, sv_produce, sv_commit, sv_fetch, sv_release, sv_claim};
     return &r->saver;
 }
 

@@ -363,9 +363,9 @@ static mst_stash_args handle_args(const mst_pool_t* pool, const mst_stash_handle
     return a;
 }
 
-mst_status mst_stash_save(mst_pool_t* pool, mst_stash_handle_t* h, const mst_tensor* src,
+/* A save of rows [0, sum(counts)) of src [src_rows, W]; src NULL: a claim. */
+static mst_status reserve(mst_pool_t* pool, mst_stash_handle_t* h, const char* src, int64_t src_rows,
                           const mst_tensor* counts) {
-    MST_TRY(check_rows(pool, h, src, "src"));
     MST_TRY(mst_check_tensor(counts, "counts", MST_DTYPE_INT32));
     if (counts->cols != 1 || counts->rows > INT32_MAX)
         return mst_set_error(MST_ERR_INVALID, "counts has shape [%lld, %lld], expected [E, 1]",
@@ -373,9 +373,21 @@ mst_status mst_stash_save(mst_pool_t* pool, mst_stash_handle_t* h, const mst_ten
     mst_stash_args a = handle_args(pool, h);
     a.counts = (const int32_t*)counts->data;
     a.n_groups = (int32_t)counts->rows;
-    a.src_rows = src->rows;
-    a.src = (const char*)src->data;
+    a.src_rows = src_rows;
+    a.src = src;
     return pool->ctx->be->stash_save(pool->ctx, &a);
+}
+
+mst_status mst_stash_save(mst_pool_t* pool, mst_stash_handle_t* h, const mst_tensor* src,
+                          const mst_tensor* counts) {
+    MST_TRY(check_rows(pool, h, src, "src"));
+    return reserve(pool, h, (const char*)src->data, src->rows, counts);
+}
+
+mst_status mst_stash_claim(mst_pool_t* pool, mst_stash_handle_t* h, int64_t rows, const mst_tensor* counts) {
+    MST_TRY(check_rows(pool, h, NULL, NULL));
+    if (rows < 0) return mst_set_error(MST_ERR_INVALID, "rows = %lld: expected >= 0", (long long)rows);
+    return reserve(pool, h, NULL, rows, counts);
 }
 
 /* One restore call: part MST_RESTORE_* (dst unused for MST_RESTORE_RETURN). */

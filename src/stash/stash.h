@@ -80,7 +80,9 @@ typedef struct mst_stash_args {
     const int32_t* counts;       /* [E] backend memory (save)                     */
     int32_t n_groups;            /* E (save)                                      */
     int64_t src_rows;            /* R of src (save)                               */
-    const char* src;             /* [R, row_bytes] (save)                         */
+    const char* src;             /* [R, row_bytes] (save); NULL: a claim, the
+                                    pages are taken and tabled but nothing is
+                                    copied (the producer writes them)          */
     char* dst;                   /* [R, row_bytes] (restore)                      */
     int32_t* err_flag;           /* [1] the context's MST_FLAG_* bits             */
 } mst_stash_args;
@@ -255,6 +257,15 @@ MST_HD void mst_ring_move(uint32_t* const ring[MST_N_BLK], const int64_t cap[MST
             else t[i] = *slot;
         }
     }
+}
+
+/* A save that took no pages and leaves the handle VOID (skipped, overflow,
+ * bad counts): table entries i = start, start + stride, ... < max_pages made
+ * invalid, so that a claimed producer's writes go nowhere and in-place reads
+ * see zeros. */
+MST_HD void mst_table_void(const mst_plan* p, uint32_t* table, int64_t max_pages, int64_t start, int64_t stride) {
+    if (p->outcome == MST_RESERVE_TAKEN || p->outcome == MST_RESERVE_STATE) return;
+    for (int64_t i = start; i < max_pages; i += stride) table[i] = 0xffffffffu;
 }
 
 /* Reset of block b, entries i = start, start + stride, ...: ring[b][i] = id i. */

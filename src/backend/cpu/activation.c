@@ -6,6 +6,7 @@
  * neither read nor written.
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "../../core/context.h"
 #include "../activation_math.h"
@@ -35,6 +36,11 @@ mst_status mst_cpu_act_forward(mst_ctx_t* ctx, const mst_act_args* a) {
             float z0 = mst_act_value(q, h_value(h, c), h_value(h, F + c));
             a->z[r * F + c] = mst_fp32_to_bf16(z0 * a->probs[r]);
         }
+        uint16_t* ho = mst_paged_out_row(&a->h_out, r, 4 * F); /* [2F] claimed pages */
+        uint16_t* zo = mst_paged_out_row(&a->z_out, r, 2 * F); /* [F]              */
+        if (ho && h) memcpy(ho, h, (size_t)(4 * F));
+        else if (ho) memset(ho, 0, (size_t)(4 * F));
+        if (zo) memcpy(zo, a->z + r * F, (size_t)(2 * F));
     }
     free(off);
     return MST_OK;

@@ -59,9 +59,12 @@ mst_status mst_cpu_stash_save(mst_ctx_t* ctx, const mst_stash_args* a) {
     mst_plan p;
     mst_reserve_plan(a->st, a->hs, a->cap, a->page_rows, a->max_rows, counts_sum(a), &p);
     if (p.outcome == MST_RESERVE_TAKEN) mst_ring_move(a->ring, a->cap, p.pos, p.take, a->table, 0, 0, 1);
+    mst_table_void(&p, a->table, a->max_pages, 0, 1);
     mst_reserve_commit(a->st, a->hs, a->cap, &p, a->handle_id);
     switch (p.outcome) {
-    case MST_RESERVE_TAKEN: copy_pages(a, (char*)a->src, p.n, 1); return MST_OK;
+    case MST_RESERVE_TAKEN:
+        if (a->src) copy_pages(a, (char*)a->src, p.n, 1); /* else a claim */
+        return MST_OK;
     case MST_RESERVE_SKIPPED: return MST_OK;
     case MST_RESERVE_OVERFLOW:
         *ctx->err_flag |= MST_FLAG_OVERFLOW;

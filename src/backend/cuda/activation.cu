@@ -114,8 +114,10 @@ act_forward_kernel(const mst_act_args a, const mst_act_param q, int32_t* flag) {
     const int64_t F = a.ffn;
     for (int64_t r = (int64_t)blockIdx.x * ACT_WARPS + (threadIdx.x >> 5); r < n;
          r += (int64_t)gridDim.x * ACT_WARPS) {
-        const uint16_t* h = mst_act_h_row(&a, r); /* [2F] */
-        uint16_t* z = a.z + r * F;                /* [F]  */
+        const uint16_t* h = mst_act_h_row(&a, r);                /* [2F] */
+        uint16_t* z = a.z + r * F;                               /* [F]  */
+        uint16_t* ho = mst_paged_out_row(&a.h_out, r, 4 * F);    /* [2F] claimed pages, or NULL */
+        uint16_t* zo = mst_paged_out_row(&a.z_out, r, 2 * F);    /* [F]  */
         const float p = a.probs[r];
         for (int64_t c = lane * V; c < F; c += 32 * V) {
             float av[V], bv[V], zv[V];
@@ -124,6 +126,11 @@ act_forward_kernel(const mst_act_args a, const mst_act_param q, int32_t* flag) {
 #pragma unroll
             for (int i = 0; i < V; i++) zv[i] = mst_act_value(q, av[i], bv[i]) * p;
             store_bf16<V>(z + c, zv);
+            if (ho) { /* bf16 -> fp32 -> bf16 gives the same bits */
+                store_bf16<V>(ho + c, av);
+                store_bf16<V>(ho + F + c, bv);
+            }
+            if (zo) store_bf16<V>(zo + c, zv);
         }
     }
 }
@@ -178,11 +185,16 @@ act_backward_kernel(const mst_act_args a, const mst_act_param q, int32_t* flag) 
 
 static int aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
 
+/* Pages with 16-byte aligned blocks, or none. */
+static int pages16(const mst_pages* pg) {
+    return !pg->table || (aligned16(pg->block[0]) && aligned16(pg->block[1]));
+}
+
 /* 8-wide (16-byte) access needs every row start and base 16-byte aligned. */
 static int act_vec8(const mst_act_args* a) {
-    const int h_ok = a->h_pages.table ? aligned16(a->h_pages.block[0]) && aligned16(a->h_pages.block[1])
-                                      : aligned16(a->h);
-    int ok = a->ffn % 8 == 0 && h_ok && aligned16(a->z) && aligned16(a->dz) && aligned16(a->dh);
+    const int h_ok = a->h_pages.table ? pages16(&a->h_pages) : aligned16(a->h);
+    int ok = a->ffn % 8 == 0 && h_ok && pages16(&a->h_out) && pages16(&a->z_out) && aligned16(a->z) &&
+             aligned16(a->dz) && aligned16(a->dh);
     if (a->b2) ok = ok && a->hidden % 8 == 0 && aligned16(a->dy) && aligned16(a->b2);
     return ok;
 }

@@ -15,6 +15,8 @@
  *             empties the handle (mst_return_begin / end, one thread). A
  *             split restore is the copy kernel without the return, then a
  *             one-warp return kernel
+ *   claim   = a save without the copy (one warp): the producer writes the
+ *             pages itself
  *   reset   = one kernel refilling both rings and clearing the counters
  *
  * No block waits for another: a block counts itself as a reader once its
@@ -187,6 +189,16 @@ __device__ int64_t restore_rows(const mst_stash_args& a, page_return* r, uint32_
     return s_n;
 }
 
+/* This block's share of the page table (a save; invalid ids when it took
+ * none) or of the page return (a restore). */
+template <bool RESTORE>
+__device__ void table_share(const mst_stash_args& a, const mst_plan* plan, const page_return* ret) {
+    const int64_t i = blockIdx.x * blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+    mst_ring_move(a.ring, a.cap, RESTORE ? ret->pos : plan->pos, RESTORE ? ret->take : plan->take, a.table, RESTORE,
+                  i, stride);
+    if (!RESTORE) mst_table_void(plan, a.table, a.max_pages, i, stride);
+}
+
 /* Rows [0, n) between the contiguous rows (src of a save, dst of a restore)
  * and the handle's pages, as vectors of V: flat vector u of the rows is
  * vector u % vpp of page u / vpp (a save looks its id up in the rings, a
@@ -244,9 +256,7 @@ __global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
         for (int k = 0; k < kUnroll; k++)
             if (u0 + k * stride < n_vec) *to[k] = v[k];
     }
-    /* this block's share of the page table (save) or of the page return (restore) */
-    mst_ring_move(a.ring, a.cap, RESTORE ? s_ret.pos : s_plan.pos, RESTORE ? s_ret.take : s_plan.take, a.table,
-                  RESTORE, blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
+    table_share<RESTORE>(a, &s_plan, &s_ret);
     copy_end<RESTORE>(a, &s_plan, rows, n_vec * (uint32_t)sizeof(V), total, ticket);
 }
 
@@ -331,7 +341,8 @@ __device__ void bulk_run(const mst_stash_args& a, const bulk_pipe& q, const mst_
 
 /* The copy of copy_kernel by bulk copies, for 16-byte aligned rows whose
  * pages hold whole chunks: one warp per SM. A save issues the loads of its
- * first chunks of the source before its plan. */
+ * first chunks of the source before its plan. A claim (no src) is this
+ * kernel on one warp without the copy and without shared memory. */
 template <bool RESTORE>
 __global__ void __launch_bounds__(kWarpThreads, 1) bulk_kernel(mst_stash_args a) {
     extern __shared__ __align__(128) char slots[]; /* [kStages, kChunk] */
@@ -342,7 +353,7 @@ __global__ void __launch_bounds__(kWarpThreads, 1) bulk_kernel(mst_stash_args a)
     const bulk_pipe q = {slots, bars};
     const uint32_t page_bytes = (uint32_t)(a.page_rows * a.row_bytes);
     char* rows = RESTORE ? a.dst : (char*)a.src;
-    const bool lead = threadIdx.x == 0;
+    const bool lead = threadIdx.x == 0, claim = !RESTORE && !a.src; /* a claim copies nothing */
     if (lead) {
         for (int i = 0; i < kStages; i++) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[i])));
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -353,7 +364,7 @@ __global__ void __launch_bounds__(kWarpThreads, 1) bulk_kernel(mst_stash_args a)
         n = restore_rows(a, &s_ret, &ticket);
     } else {
         const uint32_t src_bytes = (uint32_t)min(a.src_rows * a.row_bytes, (int64_t)UINT32_MAX) & ~15u;
-        for (uint32_t i = 0; lead && i < my_chunks(src_bytes) && i < (uint32_t)kStages; i++, loaded++)
+        for (uint32_t i = 0; lead && !claim && i < my_chunks(src_bytes) && i < (uint32_t)kStages; i++, loaded++)
             bulk_load(q, i, rows + (size_t)(blockIdx.x + i * gridDim.x) * kChunk, chunk_bytes(i, src_bytes));
         block_plan(a, &s_plan);
         if (lead) ticket = count_reader(&a.hs->done_blocks);
@@ -363,12 +374,10 @@ __global__ void __launch_bounds__(kWarpThreads, 1) bulk_kernel(mst_stash_args a)
     if (RESTORE && threadIdx.x < min(my, (uint32_t)kStages)) /* the first lookups side by side */
         s_first[threadIdx.x] = chunk_in_page<RESTORE>(a, &s_plan, blockIdx.x + threadIdx.x * gridDim.x, page_bytes);
     __syncwarp();
-    if (lead) bulk_run<RESTORE>(a, q, &s_plan, rows, s_first, page_bytes, bytes, my, loaded);
+    if (lead && !claim) bulk_run<RESTORE>(a, q, &s_plan, rows, s_first, page_bytes, bytes, my, loaded);
     __syncwarp();
-    /* this block's share of the page table (save) or of the page return (restore) */
-    mst_ring_move(a.ring, a.cap, RESTORE ? s_ret.pos : s_plan.pos, RESTORE ? s_ret.take : s_plan.take, a.table,
-                  RESTORE, blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
-    copy_end<RESTORE>(a, &s_plan, rows, bytes, total, ticket);
+    table_share<RESTORE>(a, &s_plan, &s_ret);
+    copy_end<RESTORE>(a, &s_plan, rows, claim ? total : bytes, total, ticket);
 }
 
 /* The page return of a split restore (MST_RESTORE_RETURN): one warp. */
@@ -455,7 +464,10 @@ extern "C" mst_status mst_cuda_stash_reset(mst_ctx_t* ctx, const mst_stash_args*
 }
 
 extern "C" mst_status mst_cuda_stash_save(mst_ctx_t* ctx, const mst_stash_args* a) {
-    return copy<false>(ctx, a, a->src);
+    if (a->src) return copy<false>(ctx, a, a->src);
+    bulk_kernel<false><<<1, kWarpThreads, 0, mst_cuda(ctx)->stream>>>(*a); /* a claim: plan, table, commit */
+    MST_CUDA_LAUNCHED();
+    return MST_OK;
 }
 
 extern "C" mst_status mst_cuda_stash_restore(mst_ctx_t* ctx, const mst_stash_args* a) {
