@@ -307,7 +307,8 @@ mst_status mst_grouped_mlp_backward(mst_ctx_t* ctx, const mst_mlp_config* cfg,
  *
  * Runtime conditions, flagged in backend memory and read by mst_pool_poll():
  *   overflow   a save found too few free pages (device + host together):
- *              it took nothing and wrote nothing; the pool's overflow flag
+ *              it took and copied nothing (its handle's table now names no
+ *              page: in-place reads see zeros); the pool's overflow flag
  *              and the context's MST_FLAG_OVERFLOW bit are set; every later
  *              save is a no-op until mst_pool_reset(). A handle whose save
  *              was skipped holds nothing: its restore writes nothing.
