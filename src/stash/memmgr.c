@@ -13,7 +13,11 @@
  *              from the pages in place; the others are restored into one of
  *              two restore buffers (the next backward layer's restore is
  *              started while the current one runs, and a backward entry's
- *              first two while the forward before it runs: prefetch)
+ *              first two while the forward before it runs: prefetch).
+ *              A name read in place whose producer can write pages
+ *              (act_input, fc2_input: the activation) is claimed instead
+ *              (sv_claim): its pages are taken before the producer runs,
+ *              which writes them besides the compute buffer; no copy
  *   OFFLOAD    as STASH, into pinned host pages
  *   RECOMPUTE  fc2_input only: not saved; the grouped MLP recomputes it
  *   layer recompute (uniform / block): a recomputed layer saves nothing in
@@ -30,6 +34,7 @@
  *   after its stash read it; ring --inputs_read--> main: a layer's input
  *   buffers (fc1_input, probs) are reused only after their stash read them;
  *   ring --saved_ev--> copy: a restore copies a tensor after its save;
+ *   ring --saved_ev--> main: a claimed tensor's producer runs after its claim;
  *   main --restore_free[k]--> copy: a restore overwrites restore buffer k
  *   only after the backward that used it; copy --restore_done[k]--> main
  *   (the backward) and --> ring (the page return, at the backward's release).
