@@ -790,6 +790,7 @@ static mst_status sv_claim(void* self, mst_saved_name n, const mst_tensor* count
                              mst_saved_name_str(n), r->layer, r->mb);
     MST_TRY(ensure_compute(m, n));
     mst_tensor t = m->bufs[n].compute; /* [R, cols]: counts past R are bad counts, as in a save */
+    /* after main's work so far: the counts may come from it (the router) */
     MST_TRY(on_side(m, MST_SIDE_RING, NULL, op_claim, m->pool[n][kind_of(MST_POLICY_STASH)], s->handle, &t, counts));
     MST_TRY(ev_record(m, s->saved_ev, MST_SIDE_RING));
     MST_TRY(ev_wait(m, s->saved_ev, ON_MAIN));
