@@ -116,8 +116,8 @@ static mst_status act_dispatch(mst_ctx_t* ctx, mst_status (*op)(mst_ctx_t*, cons
     return op(ctx, a);
 }
 
-/* z = act(h) * p: the forward, and the recompute of fc2_input in backward. */
-/* z = act(h) * p; h and z also into the pages of h_out / z_out (claimed). */
+/* z = act(h) * p: the forward (h and z also into the pages of h_out / z_out
+ * when claimed), and the recompute of fc2_input in backward (no pages). */
 static mst_status act_forward(mst_ctx_t* ctx, const mst_mlp_config* cfg, const mst_tensor* h,
                               const mst_tensor* probs, const mst_tensor* counts, const mst_pages* h_out,
                               const mst_pages* z_out, mst_tensor* z) {
