@@ -12,7 +12,8 @@
  *             dW2, db2 from (dy, z, p); dW1, db1 from (dh, x), through the mode
  *
  * Saved tensors go through the caller's mst_saver by name, each under its own
- * policy. Scratch (dz, dh, a recomputed z) lives in the context's MLP
+ * policy; act_input and fc2_input may be claimed (saver.claim): the
+ * activation then writes them into their pages itself. Scratch (dz, dh, a recomputed z) lives in the context's MLP
  * workspace slots, sized by max_rows, so after the first call nothing is
  * allocated and the whole forward + backward can be captured in a graph.
  *
