@@ -116,7 +116,7 @@ struct mst_memmgr {
     int started;                  /* a layer call of the current entry is open     */
     int side_used;                /* bit i: this step put work on side stream i    */
     int32_t pos, cursor;          /* schedule entry, layer within its chunk        */
-    int32_t fwd_seq, bwd_seq;     /* layers so far this step (buffer parity)       */
+    int32_t bwd_seq;              /* backward layers so far this step (restore parity) */
     /* accounting */
     int64_t live_pages[MST_N_SAVED][2], peak_pages[MST_N_SAVED][2]; /* measuring */
     size_t live_exact, peak_exact;
@@ -902,7 +902,6 @@ mst_status mst_memmgr_forward(mst_memmgr_t* m, int32_t layer, int32_t mb, const 
     MST_TRY(expect(m, 0, layer, mb));
     MST_TRY(inputs_free(m));
     MST_TRY(prefetch_next_entry(m));
-    m->fwd_seq++;
     *out = saver_for(m, layer, mb, m->chunk_start[layer] >= 0 ? MODE_DISCARD : MODE_FWD);
     return MST_OK;
 }
@@ -961,7 +960,7 @@ mst_status mst_memmgr_step_begin(mst_memmgr_t* m, int measuring) {
     }
     m->inputs_pending = m->side_used = 0;
     m->measuring = measuring != 0;
-    m->pos = m->cursor = m->fwd_seq = m->bwd_seq = m->started = 0;
+    m->pos = m->cursor = m->bwd_seq = m->started = 0;
     m->in_step = 1;
     return MST_OK;
 }
