@@ -638,6 +638,14 @@ static void expect_named(mst_status got, mst_status want, const char* name, cons
           mst_last_error());
 }
 
+/* A claim of pages that name no page rows: a saver's bad pages. */
+static mst_status bad_claim(void* self, mst_saved_name n, const mst_tensor* counts, mst_pages* out) {
+    (void)self, (void)n;
+    memset(out, 0, sizeof *out);
+    out->table = (const uint32_t*)counts->data; /* any non-NULL table */
+    return MST_OK;
+}
+
 static void mlp_bad_input(mst_ctx_t* ctx, mst_rng* rng) {
     const mlp_case c = {3, 16, 8, 20, 32, 0.0, 1, MST_ACT_SWIGLU};
     mlp_host m;
@@ -673,6 +681,11 @@ static void mlp_bad_input(mst_ctx_t* ctx, mst_rng* rng) {
     cfg = d.cfg, cfg.act = MST_ACT_CLAMPED_SWIGLU, cfg.clamp_limit = -1.0f;
     expect_named(FWD(&cfg, &d.w, &d.x, &d.p, &d.counts, sv, &d.y), MST_ERR_INVALID, "clamp_limit", "limit -1");
     expect_named(FWD(&d.cfg, &d.w, &d.x, &d.p, &d.counts, NULL, &d.y), MST_ERR_INVALID, "saver", "saver NULL");
+    rec_saver claims;
+    rec_init(&claims, sv);
+    claims.saver.claim = bad_claim;
+    expect_named(FWD(&d.cfg, &d.w, &d.x, &d.p, &d.counts, &claims.saver, &d.y), MST_ERR_INVALID, "act_input",
+                 "claimed pages with page_rows 0");
     expect_named(FWD(NULL, &d.w, &d.x, &d.p, &d.counts, sv, &d.y), MST_ERR_INVALID, "cfg", "cfg NULL");
     /* backward before any forward: the saver has nothing to give */
     CHECK_STATUS(mst_grouped_mlp_backward(ctx, &d.cfg, &d.w, &d.dy, &d.counts, sv, &d.dx, &d.dp,

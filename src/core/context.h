@@ -67,6 +67,9 @@ mst_status mst_set_error(mst_status s, const char* fmt, ...)
 mst_status mst_check_ctx(const mst_ctx_t* ctx);
 mst_status mst_check_tensor(const mst_tensor* t, const char* name, mst_dtype dtype);
 mst_status mst_check_shape(const mst_tensor* t, const char* name, int64_t rows, int64_t cols);
+/* Pages an op reads or writes rows of (mst_paged_row): a table, page rows,
+ * and a block wherever pages are counted. */
+mst_status mst_check_pages(const mst_pages* pg, const char* name);
 
 /* Scratch of at least n_bytes in slot `slot`, grown (never shrunk) on demand. */
 mst_status mst_workspace(mst_ctx_t* ctx, int slot, size_t n_bytes, void** out);

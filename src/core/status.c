@@ -61,6 +61,15 @@ mst_status mst_check_shape(const mst_tensor* t, const char* name, int64_t rows, 
     return MST_OK;
 }
 
+mst_status mst_check_pages(const mst_pages* pg, const char* name) {
+    if (!pg->table || pg->page_rows <= 0 || pg->n_pages[0] < 0 || pg->n_pages[1] < 0 ||
+        (pg->n_pages[0] > 0 && !pg->block[0]) || (pg->n_pages[1] > 0 && !pg->block[1]))
+        return mst_set_error(MST_ERR_INVALID, "%s: table %p, page_rows %lld, blocks of %lld / %lld pages at %p / %p",
+                             name, (const void*)pg->table, (long long)pg->page_rows, (long long)pg->n_pages[0],
+                             (long long)pg->n_pages[1], pg->block[0], pg->block[1]);
+    return MST_OK;
+}
+
 mst_status mst_counts_offsets(const int32_t* counts, int32_t n_groups, int64_t max_rows,
                               int64_t* off) {
     off[0] = 0;

@@ -116,12 +116,7 @@ static mst_status check_x(const mst_tensor* x, mst_wgrad_mode mode, mst_gl_args*
         return MST_OK;
     }
     const mst_pages* pg = x->pages;
-    if (!pg->table || pg->page_rows <= 0 || pg->n_pages[0] < 0 || pg->n_pages[1] < 0 ||
-        (pg->n_pages[0] > 0 && !pg->block[0]) || (pg->n_pages[1] > 0 && !pg->block[1]))
-        return mst_set_error(MST_ERR_INVALID,
-                             "x.pages: table %p, page_rows %lld, blocks of %lld / %lld pages at %p / %p",
-                             (const void*)pg->table, (long long)pg->page_rows, (long long)pg->n_pages[0],
-                             (long long)pg->n_pages[1], pg->block[0], pg->block[1]);
+    MST_TRY(mst_check_pages(pg, "x.pages"));
     mst_tensor t = *x; /* dtype and shape as for x in memory (data is unused) */
     t.pages = NULL;
     t.data = (void*)pg->table;

@@ -157,9 +157,18 @@ static mst_status fetch(const mst_saver* s, const mst_mlp_config* cfg, mst_saved
     saved_like(cfg, n, &cols, &dt);
     MST_TRY(s->fetch(s->self, n, out));
     if (n == MST_SAVED_FC2_INPUT && !out->data) return MST_OK;
+    if (n == MST_SAVED_ACT_INPUT && out->pages) MST_TRY(mst_check_pages(out->pages, "act_input.pages"));
     mst_tensor v = *out;
     if (n != MST_SAVED_PROBS) v.pages = NULL; /* read by a wgrad (its check) or the activation (as pages) */
     return check_like(&v, mst_saved_name_str(n), dt, R, cols);
+}
+
+/* The pages the saver claims for `n` (table NULL: none), checked. */
+static mst_status claim(const mst_saver* s, mst_saved_name n, const mst_tensor* counts, mst_pages* out) {
+    memset(out, 0, sizeof *out);
+    if (!s->claim) return MST_OK;
+    MST_TRY(s->claim(s->self, n, counts, out));
+    return out->table ? mst_check_pages(out, mst_saved_name_str(n)) : MST_OK;
 }
 
 /* ---- forward -------------------------------------------------------------- */
@@ -176,13 +185,11 @@ mst_status mst_grouped_mlp_forward(mst_ctx_t* ctx, const mst_mlp_config* cfg,
     MST_TRY(check_like(y, "y", MST_DTYPE_BF16, R, cfg->hidden));
 
     mst_tensor h, z;
-    mst_pages h_out = {0}, z_out = {0}; /* the activation writes h and z into these too */
+    mst_pages h_out, z_out; /* the activation writes h and z into these too */
     MST_TRY(produce(saver, cfg, MST_SAVED_ACT_INPUT, R, &h));
     MST_TRY(produce(saver, cfg, MST_SAVED_FC2_INPUT, R, &z));
-    if (saver->claim) {
-        MST_TRY(saver->claim(saver->self, MST_SAVED_ACT_INPUT, counts, &h_out));
-        MST_TRY(saver->claim(saver->self, MST_SAVED_FC2_INPUT, counts, &z_out));
-    }
+    MST_TRY(claim(saver, MST_SAVED_ACT_INPUT, counts, &h_out));
+    MST_TRY(claim(saver, MST_SAVED_FC2_INPUT, counts, &z_out));
     MST_TRY(saver->commit(saver->self, MST_SAVED_FC1_INPUT, x, counts));
     MST_TRY(saver->commit(saver->self, MST_SAVED_PROBS, probs, counts));
     MST_TRY(mst_grouped_linear_forward(ctx, x, &w->w1, &w->b1, NULL, counts, &h));
