@@ -136,16 +136,16 @@ static mst_status prepare_case(mst_ctx_t* ctx, mst_stack* s, const mst_sched_ent
 #ifdef MST_HAVE_CUDA
     if (mst_ctx_backend(ctx) == MST_BACKEND_CUDA) {
         cudaStream_t st = (cudaStream_t)mst_ctx_stream(ctx);
-        cudaGraph_t g;
+        cudaGraph_t g = NULL;
         cudaGraphExec_t ge;
         if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
             return mst_set_error(MST_ERR_BACKEND, "begin capture");
         mst_status rs = mst_stack_step(s, sch, n, 0);
         cudaError_t e = cudaStreamEndCapture(st, &g);
+        if (rs == MST_OK && e == cudaSuccess) e = cudaGraphInstantiate(&ge, g, 0);
+        if (g) cudaGraphDestroy(g);
         if (rs != MST_OK) return rs;
-        if (e == cudaSuccess) e = cudaGraphInstantiate(&ge, g, 0);
         if (e != cudaSuccess) return mst_set_error(MST_ERR_BACKEND, "graph of a step: %s", cudaGetErrorString(e));
-        cudaGraphDestroy(g);
         run->exec = ge;
     }
 #endif
