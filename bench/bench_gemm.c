@@ -12,6 +12,9 @@
  * (total rows x in -> out, E) with balanced and skewed (Zipf-like) counts,
  * buffers of max_rows = 1.5 x rows. Before timing, sampled outputs
  * of ours and of the loop are checked against float64 references.
+ * Every line also gives ours against the op's roofline (bench/roof.h):
+ * max(FLOPs / the dense roof of the line, minimum bytes / device copy GB/s
+ * measured at the start of the run), bytes as op_bytes below.
  * A short table is printed last; --json writes every figure. --op runs one
  * op (forward, dgrad or wgrad) alone.
  */
@@ -22,6 +25,7 @@
 
 #include "cli/cli.h"
 #include "moestash.h"
+#include "roof.h"
 
 #ifdef MST_HAVE_CUDA
 #include <cublas_v2.h>
@@ -38,6 +42,14 @@ static const gemm_shape shapes[] = {
     {16384, 2048, 2816, 64},
     {131072, 4096, 2048, 64},
     {131072, 1024, 4096, 64}, /* fc2 of bench mlp's first shape (no target) */
+    /* fine-grained: DeepSeek-V3 EP rank (32 experts, 4096 tokens x 8) fc1 / fc2 */
+    {32768, 7168, 4096, 32},
+    {32768, 2048, 7168, 32},
+    /* Qwen3-30B-A3B (128 experts top-8) fc1 / fc2 at 8192 and 32768 tokens */
+    {65536, 2048, 1536, 128},
+    {65536, 768, 2048, 128},
+    {262144, 2048, 1536, 128},
+    {262144, 768, 2048, 128},
 };
 #define N_SHAPES (int)(sizeof shapes / sizeof shapes[0])
 
@@ -437,12 +449,28 @@ static int set_counts(mst_ctx_t* ctx, gemm_bufs* b, int64_t T, int skewed) {
 
 /* ---- report ------------------------------------------------------------------ */
 
-static double tflops(const gemm_shape* s, double ms) {
-    return ms > 0 ? 2.0 * (double)s->rows * (double)s->in * (double)s->out / (ms * 1e-3) / 1e12 : 0;
+static double flops(const gemm_shape* s) { return 2.0 * (double)s->rows * (double)s->in * (double)s->out; }
+
+static double tflops(const gemm_shape* s, double ms) { return ms > 0 ? flops(s) / (ms * 1e-3) / 1e12 : 0; }
+
+/* Minimum bytes of an op: forward reads x [T, I] and w [E, O, I], writes
+ * y [T, O]; dgrad reads dy [T, O] and w, writes dx [T, I]; wgrad reads x and
+ * dy and reads + writes the fp32 main_grad [E, O, I] (bf16: 2 bytes). */
+static double op_bytes(const gemm_shape* s, int op) {
+    const double x = 2.0 * s->rows * s->in, y = 2.0 * s->rows * s->out, w = 2.0 * s->E * s->out * s->in;
+    return op == OP_WGRAD ? x + y + 4 * w : x + y + w;
 }
 
-static void write_json(FILE* f, const char* device, const gemm_fig (*fig)[2][N_OPS]) {
-    fprintf(f, "{\n  \"bench\": \"gemm\",\n  \"device\": \"%s\",\n  \"results\": [\n", device);
+/* Roofline time / ours (1 = at the roofline), with the line's dense roof. */
+static double over_line(const gemm_shape* s, int op, const gemm_fig* f, double copy_gbps) {
+    if (f->ms[V_OURS] <= 0 || f->ms[V_ROOF] <= 0) return 0;
+    const mst_bench_roofs r = {tflops(s, f->ms[V_ROOF]), copy_gbps};
+    return mst_bench_roofline_ms(&r, flops(s), op_bytes(s, op)) / f->ms[V_OURS];
+}
+
+static void write_json(FILE* f, const char* device, double copy_gbps, const gemm_fig (*fig)[2][N_OPS]) {
+    fprintf(f, "{\n  \"bench\": \"gemm\",\n  \"device\": \"%s\",\n  \"copy_gbps\": %.1f,\n  \"results\": [\n", device,
+            copy_gbps);
     int first = 1;
     for (int si = 0; si < N_SHAPES; si++)
         for (int d = 0; d < 2; d++)
@@ -458,7 +486,8 @@ static void write_json(FILE* f, const char* device, const gemm_fig (*fig)[2][N_O
                             fg->ms[v], variant_names[v], tflops(s, fg->ms[v]), variant_names[v], fg->graphed[v]);
                     if (is_ours(v) || v == V_LOOP) fprintf(f, ", \"%s_err\": %.3g", variant_names[v], fg->err[v]);
                 }
-                fprintf(f, ", \"ours_over_roof\": %.3f}", fg->ms[V_OURS] > 0 ? fg->ms[V_ROOF] / fg->ms[V_OURS] : 0);
+                fprintf(f, ", \"bytes\": %.0f, \"ours_over_roof\": %.3f, \"ours_over_roofline\": %.3f}", op_bytes(s, op),
+                        fg->ms[V_OURS] > 0 ? fg->ms[V_ROOF] / fg->ms[V_OURS] : 0, over_line(s, op, fg, copy_gbps));
                 first = 0;
             }
     fprintf(f, "\n  ]\n}\n");
@@ -510,6 +539,14 @@ int mst_bench_gemm(int argc, char** argv) {
     cublasCreate(&blas);
     cublasSetStream(blas, stream);
     if (mst_alloc(ctx, 64u << 20, &blas_ws) == MST_OK) cublasSetWorkspace(blas, blas_ws, 64u << 20);
+    mst_bench_roofs roofs;
+    if (mst_bench_roofs_measure(ctx, stream, &roofs) != MST_OK) {
+        fprintf(stderr, "bench gemm: roofs: %s\n", mst_last_error());
+        return 1;
+    }
+    printf("device copy %.0f GB/s (read + write), cuBLAS 8192^3 %.0f TFLOP/s (same run); /line = roofline "
+           "max(FLOPs / the line's roof, bytes / copy) over ours\n",
+           roofs.copy_gbps, roofs.dense_tflops);
 
     static gemm_fig fig[N_SHAPES][2][N_OPS];
     int fails = 0;
@@ -534,13 +571,13 @@ int mst_bench_gemm(int argc, char** argv) {
                 for (int v = 0; v <= V_LOOP; v++) worst = f->err[v] > worst ? f->err[v] : worst;
                 char t[N_VARIANTS][16];
                 printf("%6lld x %4lld -> %4lld E=%3d %-8s %-7s max err %.0e  TFLOP/s: ours %s mma %s regs %s  "
-                       "paged %s  loop %s  grouped %s  roof %s  ours/roof %.2f\n",
+                       "paged %s  loop %s  grouped %s  roof %s  ours/roof %.2f  /line %.2f\n",
                        (long long)s->rows, (long long)s->in, (long long)s->out, s->E, d ? "skewed" : "balanced",
                        op_names[op], worst, tf_str(t[0], s, f->ms[V_OURS]),
                        tf_str(t[1], s, f->ms[V_OURS_MMA]), tf_str(t[2], s, f->ms[V_OURS_REGS]),
                        tf_str(t[3], s, f->ms[V_OURS_PAGED]), tf_str(t[4], s, f->ms[V_LOOP]),
                        tf_str(t[5], s, f->ms[V_GROUPED]), tf_str(t[6], s, f->ms[V_ROOF]),
-                       f->ms[V_OURS] > 0 ? f->ms[V_ROOF] / f->ms[V_OURS] : 0);
+                       f->ms[V_OURS] > 0 ? f->ms[V_ROOF] / f->ms[V_OURS] : 0, over_line(s, op, f, roofs.copy_gbps));
                 fflush(stdout);
             }
         }
@@ -549,10 +586,10 @@ int mst_bench_gemm(int argc, char** argv) {
     if (json) {
         FILE* f = fopen(json, "w");
         if (!f) fprintf(stderr, "bench gemm: cannot write %s\n", json), fails++;
-        else write_json(f, mst_ctx_describe(ctx), fig), fclose(f);
+        else write_json(f, mst_ctx_describe(ctx), roofs.copy_gbps, fig), fclose(f);
     }
-    printf("\n%-24s %-8s | %-24s | %-24s | %-24s\n", "shape (T x I -> O, E)", "counts", "forward ours/roof (TF)",
-           "dgrad ours/roof (TF)", "wgrad acc ours/roof (TF)");
+    printf("\n%-24s %-8s | %-30s | %-30s | %-30s\n", "shape (T x I -> O, E)", "counts", "forward /roof /line (TF)",
+           "dgrad /roof /line (TF)", "wgrad acc /roof /line (TF)");
     for (int si = 0; si < N_SHAPES; si++)
         for (int d = 0; d < 2; d++) {
             const gemm_shape* s = &shapes[si];
@@ -563,11 +600,11 @@ int mst_bench_gemm(int argc, char** argv) {
             for (int op = 0; op < N_OPS; op++) {
                 const gemm_fig* f = &fig[si][d][op];
                 if (only >= 0 && op != only) {
-                    printf(" | %-24s", "-");
+                    printf(" | %-30s", "-");
                     continue;
                 }
-                printf(" | %4.2f (%5.0f / %5.0f)     ", f->ms[V_OURS] > 0 ? f->ms[V_ROOF] / f->ms[V_OURS] : 0,
-                       tflops(s, f->ms[V_OURS]), tflops(s, f->ms[V_ROOF]));
+                printf(" | %4.2f %4.2f (%5.0f / %5.0f)     ", f->ms[V_OURS] > 0 ? f->ms[V_ROOF] / f->ms[V_OURS] : 0,
+                       over_line(s, op, f, roofs.copy_gbps), tflops(s, f->ms[V_OURS]), tflops(s, f->ms[V_ROOF]));
             }
             printf("\n");
         }

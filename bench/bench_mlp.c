@@ -4,9 +4,11 @@
  * each captured in one CUDA graph and replayed.
  *
  * Order of work: validate CUDA against the CPU reference on a ragged case;
- * measure the roof (cuBLAS dense bf16 GEMM 8192^3) on the same card; then per
- * shape the forward (6 rows H F FLOPs) and backward (12 rows H F FLOPs, wgrad
- * ACCUMULATE into main_grad) graph replays, and the activation kernels alone
+ * measure the roofs (bench/roof.h: cuBLAS dense bf16 GEMM 8192^3 and the
+ * device copy) on the same card; then per shape the forward (6 rows H F
+ * FLOPs) and backward (12 rows H F FLOPs, wgrad ACCUMULATE into main_grad)
+ * graph replays, each beside its roofline max(FLOPs / dense, bytes / copy)
+ * (bytes: pass_bytes below), and the activation kernels alone
  * (their share of each pass; fusing them into the GEMM epilogues was
  * measured slower, see docs/perf-notes.md), all interleaved round by
  * round. The counts of every shape go into the JSON, so bench/torch/mlp.py
@@ -20,6 +22,7 @@
 
 #include "cli/cli.h"
 #include "core/context.h"
+#include "roof.h"
 
 #ifdef MST_HAVE_CUDA
 #include <cublas_v2.h>
@@ -28,20 +31,32 @@
 typedef struct mlp_shape {
     int64_t rows, hidden, ffn;
     int32_t E;
+    int skewed;       /* counts: 0 uniform random routing, 1 Zipf-like */
     const char* what;
 } mlp_shape;
 
+/* Coarse shapes first (as in earlier runs), then the fine-grained ones:
+ * DeepSeek-V3 experts (H 7168, F 2048, top-8 of 256) on an EP rank of 32
+ * experts receiving 4096 tokens x 8, and Qwen3-30B-A3B (H 2048, F 768,
+ * top-8 of 128) at 8192 and 32768 tokens, balanced and skewed. */
 static const mlp_shape shapes[] = {
-    {131072, 4096, 1024, 64, "32768 tokens top-4"},
-    {32768, 7168, 2048, 4, "DeepSeek-V3 EP rank, E=4"},
-    {32768, 7168, 2048, 8, "DeepSeek-V3 EP rank, E=8"},
-    {65536, 2048, 768, 128, "E=128"},
+    {131072, 4096, 1024, 64, 0, "32768 tokens top-4"},
+    {32768, 7168, 2048, 4, 0, "DeepSeek-V3 EP rank, E=4"},
+    {32768, 7168, 2048, 8, 0, "DeepSeek-V3 EP rank, E=8"},
+    {65536, 2048, 768, 128, 0, "Qwen3-30B-A3B 8192 tokens"},
+    {32768, 7168, 2048, 32, 0, "DeepSeek-V3 EP rank of 32 experts"},
+    {32768, 7168, 2048, 32, 1, "DeepSeek-V3 EP rank of 32 experts, skewed"},
+    {65536, 2048, 768, 128, 1, "Qwen3-30B-A3B 8192 tokens, skewed"},
+    {262144, 2048, 768, 128, 0, "Qwen3-30B-A3B 32768 tokens"},
+    {262144, 2048, 768, 128, 1, "Qwen3-30B-A3B 32768 tokens, skewed"},
 };
 #define N_SHAPES (int)(sizeof shapes / sizeof shapes[0])
 
 typedef struct mlp_result {
     double fwd_ms, bwd_ms, act_fwd_ms, act_bwd_ms;
     double fwd_tflops, bwd_tflops;
+    double fwd_bytes, bwd_bytes;         /* minimum traffic of each pass     */
+    double fwd_line_ms, bwd_line_ms;     /* roofline time of each pass       */
     double act_bytes_fwd, act_bytes_bwd; /* bytes the activation kernels move */
 } mlp_result;
 
@@ -57,11 +72,26 @@ static double unit_normal(uint64_t* s) {
     return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
 }
 
-/* Counts of `rows` (token, expert) pairs routed uniformly at random (top-k
- * routing of rows/k tokens): near balanced with the usual spread. */
-static void make_counts(int32_t* counts, int E, int64_t rows, uint64_t seed) {
+/* Counts of `rows` (token, expert) pairs routed at random (top-k routing of
+ * rows/k tokens): uniformly (near balanced with the usual spread), or, when
+ * skewed, to expert e with weight 1/(e+1)^1.2 (the hottest expert takes
+ * ~32 % of the rows at E=32, ~27 % at E=128). */
+static void make_counts(int32_t* counts, int E, int64_t rows, int skewed, uint64_t seed) {
+    double* cdf = (double*)malloc(sizeof(double) * (size_t)E);
+    double sum = 0;
+    for (int e = 0; e < E; e++) cdf[e] = sum += skewed ? 1.0 / pow(e + 1.0, 1.2) : 1.0;
     memset(counts, 0, sizeof(int32_t) * (size_t)E);
-    for (int64_t i = 0; i < rows; i++) counts[lcg(&seed) % (uint64_t)E]++;
+    for (int64_t i = 0; i < rows; i++) {
+        if (!skewed) {
+            counts[lcg(&seed) % (uint64_t)E]++;
+            continue;
+        }
+        const double u = (double)lcg(&seed) / 2147483648.0 * sum;
+        int e = 0;
+        while (e + 1 < E && cdf[e] <= u) e++;
+        counts[e]++;
+    }
+    free(cdf);
 }
 
 /* Fills n bytes of backend memory with bf16 N(0, scale^2) (a 16 MiB host
@@ -188,7 +218,7 @@ static float* fetch_rows(mst_ctx_t* ctx, const mst_tensor* t, int64_t n) {
 
 /* Runs a ragged problem on both backends; the bf16 tolerance of the tests. */
 static int validate(mst_ctx_t* gpu) {
-    const mlp_shape s = {3000, 512, 256, 8, "validation"};
+    const mlp_shape s = {3000, 512, 256, 8, 0, "validation"};
     int32_t counts[8] = {900, 0, 13, 400, 777, 1, 300, 309}; /* 2700 of 3000 rows */
     mst_ctx_t* cpu = NULL;
     mlp_bufs bg, bc;
@@ -302,40 +332,22 @@ static mst_status time_graphs(mst_ctx_t* ctx, mlp_bufs* b, const bench_op* ops, 
     return mst_ctx_check(ctx);
 }
 
-/* cuBLAS dense bf16 GEMM n^3 (fp32 accumulate): the roof on this card. */
-static mst_status roof_tflops(mst_ctx_t* ctx, cudaStream_t s, double* tflops) {
-    const int n = 8192, iters = 20;
-    void *a = NULL, *c = NULL;
-    MST_TRY(mst_alloc(ctx, (size_t)n * n * 2, &a));
-    MST_TRY(mst_alloc(ctx, (size_t)n * n * 2, &c));
-    MST_TRY(fill_random(ctx, a, (size_t)n * n * 2, 1.0, 0, 9));
-    cublasHandle_t h;
-    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) return mst_set_error(MST_ERR_BACKEND, "cublasCreate");
-    cublasSetStream(h, s);
-    const float one = 1.0f, zero = 0.0f;
-    cudaEvent_t e0, e1;
-    CUDA_BENCH(cudaEventCreate(&e0));
-    CUDA_BENCH(cudaEventCreate(&e1));
-    cublasStatus_t bs = CUBLAS_STATUS_SUCCESS;
-    for (int i = 0; i < iters + 3 && bs == CUBLAS_STATUS_SUCCESS; i++) {
-        if (i == 3) CUDA_BENCH(cudaEventRecord(e0, s));
-        bs = cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a, CUDA_R_16BF, n, a, CUDA_R_16BF,
-                          n, &zero, c, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-    }
-    CUDA_BENCH(cudaEventRecord(e1, s));
-    CUDA_BENCH(cudaEventSynchronize(e1));
-    float ms = 0;
-    CUDA_BENCH(cudaEventElapsedTime(&ms, e0, e1));
-    cublasDestroy(h);
-    cudaEventDestroy(e0), cudaEventDestroy(e1);
-    mst_free(ctx, a), mst_free(ctx, c);
-    if (bs != CUBLAS_STATUS_SUCCESS) return mst_set_error(MST_ERR_BACKEND, "cublasGemmEx: status %d", (int)bs);
-    *tflops = 2.0 * n * (double)n * n / (ms / iters * 1e-3) / 1e12;
-    return MST_OK;
+/* Minimum bytes of each pass (bf16 tensors 2 bytes, fp32 4): every input read
+ * once, every output written once, main_grad read and written once.
+ * forward  reads x, p, w1, b1, w2, b2; writes the saved h [R, 2F] and
+ *          z [R, F] and y;
+ * backward reads dy, x, h, z, p, w1, w2, b2; writes dx, dprobs; reads and
+ *          writes the fp32 main_grads of w1, b1, w2, b2. */
+static void pass_bytes(const mlp_shape* s, double* fwd, double* bwd) {
+    const double R = (double)s->rows, H = (double)s->hidden, F = (double)s->ffn, E = s->E;
+    const double weights = E * (2 * F * H + H * F), biases = E * (2 * F + H);
+    const double saved = R * (2 * F + F) * 2;
+    *fwd = R * H * 2 + R * 4 + (weights + biases) * 2 + saved + R * H * 2;
+    *bwd = R * H * 2 * 2 + saved + R * 4 + (weights + E * H) * 2 + R * H * 2 + R * 4 + (weights + biases) * 4 * 2;
 }
 
 static mst_status run_shape(mst_ctx_t* ctx, const mlp_shape* s, const int32_t* counts, cudaStream_t st,
-                            int iters, mlp_result* r) {
+                            int iters, const mst_bench_roofs* roofs, mlp_result* r) {
     mlp_bufs b;
     mst_status e = bufs_make(ctx, s, counts, 1234, &b);
     /* eager once: sizes the workspaces, so the captures allocate nothing */
@@ -350,20 +362,27 @@ static mst_status run_shape(mst_ctx_t* ctx, const mlp_shape* s, const int32_t* c
     const double flop = (double)s->rows * s->hidden * s->ffn;
     r->fwd_tflops = 6 * flop / (r->fwd_ms * 1e-3) / 1e12;
     r->bwd_tflops = 12 * flop / (r->bwd_ms * 1e-3) / 1e12;
+    pass_bytes(s, &r->fwd_bytes, &r->bwd_bytes);
+    r->fwd_line_ms = mst_bench_roofline_ms(roofs, 6 * flop, r->fwd_bytes);
+    r->bwd_line_ms = mst_bench_roofline_ms(roofs, 12 * flop, r->bwd_bytes);
     /* act forward: read h, p; write z. backward: read h, dz, p, dy, b2; write dh, dprobs */
     r->act_bytes_fwd = (double)s->rows * (4 * s->ffn + 2 * s->ffn + 4);
     r->act_bytes_bwd = (double)s->rows * (4 * s->ffn + 2 * s->ffn + 4 * s->ffn + 2 * s->hidden + 8);
     return e;
 }
 
-static void write_json(FILE* f, const char* device, double roof, const int* which, int n_which,
+static void write_json(FILE* f, const char* device, const mst_bench_roofs* roofs, const int* which, int n_which,
                        int32_t* const* counts, const mlp_result* res) {
-    fprintf(f, "{\n  \"bench\": \"mlp\",\n  \"device\": \"%s\",\n  \"roof_cublas_tflops\": %.1f,\n  \"shapes\": [\n",
-            device, roof);
+    fprintf(f, "{\n  \"bench\": \"mlp\",\n  \"device\": \"%s\",\n  \"roof_cublas_tflops\": %.1f,\n"
+               "  \"copy_gbps\": %.1f,\n  \"shapes\": [\n",
+            device, roofs->dense_tflops, roofs->copy_gbps);
     for (int k = 0; k < n_which; k++) {
         const mlp_shape* s = &shapes[which[k]];
         const mlp_result* r = &res[k];
-        fprintf(f, "    {\"rows\": %lld, \"hidden\": %lld, \"ffn\": %lld, \"E\": %d, \"act\": \"swiglu\", "
+        fprintf(f, "    {\"index\": %d, \"what\": \"%s\", \"skewed\": %d, \"fwd_bytes\": %.0f, \"bwd_bytes\": %.0f, "
+                   "\"fwd_roofline_ms\": %.4f, \"bwd_roofline_ms\": %.4f, ",
+                which[k], s->what, s->skewed, r->fwd_bytes, r->bwd_bytes, r->fwd_line_ms, r->bwd_line_ms);
+        fprintf(f, "\"rows\": %lld, \"hidden\": %lld, \"ffn\": %lld, \"E\": %d, \"act\": \"swiglu\", "
                    "\"fwd_ms\": %.4f, \"bwd_ms\": %.4f, \"fwd_tflops\": %.1f, \"bwd_tflops\": %.1f, "
                    "\"act_fwd_ms\": %.4f, \"act_bwd_ms\": %.4f, \"act_fwd_bytes\": %.0f, \"act_bwd_bytes\": %.0f, "
                    "\"counts\": [",
@@ -406,12 +425,12 @@ int mst_bench_mlp(int argc, char** argv) {
     int32_t* counts[N_SHAPES] = {0};
     mlp_result res[N_SHAPES];
     memset(res, 0, sizeof res);
-    double roof = 0;
+    mst_bench_roofs roofs = {0, 0};
     cudaStream_t st = NULL;
     if (!validate(ctx)) goto out;
     if (cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) != cudaSuccess) goto out;
-    if (roof_tflops(ctx, st, &roof) != MST_OK) {
-        fprintf(stderr, "bench mlp: roof: %s\n", mst_last_error());
+    if (mst_bench_roofs_measure(ctx, st, &roofs) != MST_OK) {
+        fprintf(stderr, "bench mlp: roofs: %s\n", mst_last_error());
         goto out;
     }
     for (int i = 0; i < N_SHAPES; i++)
@@ -419,22 +438,28 @@ int mst_bench_mlp(int argc, char** argv) {
     for (int k = 0; k < n_which; k++) {
         const mlp_shape* s = &shapes[which[k]];
         counts[k] = (int32_t*)malloc(sizeof(int32_t) * (size_t)s->E);
-        make_counts(counts[k], s->E, s->rows, 1000 + (uint64_t)which[k]);
-        if (run_shape(ctx, s, counts[k], st, iters, &res[k]) != MST_OK) {
+        make_counts(counts[k], s->E, s->rows, s->skewed, 1000 + (uint64_t)which[k]);
+        if (run_shape(ctx, s, counts[k], st, iters, &roofs, &res[k]) != MST_OK) {
             fprintf(stderr, "bench mlp: shape %d: %s\n", which[k], mst_last_error());
             goto out;
         }
         printf("shape %d (%s) done\n", which[k], s->what);
     }
-    printf("\nroof: cuBLAS bf16 GEMM 8192^3 = %.0f TFLOP/s (same card, same run)\n", roof);
-    printf("%-7s %-5s %-5s %-4s | %-8s %-7s %-6s | %-8s %-7s %-6s | %-9s %-9s\n", "rows", "H", "F", "E",
-           "fwd ms", "TFLOP/s", "%roof", "bwd ms", "TFLOP/s", "%roof", "act f GB/s", "act b GB/s");
+    printf("\nroofs (same card, same run): cuBLAS bf16 GEMM 8192^3 = %.0f TFLOP/s, device copy = %.0f GB/s "
+           "(read + write)\n", roofs.dense_tflops, roofs.copy_gbps);
+    printf("roofline = max(FLOPs / dense, minimum bytes / copy); /line = roofline time / ours, /dense = ours "
+           "TFLOP/s / dense\n");
+    printf("%-2s %-7s %-5s %-5s %-4s %-4s | %-8s %-7s %-6s %-5s | %-8s %-7s %-6s %-5s | %-9s %-9s\n", "#", "rows", "H",
+           "F", "E", "skew", "fwd ms", "TFLOP/s", "/dense", "/line", "bwd ms", "TFLOP/s", "/dense", "/line",
+           "act f GB/s", "act b GB/s");
     for (int k = 0; k < n_which; k++) {
         const mlp_shape* s = &shapes[which[k]];
         const mlp_result* r = &res[k];
-        printf("%-7lld %-5lld %-5lld %-4d | %-8.3f %-7.0f %-6.0f | %-8.3f %-7.0f %-6.0f | %-10.0f %-9.0f\n",
-               (long long)s->rows, (long long)s->hidden, (long long)s->ffn, s->E, r->fwd_ms, r->fwd_tflops,
-               100 * r->fwd_tflops / roof, r->bwd_ms, r->bwd_tflops, 100 * r->bwd_tflops / roof,
+        printf("%-2d %-7lld %-5lld %-5lld %-4d %-4s | %-8.3f %-7.0f %-6.2f %-5.2f | %-8.3f %-7.0f %-6.2f %-5.2f | "
+               "%-10.0f %-9.0f\n",
+               which[k], (long long)s->rows, (long long)s->hidden, (long long)s->ffn, s->E, s->skewed ? "yes" : "no",
+               r->fwd_ms, r->fwd_tflops, r->fwd_tflops / roofs.dense_tflops, r->fwd_line_ms / r->fwd_ms, r->bwd_ms,
+               r->bwd_tflops, r->bwd_tflops / roofs.dense_tflops, r->bwd_line_ms / r->bwd_ms,
                r->act_bytes_fwd / (r->act_fwd_ms * 1e6), r->act_bytes_bwd / (r->act_bwd_ms * 1e6));
     }
     printf("(act: the activation kernels alone, as run inside each pass; PyTorch ratio: bench/torch/mlp.py)\n");
@@ -444,7 +469,7 @@ int mst_bench_mlp(int argc, char** argv) {
             fprintf(stderr, "bench mlp: cannot write %s\n", json);
             goto out;
         }
-        write_json(f, mst_ctx_describe(ctx), roof, which, n_which, counts, res);
+        write_json(f, mst_ctx_describe(ctx), &roofs, which, n_which, counts, res);
         fclose(f);
     }
     rc = 0;

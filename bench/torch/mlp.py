@@ -21,22 +21,39 @@ import sys
 import torch
 import torch.nn.functional as Fn
 
-SHAPES = [  # rows, hidden, ffn, E  (as bench/bench_mlp.c)
-    (131072, 4096, 1024, 64),
-    (32768, 7168, 2048, 4),
-    (32768, 7168, 2048, 8),
-    (65536, 2048, 768, 128),
+SHAPES = [  # rows, hidden, ffn, E, skewed  (as bench/bench_mlp.c)
+    (131072, 4096, 1024, 64, 0),
+    (32768, 7168, 2048, 4, 0),
+    (32768, 7168, 2048, 8, 0),
+    (65536, 2048, 768, 128, 0),
+    (32768, 7168, 2048, 32, 0),
+    (32768, 7168, 2048, 32, 1),
+    (65536, 2048, 768, 128, 1),
+    (262144, 2048, 768, 128, 0),
+    (262144, 2048, 768, 128, 1),
 ]
 
 
-def make_counts(E, rows, seed):
-    """bench_mlp.c make_counts: each row to expert lcg() % E."""
+def make_counts(E, rows, skewed, seed):
+    """bench_mlp.c make_counts: each row to expert lcg() % E, or, skewed, to
+    expert e with weight 1/(e+1)^1.2 (the same doubles as the C code)."""
     mask = (1 << 64) - 1
     s = seed
     counts = [0] * E
+    cdf, total = [], 0.0
+    for e in range(E):
+        total += 1.0 / (e + 1.0) ** 1.2 if skewed else 1.0
+        cdf.append(total)
     for _ in range(rows):
         s = (s * 6364136223846793005 + 1442695040888963407) & mask
-        counts[(s >> 33) % E] += 1
+        if not skewed:
+            counts[(s >> 33) % E] += 1
+            continue
+        u = (s >> 33) / 2147483648.0 * total
+        e = 0
+        while e + 1 < E and cdf[e] <= u:
+            e += 1
+        counts[e] += 1
     return counts
 
 
@@ -120,16 +137,16 @@ def main():
         if os.path.exists(path):
             with open(path) as f:
                 for s in json.load(f)["shapes"]:
-                    ours[(s["rows"], s["hidden"], s["ffn"], s["E"])] = s
+                    ours[s["index"]] = s
     print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}")
     results = []
-    for i, (rows, H, F, E) in enumerate(SHAPES):
+    for i, (rows, H, F, E, skewed) in enumerate(SHAPES):
         if args.shape >= 0 and i != args.shape:
             continue
-        counts = make_counts(E, rows, 1000 + i)
-        mine = ours.get((rows, H, F, E))
-        if mine and mine["counts"] != counts:
-            print(f"torch mlp: shape {i}: counts differ from bench-mlp.json", file=sys.stderr)
+        mine = ours.get(i)
+        counts = mine["counts"] if mine else make_counts(E, rows, skewed, 1000 + i)
+        if mine and (mine["rows"], mine["hidden"], mine["ffn"], mine["E"], mine["skewed"]) != (rows, H, F, E, skewed):
+            print(f"torch mlp: shape {i}: differs from bench-mlp.json", file=sys.stderr)
             return 1
         m = Mlp(rows, H, F, E, counts, dev)
         with torch.no_grad():  # the two baselines agree before they are timed
@@ -139,7 +156,7 @@ def main():
             print(f"torch mlp: shape {i}: grouped_mm vs loop rel err {err:.3g}", file=sys.stderr)
             return 1
         flop = rows * H * F
-        res = {"rows": rows, "hidden": H, "ffn": F, "E": E}
+        res = {"index": i, "rows": rows, "hidden": H, "ffn": F, "E": E, "skewed": skewed}
         for name, fn in (("grouped_mm", m.grouped), ("loop", m.loop)):
             f_ms, b_ms = time_fwd_bwd(fn, m.dy, args.iters)
             res[name] = {"fwd_ms": f_ms, "bwd_ms": b_ms,
@@ -149,15 +166,15 @@ def main():
         torch.cuda.empty_cache()
         print(f"shape {i} done", flush=True)
 
-    hdr = f"{'rows':>7} {'H':>5} {'F':>5} {'E':>4} | {'torch gmm f/b TFLOP/s':>22} | {'loop f/b':>12}"
+    hdr = f"{'#':>2} {'rows':>7} {'H':>5} {'F':>5} {'E':>4} {'skew':>4} | {'torch gmm f/b TFLOP/s':>22} | {'loop f/b':>12}"
     if ours:
         hdr += f" | {'moestash f/b':>13} | {'ratio vs gmm f/b':>16} | {'vs loop f/b':>11}"
     print(hdr)
     for r in results:
         g, l = r["grouped_mm"], r["loop"]
-        line = (f"{r['rows']:>7} {r['hidden']:>5} {r['ffn']:>5} {r['E']:>4} | "
+        line = (f"{r['index']:>2} {r['rows']:>7} {r['hidden']:>5} {r['ffn']:>5} {r['E']:>4} {r['skewed']:>4} | "
                 f"{g['fwd_tflops']:>10.0f} {g['bwd_tflops']:>11.0f} | {l['fwd_tflops']:>5.0f} {l['bwd_tflops']:>6.0f}")
-        o = ours.get((r["rows"], r["hidden"], r["ffn"], r["E"]))
+        o = ours.get(r["index"])
         if o:
             r["ratio_vs_grouped_mm"] = [o["fwd_tflops"] / g["fwd_tflops"], o["bwd_tflops"] / g["bwd_tflops"]]
             r["ratio_vs_loop"] = [o["fwd_tflops"] / l["fwd_tflops"], o["bwd_tflops"] / l["bwd_tflops"]]
