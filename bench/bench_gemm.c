@@ -1,5 +1,5 @@
 /*
- * bench_gemm.c — `moestash bench gemm [--json FILE] [--reps N] [--op NAME]`: the CUDA
+ * bench_gemm.c — `moestash bench gemm [--json FILE] [--reps N] [--op NAME] [--shape I]`: the CUDA
  * grouped linear (forward TN, dgrad NN, wgrad NT with ACCUMULATE) with
  * device-side counts, graph-replayed, beside three cuBLAS baselines measured
  * in the same run on the same buffers:
@@ -16,7 +16,7 @@
  * max(FLOPs / the dense roof of the line, minimum bytes / device copy GB/s
  * measured at the start of the run), bytes as op_bytes below.
  * A short table is printed last; --json writes every figure. --op runs one
- * op (forward, dgrad or wgrad) alone.
+ * op (forward, dgrad or wgrad) alone, --shape one shape (an index of shapes[]).
  */
 #include <math.h>
 #include <stdio.h>
@@ -509,14 +509,17 @@ static int op_index(const char* s) {
 
 int mst_bench_gemm(int argc, char** argv) {
     const char* json = NULL;
-    int reps = 20, only = -1;
+    int reps = 20, only = -1, only_shape = -1;
     for (int i = 0; i < argc; i++) {
         if (strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
         else if (strcmp(argv[i], "--reps") == 0 && i + 1 < argc) reps = atoi(argv[++i]);
         else if (strcmp(argv[i], "--op") == 0 && i + 1 < argc && (only = op_index(argv[++i])) >= 0) continue;
+        else if (strcmp(argv[i], "--shape") == 0 && i + 1 < argc && (only_shape = atoi(argv[++i])) >= 0 &&
+                 only_shape < N_SHAPES)
+            continue;
         else {
-            fprintf(stderr, "bench gemm: bad argument '%s' (--json FILE, --reps N, --op forward|dgrad|wgrad)\n",
-                    argv[i]);
+            fprintf(stderr, "bench gemm: bad argument '%s' (--json FILE, --reps N, --op forward|dgrad|wgrad, "
+                    "--shape 0..%d)\n", argv[i], N_SHAPES - 1);
             return 2;
         }
     }
@@ -553,6 +556,7 @@ int mst_bench_gemm(int argc, char** argv) {
     for (int si = 0; si < N_SHAPES; si++) {
         const gemm_shape* s = &shapes[si];
         gemm_bufs b;
+        if (only_shape >= 0 && si != only_shape) continue;
         if (!bufs_alloc(ctx, &b, s)) return 1;
         for (int d = 0; d < 2; d++) {
             if (!set_counts(ctx, &b, s->rows, d)) return 1;
@@ -591,7 +595,7 @@ int mst_bench_gemm(int argc, char** argv) {
     printf("\n%-24s %-8s | %-30s | %-30s | %-30s\n", "shape (T x I -> O, E)", "counts", "forward /roof /line (TF)",
            "dgrad /roof /line (TF)", "wgrad acc /roof /line (TF)");
     for (int si = 0; si < N_SHAPES; si++)
-        for (int d = 0; d < 2; d++) {
+        for (int d = 0; d < 2 && (only_shape < 0 || si == only_shape); d++) {
             const gemm_shape* s = &shapes[si];
             char name[40];
             snprintf(name, sizeof name, "%lldx%lld->%lld E%d", (long long)s->rows, (long long)s->in,
