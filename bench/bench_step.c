@@ -26,7 +26,7 @@
 
 #include "cli/cli.h"
 #include "core/context.h"
-#include "stash/mlp_stack.h"
+#include "mlp_stack.h"
 
 #ifdef MST_HAVE_CUDA
 #include <cuda_runtime_api.h>

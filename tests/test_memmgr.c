@@ -15,7 +15,7 @@
 #endif
 
 #include "harness.h"
-#include "stash/mlp_stack.h"
+#include "mlp_stack.h"
 
 enum { L = 4, M = 4, E = 4, H = 32, F = 24, R = 200, PAGE = 16 };
 

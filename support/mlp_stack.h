@@ -1,9 +1,10 @@
 /*
  * mlp_stack.h — a stack of grouped-MLP layers driven through the memory
- * manager along a pipeline schedule (private: used by the memory-manager
- * tests and `moestash bench step`). Layer l of microbatch mb maps
- * x [R, H] -> y [R, H] with its own routing (counts, probs); chunk c's input
- * is chunk c-1's output, as on a pipeline rank that holds several chunks.
+ * manager along a pipeline schedule (not library API: a helper of the
+ * memory-manager tests and `moestash bench step`, built from support/).
+ * Layer l of microbatch mb maps x [R, H] -> y [R, H] with its own routing
+ * (counts, probs); chunk c's input is chunk c-1's output, as on a pipeline
+ * rank that holds several chunks.
  */
 #ifndef MST_MLP_STACK_H
 #define MST_MLP_STACK_H

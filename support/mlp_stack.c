@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../core/context.h"
+#include "core/context.h"
 #include "mlp_stack.h"
 
 static uint64_t mix(uint64_t* s) { /* splitmix64 */
