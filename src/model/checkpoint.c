@@ -530,3 +530,36 @@ mst_status mst_ckpt_load(mst_model* m, const char* dir) {
     free(p);
     return st;
 }
+
+mst_status mst_ckpt_read_bf16(const char* dir, const char* name, int64_t n, float* out) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    FILE* f = fopen(path, "rb");
+    if (!f) return mst_set_error(MST_ERR_IO, "checkpoint '%s': %s", path, strerror(errno));
+    uint8_t len[8];
+    uint64_t n_hdr = 0;
+    mst_status st = fread(len, 1, 8, f) == 8 ? MST_OK : mst_set_error(MST_ERR_INVALID, "checkpoint '%s': truncated", path);
+    for (int b = 0; b < 8; b++) n_hdr |= (uint64_t)len[b] << (8 * b);
+    if (st == MST_OK && n_hdr > (100u << 20)) st = mst_set_error(MST_ERR_INVALID, "checkpoint '%s': header too long", path);
+    char* hdr = st == MST_OK ? (char*)malloc((size_t)n_hdr) : NULL;
+    mst_json j = {0};
+    int64_t o0 = -1, o1 = -1;
+    if (st == MST_OK && (!hdr || fread(hdr, 1, (size_t)n_hdr, f) != n_hdr || mst_json_parse(hdr, (size_t)n_hdr, &j, NULL)))
+        st = mst_set_error(MST_ERR_INVALID, "checkpoint '%s': bad header", path);
+    if (st == MST_OK) {
+        const int32_t t = mst_json_get(&j, 0, name), dt = mst_json_get(&j, t, "dtype"), of = mst_json_get(&j, t, "data_offsets");
+        if (of >= 0 && j.tok[of].n_children == 2) mst_json_i64(&j, of + 1, &o0), mst_json_i64(&j, of + 2, &o1);
+        if (t < 0 || dt < 0 || !mst_json_eq(&j, dt, "BF16") || o0 < 0 || o1 - o0 != 2 * n)
+            st = mst_set_error(MST_ERR_INVALID, "checkpoint '%s': no BF16 tensor '%s' of %lld values", path, name, (long long)n);
+        mst_json_free(&j);
+    }
+    uint16_t* raw = st == MST_OK ? (uint16_t*)malloc(sizeof(uint16_t) * (size_t)n) : NULL;
+    if (st == MST_OK && (!raw || fseek(f, (long)(8 + n_hdr + (uint64_t)o0), SEEK_SET) != 0 ||
+                         fread(raw, 2, (size_t)n, f) != (size_t)n))
+        st = mst_set_error(MST_ERR_INVALID, "checkpoint '%s': tensor '%s' truncated", path, name);
+    for (int64_t i = 0; st == MST_OK && i < n; i++) out[i] = mst_bf16_to_fp32(raw[i]);
+    free(raw);
+    free(hdr);
+    fclose(f);
+    return st;
+}

@@ -46,5 +46,8 @@ mst_status mst_ckpt_save(mst_model* m, const mst_train_config* cfg, int64_t step
 mst_status mst_ckpt_read_meta(const char* dir, mst_ckpt_meta* out);
 /* Loads the tensors of dir into m (built from the checkpoint's config). */
 mst_status mst_ckpt_load(mst_model* m, const char* dir);
+/* One bf16 weight of dir/model.safetensors by name, n elements, as fp32
+ * into host out [n] (for tools that need no model: sampling). */
+mst_status mst_ckpt_read_bf16(const char* dir, const char* name, int64_t n, float* out);
 
 #endif
