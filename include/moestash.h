@@ -165,7 +165,9 @@ mst_status mst_grouped_linear_wgrad(mst_ctx_t* ctx, const mst_tensor* dy, const 
                                     const mst_tensor* counts, mst_tensor* main_grad_w,
                                     mst_tensor* main_grad_b, mst_tensor* dscale,
                                     mst_wgrad_mode mode);
-/* Runs every DEFERRED wgrad recorded on ctx, in the order recorded. */
+/* Runs every DEFERRED wgrad recorded on ctx, in the order recorded, and
+ * empties the queue. One that fails does not stop the others: all run, and
+ * the first failure is returned (its message names it). */
 mst_status mst_wgrad_flush(mst_ctx_t* ctx);
 /* Number of DEFERRED wgrads waiting for mst_wgrad_flush(). */
 int mst_wgrad_pending(const mst_ctx_t* ctx);

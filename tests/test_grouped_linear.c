@@ -381,6 +381,71 @@ static void bad_counts(mst_ctx_t* ctx, mst_rng* rng, const int32_t* bad, int E, 
     free(hx), free(hw);
 }
 
+/* A flush whose first DEFERRED wgrad fails (bad counts) still runs the next
+ * one and empties the queue: the second main_grad equals the same wgrad run
+ * as ACCUMULATE, bit for bit; the first failure is returned (the CPU op
+ * fails at once, CUDA raises the flag) and named. */
+static void flush_after_failure(mst_ctx_t* ctx, mst_rng* rng) {
+    const int E = 3;
+    const int64_t R = 40, I = 16, O = 24;
+    const int32_t bad[3] = {5, -1, 4}, good[3] = {11, 0, 17};
+    mst_guarded gbad = mst_guarded_alloc(ctx, 4 * E), ggood = mst_guarded_alloc(ctx, 4 * E),
+                gx = mst_guarded_alloc(ctx, 2 * R * I), gdy = mst_guarded_alloc(ctx, 2 * R * O),
+                gm0 = mst_guarded_alloc(ctx, 4 * E * O * I), gm1 = mst_guarded_alloc(ctx, 4 * E * O * I);
+    uint16_t* hx = (uint16_t*)malloc(2 * R * I);
+    uint16_t* hdy = (uint16_t*)malloc(2 * R * O);
+    float* g0 = (float*)malloc(4 * E * O * I);
+    float* ref = (float*)malloc(4 * E * O * I);
+    float* got = (float*)malloc(4 * E * O * I);
+    mst_rng_bf16(rng, hx, (size_t)(R * I), 1.0);
+    mst_rng_bf16(rng, hdy, (size_t)(R * O), 1.0);
+    mst_rng_fp32(rng, g0, (size_t)(E * O * I), -1.0, 1.0);
+    mst_guarded_put(ctx, &gbad, bad);
+    mst_guarded_put(ctx, &ggood, good);
+    mst_guarded_put(ctx, &gx, hx);
+    mst_guarded_put(ctx, &gdy, hdy);
+    mst_tensor cb = mst_tensor_make(gbad.data, MST_DTYPE_INT32, E, 1),
+               cg = mst_tensor_make(ggood.data, MST_DTYPE_INT32, E, 1),
+               x = mst_tensor_make(gx.data, MST_DTYPE_BF16, R, I),
+               dy = mst_tensor_make(gdy.data, MST_DTYPE_BF16, R, O),
+               m0 = mst_tensor_make(gm0.data, MST_DTYPE_FP32, E * O, I),
+               m1 = mst_tensor_make(gm1.data, MST_DTYPE_FP32, E * O, I);
+    mst_guarded_put(ctx, &gm1, g0); /* the reference: ACCUMULATE now */
+    CHECK_OK(mst_grouped_linear_wgrad(ctx, &dy, &x, NULL, NULL, &cg, &m1, NULL, NULL, MST_WGRAD_ACCUMULATE));
+    mst_guarded_get(ctx, &gm1, ref);
+    mst_guarded_put(ctx, &gm1, g0);
+    CHECK_OK(mst_grouped_linear_wgrad(ctx, &dy, &x, NULL, NULL, &cb, &m0, NULL, NULL, MST_WGRAD_DEFERRED));
+    CHECK_OK(mst_grouped_linear_wgrad(ctx, &dy, &x, NULL, NULL, &cg, &m1, NULL, NULL, MST_WGRAD_DEFERRED));
+    const int cpu = mst_ctx_backend(ctx) == MST_BACKEND_CPU;
+    CHECK_STATUS(mst_wgrad_flush(ctx), cpu ? MST_ERR_COUNTS : MST_OK);
+    if (cpu)
+        CHECK(strstr(mst_last_error(), "deferred wgrad 0 of 2") && strstr(mst_last_error(), "counts[1] = -1"),
+              "flush failure message names neither the wgrad nor the count: %s", mst_last_error());
+    CHECK(mst_wgrad_pending(ctx) == 0, "flush after a failure left %d pending", mst_wgrad_pending(ctx));
+    CHECK_STATUS(mst_ctx_check(ctx), MST_ERR_COUNTS);
+    mst_guarded_get(ctx, &gm1, got);
+    const int64_t diff = mst_first_diff(ref, got, gm1.n_bytes);
+    CHECK(diff < 0, "the wgrad queued after a failing one: main_grad byte %lld differs from ACCUMULATE",
+          (long long)diff);
+    CHECK(mst_guarded_intact(ctx, &gm0) && mst_guarded_intact(ctx, &gm1), "flush: main_grad guards overwritten");
+    mst_guarded* all[] = {&gbad, &ggood, &gx, &gdy, &gm0, &gm1};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) mst_guarded_free(ctx, all[i]);
+    free(hx), free(hdy), free(g0), free(ref), free(got);
+}
+
+/* A kind that is not a mst_backend_kind is bad input, not an unbuilt backend. */
+static void bad_backend_kind(void) {
+    const int kinds[] = {-1, 2, 7};
+    for (int i = 0; i < 3; i++) {
+        mst_ctx_t* c = (mst_ctx_t*)&c; /* must be set to NULL */
+        char want[32];
+        snprintf(want, sizeof want, "kind = %d", kinds[i]);
+        CHECK_STATUS(mst_ctx_create((mst_backend_kind)kinds[i], 0, &c), MST_ERR_INVALID);
+        CHECK(strstr(mst_last_error(), want) != NULL, "message does not name %s: %s", want, mst_last_error());
+        CHECK(c == NULL, "kind %d: *out not cleared", kinds[i]);
+    }
+}
+
 static void bad_arguments(mst_ctx_t* ctx) {
     const int E = 4;
     const int64_t R = 32, I = 8, O = 12;
@@ -467,6 +532,8 @@ static void run(mst_ctx_t* ctx) {
     bad_counts(ctx, &rng, neg, 3, "negative count");
     bad_counts(ctx, &rng, over, 3, "sum past max_rows");
     bad_arguments(ctx);
+    flush_after_failure(ctx, &rng);
+    bad_backend_kind();
 }
 
 int main(int argc, char** argv) { return mst_test_main(argc, argv, run); }

@@ -13,9 +13,20 @@
 #include <string.h>
 
 #include "harness.h"
+#include "backend/model_backend.h"
 #include "core/context.h"
 
 static mst_rng rng = {977};
+
+/* The model ops of ctx's backend, through the trainer's door. */
+static const mst_model_backend* ops(mst_ctx_t* ctx) {
+    const mst_model_backend* mo = NULL;
+    if (mst_model_backend_of(ctx, &mo) != MST_OK) {
+        fprintf(stderr, "no model ops: %s\n", mst_last_error());
+        abort();
+    }
+    return mo;
+}
 
 /* A guarded backend copy of host data (poisoned when host is NULL). */
 static mst_guarded up(mst_ctx_t* ctx, const void* host, size_t n_bytes) {
@@ -78,7 +89,7 @@ static void mm_case(mst_ctx_t* ctx, int ta, int tb, int64_t M, int64_t N, int64_
                      .b = (uint16_t*)gb.data, .ldb = ldb, .ldc = ldc, .accumulate = acc};
     if (out32) a.c32 = (float*)gc.data;
     else a.c16 = (uint16_t*)gc.data;
-    CHECK_OK(ctx->be->mm(ctx, &a));
+    CHECK_OK(ops(ctx)->mm(ctx, &a));
     char what[96];
     snprintf(what, sizeof what, "mm ta=%d tb=%d [%lld,%lld,%lld] %s acc=%d", ta, tb, (long long)M, (long long)N,
              (long long)K, out32 ? "fp32" : "bf16", acc);
@@ -130,10 +141,10 @@ static void test_norm(mst_ctx_t* ctx) {
     mst_norm_args a = {.rows = N, .cols = H, .eps = (float)eps, .x = (uint16_t*)gx.data, .w = (uint16_t*)gw.data,
                        .y = (uint16_t*)gy.data, .rstd = (float*)grs.data, .dy = (uint16_t*)gdy.data,
                        .dx = (uint16_t*)gdx.data, .dw = (float*)gdw.data};
-    CHECK_OK(ctx->be->norm_forward(ctx, &a));
+    CHECK_OK(ops(ctx)->norm_forward(ctx, &a));
     expect_bf16(ctx, &gy, y, (size_t)(N * H), "norm forward y");
     expect_fp32(ctx, &grs, rs, (size_t)N, MST_TOL_FP32, "norm forward rstd");
-    CHECK_OK(ctx->be->norm_backward(ctx, &a));
+    CHECK_OK(ops(ctx)->norm_backward(ctx, &a));
     expect_bf16(ctx, &gdx, dx, (size_t)(N * H), "norm backward dx");
     expect_fp32(ctx, &gdw, dw, (size_t)H, MST_TOL_FP32, "norm backward dw (accumulated)");
     mst_guarded* all[] = {&gx, &gw, &gy, &grs, &gdy, &gdx, &gdw};
@@ -164,19 +175,19 @@ static void test_add_embed(mst_ctx_t* ctx) {
     mst_guarded gtok = up(ctx, tok, sizeof(int32_t) * (size_t)N), gdt = up(ctx, dt0, sizeof(float) * (size_t)(V * H));
     mst_guarded gord = up(ctx, NULL, sizeof(int32_t) * (size_t)(V + 1 + N));
     mst_add_args ad = {.n = N * H, .a = (uint16_t*)ga.data, .b = (uint16_t*)gb.data, .y = (uint16_t*)gy.data};
-    CHECK_OK(ctx->be->add(ctx, &ad));
+    CHECK_OK(ops(ctx)->add(ctx, &ad));
     expect_bf16(ctx, &gy, sum, (size_t)(N * H), "add");
     mst_embed_args e = {.n_tok = N, .vocab = V, .cols = H, .tokens = (int32_t*)gtok.data, .table = (uint16_t*)gtab.data,
                         .x = (uint16_t*)gy.data, .dx = (uint16_t*)ga.data, .dtable = (float*)gdt.data,
                         .order = (int32_t*)gord.data};
     mst_guarded_put(ctx, &gy, NULL);
-    CHECK_OK(ctx->be->embed_forward(ctx, &e));
+    CHECK_OK(ops(ctx)->embed_forward(ctx, &e));
     uint16_t* got = (uint16_t*)down(ctx, &gy, "embed forward");
     int exact = 1;
     for (int64_t t = 0; t < N; t++) exact &= memcmp(got + t * H, tab + tok[t] * H, sizeof(uint16_t) * (size_t)H) == 0;
     CHECK(exact, "embed forward: rows are not exact copies of the table");
     free(got);
-    CHECK_OK(ctx->be->embed_backward(ctx, &e));
+    CHECK_OK(ops(ctx)->embed_backward(ctx, &e));
     expect_fp32(ctx, &gdt, dt, (size_t)(V * H), MST_TOL_FP32, "embed backward (scatter-add)");
     mst_guarded* all[] = {&ga, &gb, &gy, &gtab, &gtok, &gdt, &gord};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) mst_guarded_free(ctx, all[i]);
@@ -201,7 +212,7 @@ static void test_xent(mst_ctx_t* ctx) {
     mst_guarded gloss = up(ctx, NULL, sizeof(float) * (size_t)N), gdl = up(ctx, NULL, sizeof(uint16_t) * (size_t)(N * V));
     mst_xent_args a = {.rows = N, .vocab = V, .scale = scale, .logits = (uint16_t*)gl.data, .targets = (int32_t*)gt.data,
                        .loss = (float*)gloss.data, .dlogits = (uint16_t*)gdl.data};
-    CHECK_OK(ctx->be->xent(ctx, &a));
+    CHECK_OK(ops(ctx)->xent(ctx, &a));
     expect_fp32(ctx, &gloss, loss, (size_t)N, MST_TOL_FP32, "xent loss");
     expect_bf16(ctx, &gdl, dl, (size_t)(N * V), "xent dlogits");
     mst_guarded* all[] = {&gl, &gt, &gloss, &gdl};
@@ -262,10 +273,10 @@ static void test_attn(mst_ctx_t* ctx) {
     mst_attn_args a = {.batch = B, .seq = T, .n_head = NH, .head_dim = D, .qkv = (uint16_t*)gq.data,
                        .probs = (float*)gp.data, .out = (uint16_t*)go.data, .dout = (uint16_t*)gd.data,
                        .dqkv = (uint16_t*)gdq.data, .scratch32 = (float*)g32.data, .scratch16 = (uint16_t*)g16.data};
-    CHECK_OK(ctx->be->attn_forward(ctx, &a));
+    CHECK_OK(ops(ctx)->attn_forward(ctx, &a));
     expect_bf16(ctx, &go, out, (size_t)(N * H), "attention forward out");
     expect_fp32(ctx, &gp, P, (size_t)(B * NH * T * T), MST_TOL_FP32, "attention forward probs (0 above the diagonal)");
-    CHECK_OK(ctx->be->attn_backward(ctx, &a));
+    CHECK_OK(ops(ctx)->attn_backward(ctx, &a));
     expect_bf16(ctx, &gdq, dqkv, (size_t)(N * 3 * H), "attention backward dqkv");
     mst_guarded* all[] = {&gq, &gp, &go, &gd, &gdq, &g32, &g16};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) mst_guarded_free(ctx, all[i]);
@@ -360,7 +371,7 @@ static void route_case(mst_ctx_t* ctx, int64_t N, int E, int K, int G, int64_t R
                         .topk_w = (float*)b.w.data, .pos = (int32_t*)b.pos.data, .counts = (int32_t*)b.counts.data,
                         .load = (int32_t*)b.load.data, .peak_rows = (int32_t*)b.peak.data, .aux_loss = (float*)b.aux.data,
                         .flag = ctx->err_flag, .dtopk_w = (float*)b.dw.data, .dlogits = (uint16_t*)b.dl.data};
-    CHECK_OK(ctx->be->route_forward(ctx, &a));
+    CHECK_OK(ops(ctx)->route_forward(ctx, &a));
     char what[128];
     snprintf(what, sizeof what, "route N=%lld E=%d k=%d G=%d R=%lld", (long long)N, E, K, G, (long long)R);
     CHECK_STATUS(mst_ctx_check(ctx), over ? MST_ERR_COUNTS : MST_OK);
@@ -382,7 +393,7 @@ static void route_case(mst_ctx_t* ctx, int64_t N, int E, int K, int G, int64_t R
         int64_t want = total > peak0[g] ? total : peak0[g];
         CHECK(gk[g] == want, "%s: peak rows of group %d: %d, expected %lld", what, g, gk[g], (long long)want);
     }
-    CHECK_OK(ctx->be->route_backward(ctx, &a));
+    CHECK_OK(ops(ctx)->route_backward(ctx, &a));
     expect_bf16(ctx, &b.dl, dl, (size_t)(N * E), what);
     free(gi), free(gp), free(gc), free(gl), free(gk);
     mst_guarded* all = &b.logits;
@@ -422,7 +433,7 @@ static void test_rows(mst_ctx_t* ctx) {
     mst_guarded grows = up(ctx, NULL, sizeof(uint16_t) * (size_t)(GR * H)), gprow = up(ctx, NULL, sizeof(float) * (size_t)GR);
     mst_rows_args a = {.n_tok = N, .top_k = (int32_t)K, .cols = H, .pos = (int32_t*)gpos.data, .src = (uint16_t*)gx.data,
                        .dst = (uint16_t*)grows.data, .src_p = (float*)gp.data, .dst_p = (float*)gprow.data};
-    CHECK_OK(ctx->be->rows_gather(ctx, &a));
+    CHECK_OK(ops(ctx)->rows_gather(ctx, &a));
     uint16_t* gr = (uint16_t*)down(ctx, &grows, "rows gather");
     float* gq = (float*)down(ctx, &gprow, "rows gather probs");
     int ok = 1, untouched = 1;
@@ -442,7 +453,7 @@ static void test_rows(mst_ctx_t* ctx) {
     mst_guarded gsum = up(ctx, NULL, sizeof(uint16_t) * (size_t)(N * H)), gdp = up(ctx, NULL, sizeof(float) * (size_t)(N * K));
     mst_rows_args s = {.n_tok = N, .top_k = (int32_t)K, .cols = H, .pos = (int32_t*)gpos.data, .src = (uint16_t*)gsrc.data,
                        .dst = (uint16_t*)gsum.data, .src_p = (float*)gsp.data, .dst_p = (float*)gdp.data};
-    CHECK_OK(ctx->be->rows_sum(ctx, &s));
+    CHECK_OK(ops(ctx)->rows_sum(ctx, &s));
     expect_bf16(ctx, &gsum, sum, (size_t)(N * H), "rows sum");
     expect_fp32(ctx, &gdp, dp, (size_t)(N * K), MST_TOL_FP32, "rows sum probs");
     mst_guarded* all[] = {&gx, &gp, &gpos, &grows, &gprow, &gsrc, &gsp, &gsum, &gdp};
@@ -479,7 +490,7 @@ static void test_optim(mst_ctx_t* ctx) {
     mst_guarded g16 = up(ctx, NULL, sizeof(uint16_t) * (size_t)n), gss = up(ctx, NULL, sizeof(float));
     mst_guarded gpart = up(ctx, NULL, sizeof(float) * MST_SUMSQ_PARTS);
     mst_sumsq_args sa = {.n = n, .x = (float*)gg.data, .partial = (float*)gpart.data, .out = (float*)gss.data};
-    CHECK_OK(ctx->be->sumsq(ctx, &sa));
+    CHECK_OK(ops(ctx)->sumsq(ctx, &sa));
     expect_fp32(ctx, &gss, &ss, 1, MST_TOL_FP32, "sum of squares");
     mst_adamw_args a = {.n = n, .lr = lr, .beta1 = b1, .beta2 = b2, .eps = eps, .weight_decay = wd, .clip = clip,
                         .step = step, .master = (float*)gw.data, .grad = (float*)gg.data, .m = (float*)gm.data,
@@ -488,12 +499,12 @@ static void test_optim(mst_ctx_t* ctx) {
     /* a raised flag: nothing moves */
     const int32_t bits = 1;
     CHECK_OK(mst_copy_h2b(ctx, ctx->err_flag, &bits, sizeof bits));
-    CHECK_OK(ctx->be->adamw(ctx, &a));
+    CHECK_OK(ops(ctx)->adamw(ctx, &a));
     CHECK_STATUS(mst_ctx_check(ctx), MST_ERR_COUNTS);
     float* same = (float*)down(ctx, &gw, "adamw skipped");
     CHECK(memcmp(same, w, sizeof(float) * (size_t)n) == 0, "adamw updated the weights although the flag was set");
     free(same);
-    CHECK_OK(ctx->be->adamw(ctx, &a));
+    CHECK_OK(ops(ctx)->adamw(ctx, &a));
     expect_fp32(ctx, &gw, rw, (size_t)n, MST_TOL_FP32, "adamw master");
     expect_fp32(ctx, &gm, rm, (size_t)n, MST_TOL_FP32, "adamw m");
     expect_fp32(ctx, &gv, rv, (size_t)n, MST_TOL_FP32, "adamw v");

@@ -8,7 +8,7 @@
 
 #include <math.h>
 
-#include "backend.h"
+#include "model_backend.h"
 
 MST_HD void mst_route_token(const mst_route_args* a, int64_t t) {
     const int32_t E = a->n_experts, K = a->top_k;

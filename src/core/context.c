@@ -25,6 +25,8 @@ int mst_backend_available(mst_backend_kind kind) {
 mst_status mst_ctx_create(mst_backend_kind kind, int device, mst_ctx_t** out) {
     if (!out) return mst_set_error(MST_ERR_INVALID, "out is NULL");
     *out = NULL;
+    if (kind != MST_BACKEND_CPU && kind != MST_BACKEND_CUDA)
+        return mst_set_error(MST_ERR_INVALID, "kind = %d is not a mst_backend_kind", (int)kind);
     const mst_backend* be = mst_backend_get(kind);
     if (!be) return mst_set_error(MST_ERR_UNSUPPORTED, "backend %d is not built in", (int)kind);
     mst_ctx_t* ctx = (mst_ctx_t*)calloc(1, sizeof *ctx);
@@ -53,7 +55,7 @@ void mst_ctx_destroy(mst_ctx_t* ctx) {
     for (int i = 0; i < ctx->n_allocs; i++) ctx->be->free(ctx, ctx->allocs[i].ptr);
     if (ctx->impl) ctx->be->shutdown(ctx);
     free(ctx->allocs);
-    free(ctx->deferred);
+    if (ctx->ops) ctx->ops_free(ctx->ops);
     free(ctx);
 }
 
@@ -160,15 +162,18 @@ size_t mst_tensor_bytes(const mst_tensor* t) {
     return (size_t)t->rows * (size_t)t->cols * mst_dtype_size(t->dtype);
 }
 
-mst_status mst_workspace(mst_ctx_t* ctx, int slot, size_t n_bytes, void** out) {
-    MST_ASSERT(slot >= 0 && slot < MST_N_WS);
-    if (ctx->ws_bytes[slot] < n_bytes) {
-        mst_free(ctx, ctx->ws[slot]);
-        ctx->ws[slot] = NULL;
-        ctx->ws_bytes[slot] = 0;
-        MST_TRY(mst_alloc(ctx, n_bytes, &ctx->ws[slot]));
-        ctx->ws_bytes[slot] = n_bytes;
+mst_status mst_workspace(mst_ctx_t* ctx, mst_ws* ws, size_t n_bytes, void** out) {
+    if (ws->n_bytes < n_bytes) {
+        mst_free(ctx, ws->ptr);
+        ws->ptr = NULL;
+        ws->n_bytes = 0;
+        MST_TRY(mst_alloc(ctx, n_bytes, &ws->ptr));
+        ws->n_bytes = n_bytes;
     }
-    *out = ctx->ws[slot];
+    *out = ws->ptr;
     return MST_OK;
+}
+
+mst_status mst_slot_missing(const mst_ctx_t* ctx, const char* slot) {
+    return mst_set_error(MST_ERR_UNSUPPORTED, "%s is not implemented on backend %s", slot, ctx->be->name);
 }

@@ -14,9 +14,15 @@
 extern "C" {
 #endif
 
-/* Workspace slots: scratch that ops reuse between calls (grown outside graph
- * capture: run an op once before capturing it). */
-enum { MST_WS_MLP_A = 0, MST_WS_MLP_B, MST_WS_MLP_C, MST_WS_OP, MST_WS_GATHER, MST_N_WS };
+/* A workspace: backend-memory scratch that an op reuses between calls,
+ * grown (never shrunk) by mst_workspace outside graph capture (run an op
+ * once before capturing it); freed with the context. Its owner keeps it. */
+typedef struct mst_ws {
+    void* ptr;               /* backend memory, or NULL */
+    size_t n_bytes;
+} mst_ws;
+
+struct mst_ops_state; /* the ops layer's state (src/ops/ops_state.h) */
 
 typedef struct mst_alloc_rec {
     void* ptr;           /* backend memory */
@@ -33,10 +39,8 @@ struct mst_ctx {
     int n_allocs, cap_allocs;
     size_t in_use_bytes;     /* sum of allocs[].n_bytes                       */
     size_t peak_bytes;       /* max of in_use_bytes over the context's life   */
-    mst_gl_args* deferred;   /* [n_deferred] wgrads waiting for the flush     */
-    int n_deferred, cap_deferred;
-    void* ws[MST_N_WS];      /* backend memory scratch, by slot               */
-    size_t ws_bytes[MST_N_WS];
+    struct mst_ops_state* ops; /* the ops layer's state, made on first use   */
+    void (*ops_free)(struct mst_ops_state* ops); /* frees it with the context */
     char desc[256];          /* mst_ctx_describe()                            */
 };
 
@@ -71,8 +75,8 @@ mst_status mst_check_shape(const mst_tensor* t, const char* name, int64_t rows, 
  * and a block wherever pages are counted. */
 mst_status mst_check_pages(const mst_pages* pg, const char* name);
 
-/* Scratch of at least n_bytes in slot `slot`, grown (never shrunk) on demand. */
-mst_status mst_workspace(mst_ctx_t* ctx, int slot, size_t n_bytes, void** out);
+/* Scratch of at least n_bytes in *ws, grown (never shrunk) on demand. */
+mst_status mst_workspace(mst_ctx_t* ctx, mst_ws* ws, size_t n_bytes, void** out);
 
 /* Exclusive prefix sum of host-readable counts into off [E+1]. Returns
  * MST_ERR_COUNTS (message naming the group) when a count is negative or the

@@ -42,31 +42,31 @@ static int64_t n_tok(const mst_model* m) { return m->cfg.batch * m->cfg.seq; }
 static mst_status head_forward(mst_model* m, const uint16_t* x, const int32_t* targets, float scale,
                                float* loss, uint16_t* dl) {
     const mst_model_config* c = &m->cfg;
-    MST_TRY(mst_op_linear(m->ctx, n_tok(m), c->hidden, c->vocab, x, m->w + m->emb, m->logits));
+    MST_TRY(mst_op_linear(m, n_tok(m), c->hidden, c->vocab, x, m->w + m->emb, m->logits));
     mst_xent_args a = {.rows = n_tok(m), .vocab = c->vocab, .scale = scale, .logits = m->logits,
                        .targets = targets, .loss = loss, .dlogits = dl};
-    return MST_MODEL_OP(m->ctx, xent, &a);
+    return MST_MODEL_OP(m, xent, &a);
 }
 
 /* dx [N, H] = dl emb; g(emb) += dl^T x. */
 static mst_status head_backward(mst_model* m, const uint16_t* dl, const uint16_t* x, uint16_t* dx) {
     const mst_model_config* c = &m->cfg;
-    MST_TRY(mst_op_linear_wgrad(m->ctx, n_tok(m), c->hidden, c->vocab, dl, x, m->grad + m->emb, c->hidden));
-    return mst_op_linear_dgrad(m->ctx, n_tok(m), c->hidden, c->vocab, dl, m->w + m->emb, c->hidden, dx);
+    MST_TRY(mst_op_linear_wgrad(m, n_tok(m), c->hidden, c->vocab, dl, x, m->grad + m->emb, c->hidden));
+    return mst_op_linear_dgrad(m, n_tok(m), c->hidden, c->vocab, dl, m->w + m->emb, c->hidden, dx);
 }
 
 static mst_status embed(mst_model* m, const int32_t* tok, uint16_t* x) {
     const mst_model_config* c = &m->cfg;
     mst_embed_args a = {.n_tok = n_tok(m), .vocab = c->vocab, .cols = c->hidden, .tokens = tok,
                         .table = m->w + m->emb, .x = x};
-    return MST_MODEL_OP(m->ctx, embed_forward, &a);
+    return MST_MODEL_OP(m, embed_forward, &a);
 }
 
 static mst_status embed_bwd(mst_model* m, const int32_t* tok, const uint16_t* dx) {
     const mst_model_config* c = &m->cfg;
     mst_embed_args a = {.n_tok = n_tok(m), .vocab = c->vocab, .cols = c->hidden, .tokens = tok,
                         .dx = dx, .dtable = m->grad + m->emb, .order = m->emb_order};
-    return MST_MODEL_OP(m->ctx, embed_backward, &a);
+    return MST_MODEL_OP(m, embed_backward, &a);
 }
 
 static float loss_scale(const mst_model* m) { return 1.0f / (float)(n_tok(m) * m->n_micro); }
@@ -75,32 +75,31 @@ static float loss_scale(const mst_model* m) { return 1.0f / (float)(n_tok(m) * m
 static mst_status main_head(mst_model* m, int32_t mb) {
     mst_micro* u = &m->micro[mb];
     const uint16_t* h = u->acts[m->cfg.layers - 1].out;
-    MST_TRY(mst_op_norm(m->ctx, n_tok(m), m->cfg.hidden, m->cfg.norm_eps, h, m->w + m->lnf, u->xf, u->rstdf));
+    MST_TRY(mst_op_norm(m, n_tok(m), m->cfg.hidden, m->cfg.norm_eps, h, m->w + m->lnf, u->xf, u->rstdf));
     return head_forward(m, u->xf, u->tok + n_tok(m), loss_scale(m), m->loss_main + mb * n_tok(m), u->dl_main);
 }
 
 /* MTP input: p = [norm_e(emb(next)) | norm_h(h)] Wproj^T. */
 static mst_status mtp_input(mst_model* m, int32_t mb) {
-    mst_ctx_t* ctx = m->ctx;
     mst_micro* u = &m->micro[mb];
     const int64_t N = n_tok(m), H = m->cfg.hidden;
     const float eps = m->cfg.norm_eps;
     MST_TRY(embed(m, u->tok + N, u->e1));
-    MST_TRY(mst_op_norm(ctx, N, H, eps, u->e1, m->w + m->ln_e, u->ne, u->rstd_e));
-    MST_TRY(mst_op_norm(ctx, N, H, eps, u->acts[m->cfg.layers - 1].out, m->w + m->ln_h, u->nh, u->rstd_h));
+    MST_TRY(mst_op_norm(m, N, H, eps, u->e1, m->w + m->ln_e, u->ne, u->rstd_e));
+    MST_TRY(mst_op_norm(m, N, H, eps, u->acts[m->cfg.layers - 1].out, m->w + m->ln_h, u->nh, u->rstd_h));
     mst_mm_args pe = {.trans_b = 1, .m = N, .n = H, .k = H, .a = u->ne, .lda = H, .b = m->w + m->proj,
                       .ldb = 2 * H, .c16 = u->p, .ldc = H};
-    MST_TRY(MST_MODEL_OP(ctx, mm, &pe));
+    MST_TRY(MST_MODEL_OP(m, mm, &pe));
     pe.a = u->nh;
     pe.b = m->w + m->proj + H;
     pe.accumulate = 1;
-    return MST_MODEL_OP(ctx, mm, &pe);
+    return MST_MODEL_OP(m, mm, &pe);
 }
 
 static mst_status mtp_head(mst_model* m, int32_t mb) {
     mst_micro* u = &m->micro[mb];
     const int64_t N = n_tok(m);
-    MST_TRY(mst_op_norm(m->ctx, N, m->cfg.hidden, m->cfg.norm_eps, u->acts[m->cfg.layers].out, m->w + m->ln_mf,
+    MST_TRY(mst_op_norm(m, N, m->cfg.hidden, m->cfg.norm_eps, u->acts[m->cfg.layers].out, m->w + m->ln_mf,
                         u->mf, u->rstd_mf));
     return head_forward(m, u->mf, u->tok + 2 * N, m->cfg.mtp_weight * loss_scale(m), m->loss_mtp + mb * N,
                         u->dl_mtp);
@@ -129,20 +128,19 @@ static mst_status forward_chunk(mst_model* m, int32_t chunk, int32_t mb) {
 /* MTP backward around layer L: head and norm, the layer, the projection;
  * d(h) starts here (u->dh), d(next-token embedding) goes to the table. */
 static mst_status mtp_backward(mst_model* m, int32_t mb, const mst_saver* sv) {
-    mst_ctx_t* ctx = m->ctx;
     mst_micro* u = &m->micro[mb];
     const int32_t L = m->cfg.layers;
     const int64_t N = n_tok(m), H = m->cfg.hidden;
     MST_TRY(head_backward(m, u->dl_mtp, u->mf, m->t3));
-    MST_TRY(mst_op_norm_bwd(ctx, N, H, u->acts[L].out, m->w + m->ln_mf, u->rstd_mf, m->t3, m->dm, m->grad + m->ln_mf));
+    MST_TRY(mst_op_norm_bwd(m, N, H, u->acts[L].out, m->w + m->ln_mf, u->rstd_mf, m->t3, m->dm, m->grad + m->ln_mf));
     MST_TRY(mst_layer_backward(m, L, &u->acts[L], sv, m->dm));
-    MST_TRY(mst_op_linear_wgrad(ctx, N, H, H, m->dm, u->ne, m->grad + m->proj, 2 * H));
-    MST_TRY(mst_op_linear_wgrad(ctx, N, H, H, m->dm, u->nh, m->grad + m->proj + H, 2 * H));
-    MST_TRY(mst_op_linear_dgrad(ctx, N, H, H, m->dm, m->w + m->proj, 2 * H, m->t3));
-    MST_TRY(mst_op_norm_bwd(ctx, N, H, u->e1, m->w + m->ln_e, u->rstd_e, m->t3, m->t1, m->grad + m->ln_e));
+    MST_TRY(mst_op_linear_wgrad(m, N, H, H, m->dm, u->ne, m->grad + m->proj, 2 * H));
+    MST_TRY(mst_op_linear_wgrad(m, N, H, H, m->dm, u->nh, m->grad + m->proj + H, 2 * H));
+    MST_TRY(mst_op_linear_dgrad(m, N, H, H, m->dm, m->w + m->proj, 2 * H, m->t3));
+    MST_TRY(mst_op_norm_bwd(m, N, H, u->e1, m->w + m->ln_e, u->rstd_e, m->t3, m->t1, m->grad + m->ln_e));
     MST_TRY(embed_bwd(m, u->tok + N, m->t1));
-    MST_TRY(mst_op_linear_dgrad(ctx, N, H, H, m->dm, m->w + m->proj + H, 2 * H, m->t3));
-    return mst_op_norm_bwd(ctx, N, H, u->acts[L - 1].out, m->w + m->ln_h, u->rstd_h, m->t3, u->dh, m->grad + m->ln_h);
+    MST_TRY(mst_op_linear_dgrad(m, N, H, H, m->dm, m->w + m->proj + H, 2 * H, m->t3));
+    return mst_op_norm_bwd(m, N, H, u->acts[L - 1].out, m->w + m->ln_h, u->rstd_h, m->t3, u->dh, m->grad + m->ln_h);
 }
 
 /* Main head backward: d(h) += norm_f'(head'(dl)). */
@@ -150,9 +148,9 @@ static mst_status main_head_backward(mst_model* m, int32_t mb) {
     mst_micro* u = &m->micro[mb];
     const int64_t N = n_tok(m), H = m->cfg.hidden;
     MST_TRY(head_backward(m, u->dl_main, u->xf, m->t3));
-    MST_TRY(mst_op_norm_bwd(m->ctx, N, H, u->acts[m->cfg.layers - 1].out, m->w + m->lnf, u->rstdf, m->t3, m->t1,
+    MST_TRY(mst_op_norm_bwd(m, N, H, u->acts[m->cfg.layers - 1].out, m->w + m->lnf, u->rstdf, m->t3, m->t1,
                             m->grad + m->lnf));
-    return mst_op_add(m->ctx, N * H, u->dh, m->t1, u->dh);
+    return mst_op_add(m, N * H, u->dh, m->t1, u->dh);
 }
 
 /* Reruns the forward of recompute chunk [cs, last] from the kept inputs. */

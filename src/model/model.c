@@ -235,7 +235,7 @@ static mst_status alloc_acts(mst_model* m) {
     BUF(C, m->drl, N * c->experts);
     BUF(C, m->emb_order, V + 1 + N);
     BUF(C, m->dqkv, N * 3 * H);
-    if (m->ctx->kind == MST_BACKEND_CUDA) { /* the cuBLAS attention's P / dP / dS */
+    if (m->ops->attn_scratch) {
         BUF(C, m->att32, c->batch * c->n_head * c->seq * c->seq);
         BUF(C, m->att16, c->batch * c->n_head * c->seq * c->seq);
     }
@@ -325,12 +325,14 @@ mst_status mst_model_set_max_rows(mst_model* m, int64_t R) {
 
 mst_status mst_model_create(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t n_micro,
                             const mst_mem_config* mem, mst_model** out) {
-    MST_TRY(mst_check_ctx(ctx));
+    const mst_model_backend* ops;
+    MST_TRY(mst_model_backend_of(ctx, &ops));
     MST_TRY(mst_model_config_check(cfg));
     if (n_micro < 1 || n_micro > 4096) return BAD("--microbatches %d: expected 1 .. 4096", n_micro);
     mst_model* m = (mst_model*)calloc(1, sizeof *m);
     if (!m) return mst_set_error(MST_ERR_OOM, "model");
     m->ctx = ctx;
+    m->ops = ops;
     m->cfg = *cfg;
     m->n_micro = n_micro;
     m->mem_cfg = mem ? *mem : mst_mem_config_default();

@@ -21,6 +21,7 @@
 #define MST_MODEL_H
 
 #include "../core/context.h"
+#include "../backend/model_backend.h"
 
 typedef struct mst_model_config {
     int64_t vocab;          /* V (256: bytes)                                   */
@@ -110,6 +111,7 @@ enum { MST_MEM_WEIGHTS = 0, MST_MEM_GRADS, MST_MEM_OPTIM, MST_MEM_SAVED, MST_MEM
 
 typedef struct mst_model {
     mst_ctx_t* ctx;
+    const mst_model_backend* ops; /* ctx's model ops (mst_model_backend_of)     */
     mst_model_config cfg;
     mst_mem_config mem_cfg;
     int64_t max_rows;        /* R in use now (static, or exact on a rerun)     */
@@ -144,8 +146,8 @@ typedef struct mst_model {
     uint16_t* drl;           /* [N, E] d(router logits)                       */
     int32_t* emb_order;      /* [V + 1 + N] embedding backward scratch        */
     uint16_t* dqkv;          /* [N, 3H]                                       */
-    float* att32;            /* [B, NH, T, T] attention scratch (CUDA only)   */
-    uint16_t* att16;         /* [B, NH, T, T] attention scratch (CUDA only)   */
+    float* att32;            /* [B, NH, T, T] attention scratch (ops->attn_scratch) */
+    uint16_t* att16;         /* [B, NH, T, T] attention scratch (ops->attn_scratch) */
     uint16_t *dm, *t1, *t2, *t3; /* [N, H] gradient and scratch               */
     size_t mem[MST_N_MEM];   /* bytes allocated by category                   */
     void** owned;            /* [n_owned] backend buffers freed by destroy    */

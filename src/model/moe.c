@@ -46,22 +46,22 @@ mst_status mst_moe_forward(mst_model* m, int32_t l, mst_layer_acts* a, const mst
     const int64_t N = c->batch * c->seq, H = c->hidden, GR = m->max_rows * c->ep;
     mst_mm_args lg = {.trans_b = 1, .m = N, .n = c->experts, .k = H, .a = a->b, .lda = H,
                       .b = m->w + m->lp[l].wr, .ldb = H, .c32 = a->rlogits, .ldc = c->experts};
-    MST_TRY(MST_MODEL_OP(ctx, mm, &lg));
+    MST_TRY(MST_MODEL_OP(m, mm, &lg));
     mst_route_args r = route_args(m, l, a);
-    MST_TRY(MST_MODEL_OP(ctx, route_forward, &r));
+    MST_TRY(MST_MODEL_OP(m, route_forward, &r));
     mst_tensor x, p;
     MST_TRY(saver->produce(saver->self, MST_SAVED_FC1_INPUT, GR, H, MST_DTYPE_BF16, &x));
     MST_TRY(saver->produce(saver->self, MST_SAVED_PROBS, GR, 1, MST_DTYPE_FP32, &p));
     mst_rows_args d = {.n_tok = N, .top_k = c->top_k, .cols = H, .pos = a->pos, .src = a->b,
                        .dst = (uint16_t*)x.data, .src_p = a->topk_w, .dst_p = (float*)p.data};
-    MST_TRY(MST_MODEL_OP(ctx, rows_gather, &d));
+    MST_TRY(MST_MODEL_OP(m, rows_gather, &d));
     mst_mlp_config mc = mlp_config(m);
     mst_mlp_weights w = mlp_weights(m, l);
     mst_tensor counts = mst_tensor_make(a->counts, MST_DTYPE_INT32, c->experts, 1);
     mst_tensor yr = mst_tensor_make(m->yrows, MST_DTYPE_BF16, GR, H);
     MST_TRY(mst_grouped_mlp_forward(ctx, &mc, &w, &x, &p, &counts, saver, &yr));
     mst_rows_args s = {.n_tok = N, .top_k = c->top_k, .cols = H, .pos = a->pos, .src = m->yrows, .dst = y};
-    return MST_MODEL_OP(ctx, rows_sum, &s);
+    return MST_MODEL_OP(m, rows_sum, &s);
 }
 
 mst_status mst_moe_backward(mst_model* m, int32_t l, mst_layer_acts* a, const mst_saver* saver,
@@ -70,7 +70,7 @@ mst_status mst_moe_backward(mst_model* m, int32_t l, mst_layer_acts* a, const ms
     mst_ctx_t* ctx = m->ctx;
     const int64_t N = c->batch * c->seq, H = c->hidden, E = c->experts, GR = m->max_rows * c->ep;
     mst_rows_args d = {.n_tok = N, .top_k = c->top_k, .cols = H, .pos = a->pos, .src = dy, .dst = m->drows};
-    MST_TRY(MST_MODEL_OP(ctx, rows_gather, &d));
+    MST_TRY(MST_MODEL_OP(m, rows_gather, &d));
     mst_mlp_config mc = mlp_config(m);
     mst_mlp_weights w = mlp_weights(m, l);
     mst_tensor counts = mst_tensor_make(a->counts, MST_DTYPE_INT32, E, 1);
@@ -80,15 +80,15 @@ mst_status mst_moe_backward(mst_model* m, int32_t l, mst_layer_acts* a, const ms
     MST_TRY(mst_grouped_mlp_backward(ctx, &mc, &w, &dyr, &counts, saver, &dxr, &dp, MST_WGRAD_ACCUMULATE));
     mst_rows_args s = {.n_tok = N, .top_k = c->top_k, .cols = H, .pos = a->pos, .src = m->dxrows,
                        .dst = dx, .src_p = m->dprow, .dst_p = m->dtopk};
-    MST_TRY(MST_MODEL_OP(ctx, rows_sum, &s));
+    MST_TRY(MST_MODEL_OP(m, rows_sum, &s));
     mst_route_args r = route_args(m, l, a);
     r.aux_coef = c->aux_coef / (float)m->n_micro; /* the loss is the mean over microbatches */
     r.dtopk_w = m->dtopk;
     r.dlogits = m->drl;
-    MST_TRY(MST_MODEL_OP(ctx, route_backward, &r));
+    MST_TRY(MST_MODEL_OP(m, route_backward, &r));
     /* dx += drl Wr; gWr += drl^T b */
     mst_mm_args dg = {.m = N, .n = H, .k = E, .a = m->drl, .lda = E, .b = m->w + m->lp[l].wr,
                       .ldb = H, .c16 = dx, .ldc = H, .accumulate = 1};
-    MST_TRY(MST_MODEL_OP(ctx, mm, &dg));
-    return mst_op_linear_wgrad(ctx, N, H, E, m->drl, a->b, m->grad + m->lp[l].wr, H);
+    MST_TRY(MST_MODEL_OP(m, mm, &dg));
+    return mst_op_linear_wgrad(m, N, H, E, m->drl, a->b, m->grad + m->lp[l].wr, H);
 }

@@ -23,7 +23,7 @@ mst_status mst_optim_zero(mst_model* m) {
 
 mst_status mst_optim_step(mst_model* m, const mst_optim_config* o, int64_t step) {
     mst_sumsq_args ss = {.n = m->n_params, .x = m->grad, .partial = m->gpartial, .out = m->gsumsq};
-    MST_TRY(MST_MODEL_OP(m->ctx, sumsq, &ss));
+    MST_TRY(MST_MODEL_OP(m, sumsq, &ss));
     /* [0, n_decay): matrices with weight decay; the rest: norm weights */
     const int64_t lo[2] = {0, m->n_decay}, hi[2] = {m->n_decay, m->n_params};
     for (int i = 0; i < 2; i++) {
@@ -33,7 +33,7 @@ mst_status mst_optim_step(mst_model* m, const mst_optim_config* o, int64_t step)
                             .step = step, .master = m->master + lo[i], .grad = m->grad + lo[i],
                             .m = m->adam_m + lo[i], .v = m->adam_v + lo[i], .w = m->w + lo[i],
                             .grad_sumsq = m->gsumsq, .flag = m->ctx->err_flag};
-        MST_TRY(MST_MODEL_OP(m->ctx, adamw, &a));
+        MST_TRY(MST_MODEL_OP(m, adamw, &a));
     }
     return MST_OK;
 }

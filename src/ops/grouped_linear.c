@@ -7,7 +7,7 @@
  */
 #include <string.h>
 
-#include "../core/context.h"
+#include "ops_state.h"
 
 /* counts [E, 1] int32; fills a->n_groups. */
 static mst_status check_counts(const mst_tensor* counts, mst_gl_args* a) {
@@ -45,14 +45,6 @@ static mst_status check_optional(const mst_tensor* t, const char* name, mst_dtyp
     return mst_check_shape(t, name, rows, cols);
 }
 
-static mst_status dispatch(mst_ctx_t* ctx, mst_status (*op)(mst_ctx_t*, const mst_gl_args*),
-                           const mst_gl_args* a, const char* name) {
-    if (!op)
-        return mst_set_error(MST_ERR_UNSUPPORTED, "%s is not implemented on backend %s", name,
-                             ctx->be->name);
-    return op(ctx, a);
-}
-
 mst_status mst_grouped_linear_forward(mst_ctx_t* ctx, const mst_tensor* x, const mst_tensor* w,
                                       const mst_tensor* bias, const mst_tensor* scale,
                                       const mst_tensor* counts, mst_tensor* y) {
@@ -75,7 +67,7 @@ mst_status mst_grouped_linear_forward(mst_ctx_t* ctx, const mst_tensor* x, const
     }
     a.x = (const uint16_t*)x->data;
     a.y = (uint16_t*)y->data;
-    return dispatch(ctx, ctx->be->gl_forward, &a, "grouped_linear_forward");
+    return MST_SLOT(ctx, ctx->be, gl_forward, &a);
 }
 
 mst_status mst_grouped_linear_dgrad(mst_ctx_t* ctx, const mst_tensor* dy, const mst_tensor* w,
@@ -91,18 +83,20 @@ mst_status mst_grouped_linear_dgrad(mst_ctx_t* ctx, const mst_tensor* dy, const 
     MST_TRY(mst_check_shape(dy, "dy", a.max_rows, a.out));
     a.dy = (const uint16_t*)dy->data;
     a.dx = (uint16_t*)dx->data;
-    return dispatch(ctx, ctx->be->gl_dgrad, &a, "grouped_linear_dgrad");
+    return MST_SLOT(ctx, ctx->be, gl_dgrad, &a);
 }
 
 static mst_status defer(mst_ctx_t* ctx, const mst_gl_args* a) {
-    if (ctx->n_deferred == ctx->cap_deferred) {
-        int cap = ctx->cap_deferred ? 2 * ctx->cap_deferred : 16;
-        mst_gl_args* d = (mst_gl_args*)realloc(ctx->deferred, (size_t)cap * sizeof *d);
+    mst_ops_state* s;
+    MST_TRY(mst_ops_state_of(ctx, &s));
+    if (s->n_deferred == s->cap_deferred) {
+        int cap = s->cap_deferred ? 2 * s->cap_deferred : 16;
+        mst_gl_args* d = (mst_gl_args*)realloc(s->deferred, (size_t)cap * sizeof *d);
         if (!d) return mst_set_error(MST_ERR_OOM, "deferred wgrad queue growth failed");
-        ctx->deferred = d;
-        ctx->cap_deferred = cap;
+        s->deferred = d;
+        s->cap_deferred = cap;
     }
-    ctx->deferred[ctx->n_deferred++] = *a;
+    s->deferred[s->n_deferred++] = *a;
     return MST_OK;
 }
 
@@ -167,16 +161,30 @@ mst_status mst_grouped_linear_wgrad(mst_ctx_t* ctx, const mst_tensor* dy, const 
     a.main_grad_w = (float*)main_grad_w->data;
     a.accumulate = mode != MST_WGRAD_OVERWRITE;
     if (mode == MST_WGRAD_DEFERRED) return defer(ctx, &a);
-    return dispatch(ctx, ctx->be->gl_wgrad, &a, "grouped_linear_wgrad");
+    return MST_SLOT(ctx, ctx->be, gl_wgrad, &a);
 }
 
+/* Every queued wgrad runs, in order, even after one fails (a later one does
+ * not depend on an earlier one); the queue is empty afterwards and the first
+ * failure is returned (its message is the last one set when a later wgrad
+ * fails too, so it is formatted again). */
 mst_status mst_wgrad_flush(mst_ctx_t* ctx) {
     MST_TRY(mst_check_ctx(ctx));
-    int n = ctx->n_deferred;
-    ctx->n_deferred = 0;
-    for (int i = 0; i < n; i++)
-        MST_TRY(dispatch(ctx, ctx->be->gl_wgrad, &ctx->deferred[i], "grouped_linear_wgrad"));
-    return MST_OK;
+    mst_ops_state* s = ctx->ops;
+    const int n = s ? s->n_deferred : 0;
+    mst_status first = MST_OK;
+    int first_i = -1;
+    char why[256] = "";
+    for (int i = 0; i < n; i++) {
+        const mst_status st = MST_SLOT(ctx, ctx->be, gl_wgrad, &s->deferred[i]);
+        if (st == MST_OK || first != MST_OK) continue;
+        first = st;
+        first_i = i;
+        snprintf(why, sizeof why, "%s", mst_last_error());
+    }
+    if (s) s->n_deferred = 0;
+    if (first == MST_OK) return MST_OK;
+    return mst_set_error(first, "deferred wgrad %d of %d: %s", first_i, n, why);
 }
 
-int mst_wgrad_pending(const mst_ctx_t* ctx) { return ctx ? ctx->n_deferred : 0; }
+int mst_wgrad_pending(const mst_ctx_t* ctx) { return ctx && ctx->ops ? ctx->ops->n_deferred : 0; }

@@ -13,8 +13,9 @@
  *
  * Saved tensors go through the caller's mst_saver by name, each under its own
  * policy; act_input and fc2_input may be claimed (saver.claim): the
- * activation then writes them into their pages itself. Scratch (dz, dh, a recomputed z) lives in the context's MLP
- * workspace slots, sized by max_rows, so after the first call nothing is
+ * activation then writes them into their pages itself. Scratch (dz, dh, a
+ * recomputed z) lives in the MLP workspaces of the context's ops state
+ * (ops_state.h), sized by max_rows, so after the first call nothing is
  * allocated and the whole forward + backward can be captured in a graph.
  *
  * Shapes: E groups, R rows (max_rows), H hidden, F ffn.
@@ -22,7 +23,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "../core/context.h"
+#include "ops_state.h"
 
 mst_mlp_config mst_mlp_config_default(int32_t n_groups, int64_t hidden, int64_t ffn) {
     mst_mlp_config c = {n_groups, hidden, ffn, MST_ACT_SWIGLU, 7.0f, 1.702f};
@@ -109,14 +110,6 @@ static mst_act_args act_args(const mst_mlp_config* cfg, const mst_tensor* counts
     return a;
 }
 
-static mst_status act_dispatch(mst_ctx_t* ctx, mst_status (*op)(mst_ctx_t*, const mst_act_args*),
-                               const mst_act_args* a, const char* name) {
-    if (!op)
-        return mst_set_error(MST_ERR_UNSUPPORTED, "%s is not implemented on backend %s", name,
-                             ctx->be->name);
-    return op(ctx, a);
-}
-
 /* z = act(h) * p: the forward (h and z also into the pages of h_out / z_out
  * when claimed), and the recompute of fc2_input in backward (no pages). */
 static mst_status act_forward(mst_ctx_t* ctx, const mst_mlp_config* cfg, const mst_tensor* h,
@@ -126,7 +119,7 @@ static mst_status act_forward(mst_ctx_t* ctx, const mst_mlp_config* cfg, const m
     a.z = (uint16_t*)z->data;
     a.h_out = *h_out;
     a.z_out = *z_out;
-    return act_dispatch(ctx, ctx->be->act_forward, &a, "activation forward");
+    return MST_SLOT(ctx, ctx->be, act_forward, &a);
 }
 
 /* ---- saved tensors -------------------------------------------------------- */
@@ -201,18 +194,20 @@ mst_status mst_grouped_mlp_forward(mst_ctx_t* ctx, const mst_mlp_config* cfg,
 
 /* ---- backward ------------------------------------------------------------- */
 
-/* A bf16 [R, cols] tensor in MLP workspace slot `slot`. */
+/* A bf16 [R, cols] tensor in MLP workspace `slot` (MST_MLP_WS_*). */
 static mst_status scratch(mst_ctx_t* ctx, int slot, int64_t R, int64_t cols, mst_tensor* out) {
+    mst_ops_state* s;
     void* p;
-    MST_TRY(mst_workspace(ctx, slot, (size_t)R * (size_t)cols * 2, &p));
+    MST_TRY(mst_ops_state_of(ctx, &s));
+    MST_TRY(mst_workspace(ctx, &s->mlp[slot], (size_t)R * (size_t)cols * 2, &p));
     *out = mst_tensor_make(p, MST_DTYPE_BF16, R, cols);
     return MST_OK;
 }
 
-static int in_mlp_workspace(const mst_ctx_t* ctx, const void* p) {
-    for (int s = MST_WS_MLP_A; s <= MST_WS_MLP_C; s++) {
-        const char* b = (const char*)ctx->ws[s];
-        if (b && (const char*)p >= b && (const char*)p < b + ctx->ws_bytes[s]) return 1;
+static int in_mlp_workspace(const mst_ops_state* s, const void* p) {
+    for (int i = 0; i < MST_N_MLP_WS; i++) {
+        const char* b = (const char*)s->mlp[i].ptr;
+        if (b && (const char*)p >= b && (const char*)p < b + s->mlp[i].n_bytes) return 1;
     }
     return 0;
 }
@@ -220,8 +215,9 @@ static int in_mlp_workspace(const mst_ctx_t* ctx, const void* p) {
 /* A DEFERRED wgrad of an earlier backward may still read dh or a recomputed
  * z from the MLP workspace: it must be flushed before the workspace is reused. */
 static mst_status check_workspace_free(const mst_ctx_t* ctx) {
-    for (int i = 0; i < ctx->n_deferred; i++)
-        if (in_mlp_workspace(ctx, ctx->deferred[i].x) || in_mlp_workspace(ctx, ctx->deferred[i].dy))
+    const mst_ops_state* s = ctx->ops;
+    for (int i = 0; s && i < s->n_deferred; i++)
+        if (in_mlp_workspace(s, s->deferred[i].x) || in_mlp_workspace(s, s->deferred[i].dy))
             return mst_set_error(MST_ERR_STATE,
                                  "deferred wgrad %d of an earlier grouped MLP backward still reads "
                                  "its scratch: call mst_wgrad_flush() first", i);
@@ -254,7 +250,7 @@ static mst_status fetch_all(mst_ctx_t* ctx, const mst_mlp_config* cfg, const mst
     MST_TRY(fetch(s, cfg, MST_SAVED_FC2_INPUT, R, &v->z));
     MST_TRY(fetch(s, cfg, MST_SAVED_PROBS, R, &v->p));
     if (v->z.data) return MST_OK;
-    MST_TRY(scratch(ctx, MST_WS_MLP_C, R, cfg->ffn, &v->z));
+    MST_TRY(scratch(ctx, MST_MLP_WS_Z, R, cfg->ffn, &v->z));
     const mst_pages none = {0};
     return act_forward(ctx, cfg, &v->h, &v->p, counts, &none, &none, &v->z); /* same kernel, same bits */
 }
@@ -270,8 +266,8 @@ mst_status mst_grouped_mlp_backward(mst_ctx_t* ctx, const mst_mlp_config* cfg,
     mlp_saved v;
     mst_tensor dz, dh;
     MST_TRY(fetch_all(ctx, cfg, counts, saver, R, &v));
-    MST_TRY(scratch(ctx, MST_WS_MLP_A, R, F, &dz));
-    MST_TRY(scratch(ctx, MST_WS_MLP_B, R, 2 * F, &dh));
+    MST_TRY(scratch(ctx, MST_MLP_WS_DZ, R, F, &dz));
+    MST_TRY(scratch(ctx, MST_MLP_WS_DH, R, 2 * F, &dh));
 
     /* dx first, so a caller can start its communication early; wgrads last. */
     MST_TRY(mst_grouped_linear_dgrad(ctx, dy, &w->w2, counts, &dz));
@@ -283,7 +279,7 @@ mst_status mst_grouped_mlp_backward(mst_ctx_t* ctx, const mst_mlp_config* cfg,
         a.dy = (const uint16_t*)dy->data;
         a.b2 = (const uint16_t*)w->b2.data;
     }
-    MST_TRY(act_dispatch(ctx, ctx->be->act_backward, &a, "activation backward"));
+    MST_TRY(MST_SLOT(ctx, ctx->be, act_backward, &a));
     MST_TRY(mst_grouped_linear_dgrad(ctx, &dh, &w->w1, counts, dx));
     mst_tensor g_w1 = w->g_w1, g_b1 = w->g_b1, g_w2 = w->g_w2, g_b2 = w->g_b2; /* views */
     MST_TRY(mst_grouped_linear_wgrad(ctx, dy, &v.z, &v.p, NULL, counts, &g_w2, &g_b2, NULL, mode));

@@ -9,7 +9,6 @@
 #include "../../core/context.h"
 #include "../../stash/stash.h"
 #include "cpu_ops.h"
-#include "model_ops.h"
 
 static mst_status cpu_init(mst_ctx_t* ctx, int device) {
     (void)device;
@@ -65,22 +64,6 @@ const mst_backend mst_backend_cpu = {
     .gl_dgrad = mst_cpu_gl_dgrad,
     .gl_wgrad = mst_cpu_gl_wgrad,
     .gl_wgrad_pages = mst_cpu_gl_wgrad_pages,
-    /* model ops */
-    .mm = mst_cpu_mm,
-    .norm_forward = mst_cpu_norm_forward,
-    .norm_backward = mst_cpu_norm_backward,
-    .add = mst_cpu_add,
-    .embed_forward = mst_cpu_embed_forward,
-    .embed_backward = mst_cpu_embed_backward,
-    .xent = mst_cpu_xent,
-    .attn_forward = mst_cpu_attn_forward,
-    .attn_backward = mst_cpu_attn_backward,
-    .route_forward = mst_cpu_route_forward,
-    .route_backward = mst_cpu_route_backward,
-    .rows_gather = mst_cpu_rows_gather,
-    .rows_sum = mst_cpu_rows_sum,
-    .sumsq = mst_cpu_sumsq,
-    .adamw = mst_cpu_adamw,
     /* grouped MLP activation */
     .act_forward = mst_cpu_act_forward,
     .act_backward = mst_cpu_act_backward,

@@ -175,3 +175,23 @@ mst_status mst_cpu_adamw(mst_ctx_t* ctx, const mst_adamw_args* a) {
     }
     return MST_OK;
 }
+
+const mst_model_backend mst_model_backend_cpu = {
+    .name = "cpu",
+    .attn_scratch = 0, /* scratch of its own, per call */
+    .mm = mst_cpu_mm,
+    .norm_forward = mst_cpu_norm_forward,
+    .norm_backward = mst_cpu_norm_backward,
+    .add = mst_cpu_add,
+    .embed_forward = mst_cpu_embed_forward,
+    .embed_backward = mst_cpu_embed_backward,
+    .xent = mst_cpu_xent,
+    .attn_forward = mst_cpu_attn_forward,
+    .attn_backward = mst_cpu_attn_backward,
+    .route_forward = mst_cpu_route_forward,
+    .route_backward = mst_cpu_route_backward,
+    .rows_gather = mst_cpu_rows_gather,
+    .rows_sum = mst_cpu_rows_sum,
+    .sumsq = mst_cpu_sumsq,
+    .adamw = mst_cpu_adamw,
+};

@@ -1,11 +1,11 @@
 /*
  * model_ops.h (CPU) — the CPU backend's model ops, one declaration per
- * backend slot of the "model ops" block of backend.h.
+ * slot of the model-op table (model_backend.h).
  */
 #ifndef MST_CPU_MODEL_OPS_H
 #define MST_CPU_MODEL_OPS_H
 
-#include "../backend.h"
+#include "../model_backend.h"
 
 /* model_ops.c */
 mst_status mst_cpu_mm(mst_ctx_t* ctx, const mst_mm_args* a);

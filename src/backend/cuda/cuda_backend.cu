@@ -8,7 +8,6 @@
 #include "../../stash/stash.h"
 #include "cuda_common.cuh"
 #include "cuda_ops.h"
-#include "model_ops.cuh"
 
 extern "C" int mst_cuda_device_count(void) {
     int n = 0;
@@ -141,22 +140,6 @@ extern "C" const mst_backend mst_backend_cuda = {
     .gl_dgrad = mst_cuda_gl_dgrad,
     .gl_wgrad = mst_cuda_gl_wgrad,
     .gl_wgrad_pages = mst_cuda_gl_wgrad_pages,
-    /* model ops */
-    .mm = mst_cuda_mm,
-    .norm_forward = mst_cuda_norm_forward,
-    .norm_backward = mst_cuda_norm_backward,
-    .add = mst_cuda_add,
-    .embed_forward = mst_cuda_embed_forward,
-    .embed_backward = mst_cuda_embed_backward,
-    .xent = mst_cuda_xent,
-    .attn_forward = mst_cuda_attn_forward,
-    .attn_backward = mst_cuda_attn_backward,
-    .route_forward = mst_cuda_route_forward,
-    .route_backward = mst_cuda_route_backward,
-    .rows_gather = mst_cuda_rows_gather,
-    .rows_sum = mst_cuda_rows_sum,
-    .sumsq = mst_cuda_sumsq,
-    .adamw = mst_cuda_adamw,
     /* grouped MLP activation */
     .act_forward = mst_cuda_act_forward,
     .act_backward = mst_cuda_act_backward,

@@ -18,6 +18,8 @@ typedef struct mst_cuda_impl {
     cudaStream_t own_stream;  /* created by the context                          */
     cudaStream_t side[MST_N_SIDE]; /* side streams: MST_SIDE_* (memory manager)  */
     cublasHandle_t blas;      /* bound to `stream`                              */
+    mst_ws ws_sched;          /* the grouped GEMM's schedule (grouped_gemm.cu)  */
+    mst_ws ws_gather;         /* a paged wgrad's x gathered (grouped_gemm.cu)   */
 } mst_cuda_impl;
 
 static inline mst_cuda_impl* mst_cuda(mst_ctx_t* ctx) { return (mst_cuda_impl*)ctx->impl; }

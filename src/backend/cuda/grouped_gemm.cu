@@ -92,11 +92,11 @@ __global__ void schedule_kernel(const int32_t* counts, int32_t n_groups, int64_t
     }
 }
 
-/* Carves the schedule out of the MST_WS_OP workspace (size from E only). */
+/* Carves the schedule out of the ws_sched workspace (size from E only). */
 static mst_status sched_make(mst_ctx_t* ctx, int32_t n_groups, gg_sched* s) {
     size_t words = GG_H_WORDS + 3 * (size_t)n_groups + 2;
     int32_t* ws = NULL;
-    MST_TRY(mst_workspace(ctx, MST_WS_OP, words * sizeof(int32_t), (void**)&ws));
+    MST_TRY(mst_workspace(ctx, &mst_cuda(ctx)->ws_sched, words * sizeof(int32_t), (void**)&ws));
     s->hdr = ws;
     s->off = ws + GG_H_WORDS;
     s->tile_off = s->off + n_groups + 1;
@@ -253,7 +253,7 @@ __global__ void gather_kernel(mst_pages pg, int64_t R, int64_t I, uint16_t* out)
 
 /* The Hopper kernel reads x from pages of 2^k >= GG_K_ALIGN rows (a box
  * then stays in one page); the other kernels, and other page sizes, read x
- * gathered into the MST_WS_GATHER workspace. */
+ * gathered into the ws_gather workspace. */
 static int pages_ok(int64_t page_rows) {
     return page_rows >= GG_K_ALIGN && page_rows <= (1 << 30) && (page_rows & (page_rows - 1)) == 0;
 }
@@ -267,7 +267,7 @@ static mst_status paged_x(mst_ctx_t* ctx, const mst_gl_args* a, int wgmma, gg_pr
         return MST_OK;
     }
     void* ws = NULL;
-    MST_TRY(mst_workspace(ctx, MST_WS_GATHER, (size_t)(a->max_rows * a->in * 2), &ws));
+    MST_TRY(mst_workspace(ctx, &mst_cuda(ctx)->ws_gather, (size_t)(a->max_rows * a->in * 2), &ws));
     gather_kernel<<<4 * mst_cuda(ctx)->n_sm, 256, 0, mst_cuda(ctx)->stream>>>(*a->x_pages, a->max_rows, a->in,
                                                                              (uint16_t*)ws);
     MST_CUDA_LAUNCHED();

@@ -21,7 +21,7 @@ enum gg_op { GG_FWD = 0, GG_DGRAD = 1, GG_WGRAD = 2 };
 /* Schedule header words (int32, backend memory). */
 enum { GG_H_TILES = 0, GG_H_OK = 1, GG_H_NEXT = 2, GG_H_WORDS = 4 };
 
-/* The device schedule of one op, inside the MST_WS_OP workspace:
+/* The device schedule of one op, inside the ws_sched workspace:
  *   hdr[GG_H_TILES] = tile_off[E] when counts are valid, else 0 (no work)
  *   hdr[GG_H_OK]    = 1 when counts are valid
  *   hdr[GG_H_NEXT], hdr[GG_H_NEXT + 1] = tiles handed out from the front and

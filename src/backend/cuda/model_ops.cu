@@ -267,3 +267,23 @@ extern "C" mst_status mst_cuda_adamw(mst_ctx_t* ctx, const mst_adamw_args* a) {
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
+
+extern "C" const mst_model_backend mst_model_backend_cuda = {
+    .name = "cuda",
+    .attn_scratch = 1, /* the cuBLAS attention's P / dP / dS */
+    .mm = mst_cuda_mm,
+    .norm_forward = mst_cuda_norm_forward,
+    .norm_backward = mst_cuda_norm_backward,
+    .add = mst_cuda_add,
+    .embed_forward = mst_cuda_embed_forward,
+    .embed_backward = mst_cuda_embed_backward,
+    .xent = mst_cuda_xent,
+    .attn_forward = mst_cuda_attn_forward,
+    .attn_backward = mst_cuda_attn_backward,
+    .route_forward = mst_cuda_route_forward,
+    .route_backward = mst_cuda_route_backward,
+    .rows_gather = mst_cuda_rows_gather,
+    .rows_sum = mst_cuda_rows_sum,
+    .sumsq = mst_cuda_sumsq,
+    .adamw = mst_cuda_adamw,
+};

@@ -1,12 +1,13 @@
 /*
  * model_ops.cuh — the CUDA backend's model ops (one declaration per slot of
- * the "model ops" block of backend.h) and the device helpers their files
+ * the model-op table, model_backend.h) and the device helpers their files
  * share: bf16 <-> fp32 and fixed-order block reductions.
  */
 #ifndef MST_CUDA_MODEL_OPS_CUH
 #define MST_CUDA_MODEL_OPS_CUH
 
 #include "cuda_common.cuh"
+#include "../model_backend.h"
 
 extern "C" {
 /* model_ops.cu */
