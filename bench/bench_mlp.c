@@ -10,7 +10,7 @@
  * graph replays, each beside its roofline max(FLOPs / dense, bytes / copy)
  * (bytes: pass_bytes below), and the activation kernels alone
  * (their share of each pass; fusing them into the GEMM epilogues was
- * measured slower, see docs/perf-notes.md), all interleaved round by
+ * measured slower, see docs/history/perf-notes.md), all interleaved round by
  * round. The counts of every shape go into the JSON, so bench/torch/mlp.py
  * runs the PyTorch baseline on the same counts and prints the ratio. A
  * short table is printed last.

@@ -243,7 +243,7 @@ const mst_saver* mst_saver_basic_get(mst_saver_basic_t* s);
 
 /* ---- grouped MLP ---------------------------------------------------------- *
  * fc1 grouped linear (H -> 2F) -> gated activation scaled by the router prob
- * -> fc2 grouped linear (F -> H, bias scaled by the prob). DESIGN.md section 5. */
+ * -> fc2 grouped linear (F -> H, bias scaled by the prob). See docs/DESIGN.md. */
 
 typedef enum mst_activation {
     MST_ACT_SWIGLU = 0,     /* z = silu(a) * b * p                                    */
@@ -294,7 +294,7 @@ mst_status mst_grouped_mlp_backward(mst_ctx_t* ctx, const mst_mlp_config* cfg,
                                     mst_tensor* dx, mst_tensor* dprobs, mst_wgrad_mode mode);
 
 /* ---- paged stash --------------------------------------------------------- *
- * DESIGN.md section 6. A pool holds the pages of one (dtype, width): a device
+ * See docs/DESIGN.md. A pool holds the pages of one (dtype, width): a device
  * block of n_dev_pages, an optional pinned-host block of n_host_pages, and a
  * free-list ring for each, all state in backend memory. A handle holds one
  * stashed tensor: its page table (device pages first, then host pages) and
@@ -452,7 +452,7 @@ mst_status mst_schedule_make(const mst_schedule_config* cfg, mst_sched_entry* ou
 mst_status mst_schedule_kind_parse(const char* s, mst_schedule_kind* out);
 const char* mst_schedule_kind_str(mst_schedule_kind k);
 
-/* ---- layer recompute (seed 004) ------------------------------------------ *
+/* ---- layer recompute ------------------------------------------------------ *
  * uniform:N — layers in chunks of N; each chunk's input is saved and the
  *             chunk recomputed in backward.
  * block:N   — the first N layers of the stage are recomputed (each its own
@@ -478,7 +478,7 @@ mst_status mst_recompute_plan(const mst_recompute_config* cfg, int32_t n_layers,
 
 /* ---- memory manager ----------------------------------------------------- *
  * Owns the saved activations of every (layer, microbatch, name) and applies
- * the policy of each (layer, name). DESIGN.md section 7.
+ * the policy of each (layer, name). See docs/DESIGN.md.
  *
  * Step protocol (all of it capturable in one CUDA graph, except a measuring
  * step, which runs eagerly with host-known counts):

@@ -2,7 +2,7 @@
  * test_grouped_linear.c — grouped linear forward, dgrad and wgrad (all modes)
  * against a float64 reference, on the backend named by --backend; padding
  * rows poisoned and checked untouched, guard bytes around every output, and
- * every bad-input case of DESIGN.md section 4.
+ * every bad-input case of the grouped linear's contract (docs/DESIGN.md).
  */
 #include <math.h>
 #include <stdlib.h>

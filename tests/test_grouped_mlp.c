@@ -1,5 +1,5 @@
 /*
- * test_grouped_mlp.c — the grouped MLP (DESIGN.md section 5) on the backend
+ * test_grouped_mlp.c — the grouped MLP (docs/DESIGN.md) on the backend
  * named by --backend, against float64 references:
  *   - the activation alone through the backend slots: z, dh, dprobs (with the
  *     fc2 bias term), the clamp masks exactly zero, padding rows untouched;

@@ -1,5 +1,5 @@
 /*
- * test_stash.c — the paged stash (DESIGN.md section 6) on the backend named
+ * test_stash.c — the paged stash (docs/DESIGN.md) on the backend named
  * by --backend: random interleavings of save / restore over many handles
  * (pipeline-like orders included), restores (whole or split into copy and
  * page return) bit-exact with rows past n still poisoned and guard bytes intact, mst_pool_check and the counters compared

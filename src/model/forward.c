@@ -4,7 +4,7 @@
  * the chunk, with the memory manager's savers. Around the layers: the
  * embedding (before layer 0), the final norm and the tied output head (loss
  * on the next token, after the last main layer L-1), and the MTP module
- * (seed 004) around layer L: norms of the next token's embedding and of the
+ * (docs/DESIGN.md, "The trainer") around layer L: norms of the next token's embedding and of the
  * last hidden state, their concatenation projected 2H -> H, the layer, its
  * own final norm, the shared head, loss on the token after next weighted by
  * --mtp-weight. A layer in a recompute chunk is rerun from its kept input

@@ -1,6 +1,6 @@
 /*
  * model.h — the MoE transformer language model that `moestash train` trains
- * (DESIGN.md section 8): byte tokens, RMSNorm, causal multi-head attention,
+ * (docs/DESIGN.md, "The trainer"): byte tokens, RMSNorm, causal multi-head attention,
  * an MoE block in every layer (softmax router, top-k, load-balancing loss,
  * dropless dispatch into the --ep groups' grouped rows, grouped MLP,
  * combine), one multi-token-prediction (MTP) module, final norm and an output

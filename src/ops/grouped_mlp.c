@@ -1,5 +1,5 @@
 /*
- * grouped_mlp.c — the grouped MLP of DESIGN.md section 5, forward and
+ * grouped_mlp.c — the grouped MLP (docs/DESIGN.md), forward and
  * backward side by side, on top of the grouped linear ops and the backend's
  * activation slots:
  *

@@ -1,5 +1,5 @@
 /*
- * recompute.c — whole-layer recompute plans (seed 004): which layers of a
+ * recompute.c — whole-layer recompute plans (docs/DESIGN.md): which layers of a
  * stage are recomputed in backward, grouped into chunks whose input is saved.
  *
  *   uniform:N  chunk_start[l] = l - l % N                 (every layer)

@@ -2,7 +2,7 @@
  * pool.c — the paged stash, backend independent: pools (blocks, rings, state),
  * stash handles, save / restore / reset dispatch with their argument checks,
  * the invariant check, statistics, the flag poll, and sizing from a measured
- * peak. DESIGN.md section 6; the layout is in stash.h.
+ * peak. Contracts: docs/DESIGN.md, "The paged stash"; the layout is in stash.h.
  */
 #include <math.h>
 #include <string.h>

@@ -11,7 +11,7 @@
  * The bf16 P and dS feed the tensor-core GEMMs (fp32 accumulation), as in
  * flash attention. Deterministic: cuBLAS GEMMs and fixed-order row sums.
  * Replaced per-row kernels (one block per query row, scores in shared
- * memory): 2.1x slower steps on the GPU default (docs/perf-notes.md).
+ * memory): 2.1x slower steps on the GPU default (docs/history/perf-notes.md).
  */
 #include "model_ops.cuh"
 
