@@ -66,7 +66,7 @@ int64_t mst_rng_int(mst_rng* r, int64_t lo, int64_t hi) {
 }
 
 void mst_rng_bf16(mst_rng* r, uint16_t* dst, size_t n, double scale) {
-    for (size_t i = 0; i < n; i++) dst[i] = mst_fp32_to_bf16((float)(mst_rng_normal(r) * scale));
+    for (size_t i = 0; i < n; i++) dst[i] = mst_ref_bf16((float)(mst_rng_normal(r) * scale));
 }
 
 void mst_rng_fp32(mst_rng* r, float* dst, size_t n, double lo, double hi) {
@@ -97,10 +97,42 @@ void mst_rng_counts(mst_rng* r, int32_t* counts, int n_groups, int64_t total, do
     free(w);
 }
 
+double mst_ref_bf16_value(uint16_t h) {
+    const int exp = (h >> 7) & 0xFF, man = h & 0x7F;
+    double v;
+    if (exp == 0xFF) v = man ? NAN : INFINITY;
+    else if (exp == 0) v = ldexp(man, -133);   /* subnormal: man 2^-126 / 128 */
+    else v = ldexp(128 + man, exp - 134); /* (1 + man / 128) 2^(exp - 127) */
+    return h & 0x8000 ? -v : v;
+}
+
+/* The magnitude of code c in 0 .. 0x7F80, infinity standing for 2^128 (where
+ * it sits on the grid for rounding). */
+static double grid(unsigned c) { return c == 0x7F80 ? ldexp(1, 128) : mst_ref_bf16_value((uint16_t)c); }
+
+uint16_t mst_ref_bf16(double x) {
+    const uint16_t sign = signbit(x) ? 0x8000 : 0;
+    if (isnan(x)) return sign | 0x7FC0;
+    const double a = fabs(x);
+    if (a >= ldexp(1, 128)) return sign | 0x7F80;
+    unsigned lo = 0, hi = 0x7F80; /* grid(lo) <= a < grid(hi) */
+    while (hi - lo > 1) {
+        unsigned mid = (lo + hi) / 2;
+        if (grid(mid) <= a) lo = mid;
+        else hi = mid;
+    }
+    const double half = (grid(lo) + grid(hi)) / 2; /* exact: both have 8 significant bits */
+    unsigned c = a < half ? lo : a > half ? hi : (lo % 2 == 0 ? lo : hi);
+    return (uint16_t)(sign | c);
+}
+
 double mst_rel_err_bf16(const uint16_t* got, const double* ref, size_t n) {
     double num = 0, den = 0;
     for (size_t i = 0; i < n; i++) {
-        double d = (double)mst_bf16_to_fp32(got[i]) - ref[i];
+        uint32_t u = (uint32_t)got[i] << 16; /* not the library's converter */
+        float f;
+        memcpy(&f, &u, sizeof f);
+        double d = (double)f - ref[i];
         num += d * d;
         den += ref[i] * ref[i];
     }

@@ -55,6 +55,14 @@ void mst_rng_fp32(mst_rng* r, float* dst, size_t n, double lo, double hi);
  * groups appear when total is small. */
 void mst_rng_counts(mst_rng* r, int32_t* counts, int n_groups, int64_t total, double skew);
 
+/* ---- bf16 reference, written apart from the library's converter ---- */
+/* The value of bf16 bits, decoded from sign, exponent and mantissa fields. */
+double mst_ref_bf16_value(uint16_t h);
+/* The bf16 nearest to x (ties to the even mantissa; past the largest finite
+ * value by half an ulp or more: infinity; NaN: 0x7FC0 with x's sign), found
+ * by a search of the bf16 grid and a comparison with the midpoint. */
+uint16_t mst_ref_bf16(double x);
+
 /* ---- comparisons ---- */
 double mst_rel_err_bf16(const uint16_t* got, const double* ref, size_t n); /* NaN -> inf */
 double mst_rel_err_fp32(const float* got, const double* ref, size_t n);

@@ -3,10 +3,12 @@
  * against a float64 reference on the host: matmul (each transpose, strides,
  * bf16 and fp32 outputs, accumulate), RMSNorm forward/backward, add,
  * embedding gather / scatter-add, cross-entropy, attention forward/backward,
- * router (softmax, top-k, dropless plan, over budget, load-balancing loss)
- * and its backward, rows gather / sum, sum of squares, AdamW (and its skip
- * on a raised flag). Fresh random inputs, outputs poisoned, guard bytes
- * around every output; bf16 rel err < 1e-2, fp32 < 1e-5, integers exact.
+ * router (softmax, top-k with ties to the lower expert id, dropless plan,
+ * over budget, load-balancing loss) and its backward, rows gather / sum, sum
+ * of squares, AdamW (and its skip on a raised flag). Fresh random inputs,
+ * outputs poisoned, guard bytes around every output; bf16 rel err < 1e-2,
+ * fp32 < 1e-5, integers exact; add and rows sum (one rounding of an fp32
+ * sum) bit for bit against the harness's own bf16 rounding.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -54,6 +56,27 @@ static void expect_bf16(mst_ctx_t* ctx, const mst_guarded* g, const double* ref,
     uint16_t* got = (uint16_t*)down(ctx, g, what);
     double err = mst_rel_err_bf16(got, ref, n);
     CHECK(err < MST_TOL_BF16, "%s: bf16 rel err %.3e", what, err);
+    free(got);
+}
+
+/* An op that adds in fp32 and rounds once (add, rows sum): its bf16 output
+ * bit for bit against the reference rounding of the fp32 sums `sum` (added
+ * in the op's order), and enough ties among them that rounding them the
+ * wrong way would show. */
+static void expect_rounded_once(mst_ctx_t* ctx, const mst_guarded* g, const float* sum, size_t n, const char* what) {
+    uint16_t* got = (uint16_t*)down(ctx, g, what);
+    size_t bad = 0, first = 0, ties = 0;
+    for (size_t i = 0; i < n; i++) {
+        float f = sum[i];
+        uint32_t u;
+        memcpy(&u, &f, sizeof u);
+        ties += (u & 0xFFFFu) == 0x8000u;
+        if (got[i] != mst_ref_bf16(f) && bad++ == 0) first = i;
+    }
+    CHECK(bad == 0, "%s: %zu of %zu bf16 outputs are not the nearest-even rounding of the fp32 sum (first [%zu]: "
+          "0x%04x, expected 0x%04x for %.9g)", what, bad, n, first, bad ? got[first] : 0,
+          mst_ref_bf16(sum[first]), (double)sum[first]);
+    CHECK(ties > n / 50, "%s: only %zu ties among %zu sums: the inputs do not test the tie rule", what, ties, n);
     free(got);
 }
 
@@ -163,10 +186,12 @@ static void test_add_embed(mst_ctx_t* ctx) {
     mst_rng_fp32(&rng, dt0, (size_t)(V * H), -1, 1);
     double *sum = (double*)malloc(sizeof(double) * (size_t)(N * H)), *emb = (double*)malloc(sizeof(double) * (size_t)(N * H));
     double* dt = (double*)malloc(sizeof(double) * (size_t)(V * H));
+    float* sum32 = (float*)malloc(sizeof(float) * (size_t)(N * H));
     for (int64_t i = 0; i < V * H; i++) dt[i] = dt0[i];
     for (int64_t t = 0; t < N; t++)
         for (int64_t c = 0; c < H; c++) {
             sum[t * H + c] = bf(a[t * H + c]) + bf(b[t * H + c]);
+            sum32[t * H + c] = (float)bf(a[t * H + c]) + (float)bf(b[t * H + c]);
             emb[t * H + c] = bf(tab[tok[t] * H + c]);
             dt[tok[t] * H + c] += bf(a[t * H + c]);
         }
@@ -177,6 +202,7 @@ static void test_add_embed(mst_ctx_t* ctx) {
     mst_add_args ad = {.n = N * H, .a = (uint16_t*)ga.data, .b = (uint16_t*)gb.data, .y = (uint16_t*)gy.data};
     CHECK_OK(ops(ctx)->add(ctx, &ad));
     expect_bf16(ctx, &gy, sum, (size_t)(N * H), "add");
+    expect_rounded_once(ctx, &gy, sum32, (size_t)(N * H), "add");
     mst_embed_args e = {.n_tok = N, .vocab = V, .cols = H, .tokens = (int32_t*)gtok.data, .table = (uint16_t*)gtab.data,
                         .x = (uint16_t*)gy.data, .dx = (uint16_t*)ga.data, .dtable = (float*)gdt.data,
                         .order = (int32_t*)gord.data};
@@ -191,7 +217,7 @@ static void test_add_embed(mst_ctx_t* ctx) {
     expect_fp32(ctx, &gdt, dt, (size_t)(V * H), MST_TOL_FP32, "embed backward (scatter-add)");
     mst_guarded* all[] = {&ga, &gb, &gy, &gtab, &gtok, &gdt, &gord};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) mst_guarded_free(ctx, all[i]);
-    free(a), free(b), free(tab), free(tok), free(dt0), free(sum), free(emb), free(dt);
+    free(a), free(b), free(tab), free(tok), free(dt0), free(sum), free(sum32), free(emb), free(dt);
 }
 
 static void test_xent(mst_ctx_t* ctx) {
@@ -316,16 +342,20 @@ static void ref_plan(const int32_t* idx, int64_t NK, int E, int G, int64_t R, in
     }
 }
 
-static void route_case(mst_ctx_t* ctx, int64_t N, int E, int K, int G, int64_t R) {
+/* ties: logits rounded to whole numbers, so tokens have equal top
+ * probabilities and the tie rule (the lower expert id first) decides. */
+static void route_case(mst_ctx_t* ctx, int64_t N, int E, int K, int G, int64_t R, int ties) {
     const int64_t NK = N * K;
     const float coef = 0.05f;
     float* logits = (float*)malloc(sizeof(float) * (size_t)(N * E));
     mst_rng_fp32(&rng, logits, (size_t)(N * E), -3, 3);
+    for (int64_t i = 0; ties && i < N * E; i++) logits[i] = roundf(logits[i]);
     for (int64_t t = 0; t < N; t++) logits[t * E] += 1.5f; /* skew toward expert 0 (group 0) */
     float* dw = (float*)malloc(sizeof(float) * (size_t)NK);
     mst_rng_fp32(&rng, dw, (size_t)NK, -1, 1);
     double* probs = (double*)malloc(sizeof(double) * (size_t)(N * E));
     int32_t* idx = (int32_t*)malloc(sizeof(int32_t) * (size_t)NK);
+    int64_t decided_by_tie = 0;
     for (int64_t t = 0; t < N; t++) {
         double mx = -INFINITY, s = 0;
         for (int e = 0; e < E; e++) mx = fmax(mx, logits[t * E + e]);
@@ -339,8 +369,12 @@ static void route_case(mst_ctx_t* ctx, int64_t N, int E, int K, int G, int64_t R
                 if (!taken && (best < 0 || probs[t * E + e] > probs[t * E + best])) best = e;
             }
             idx[t * K + k] = best;
+            for (int e = best + 1; e < E; e++) /* a later expert as good as the one chosen */
+                decided_by_tie += probs[t * E + e] == probs[t * E + best];
         }
     }
+    CHECK(!ties || decided_by_tie > N / 10, "route: only %lld choices met a tie: the case does not test the tie rule",
+          (long long)decided_by_tie);
     int32_t *load = (int32_t*)malloc(sizeof(int32_t) * (size_t)E), *counts = (int32_t*)malloc(sizeof(int32_t) * (size_t)E);
     int32_t* pos = (int32_t*)malloc(sizeof(int32_t) * (size_t)NK);
     int over = 0;
@@ -402,10 +436,11 @@ static void route_case(mst_ctx_t* ctx, int64_t N, int E, int K, int G, int64_t R
 }
 
 static void test_route(mst_ctx_t* ctx) {
-    route_case(ctx, 300, 8, 2, 2, 600);  /* R = N k: never over budget */
-    route_case(ctx, 300, 8, 2, 2, 200);  /* group 0 over budget (skewed) */
-    route_case(ctx, 5000, 16, 3, 4, 15000); /* more entries than one plan tile */
-    route_case(ctx, 77, 6, 1, 3, 77);
+    route_case(ctx, 300, 8, 2, 2, 600, 0);  /* R = N k: never over budget */
+    route_case(ctx, 300, 8, 2, 2, 200, 0);  /* group 0 over budget (skewed) */
+    route_case(ctx, 5000, 16, 3, 4, 15000, 0); /* more entries than one plan tile */
+    route_case(ctx, 77, 6, 1, 3, 77, 0);
+    route_case(ctx, 400, 8, 3, 2, 1200, 1); /* ties */
 }
 
 /* ---- rows gather / sum ----------------------------------------------------- */
@@ -419,12 +454,15 @@ static void test_rows(mst_ctx_t* ctx) {
     int32_t* pos = (int32_t*)malloc(sizeof(int32_t) * (size_t)(N * K));
     for (int64_t i = 0; i < N * K; i++) pos[i] = i % 7 == 3 ? -1 : (int32_t)((i * 37) % GR); /* distinct rows */
     double *sum = (double*)malloc(sizeof(double) * (size_t)(N * H)), *dp = (double*)malloc(sizeof(double) * (size_t)(N * K));
+    float* sum32 = (float*)malloc(sizeof(float) * (size_t)(N * H));
     for (int64_t t = 0; t < N; t++) {
         for (int64_t c = 0; c < H; c++) {
             double s = 0;
+            float s32 = 0.0f; /* fp32, in slot order: the op's contract */
             for (int64_t k = 0; k < K; k++)
-                if (pos[t * K + k] >= 0) s += bf(rows[pos[t * K + k] * H + c]);
+                if (pos[t * K + k] >= 0) s += bf(rows[pos[t * K + k] * H + c]), s32 += (float)bf(rows[pos[t * K + k] * H + c]);
             sum[t * H + c] = s;
+            sum32[t * H + c] = s32;
         }
         for (int64_t k = 0; k < K; k++) dp[t * K + k] = pos[t * K + k] >= 0 ? prow[pos[t * K + k]] : 0;
     }
@@ -455,10 +493,11 @@ static void test_rows(mst_ctx_t* ctx) {
                        .dst = (uint16_t*)gsum.data, .src_p = (float*)gsp.data, .dst_p = (float*)gdp.data};
     CHECK_OK(ops(ctx)->rows_sum(ctx, &s));
     expect_bf16(ctx, &gsum, sum, (size_t)(N * H), "rows sum");
+    expect_rounded_once(ctx, &gsum, sum32, (size_t)(N * H), "rows sum");
     expect_fp32(ctx, &gdp, dp, (size_t)(N * K), MST_TOL_FP32, "rows sum probs");
     mst_guarded* all[] = {&gx, &gp, &gpos, &grows, &gprow, &gsrc, &gsp, &gsum, &gdp};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) mst_guarded_free(ctx, all[i]);
-    free(x), free(rows), free(p), free(prow), free(pos), free(sum), free(dp);
+    free(x), free(rows), free(p), free(prow), free(pos), free(sum), free(sum32), free(dp);
 }
 
 /* ---- sum of squares and AdamW ----------------------------------------------- */
