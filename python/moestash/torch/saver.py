@@ -124,8 +124,8 @@ class Saver:
     def _commit(self, name, src, counts):
         if not self.paged(name):
             return
-        pool, handle = self.manager.take(self, name, self.device, self.max_rows)
-        self.record.handles[name] = (pool, handle)
+        pool, handle = self.manager.take(self.policies[name], name, self.device, self.max_rows, src[0].cols)
+        self.record.handles[name] = (pool, handle, self.max_rows)
         self.manager.save(pool, handle, src, counts)
 
     def _fetch(self, name, out):
@@ -135,7 +135,7 @@ class Saver:
         if policy == "keep":
             out[0] = as_mst(self.saved[name], _lib.SAVED_NAMES[name], self.device)
             return
-        pool, handle = self.record.handles[name]
+        pool, handle, _ = self.record.handles[name]
         rows = self.saved["rows"]
         if name in _IN_PLACE and not self.restore_all:
             pages = self.manager.pages(handle)
@@ -154,7 +154,7 @@ class Saver:
     def _release(self, name):
         if not self.paged(name) or name not in self.record.handles:
             return
-        pool, handle = self.record.handles.pop(name)
+        pool, handle, max_rows = self.record.handles.pop(name)
         if name in _IN_PLACE and not self.restore_all:
             self.manager.give_back(pool, handle)
-        self.manager.put(self, name, pool, handle)
+        pool.put(max_rows, handle)
