@@ -4,7 +4,7 @@
 # and JSON go under $OUT (or out/ when unset), packed into one
 # gpu-check-<what>.tar.gz when $OUT is set (the device tool returns at most 8
 # files); a short table is printed last.
-# usage: scripts/gpu-check.sh [tests|bench|all] [bench names...]   (default: all)
+# usage: scripts/gpu-check.sh [tests|bench|python|all] [bench names...]   (default: all)
 # MST_SANITIZE_GPU="test_a test_b" runs compute-sanitizer memcheck over those
 # GPU tests (MST_SANITIZE_GPU=1: every one).
 set -uo pipefail
@@ -56,6 +56,28 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
     fi
   done
 fi
+
+# ---- Python package (python/): pytest, the example and its benchmark ---------
+# Installs ./python without dependencies into this machine's PyTorch env,
+# against build-gpu/libmoestash.so. The bench reads bench-mlp.json of the
+# C benchmark when `all` ran it; else it runs `moestash bench mlp --shape 0`.
+if [ "$what" = all ] || [ "$what" = python ]; then
+  export MOESTASH_LIB=$PWD/build-gpu/libmoestash.so
+  python3 -m pip install --no-deps --no-build-isolation --force-reinstall ./python >"$out/py-install.log" 2>&1 \
+    && summary+=("python install: ok") || { summary+=("python install: FAILED"); tail -5 "$out/py-install.log"; }
+  python3 -m pytest -q -p no:cacheprovider python/tests >"$out/py-tests.log" 2>&1
+  summary+=("python tests: $(tail -n 1 "$out/py-tests.log")")
+  grep -E '^(FAILED|ERROR)' "$out/py-tests.log" | head -20
+  python3 examples/torch_moe_layer.py --json "$out/py-example.json" >"$out/py-example.log" 2>&1 \
+    && summary+=("python example: ok") || summary+=("python example: FAILED (see py-example.log)")
+  tail -20 "$out/py-example.log"
+  [ -f "$out/bench-mlp.json" ] || ./build-gpu/moestash bench mlp --shape 0 --json "$out/bench-mlp.json" >"$out/bench-mlp.log" 2>&1
+  python3 python/bench/bench_mlp.py --c-json "$out/bench-mlp.json" --example-json "$out/py-example.json" \
+    --json "$out/py-bench.json" >"$out/py-bench.log" 2>&1 \
+    && summary+=("python bench: ok") || summary+=("python bench: FAILED (see py-bench.log)")
+  tail -20 "$out/py-bench.log"
+fi
+# ---- end of the Python package section -----------------------------------------
 
 echo "== summary"
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"

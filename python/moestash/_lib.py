@@ -105,6 +105,8 @@ _PROTOS = {
     "mst_status_str": (ctypes.c_char_p, [_I]),
     "mst_last_error": (ctypes.c_char_p, []),
     "mst_backend_available": (_I, [_I]),
+    "mst_fp32_to_bf16_array": (None, [_P, _P, _S]),
+    "mst_bf16_to_fp32_array": (None, [_P, _P, _S]),
     "mst_ctx_create": (_I, [_I, _I, ctypes.POINTER(_P)]),
     "mst_ctx_destroy": (None, [_P]),
     "mst_ctx_describe": (ctypes.c_char_p, [_P]),

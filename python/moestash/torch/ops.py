@@ -8,8 +8,10 @@
 Shapes: x [R, I] bf16 (rows grouped by expert: counts[0] rows of group 0,
 then group 1, ...), counts int32 [E] on x's device (read on the device: no
 host sync, capturable), weight [E, O, I] bf16, bias [E, O] bf16, row_scale /
-probs [R] fp32, w1 [E, 2F, H], w2 [E, H, F]. Rows past sum(counts) of the
-outputs and of dx are left unwritten, as torch._grouped_mm does.
+probs [R] fp32, w1 [E, 2F, H], w2 [E, H, F]. Rows past sum(counts) of y
+and dx are left unwritten, as torch._grouped_mm leaves them (zeroing them
+would cost a pass over [R, H]); the small per-row gradients (row_scale,
+probs) are 0 there.
 
 Weight gradients: a weight (or bias) with a `main_grad` attribute (fp32, its
 shape) gets its gradient added into main_grad inside the wgrad GEMM and none
@@ -139,7 +141,7 @@ def _gl_bwd(dy: Tensor, x: Tensor, weight: Tensor, counts: Tensor, bias: Optiona
         mode = _wgrad_mode(b, main_grad_w is not None or main_grad_b is not None)
         gw = _grad_buf(weight, main_grad_w, mode)
         gb = _grad_buf(bias, main_grad_b, mode) if want_b else None
-        ds = row_scale.new_empty(row_scale.shape) if want_s else ds
+        ds = torch.zeros_like(row_scale) if want_s else ds  # [R]: padding rows 0
         Fm.linear_wgrad(dy, x, counts, gw, mode, row_scale, bias if want_s else None, gb,
                         ds if want_s else None, ctx)
         if mode == _lib.WGRAD_DEFERRED:
@@ -252,7 +254,7 @@ def _mlp_bwd(dy: Tensor, x: Tensor, h: Tensor, z: Tensor, probs: Tensor, rid: Te
     record = _records.pop(int(rid[0]), None) if int(rid[0]) >= 0 else None
     saved = {FC1_INPUT: x, ACT_INPUT: h, FC2_INPUT: z, PROBS: probs, "rows": R, "ffn": cfg.ffn}
     b.saver.backward(d, record, saved, restore_all=mode == _lib.WGRAD_DEFERRED)
-    dx, dprobs = dy.new_empty((R, cfg.hidden)), torch.empty(R, dtype=torch.float32, device=d)
+    dx, dprobs = dy.new_empty((R, cfg.hidden)), torch.zeros(R, dtype=torch.float32, device=d)  # padding 0
     Fm.mlp_backward(cfg, Fm.mlp_weights(d, *params, *grads), dy, counts, b.saver, dx, dprobs, mode, b.ctx(d))
     if mode == _lib.WGRAD_DEFERRED:
         b.pending += [dy, x, z, probs] + b.saver.keepalive

@@ -1,0 +1,101 @@
+"""Torch tensors as library tensors, and the library contexts.
+
+One library context per torch device (CPU tensors: the CPU backend, whose
+backend memory is host memory; cuda:i: the CUDA backend on device i), created
+on first use. Every call sets the context's stream to torch's current stream
+of that device first, so the library's kernels are ordered with torch's (and
+captured by torch.cuda.graph). Tensors pass by data pointer, zero-copy, after
+the checks the library cannot make itself (device, layout, a dtype it has no
+name for); dtype and shape are then checked by the library, whose message the
+raised exception carries.
+"""
+import ctypes
+import threading
+
+import torch
+
+from .. import _lib
+
+_DTYPES = {torch.bfloat16: _lib.DTYPE_BF16, torch.float32: _lib.DTYPE_FP32, torch.int32: _lib.DTYPE_INT32}
+
+
+class Context:
+    """A library context (mst_ctx_t*) bound to one torch device."""
+
+    def __init__(self, device):
+        self.device = device
+        kind = _lib.BACKEND_CUDA if device.type == "cuda" else _lib.BACKEND_CPU
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"moestash: device {device} is neither cpu nor cuda")
+        if kind == _lib.BACKEND_CUDA and not _lib.lib.mst_backend_available(kind):
+            raise RuntimeError(f"moestash: {_lib.path} has no CUDA backend (built without it, or no device)")
+        ptr = ctypes.c_void_p()
+        _lib.call("mst_ctx_create", kind, device.index or 0, ctypes.byref(ptr))
+        self.ptr = ptr
+
+    def bind(self):
+        """Sets the context's stream to torch's current stream; returns the pointer."""
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+            _lib.call("mst_ctx_set_stream", self.ptr, ctypes.c_void_p(stream))
+        return self.ptr
+
+    def close(self):
+        if self.ptr:
+            _lib.lib.mst_ctx_destroy(self.ptr)
+            self.ptr = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may be gone
+            pass
+
+
+_contexts = {}
+_lock = threading.Lock()
+
+
+def context(device):
+    """The shared context of a torch device, created on first use."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _lock:
+        ctx = _contexts.get(device)
+        if ctx is None:
+            ctx = _contexts[device] = Context(device)
+    return ctx
+
+
+def as_mst(t, name, device):
+    """An mst_tensor view of torch tensor `t` (None: absent), 2-D as the
+    library sees it: [n] -> [n, 1]; [a, b] as is; [a, b, c] -> [a*b, c].
+    Raises ValueError / TypeError naming `name` for what the library cannot
+    check: device, layout, an unknown dtype, a dimension count. A known dtype
+    and the shape are the library's to check."""
+    if t is None:
+        return _lib.Tensor(None, _lib.DTYPE_BF16, 0, 0)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} is a {type(t).__name__}, expected a torch.Tensor")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} (the device of x)")
+    if t.dtype not in _DTYPES:
+        raise TypeError(f"{name}.dtype is {t.dtype}: moestash takes bfloat16, float32 and int32 tensors")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} is not contiguous (shape {tuple(t.shape)}, strides {t.stride()})")
+    if t.dim() == 1:
+        rows, cols = t.shape[0], 1
+    elif t.dim() == 2:
+        rows, cols = t.shape
+    elif t.dim() == 3:
+        rows, cols = t.shape[0] * t.shape[1], t.shape[2]
+    else:
+        raise ValueError(f"{name} has {t.dim()} dimensions (shape {tuple(t.shape)}), expected 1 to 3")
+    return _lib.Tensor(t.data_ptr() if t.numel() else None, _DTYPES[t.dtype], rows, cols)
+
+
+def device_of(x):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x is a {type(x).__name__}, expected a torch.Tensor")
+    return x.device

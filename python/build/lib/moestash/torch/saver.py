@@ -1,0 +1,160 @@
+"""A grouped MLP's saved activations, per name and policy, as an mst_saver
+written in Python (ctypes callbacks the library calls during the op).
+
+  keep       the tensor stays a torch tensor that autograd saves (the op's
+             extra outputs act_input / fc2_input, or its inputs x / probs)
+  recompute  fc2_input only: not saved, the library recomputes it in backward
+  stash      packed into the device pages of the StashManager's pool
+  offload    packed into its pinned host pages
+
+A Saver serves one call at a time; what a forward stashed is a Record (the
+handles of its names), which the backward of the same forward takes back.
+Stashed fc1_input, act_input and fc2_input are read by the backward straight
+from their pages (no restore); probs, and every name whose wgrad is
+deferred, are restored into a torch buffer.
+"""
+import contextlib
+import ctypes
+
+import torch
+
+from .. import _lib
+from ._core import as_mst
+
+FC1_INPUT, ACT_INPUT, FC2_INPUT, PROBS = range(4)
+_IN_PLACE = (FC1_INPUT, ACT_INPUT, FC2_INPUT)  # the library's readers take their pages
+_TORCH_DTYPE = {_lib.DTYPE_BF16: torch.bfloat16, _lib.DTYPE_FP32: torch.float32}
+
+
+def parse_policy(policy):
+    """'keep' | 'stash' | ... for every name, or {name: policy}; returns the
+    tuple of four policies in mst_saved_name order."""
+    if isinstance(policy, str):
+        policy = {n: policy for n in _lib.SAVED_NAMES} if "=" not in policy else dict(
+            kv.split("=", 1) for kv in policy.split(","))
+    out = ["keep"] * len(_lib.SAVED_NAMES)
+    for name, p in policy.items():
+        if name not in _lib.SAVED_NAMES:
+            raise ValueError(f"saved name '{name}': expected one of {', '.join(_lib.SAVED_NAMES)}")
+        if p not in _lib.POLICIES:
+            raise ValueError(f"policy '{p}' of {name}: expected one of {', '.join(_lib.POLICIES)}")
+        if p == "recompute" and name != "fc2_input":
+            raise ValueError(f"policy recompute of {name}: the grouped MLP recomputes fc2_input only")
+        out[_lib.SAVED_NAMES.index(name)] = p
+    if "recompute" == out[PROBS] or "recompute" == out[FC1_INPUT]:
+        raise ValueError("recompute applies to fc2_input only")
+    return tuple(out)
+
+
+class Record:
+    """What one forward left for its backward: handles of paged names."""
+
+    def __init__(self):
+        self.handles = {}  # name -> (pool, handle)
+
+
+class Saver:
+    """The mst_saver of one grouped MLP layer (policies fixed at creation)."""
+
+    def __init__(self, policies, manager=None):
+        self.policies = policies
+        self.manager = manager
+        if manager is None and any(p in ("stash", "offload") for p in policies):
+            raise ValueError("stash and offload need a moestash.torch.StashManager")
+        self.error = None
+        self._cb = (_lib.PRODUCE(self._guarded(self._produce)), _lib.COMMIT(self._guarded(self._commit)),
+                    _lib.FETCH(self._guarded(self._fetch)), _lib.RELEASE(self._guarded(self._release)))
+        self.struct = _lib.Saver(None, *self._cb, _lib.CLAIM())
+        self._begin(None, None, None)
+
+    def kept(self, name):
+        return self.policies[name] == "keep"
+
+    def paged(self, name):
+        return self.policies[name] in ("stash", "offload")
+
+    # ---- one call --------------------------------------------------------
+
+    def _begin(self, device, record, saved, restore=False, max_rows=0):
+        self.device, self.record, self.saved = device, record, saved or {}
+        self.restore_all, self.max_rows = restore, max_rows
+        self.produced, self.keepalive = {}, []
+
+    def forward(self, device, max_rows):
+        """Arms the saver for one forward; returns its Record."""
+        self._begin(device, Record(), None, max_rows=max_rows)
+        return self.record
+
+    def backward(self, device, record, saved, restore_all):
+        """Arms the saver for the backward of `record`; `saved` maps kept
+        names to their tensors; restore_all: restore paged names into torch
+        buffers (deferred wgrads read them after the op)."""
+        self._begin(device, record, saved, restore=restore_all)
+
+    @contextlib.contextmanager
+    def calling(self):
+        """Around the library call: re-raises what a callback raised."""
+        self.error = None
+        try:
+            yield
+        except _lib.MoestashError:
+            if self.error is not None:
+                raise self.error
+            raise
+        if self.error is not None:
+            raise self.error
+
+    def _guarded(self, fn):
+        def cb(_self, *args):
+            try:
+                fn(*args)
+                return _lib.OK
+            except Exception as e:  # noqa: BLE001 (carried back by calling())
+                self.error = e
+                return _lib.ERR_STATE
+        return cb
+
+    # ---- the callbacks -------------------------------------------------------
+
+    def _produce(self, name, rows, cols, dtype, out):
+        t = torch.empty((rows, cols), dtype=_TORCH_DTYPE[dtype], device=self.device)
+        self.produced[name] = t
+        out[0] = as_mst(t, _lib.SAVED_NAMES[name], self.device)
+
+    def _commit(self, name, src, counts):
+        if not self.paged(name):
+            return
+        pool, handle = self.manager.take(self.policies[name], name, self.device, self.max_rows, src[0].cols)
+        self.record.handles[name] = (pool, handle, self.max_rows)
+        self.manager.save(pool, handle, src, counts)
+
+    def _fetch(self, name, out):
+        policy = self.policies[name]
+        if policy == "recompute":
+            return self._absent(name, out)
+        if policy == "keep":
+            out[0] = as_mst(self.saved[name], _lib.SAVED_NAMES[name], self.device)
+            return
+        pool, handle, _ = self.record.handles[name]
+        rows = self.saved["rows"]
+        if name in _IN_PLACE and not self.restore_all:
+            pages = self.manager.pages(handle)
+            self.keepalive.append(pages)
+            out[0] = _lib.tensor(pages.table, pool.dtype, rows, pool.width, pages)
+            return
+        buf = torch.empty((rows, pool.width), dtype=_TORCH_DTYPE[pool.dtype], device=self.device)
+        self.manager.restore(pool, handle, buf)
+        self.keepalive.append(buf)
+        out[0] = as_mst(buf, _lib.SAVED_NAMES[name], self.device)
+
+    def _absent(self, name, out):
+        width = {FC2_INPUT: self.saved["ffn"]}[name]
+        out[0] = _lib.tensor(None, _lib.DTYPE_BF16, self.saved["rows"], width)
+
+    def _release(self, name):
+        if not self.paged(name) or name not in self.record.handles:
+            return
+        pool, handle, max_rows = self.record.handles.pop(name)
+        if name in _IN_PLACE and not self.restore_all:
+            self.manager.give_back(pool, handle)
+        pool.put(max_rows, handle)

@@ -1,0 +1,178 @@
+"""StashManager: the library's paged pools behind the stash and offload
+policies, shared by every layer that names the manager.
+
+One pool per (device, saved name, policy, width): device pages for stash,
+pinned host pages for offload. A save packs the rows [0, sum(counts)) into
+pages on torch's current stream (no host sync, capturable); a pool that runs
+out of pages raises its overflow flag on the device, the save takes nothing,
+and the backward reads zeros. The training loop checks once per step:
+
+    while True:
+        manager.step_begin()            # resets the pools (capturable)
+        loss = train_step()             # forward + backward (+ optimizer that may read manager.overflowed())
+        if manager.step_check():        # one small read per pool
+            break                       # the step is good
+        zero the gradients              # the pools overflowed and were grown: rerun the step
+
+On overflow the pools double; after a step that follows a growth the pools
+are sized to ceil(peak pages * factor) (as the C memory manager sizes them
+from its measuring step).
+"""
+import ctypes
+import math
+
+import torch
+
+from .. import _lib
+from ._core import context
+
+_WIDTH_DTYPE = {"probs": _lib.DTYPE_FP32}
+
+
+class Pool:
+    """One mst_pool_t and its handles, by max_rows."""
+
+    def __init__(self, ctx, dtype, width, pages, page_rows, host):
+        self.ctx, self.dtype, self.width, self.pages, self.page_rows, self.host = (
+            ctx, dtype, width, pages, page_rows, host)
+        cfg = _lib.PoolConfig(page_rows, 0 if host else pages, pages if host else 0, 0)
+        ptr = ctypes.c_void_p()
+        ctx.bind()
+        _lib.call("mst_pool_create", ctx.ptr, dtype, width, ctypes.byref(cfg), ctypes.byref(ptr))
+        self.ptr = ptr
+        self.free = {}  # max_rows -> [handle]
+        self.handles = []
+        self.max_rows = 0  # the largest save asked for
+
+    def take(self, max_rows):
+        free = self.free.setdefault(max_rows, [])
+        if free:
+            return free.pop()
+        h = ctypes.c_void_p()
+        _lib.call("mst_stash_handle_create", self.ptr, max_rows, ctypes.byref(h))
+        self.handles.append(h)
+        return h
+
+    def put(self, max_rows, handle):
+        self.free.setdefault(max_rows, []).append(handle)
+
+    def stats(self):
+        s = _lib.PoolStats()
+        _lib.call("mst_pool_stats_get", self.ptr, ctypes.byref(s))
+        return s
+
+    def close(self):
+        if self.ptr:
+            for h in self.handles:
+                _lib.lib.mst_stash_handle_destroy(h)
+            _lib.lib.mst_pool_destroy(self.ptr)
+            self.ptr, self.handles, self.free = None, [], {}
+
+
+class StashManager:
+    """The pools of the stash / offload policies (see the module doc).
+    initial_rows: rows each pool holds before the first growth (default:
+    the max_rows of the first save); factor: pages over the measured peak."""
+
+    def __init__(self, page_rows=64, factor=1.10, initial_rows=None):
+        self.page_rows, self.factor, self.initial_rows = page_rows, factor, initial_rows
+        self.pools = {}  # (device, name, policy, width) -> Pool
+        self.resize = False  # the pools grew: size them from the next good step's peak
+        self.overflows = 0
+
+    # ---- the saver's side ---------------------------------------------------
+
+    def take(self, policy, name, device, max_rows, width):
+        key = (device, name, policy, width)
+        pool = self.pools.get(key)
+        if pool is None:
+            rows = self.initial_rows or max_rows
+            pool = self.pools[key] = Pool(context(device), _WIDTH_DTYPE.get(_lib.SAVED_NAMES[name], _lib.DTYPE_BF16),
+                                          width, max(1, math.ceil(rows / self.page_rows)), self.page_rows,
+                                          policy == "offload")
+        pool.max_rows = max(pool.max_rows, max_rows)
+        return pool, pool.take(max_rows)
+
+    def save(self, pool, handle, src, counts):
+        pool.ctx.bind()
+        _lib.call("mst_stash_save", pool.ptr, handle, src, counts)
+
+    def pages(self, handle):
+        pages = _lib.Pages()
+        _lib.call("mst_stash_handle_pages", handle, ctypes.byref(pages))
+        return pages
+
+    def restore(self, pool, handle, dst):
+        from ._core import as_mst
+        pool.ctx.bind()
+        t = as_mst(dst, "restore buffer", dst.device)
+        _lib.call("mst_stash_restore", pool.ptr, handle, ctypes.byref(t))
+
+    def give_back(self, pool, handle):
+        pool.ctx.bind()
+        _lib.call("mst_stash_restore_return", pool.ptr, handle)
+
+    # ---- the training loop's side -------------------------------------------
+
+    def step_begin(self):
+        """Resets every pool (one kernel each, on torch's current stream)."""
+        for pool in self.pools.values():
+            pool.ctx.bind()
+            _lib.call("mst_pool_reset", pool.ptr)
+
+    def overflowed(self, device):
+        """int32 [n_pools] on `device`, nonzero where a pool overflowed this
+        step (a device-side copy of the flags: for an optimizer that skips
+        itself without a host sync)."""
+        pools = [p for k, p in self.pools.items() if k[0] == torch.device(device)]
+        out = torch.zeros(max(len(pools), 1), dtype=torch.int32, device=device)
+        for i, p in enumerate(pools):
+            p.ctx.bind()
+            _lib.call("mst_copy_b2b", p.ctx.ptr, ctypes.c_void_p(out.data_ptr() + 4 * i),
+                      _lib.lib.mst_pool_overflow_flag(p.ptr), 4)
+        return out
+
+    def step_check(self):
+        """Host: True when no pool overflowed this step. On overflow every
+        overflowed pool doubles (the step must be rerun: False)."""
+        over = []
+        for key, pool in self.pools.items():
+            st = _lib.lib.mst_pool_poll(pool.ptr)
+            if st == _lib.ERR_OVERFLOW:
+                over.append(key)
+            else:
+                _lib.check(st, "mst_pool_poll")
+        if over:
+            self.overflows += 1
+            for key in over:  # at least one more largest save
+                pool = self.pools[key]
+                self._recreate(key, 2 * pool.pages + math.ceil(pool.max_rows / pool.page_rows))
+            self.resize = True
+            return False
+        if self.resize:
+            for key, pool in list(self.pools.items()):
+                peak = pool.stats().total_peak
+                if peak > 0:  # a pool this step did not use keeps its size
+                    self._recreate(key, math.ceil(peak * self.factor))
+            self.resize = False
+        return True
+
+    def _recreate(self, key, pages):
+        old = self.pools[key]
+        old.close()
+        new = self.pools[key] = Pool(old.ctx, old.dtype, old.width, pages, old.page_rows, old.host)
+        new.max_rows = old.max_rows
+
+    def report(self):
+        """Per pool: name, policy, width, pages, pages in use at peak, bytes per page."""
+        rows = []
+        for (device, name, policy, width), pool in self.pools.items():
+            s = pool.stats()
+            rows.append({"device": str(device), "name": _lib.SAVED_NAMES[name], "policy": policy, "width": width,
+                         "pages": pool.pages, "peak_pages": s.total_peak, "page_bytes": s.page_bytes})
+        return rows
+
+    def close(self):
+        for pool in self.pools.values():
+            pool.close()
+        self.pools = {}
