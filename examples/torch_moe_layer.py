@@ -17,7 +17,10 @@ step 1 agrees to bf16 rounding, later steps drift apart as training
 amplifies the two sides' different roundings, e.g. torch rounds silu(a) * b
 to bf16 op by op, the library once),
 step time and torch.cuda.max_memory_allocated side by side, eager and under
-torch.cuda.graph, for PyTorch, moestash keep, and moestash stash.
+torch.cuda.graph, for PyTorch, moestash keep, and moestash "stash" (fc1_input
+offloaded to pinned host pages, act_input and probs stashed in device pages,
+fc2_input recomputed). Peak memory counts the library's own device memory
+(workspaces, pages) beside torch's.
 
 usage: python3 examples/torch_moe_layer.py [--steps 50] [--small] [--json FILE]
 (--small, or no CUDA device: a small shape on the CPU backend, eager only)
@@ -31,6 +34,10 @@ import torch
 import torch.nn.functional as Fn
 
 import moestash.torch as mt
+
+
+# the memory policies of the moestash layers' saved tensors
+POLICY = {"keep": "keep", "stash": "fc1_input=offload,act_input=stash,fc2_input=recompute,probs=stash"}
 
 
 class Router(torch.nn.Module):
@@ -86,8 +93,7 @@ def build(kind, H, F, E, k, device, manager):
     if kind == "torch":
         experts = TorchExperts(E, H, F, device)
     else:
-        experts = mt.GroupedMLP(E, H, F, policy="keep" if kind == "keep" else "stash",
-                                stash_manager=manager, device=device)
+        experts = mt.GroupedMLP(E, H, F, policy=POLICY[kind], stash_manager=manager, device=device)
     with torch.no_grad():
         g = torch.Generator(device="cpu").manual_seed(1)
         experts.w1.copy_(torch.randn(experts.w1.shape, generator=g) * H ** -0.5)
@@ -195,7 +201,9 @@ def timed(t, args, device, losses, step):
     if device.type == "cuda":
         torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / (args.steps - 1)
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    # torch's peak plus the library's own (workspaces, pages; its peak since the
+    # context was created: an upper bound for this run)
+    peak = torch.cuda.max_memory_allocated() + mt.library_memory(device)[1] if device.type == "cuda" else 0
     return losses, dt, peak
 
 
@@ -215,6 +223,7 @@ def main():
     x = (torch.randn(args.tokens, args.hidden, generator=g)).to(torch.bfloat16).to(device)
     target = torch.randn(args.tokens, args.hidden, generator=g).mul(0.5).to(device)
     data = (x, target)
+    print(f"moestash stash = {POLICY['stash']}")
     print(f"MoE layer: {args.tokens} tokens, H {args.hidden}, F {args.ffn}, {args.experts} experts top-{args.topk}, "
           f"{args.steps} steps on {torch.cuda.get_device_name() if cuda else 'cpu'} (torch {torch.__version__})")
     results = {}

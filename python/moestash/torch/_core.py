@@ -68,6 +68,18 @@ def context(device):
     return ctx
 
 
+def library_memory(device):
+    """(in use, peak) bytes the library allocated itself on `device` (its
+    workspaces, stash pages): memory torch.cuda.max_memory_allocated does
+    not see."""
+    ctx = _contexts.get(torch.device(device))
+    if ctx is None:
+        return 0, 0
+    in_use, peak = ctypes.c_size_t(), ctypes.c_size_t()
+    _lib.lib.mst_ctx_mem(ctx.ptr, ctypes.byref(in_use), ctypes.byref(peak))
+    return in_use.value, peak.value
+
+
 def as_mst(t, name, device):
     """An mst_tensor view of torch tensor `t` (None: absent), 2-D as the
     library sees it: [n] -> [n, 1]; [a, b] as is; [a, b, c] -> [a*b, c].

@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""GroupedMLP forward + backward through PyTorch (CUDA), three comparisons:
+
+  1. binding overhead: moestash.torch.GroupedMLP (biases, main_grad on every
+     parameter: wgrad ACCUMULATE, as `moestash bench mlp` runs it) against
+     the C benchmark's figure for the same shape and counts (its JSON,
+     --c-json); eager (PyTorch dispatch + ctypes) and replayed from a
+     torch.cuda.graph. Target: eager <= 1.03x the C time.
+  2. against the PyTorch baseline of bench/torch/mlp.py (torch._grouped_mm
+     fc1 and fc2, autograd), same shape and counts. Target >= 1.5x on
+     131072 x 4096 x 1024, E = 64.
+  3. the example's peak memory (examples/torch_moe_layer.py --json,
+     --example-json): moestash stash against the PyTorch layer.
+
+usage: python3 python/bench/bench_mlp.py --c-json bench-mlp.json
+           [--example-json py-example.json] [--json FILE] [--iters N] [--shape I]
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+import moestash.torch as mt
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "torch"))
+import mlp as torch_mlp  # noqa: E402  (the PyTorch baseline of `moestash bench mlp`)
+
+
+def module(rows, H, F, E, counts, dev):
+    """GroupedMLP with the baseline's weights and inputs, main_grad everywhere."""
+    base = torch_mlp.Mlp(rows, H, F, E, counts, dev)
+    m = mt.GroupedMLP(E, H, F, bias=True, device=dev)
+    with torch.no_grad():
+        for dst, src in ((m.w1, base.w1), (m.b1, base.b1), (m.w2, base.w2), (m.b2, base.b2)):
+            dst.copy_(src)
+            dst.main_grad = torch.zeros(dst.shape, dtype=torch.float32, device=dev)
+    c = torch.tensor(counts, dtype=torch.int32, device=dev)
+    return base, m, c
+
+
+def time_eager(fn, dy, iters):
+    """Mean ms of forward and of backward, timed apart with CUDA events."""
+    fwd = bwd = 0.0
+    for i in range(iters + 2):
+        e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        e[0].record()
+        y = fn()
+        e[1].record()
+        y.backward(dy)
+        e[2].record()
+        torch.cuda.synchronize()
+        if i >= 2:
+            fwd += e[0].elapsed_time(e[1])
+            bwd += e[1].elapsed_time(e[2])
+        del y
+    return fwd / iters, bwd / iters
+
+
+def time_graph(fn, dy, iters):
+    """Mean ms of one replay of the captured forward + backward."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn().backward(dy)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn().backward(dy)
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(iters):
+        g.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) / iters
+
+
+def check_same(base, m, c, x, p):
+    """The moestash module and the baseline agree before they are timed."""
+    with torch.no_grad():
+        a = m(x, c, p).float()
+        b = base.grouped().float()
+    err = ((a - b).norm() / b.norm()).item()
+    if not err < 1e-2:
+        raise SystemExit(f"bench: moestash vs torch._grouped_mm rel err {err:.3g}")
+    return err
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--c-json", required=True, help="bench-mlp.json of `moestash bench mlp`")
+    ap.add_argument("--example-json")
+    ap.add_argument("--json")
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench: no CUDA device", file=sys.stderr)
+        return 2
+    dev = "cuda"
+    with open(args.c_json) as f:
+        c_bench = json.load(f)
+    print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}; C figures from {args.c_json}")
+    out = {"device": torch.cuda.get_device_name(), "shapes": []}
+    hdr = (f"{'rows':>7} {'H':>5} {'F':>5} {'E':>4} | {'C f+b ms':>8} | {'eager ms':>8} {'ratio':>6} | "
+           f"{'graph ms':>8} {'ratio':>6} | {'torch gmm ms':>12} {'speedup':>7}")
+    lines = []
+    for s in c_bench["shapes"]:
+        rows, H, F, E, counts = s["rows"], s["hidden"], s["ffn"], s["E"], s["counts"]
+        base, m, c = module(rows, H, F, E, counts, dev)
+        x = base.x.detach().clone().requires_grad_()
+        p = base.p.detach().clone().requires_grad_()
+        err = check_same(base, m, c, x, p)
+        ours_f, ours_b = time_eager(lambda: m(x, c, p), base.dy, args.iters)
+        ours_graph = time_graph(lambda: m(x, c, p), base.dy, args.iters)
+        gmm_f, gmm_b = time_eager(base.grouped, base.dy, args.iters)
+        c_ms = s["fwd_ms"] + s["bwd_ms"]
+        r = {"rows": rows, "hidden": H, "ffn": F, "E": E, "rel_err_vs_torch": err, "c_ms": c_ms,
+             "eager_fwd_ms": ours_f, "eager_bwd_ms": ours_b, "graph_ms": ours_graph,
+             "overhead_eager": (ours_f + ours_b) / c_ms, "overhead_graph": ours_graph / c_ms,
+             "torch_grouped_mm_ms": gmm_f + gmm_b, "speedup_vs_grouped_mm": (gmm_f + gmm_b) / (ours_f + ours_b)}
+        out["shapes"].append(r)
+        lines.append(f"{rows:>7} {H:>5} {F:>5} {E:>4} | {c_ms:>8.3f} | {ours_f + ours_b:>8.3f} "
+                     f"{r['overhead_eager']:>5.3f}x | {ours_graph:>8.3f} {r['overhead_graph']:>5.3f}x | "
+                     f"{gmm_f + gmm_b:>12.3f} {r['speedup_vs_grouped_mm']:>6.2f}x")
+        del base, m, x, p
+        torch.cuda.empty_cache()
+    print(hdr)
+    print("\n".join(lines))
+    print("ratio: moestash through PyTorch / the C benchmark (target eager <= 1.03x); "
+          "speedup: torch._grouped_mm MLP / moestash eager (target >= 1.5x on 131072 x 4096 x 1024, E 64)")
+    if args.example_json and os.path.exists(args.example_json):
+        with open(args.example_json) as f:
+            ex = {(r["kind"], r["graph"]): r for r in json.load(f)["results"]}
+        out["example_peak_mib"] = {}
+        for graphed in (False, True):
+            if ("torch", graphed) not in ex:
+                continue
+            t, k, st = (ex[(kind, graphed)]["peak_mib"] for kind in ("torch", "keep", "stash"))
+            out["example_peak_mib"]["graph" if graphed else "eager"] = {"torch": t, "keep": k, "stash": st}
+            print(f"example peak memory ({'graph' if graphed else 'eager'}): torch {t:.0f} MiB, moestash keep "
+                  f"{k:.0f} MiB ({k / t:.2f}x), stash {st:.0f} MiB ({st / t:.2f}x; target <= 0.75x)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
