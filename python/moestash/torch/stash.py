@@ -16,7 +16,8 @@ and the backward reads zeros. The training loop checks once per step:
 
 On overflow the pools double; after a step that follows a growth the pools
 are sized to ceil(peak pages * factor) (as the C memory manager sizes them
-from its measuring step).
+from its measuring step). A growth replaces the pools: a CUDA graph captured
+with the old ones must be captured again (rerun the step eagerly first).
 """
 import ctypes
 import math
@@ -124,7 +125,8 @@ class StashManager:
         """int32 [n_pools] on `device`, nonzero where a pool overflowed this
         step (a device-side copy of the flags: for an optimizer that skips
         itself without a host sync)."""
-        pools = [p for k, p in self.pools.items() if k[0] == torch.device(device)]
+        device = context(device).device  # cuda -> cuda:<current>
+        pools = [p for k, p in self.pools.items() if k[0] == device]
         out = torch.zeros(max(len(pools), 1), dtype=torch.int32, device=device)
         for i, p in enumerate(pools):
             p.ctx.bind()
