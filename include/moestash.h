@@ -12,6 +12,25 @@
  *     CPU backend, device memory for the CUDA backend (see mst_alloc).
  *   - shapes in comments use short capitals: E groups, R rows (max_rows),
  *     I/O in/out widths, H hidden, F ffn.
+ *
+ * Ownership and lifetimes:
+ *   - the caller owns what a *_create returns and gives it back with the
+ *     matching *_destroy; a NULL destroys nothing. mst_tensor and mst_pages
+ *     are views: they own nothing.
+ *   - backend memory from mst_alloc belongs to its context: mst_free gives
+ *     one block back, mst_ctx_destroy every block still allocated.
+ *   - pools (with their handles), memory managers and basic savers hold their
+ *     context: destroy them before it (a pool's pinned host block and every
+ *     object's host memory are freed by its own destroy, not the context's).
+ *   - a saver from mst_memmgr_forward/backward/recompute or
+ *     mst_saver_basic_get belongs to the object that returned it.
+ *   - strings returned are the library's: static (names, mst_version), the
+ *     context's (mst_ctx_describe, until it is destroyed), or the thread's
+ *     (mst_last_error, until the next failing call on that thread).
+ *
+ * Threading: the library takes no locks. Calls on one context, and on every
+ * object created on it, must not overlap: use each from one thread at a time.
+ * The last-error message is per thread.
  */
 #ifndef MOESTASH_H
 #define MOESTASH_H
@@ -23,8 +42,22 @@
 extern "C" {
 #endif
 
+/* Every function of this header is exported (MST_API); the shared library
+ * exports nothing else. */
+#ifndef MST_API
+#if defined(__GNUC__) || defined(__clang__)
+#define MST_API __attribute__((visibility("default")))
+#else
+#define MST_API
+#endif
+#endif
+
+/* The version of this header; mst_version() is the library's ("0.1.0"). */
 #define MST_VERSION_MAJOR 0
 #define MST_VERSION_MINOR 1
+#define MST_VERSION_PATCH 0
+
+MST_API const char* mst_version(void);
 
 /* ---- status -------------------------------------------------------------- */
 
@@ -40,9 +73,9 @@ typedef enum mst_status {
     MST_ERR_IO,          /* a file could not be read or written               */
 } mst_status;
 
-const char* mst_status_str(mst_status s);
+MST_API const char* mst_status_str(mst_status s);
 /* The message of the last failure on this thread ("" if none). */
-const char* mst_last_error(void);
+MST_API const char* mst_last_error(void);
 
 /* ---- dtypes and bf16 ----------------------------------------------------- */
 
@@ -52,13 +85,13 @@ typedef enum mst_dtype {
     MST_DTYPE_INT32,
 } mst_dtype;
 
-size_t mst_dtype_size(mst_dtype dt);
-const char* mst_dtype_name(mst_dtype dt);
+MST_API size_t mst_dtype_size(mst_dtype dt);
+MST_API const char* mst_dtype_name(mst_dtype dt);
 
-uint16_t mst_fp32_to_bf16(float f); /* round to nearest even; NaN stays NaN */
-float mst_bf16_to_fp32(uint16_t h);
-void mst_fp32_to_bf16_array(uint16_t* dst, const float* src, size_t n);
-void mst_bf16_to_fp32_array(float* dst, const uint16_t* src, size_t n);
+MST_API uint16_t mst_fp32_to_bf16(float f); /* round to nearest even; NaN stays NaN */
+MST_API float mst_bf16_to_fp32(uint16_t h);
+MST_API void mst_fp32_to_bf16_array(uint16_t* dst, const float* src, size_t n);
+MST_API void mst_bf16_to_fp32_array(float* dst, const uint16_t* src, size_t n);
 
 /* ---- context ------------------------------------------------------------- */
 
@@ -71,35 +104,35 @@ typedef struct mst_ctx mst_ctx_t;
 
 /* True when the library was built with this backend and, for CUDA, a device
  * is present. */
-int mst_backend_available(mst_backend_kind kind);
+MST_API int mst_backend_available(mst_backend_kind kind);
 /* Creates a context: streams, workspace and the device-side error flag.
  * device: CUDA device index (ignored for the CPU backend). */
-mst_status mst_ctx_create(mst_backend_kind kind, int device, mst_ctx_t** out);
-void mst_ctx_destroy(mst_ctx_t* ctx);
-mst_backend_kind mst_ctx_backend(const mst_ctx_t* ctx);
+MST_API mst_status mst_ctx_create(mst_backend_kind kind, int device, mst_ctx_t** out);
+MST_API void mst_ctx_destroy(mst_ctx_t* ctx);
+MST_API mst_backend_kind mst_ctx_backend(const mst_ctx_t* ctx);
 /* A one-line description (backend, device name, memory, build options). */
-const char* mst_ctx_describe(const mst_ctx_t* ctx);
+MST_API const char* mst_ctx_describe(const mst_ctx_t* ctx);
 /* Waits for all work on the context's streams. */
-mst_status mst_ctx_sync(mst_ctx_t* ctx);
+MST_API mst_status mst_ctx_sync(mst_ctx_t* ctx);
 /* Waits, then reads and clears the device error flag: MST_ERR_COUNTS when an
  * op saw bad counts since the last check. One small read, once per step. */
-mst_status mst_ctx_check(mst_ctx_t* ctx);
+MST_API mst_status mst_ctx_check(mst_ctx_t* ctx);
 /* Backend memory in use through mst_alloc, now and at peak, in bytes. */
-void mst_ctx_mem(const mst_ctx_t* ctx, size_t* in_use_bytes, size_t* peak_bytes);
+MST_API void mst_ctx_mem(const mst_ctx_t* ctx, size_t* in_use_bytes, size_t* peak_bytes);
 /* Stream the context enqueues on (cudaStream_t for CUDA, NULL for the CPU).
  * The caller may set it, e.g. while capturing a CUDA graph on its own stream. */
-void* mst_ctx_stream(mst_ctx_t* ctx);
-mst_status mst_ctx_set_stream(mst_ctx_t* ctx, void* stream);
+MST_API void* mst_ctx_stream(mst_ctx_t* ctx);
+MST_API mst_status mst_ctx_set_stream(mst_ctx_t* ctx, void* stream);
 
 /* ---- backend memory ------------------------------------------------------ */
 
-mst_status mst_alloc(mst_ctx_t* ctx, size_t n_bytes, void** out);
-void mst_free(mst_ctx_t* ctx, void* ptr);
-mst_status mst_copy_h2b(mst_ctx_t* ctx, void* dst, const void* host_src, size_t n_bytes);
-mst_status mst_copy_b2h(mst_ctx_t* ctx, void* host_dst, const void* src, size_t n_bytes);
-mst_status mst_copy_b2b(mst_ctx_t* ctx, void* dst, const void* src, size_t n_bytes);
+MST_API mst_status mst_alloc(mst_ctx_t* ctx, size_t n_bytes, void** out);
+MST_API void mst_free(mst_ctx_t* ctx, void* ptr);
+MST_API mst_status mst_copy_h2b(mst_ctx_t* ctx, void* dst, const void* host_src, size_t n_bytes);
+MST_API mst_status mst_copy_b2h(mst_ctx_t* ctx, void* host_dst, const void* src, size_t n_bytes);
+MST_API mst_status mst_copy_b2b(mst_ctx_t* ctx, void* dst, const void* src, size_t n_bytes);
 /* Sets every byte of [dst, dst + n_bytes) to `byte`. */
-mst_status mst_fill(mst_ctx_t* ctx, void* dst, int byte, size_t n_bytes);
+MST_API mst_status mst_fill(mst_ctx_t* ctx, void* dst, int byte, size_t n_bytes);
 
 /* ---- tensors ------------------------------------------------------------- */
 
@@ -126,8 +159,8 @@ typedef struct mst_tensor {
                                mst_grouped_linear_wgrad may be paged */
 } mst_tensor;
 
-mst_tensor mst_tensor_make(void* data, mst_dtype dtype, int64_t rows, int64_t cols);
-size_t mst_tensor_bytes(const mst_tensor* t);
+MST_API mst_tensor mst_tensor_make(void* data, mst_dtype dtype, int64_t rows, int64_t cols);
+MST_API size_t mst_tensor_bytes(const mst_tensor* t);
 
 /* ---- grouped linear (graph-safe) ---------------------------------------- *
  * Rows r of group g, off = exclusive prefix sum of counts:
@@ -149,28 +182,28 @@ typedef enum mst_wgrad_mode {
 
 /* x [R, I] bf16; w [E*O, I] bf16 (packed [E, O, I]); bias [E, O] bf16 or NULL;
  * scale [R, 1] fp32 or NULL (1); counts [E, 1] int32; y [R, O] bf16. */
-mst_status mst_grouped_linear_forward(mst_ctx_t* ctx, const mst_tensor* x, const mst_tensor* w,
-                                      const mst_tensor* bias, const mst_tensor* scale,
-                                      const mst_tensor* counts, mst_tensor* y);
+MST_API mst_status mst_grouped_linear_forward(mst_ctx_t* ctx, const mst_tensor* x, const mst_tensor* w,
+                                              const mst_tensor* bias, const mst_tensor* scale,
+                                              const mst_tensor* counts, mst_tensor* y);
 /* dy [R, O] bf16; w [E*O, I] bf16; counts [E, 1]; dx [R, I] bf16. */
-mst_status mst_grouped_linear_dgrad(mst_ctx_t* ctx, const mst_tensor* dy, const mst_tensor* w,
-                                    const mst_tensor* counts, mst_tensor* dx);
+MST_API mst_status mst_grouped_linear_dgrad(mst_ctx_t* ctx, const mst_tensor* dy, const mst_tensor* w,
+                                            const mst_tensor* counts, mst_tensor* dx);
 /* dy [R, O] bf16; x [R, I] bf16; counts [E, 1];
  * main_grad_w [E*O, I] fp32 (required);
  * main_grad_b [E, O] fp32 or NULL (dbias, with scale s when given);
  * bias [E, O] bf16 and dscale [R, 1] fp32: both or neither (ds = dy . bias[g]);
  * scale [R, 1] fp32 or NULL (used for dbias only). */
-mst_status mst_grouped_linear_wgrad(mst_ctx_t* ctx, const mst_tensor* dy, const mst_tensor* x,
-                                    const mst_tensor* scale, const mst_tensor* bias,
-                                    const mst_tensor* counts, mst_tensor* main_grad_w,
-                                    mst_tensor* main_grad_b, mst_tensor* dscale,
-                                    mst_wgrad_mode mode);
+MST_API mst_status mst_grouped_linear_wgrad(mst_ctx_t* ctx, const mst_tensor* dy, const mst_tensor* x,
+                                            const mst_tensor* scale, const mst_tensor* bias,
+                                            const mst_tensor* counts, mst_tensor* main_grad_w,
+                                            mst_tensor* main_grad_b, mst_tensor* dscale,
+                                            mst_wgrad_mode mode);
 /* Runs every DEFERRED wgrad recorded on ctx, in the order recorded, and
  * empties the queue. One that fails does not stop the others: all run, and
  * the first failure is returned (its message names it). */
-mst_status mst_wgrad_flush(mst_ctx_t* ctx);
+MST_API mst_status mst_wgrad_flush(mst_ctx_t* ctx);
 /* Number of DEFERRED wgrads waiting for mst_wgrad_flush(). */
-int mst_wgrad_pending(const mst_ctx_t* ctx);
+MST_API int mst_wgrad_pending(const mst_ctx_t* ctx);
 
 /* ---- saved activations (the interface the memory manager plugs into) ---- *
  * An op that saves activations for its backward asks a saver where to put
@@ -195,11 +228,11 @@ typedef enum mst_policy {
     MST_N_POLICIES,
 } mst_policy;
 
-const char* mst_saved_name_str(mst_saved_name n); /* "fc1_input", ... */
-const char* mst_policy_str(mst_policy p);          /* "keep", ...      */
+MST_API const char* mst_saved_name_str(mst_saved_name n); /* "fc1_input", ... */
+MST_API const char* mst_policy_str(mst_policy p);          /* "keep", ...      */
 /* Parses a name ("act_input") or policy ("stash"); MST_ERR_INVALID naming it. */
-mst_status mst_saved_name_parse(const char* s, mst_saved_name* out);
-mst_status mst_policy_parse(const char* s, mst_policy* out);
+MST_API mst_status mst_saved_name_parse(const char* s, mst_saved_name* out);
+MST_API mst_status mst_policy_parse(const char* s, mst_policy* out);
 
 typedef struct mst_saver {
     void* self;
@@ -234,12 +267,12 @@ typedef struct mst_saver {
  * its max_rows rows in. A RECOMPUTE fc2_input gets one compute buffer. */
 typedef struct mst_saver_basic mst_saver_basic_t;
 struct mst_mlp_config;
-mst_status mst_saver_basic_create(mst_ctx_t* ctx, int64_t max_rows,
-                                  const struct mst_mlp_config* cfg,
-                                  const mst_policy policies[MST_N_SAVED],
-                                  mst_saver_basic_t** out);
-void mst_saver_basic_destroy(mst_saver_basic_t* s);
-const mst_saver* mst_saver_basic_get(mst_saver_basic_t* s);
+MST_API mst_status mst_saver_basic_create(mst_ctx_t* ctx, int64_t max_rows,
+                                          const struct mst_mlp_config* cfg,
+                                          const mst_policy policies[MST_N_SAVED],
+                                          mst_saver_basic_t** out);
+MST_API void mst_saver_basic_destroy(mst_saver_basic_t* s);
+MST_API const mst_saver* mst_saver_basic_get(mst_saver_basic_t* s);
 
 /* ---- grouped MLP ---------------------------------------------------------- *
  * fc1 grouped linear (H -> 2F) -> gated activation scaled by the router prob
@@ -273,14 +306,14 @@ typedef struct mst_mlp_weights {
     mst_tensor g_b2;    /* [E, H]    fp32 (optional) */
 } mst_mlp_weights;
 
-mst_mlp_config mst_mlp_config_default(int32_t n_groups, int64_t hidden, int64_t ffn);
+MST_API mst_mlp_config mst_mlp_config_default(int32_t n_groups, int64_t hidden, int64_t ffn);
 
 /* x [R, H] bf16, probs [R, 1] fp32, counts [E, 1] int32 -> y [R, H] bf16.
  * Saved activations go through `saver`. */
-mst_status mst_grouped_mlp_forward(mst_ctx_t* ctx, const mst_mlp_config* cfg,
-                                   const mst_mlp_weights* w, const mst_tensor* x,
-                                   const mst_tensor* probs, const mst_tensor* counts,
-                                   const mst_saver* saver, mst_tensor* y);
+MST_API mst_status mst_grouped_mlp_forward(mst_ctx_t* ctx, const mst_mlp_config* cfg,
+                                           const mst_mlp_weights* w, const mst_tensor* x,
+                                           const mst_tensor* probs, const mst_tensor* counts,
+                                           const mst_saver* saver, mst_tensor* y);
 /* dy [R, H] bf16 -> dx [R, H] bf16, dprobs [R, 1] fp32; weight and bias
  * gradients into w->g_* through `mode`. Fetches and releases every saved
  * tensor it used. Its scratch (dz, dh, a recomputed z) is the context's MLP
@@ -288,10 +321,10 @@ mst_status mst_grouped_mlp_forward(mst_ctx_t* ctx, const mst_mlp_config* cfg,
  * before capturing them in a CUDA graph. With MST_WGRAD_DEFERRED the queued
  * wgrads read that scratch: mst_wgrad_flush() before the next backward on the
  * context (MST_ERR_STATE otherwise). */
-mst_status mst_grouped_mlp_backward(mst_ctx_t* ctx, const mst_mlp_config* cfg,
-                                    const mst_mlp_weights* w, const mst_tensor* dy,
-                                    const mst_tensor* counts, const mst_saver* saver,
-                                    mst_tensor* dx, mst_tensor* dprobs, mst_wgrad_mode mode);
+MST_API mst_status mst_grouped_mlp_backward(mst_ctx_t* ctx, const mst_mlp_config* cfg,
+                                            const mst_mlp_weights* w, const mst_tensor* dy,
+                                            const mst_tensor* counts, const mst_saver* saver,
+                                            mst_tensor* dx, mst_tensor* dprobs, mst_wgrad_mode mode);
 
 /* ---- paged stash --------------------------------------------------------- *
  * See docs/DESIGN.md. A pool holds the pages of one (dtype, width): a device
@@ -361,66 +394,66 @@ typedef struct mst_pool_stats {
 } mst_pool_stats;
 
 /* A config of n_dev_pages device pages, no host block, 64 rows per page. */
-mst_pool_config mst_pool_config_default(int64_t n_dev_pages);
+MST_API mst_pool_config mst_pool_config_default(int64_t n_dev_pages);
 /* Sizing from a measuring run (a pool big enough for the worst case, whose
  * total_peak is the peak pages in use): n_dev_pages = ceil(peak * dev_factor),
  * n_host_pages = ceil(peak * host_factor), at least one page in all. */
-mst_status mst_pool_config_from_peak(const mst_pool_stats* measured, double dev_factor,
-                                     double host_factor, mst_pool_config* out);
+MST_API mst_status mst_pool_config_from_peak(const mst_pool_stats* measured, double dev_factor,
+                                             double host_factor, mst_pool_config* out);
 
 /* dtype bf16 or fp32; width W > 0 elements per row; cfg with at least one
  * page. Allocates both blocks and ends with a reset. */
-mst_status mst_pool_create(mst_ctx_t* ctx, mst_dtype dtype, int64_t width,
-                           const mst_pool_config* cfg, mst_pool_t** out);
+MST_API mst_status mst_pool_create(mst_ctx_t* ctx, mst_dtype dtype, int64_t width,
+                                   const mst_pool_config* cfg, mst_pool_t** out);
 /* Syncs, then frees the blocks and the handles the pool still has. */
-void mst_pool_destroy(mst_pool_t* pool);
+MST_API void mst_pool_destroy(mst_pool_t* pool);
 /* One kernel: refills both rings, clears the overflow, state and spill
  * counters; handles saved before it hold nothing afterwards. Peaks stay. */
-mst_status mst_pool_reset(mst_pool_t* pool);
+MST_API mst_status mst_pool_reset(mst_pool_t* pool);
 /* Syncs and verifies the ring invariant and that every page is in exactly one
  * place; MST_ERR_STATE naming the first violation. Debug builds and tests. */
-mst_status mst_pool_check(mst_pool_t* pool);
+MST_API mst_status mst_pool_check(mst_pool_t* pool);
 /* Syncs and reads the counters. */
-mst_status mst_pool_stats_get(mst_pool_t* pool, mst_pool_stats* out);
+MST_API mst_status mst_pool_stats_get(mst_pool_t* pool, mst_pool_stats* out);
 /* Syncs and reads the flags (one small read, once per step): MST_ERR_STATE
  * when a bad-state operation happened since the last poll (that flag is then
  * cleared), else MST_ERR_OVERFLOW while the overflow flag is set, else MST_OK. */
-mst_status mst_pool_poll(mst_pool_t* pool);
+MST_API mst_status mst_pool_poll(mst_pool_t* pool);
 /* Device int32 [1]: nonzero once a save overflowed, until mst_pool_reset. For
  * kernels that must skip themselves (the optimizer update). */
-const int32_t* mst_pool_overflow_flag(const mst_pool_t* pool);
+MST_API const int32_t* mst_pool_overflow_flag(const mst_pool_t* pool);
 
 /* A handle for tensors of up to max_rows rows (max_rows * row bytes < 4 GiB). */
-mst_status mst_stash_handle_create(mst_pool_t* pool, int64_t max_rows, mst_stash_handle_t** out);
+MST_API mst_status mst_stash_handle_create(mst_pool_t* pool, int64_t max_rows, mst_stash_handle_t** out);
 /* Pages a handle still holds are lost until mst_pool_reset. */
-void mst_stash_handle_destroy(mst_stash_handle_t* h);
+MST_API void mst_stash_handle_destroy(mst_stash_handle_t* h);
 
 /* src [R, W] of the pool's dtype, counts [E, 1] int32: packs rows
  * [0, sum(counts)) into pages, device pages first, then host pages for the
  * rest (page-granular spill). A sum past the handle's max_rows (R may be
  * larger) is an overflow: flagged on the device like too few pages. */
-mst_status mst_stash_save(mst_pool_t* pool, mst_stash_handle_t* h, const mst_tensor* src,
-                          const mst_tensor* counts);
+MST_API mst_status mst_stash_save(mst_pool_t* pool, mst_stash_handle_t* h, const mst_tensor* src,
+                                  const mst_tensor* counts);
 /* A save without the copy: takes and tables the pages for rows
  * [0, sum(counts)) of a [rows, W] tensor that its producer then writes into
  * them itself (mst_stash_handle_pages). Overflow and bad counts as a save;
  * after an overflow the producer's writes go nowhere (the table is not the
  * handle's): the step is rerun. */
-mst_status mst_stash_claim(mst_pool_t* pool, mst_stash_handle_t* h, int64_t rows, const mst_tensor* counts);
+MST_API mst_status mst_stash_claim(mst_pool_t* pool, mst_stash_handle_t* h, int64_t rows, const mst_tensor* counts);
 /* dst [R, W] with R >= the handle's max_rows: copies the saved rows back into
  * rows [0, n) (rows past n untouched) and returns the pages to their rings. */
-mst_status mst_stash_restore(mst_pool_t* pool, mst_stash_handle_t* h, mst_tensor* dst);
+MST_API mst_status mst_stash_restore(mst_pool_t* pool, mst_stash_handle_t* h, mst_tensor* dst);
 /* The same restore in two parts, for a caller that copies on another stream
  * than the pool's: _copy writes rows [0, n) of dst and leaves the handle its
  * pages (it reads only the handle and its pages, so it may run on any stream
  * once the save finished); _return then returns the pages (no copy), ordered
  * with the pool's other operations and after the copy. */
-mst_status mst_stash_restore_copy(mst_pool_t* pool, mst_stash_handle_t* h, mst_tensor* dst);
-mst_status mst_stash_restore_return(mst_pool_t* pool, mst_stash_handle_t* h);
+MST_API mst_status mst_stash_restore_copy(mst_pool_t* pool, mst_stash_handle_t* h, mst_tensor* dst);
+MST_API mst_status mst_stash_restore_return(mst_pool_t* pool, mst_stash_handle_t* h);
 /* The handle's rows in place, for an op that reads them from the pages
  * (mst_tensor.pages) instead of a restore: valid once the save has run and
  * until mst_stash_restore_return gives the pages back. */
-mst_status mst_stash_handle_pages(const mst_stash_handle_t* h, mst_pages* out);
+MST_API mst_status mst_stash_handle_pages(const mst_stash_handle_t* h, mst_pages* out);
 
 /* ---- schedules ------------------------------------------------------------ *
  * The order of forward and backward passes over (model chunk, microbatch) on
@@ -448,9 +481,9 @@ typedef struct mst_sched_entry {
 
 /* Fills out [2 M V] (n_out must be 2 M V). A schedule that does not fit the
  * stage count is MST_ERR_INVALID naming the value. */
-mst_status mst_schedule_make(const mst_schedule_config* cfg, mst_sched_entry* out, int32_t n_out);
-mst_status mst_schedule_kind_parse(const char* s, mst_schedule_kind* out);
-const char* mst_schedule_kind_str(mst_schedule_kind k);
+MST_API mst_status mst_schedule_make(const mst_schedule_config* cfg, mst_sched_entry* out, int32_t n_out);
+MST_API mst_status mst_schedule_kind_parse(const char* s, mst_schedule_kind* out);
+MST_API const char* mst_schedule_kind_str(mst_schedule_kind k);
 
 /* ---- layer recompute ------------------------------------------------------ *
  * uniform:N — layers in chunks of N; each chunk's input is saved and the
@@ -470,11 +503,11 @@ typedef struct mst_recompute_config {
 } mst_recompute_config;
 
 /* "none", "uniform:N" or "block:N"; a clear error otherwise. */
-mst_status mst_recompute_parse(const char* spec, mst_recompute_config* out);
+MST_API mst_status mst_recompute_parse(const char* spec, mst_recompute_config* out);
 /* chunk_start [n_layers]: the first layer of layer l's recompute chunk, or
  * -1 when layer l keeps its activations. Errors name a bad N. */
-mst_status mst_recompute_plan(const mst_recompute_config* cfg, int32_t n_layers,
-                              int32_t* chunk_start);
+MST_API mst_status mst_recompute_plan(const mst_recompute_config* cfg, int32_t n_layers,
+                                      int32_t* chunk_start);
 
 /* ---- memory manager ----------------------------------------------------- *
  * Owns the saved activations of every (layer, microbatch, name) and applies
@@ -530,47 +563,47 @@ typedef struct mst_mem_report {
 } mst_mem_report_t;
 
 /* cfg->schedule must list every (chunk, microbatch) forward and backward once. */
-mst_status mst_memmgr_create(mst_ctx_t* ctx, const mst_memmgr_config* cfg, mst_memmgr_t** out);
-void mst_memmgr_destroy(mst_memmgr_t* m);
+MST_API mst_status mst_memmgr_create(mst_ctx_t* ctx, const mst_memmgr_config* cfg, mst_memmgr_t** out);
+MST_API void mst_memmgr_destroy(mst_memmgr_t* m);
 /* Policy of (layer, name); layer -1 sets every layer. Before the first step.
  * RECOMPUTE is accepted for fc2_input only (the grouped MLP recomputes it);
  * whole layers are recomputed through mst_memmgr_set_recompute. */
-mst_status mst_memmgr_set_policy(mst_memmgr_t* m, int32_t layer, mst_saved_name name, mst_policy p);
+MST_API mst_status mst_memmgr_set_policy(mst_memmgr_t* m, int32_t layer, mst_saved_name name, mst_policy p);
 /* "stash" (every name) or "fc1_input=stash,fc2_input=recompute,..." */
-mst_status mst_memmgr_set_policy_spec(mst_memmgr_t* m, const char* spec);
-mst_status mst_memmgr_set_recompute(mst_memmgr_t* m, const mst_recompute_config* rc);
+MST_API mst_status mst_memmgr_set_policy_spec(mst_memmgr_t* m, const char* spec);
+MST_API mst_status mst_memmgr_set_recompute(mst_memmgr_t* m, const mst_recompute_config* rc);
 /* chunk start of layer l's recompute chunk, or -1 (see mst_recompute_plan). */
-int32_t mst_memmgr_recompute_chunk(const mst_memmgr_t* m, int32_t layer);
+MST_API int32_t mst_memmgr_recompute_chunk(const mst_memmgr_t* m, int32_t layer);
 
-mst_status mst_memmgr_step_begin(mst_memmgr_t* m, int measuring);
+MST_API mst_status mst_memmgr_step_begin(mst_memmgr_t* m, int measuring);
 /* The saver for the forward of (layer, mb). For a layer inside a recompute
  * chunk this saver keeps nothing; the caller saves the chunk input itself
  * (mst_memmgr_chunk_input) and reruns the chunk before its backward with
  * mst_memmgr_recompute(). */
-mst_status mst_memmgr_forward(mst_memmgr_t* m, int32_t layer, int32_t mb, const mst_saver** out);
+MST_API mst_status mst_memmgr_forward(mst_memmgr_t* m, int32_t layer, int32_t mb, const mst_saver** out);
 /* The saver for the backward of (layer, mb). */
-mst_status mst_memmgr_backward(mst_memmgr_t* m, int32_t layer, int32_t mb, const mst_saver** out);
+MST_API mst_status mst_memmgr_backward(mst_memmgr_t* m, int32_t layer, int32_t mb, const mst_saver** out);
 /* The saver for rerunning the forward of `layer` (in a recompute chunk) just
  * before its backward: it keeps the activations until that backward. */
-mst_status mst_memmgr_recompute(mst_memmgr_t* m, int32_t layer, int32_t mb, const mst_saver** out);
+MST_API mst_status mst_memmgr_recompute(mst_memmgr_t* m, int32_t layer, int32_t mb, const mst_saver** out);
 /* A buffer [R, H] bf16 kept for the input of the recompute chunk that starts
  * at `layer`, microbatch mb. */
-mst_status mst_memmgr_chunk_input(mst_memmgr_t* m, int32_t layer, int32_t mb, mst_tensor* out);
+MST_API mst_status mst_memmgr_chunk_input(mst_memmgr_t* m, int32_t layer, int32_t mb, mst_tensor* out);
 /* The [R, cols] buffer that tensor `name` of (layer, mb) is kept in when its
  * policy is KEEP (outside recompute chunks); out->data = NULL otherwise. A
  * caller that writes the tensor there before the forward of (layer, mb)
  * (the previous layer's output, as this layer's fc1_input) spares commit's
  * copy of its R rows. */
-mst_status mst_memmgr_keep_buffer(mst_memmgr_t* m, int32_t layer, int32_t mb, mst_saved_name name,
-                                  mst_tensor* out);
-mst_status mst_memmgr_step_end(mst_memmgr_t* m);
-mst_status mst_memmgr_step_check(mst_memmgr_t* m);
+MST_API mst_status mst_memmgr_keep_buffer(mst_memmgr_t* m, int32_t layer, int32_t mb, mst_saved_name name,
+                                          mst_tensor* out);
+MST_API mst_status mst_memmgr_step_end(mst_memmgr_t* m);
+MST_API mst_status mst_memmgr_step_check(mst_memmgr_t* m);
 /* Device int32: nonzero when this step overflowed (the optimizer skips). */
-const int32_t* mst_memmgr_overflow_flag(const mst_memmgr_t* m);
-mst_status mst_mem_report(const mst_memmgr_t* m, mst_mem_report_t* out);
+MST_API const int32_t* mst_memmgr_overflow_flag(const mst_memmgr_t* m);
+MST_API mst_status mst_mem_report(const mst_memmgr_t* m, mst_mem_report_t* out);
 /* Syncs; checks every pool's invariant and, between steps, that no page is
  * held (nothing leaked). */
-mst_status mst_memmgr_check(mst_memmgr_t* m);
+MST_API mst_status mst_memmgr_check(mst_memmgr_t* m);
 
 #ifdef __cplusplus
 }
