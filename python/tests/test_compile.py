@@ -1,6 +1,5 @@
 """torch.compile(fullgraph=True) of modules using the ops: no graph break, and
 the compiled forward and backward give the eager bits."""
-import pytest
 import torch
 
 import moestash.torch as mt

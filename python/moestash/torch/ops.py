@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .. import _lib
 from . import functional as Fm
-from ._core import context
+from ._core import Context, context
 from .saver import ACT_INPUT, FC1_INPUT, FC2_INPUT, PROBS, Saver, parse_policy
 
 # ---- bindings and records ---------------------------------------------------
@@ -58,7 +58,6 @@ class Binding:
         if not self.delay_wgrad:
             return context(device)
         if device not in self.own_ctx:
-            from ._core import Context
             self.own_ctx[device] = Context(device)
         return self.own_ctx[device]
 
@@ -97,11 +96,9 @@ def _none_if_empty(t):
     return None if t.numel() == 0 and t.dim() == 1 else t
 
 
-_EMPTY = ()  # shape of a "no tensor" output
-
-
 def _empty(device, dtype=torch.bfloat16):
-    return torch.empty(_EMPTY + (0,), dtype=dtype, device=device)
+    """The [0] tensor an op returns where it has no tensor to return."""
+    return torch.empty((0,), dtype=dtype, device=device)
 
 
 # ---- grouped linear -------------------------------------------------------------
@@ -196,7 +193,7 @@ def _mlp_cfg(x, w1, counts, activation, clamp_limit, clamp_alpha):
     return Fm.mlp_config(E, x.shape[1], w1.numel() // (E * x.shape[1] * 2), activation, clamp_limit, clamp_alpha)
 
 
-def _saved_shapes(binding, R, F, x):
+def _saved_shapes(binding, R, F):
     """Shapes of the op's extra outputs act_input, fc2_input (empty unless kept)."""
     s = Binding.registry[binding].saver
     h = (R, 2 * F) if s.kept(ACT_INPUT) else (0,)
@@ -229,7 +226,7 @@ def _mlp_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Option
 def _(x, w1, b1, w2, b2, counts, probs, activation, clamp_limit, clamp_alpha, binding):
     R, H = x.shape
     F = w1.numel() // (counts.shape[0] * H * 2)
-    hs, zs = _saved_shapes(binding, R, F, x)
+    hs, zs = _saved_shapes(binding, R, F)
     return x.new_empty((R, H)), x.new_empty(hs), x.new_empty(zs), torch.empty(1, dtype=torch.int64)
 
 

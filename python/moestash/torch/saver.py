@@ -14,7 +14,6 @@ from their pages (no restore); probs, and every name whose wgrad is
 deferred, are restored into a torch buffer.
 """
 import contextlib
-import ctypes
 
 import torch
 
@@ -41,8 +40,6 @@ def parse_policy(policy):
         if p == "recompute" and name != "fc2_input":
             raise ValueError(f"policy recompute of {name}: the grouped MLP recomputes fc2_input only")
         out[_lib.SAVED_NAMES.index(name)] = p
-    if "recompute" == out[PROBS] or "recompute" == out[FC1_INPUT]:
-        raise ValueError("recompute applies to fc2_input only")
     return tuple(out)
 
 
@@ -148,8 +145,8 @@ class Saver:
         out[0] = as_mst(buf, _lib.SAVED_NAMES[name], self.device)
 
     def _absent(self, name, out):
-        width = {FC2_INPUT: self.saved["ffn"]}[name]
-        out[0] = _lib.tensor(None, _lib.DTYPE_BF16, self.saved["rows"], width)
+        """A RECOMPUTE fc2_input [R, F]: data NULL, the library recomputes it."""
+        out[0] = _lib.tensor(None, _lib.DTYPE_BF16, self.saved["rows"], self.saved["ffn"])
 
     def _release(self, name):
         if not self.paged(name) or name not in self.record.handles:
