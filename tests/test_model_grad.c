@@ -259,7 +259,10 @@ static void run(mst_ctx_t* ctx) {
     for (int64_t i = 0; i < nn; i++) nw[i] = mst_fp32_to_bf16(1.0f + mst_bf16_to_fp32(nw[i]));
     CHECK_OK(mst_copy_h2b(ctx, m->w + m->n_decay, nw, sizeof(uint16_t) * (size_t)nn));
     free(nw);
-    CHECK_OK(mst_model_step(m, tok, 1));
+    const float hyper[MST_N_HYPER] = {0.0f, 1.0f, 1.0f};
+    CHECK_OK(mst_model_stage(m, 0, tok, hyper));
+    CHECK_OK(mst_model_upload(m, 0));
+    CHECK_OK(mst_model_step(m, 1));
     CHECK_OK(mst_ctx_check(ctx));
     float* grad = (float*)malloc(sizeof(float) * (size_t)m->n_params);
     uint16_t* w16 = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)m->n_params);

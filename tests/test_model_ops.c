@@ -500,7 +500,7 @@ static void test_rows(mst_ctx_t* ctx) {
     free(x), free(rows), free(p), free(prow), free(pos), free(sum), free(sum32), free(dp);
 }
 
-/* ---- sum of squares and AdamW ----------------------------------------------- */
+/* ---- sum of squares, AdamW, float64 sum ----------------------------------------------- */
 
 static void test_optim(mst_ctx_t* ctx) {
     const int64_t n = 5003;
@@ -531,8 +531,10 @@ static void test_optim(mst_ctx_t* ctx) {
     mst_sumsq_args sa = {.n = n, .x = (float*)gg.data, .partial = (float*)gpart.data, .out = (float*)gss.data};
     CHECK_OK(ops(ctx)->sumsq(ctx, &sa));
     expect_fp32(ctx, &gss, &ss, 1, MST_TOL_FP32, "sum of squares");
-    mst_adamw_args a = {.n = n, .lr = lr, .beta1 = b1, .beta2 = b2, .eps = eps, .weight_decay = wd, .clip = clip,
-                        .step = step, .master = (float*)gw.data, .grad = (float*)gg.data, .m = (float*)gm.data,
+    const float hyper[MST_N_HYPER] = {lr, (float)c1, (float)c2};
+    mst_guarded gh = up(ctx, hyper, sizeof hyper);
+    mst_adamw_args a = {.n = n, .beta1 = b1, .beta2 = b2, .eps = eps, .weight_decay = wd, .clip = clip,
+                        .hyper = (float*)gh.data, .master = (float*)gw.data, .grad = (float*)gg.data, .m = (float*)gm.data,
                         .v = (float*)gv.data, .w = (uint16_t*)g16.data, .grad_sumsq = (float*)gss.data,
                         .flag = ctx->err_flag};
     /* a raised flag: nothing moves */
@@ -548,9 +550,39 @@ static void test_optim(mst_ctx_t* ctx) {
     expect_fp32(ctx, &gm, rm, (size_t)n, MST_TOL_FP32, "adamw m");
     expect_fp32(ctx, &gv, rv, (size_t)n, MST_TOL_FP32, "adamw v");
     expect_bf16(ctx, &g16, rw16, (size_t)n, "adamw bf16 weights");
-    mst_guarded* all[] = {&gg, &gw, &gm, &gv, &g16, &gss, &gpart};
+    mst_guarded* all[] = {&gg, &gw, &gm, &gv, &g16, &gss, &gpart, &gh};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) mst_guarded_free(ctx, all[i]);
     free(g), free(w), free(m), free(v), free(rw), free(rm), free(rv), free(rw16);
+}
+
+/* The float64 sum of the step record: the documented lane order, bit for
+ * bit (values of mixed signs and scales, so another order gives other
+ * bits), for sizes below, at and past the lane count. */
+static void test_sum(mst_ctx_t* ctx) {
+    const int64_t sizes[] = {1, 37, MST_SUM_LANES, 100003};
+    for (size_t k = 0; k < sizeof sizes / sizeof *sizes; k++) {
+        const int64_t n = sizes[k];
+        float* x = (float*)malloc(sizeof(float) * (size_t)n);
+        mst_rng_fp32(&rng, x, (size_t)n, -3, 3);
+        for (int64_t i = 0; i < n; i += 7) x[i] *= 1e5f;
+        double want = 0;
+        for (int l = 0; l < MST_SUM_LANES; l++) {
+            double lane = 0;
+            for (int64_t i = l; i < n; i += MST_SUM_LANES) lane += x[i];
+            want += lane;
+        }
+        const double poison = 12345.678;
+        mst_guarded gx = up(ctx, x, sizeof(float) * (size_t)n), go = up(ctx, &poison, sizeof(double));
+        mst_sum_args a = {.n = n, .x = (float*)gx.data, .out = (double*)go.data};
+        CHECK_OK(ops(ctx)->sum(ctx, &a));
+        double* got = (double*)down(ctx, &go, "sum");
+        CHECK(got && memcmp(got, &want, sizeof want) == 0, "sum of %lld values: %.17g, expected %.17g bit for bit",
+              (long long)n, got ? *got : 0.0, want);
+        free(got);
+        mst_guarded_free(ctx, &gx);
+        mst_guarded_free(ctx, &go);
+        free(x);
+    }
 }
 
 static void run(mst_ctx_t* ctx) {
@@ -562,6 +594,7 @@ static void run(mst_ctx_t* ctx) {
     test_route(ctx);
     test_rows(ctx);
     test_optim(ctx);
+    test_sum(ctx);
 }
 
 int main(int argc, char** argv) { return mst_test_main(argc, argv, run); }

@@ -57,7 +57,10 @@ static void against_trainer(mst_ctx_t* ctx, const char* dir) {
     int32_t tok[T + 2];
     mst_rng r = {5};
     for (int i = 0; i < T + 2; i++) tok[i] = (int32_t)mst_rng_int(&r, 0, 255);
-    CHECK_OK(mst_model_step(m, tok, 1));
+    const float hyper[MST_N_HYPER] = {0.0f, 1.0f, 1.0f};
+    CHECK_OK(mst_model_stage(m, 0, tok, hyper));
+    CHECK_OK(mst_model_upload(m, 0));
+    CHECK_OK(mst_model_step(m, 1));
     float loss[T];
     CHECK_OK(mst_copy_b2h(ctx, loss, m->loss_main, sizeof loss));
     CHECK_OK(mst_ckpt_save(m, &cfg, 0, 1, dir));

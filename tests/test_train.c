@@ -5,7 +5,9 @@
  * budget, are rerun with exact shapes and give bit-identical losses; a
  * forced stash-pool overflow, and pools sized below their measured peak, are
  * rerun as measuring steps with bit-identical losses; two microbatches under
- * each schedule; --check-policies. Then every bad-input case of
+ * each schedule; --check-policies; --graph on against off, bit for bit,
+ * under every policy, schedule and layer recompute, with forced reruns
+ * (captures counted). Then every bad-input case of
  * `moestash train` (the built program next to this test): exit code 2 and
  * one line naming the flag and its value.
  */
@@ -126,6 +128,66 @@ static void training(mst_ctx_t* ctx) {
     }
 }
 
+/* --graph on against --graph off: bit-identical losses and final weights
+ * under every policy, schedule and layer recompute, and with forced reruns
+ * (after which the step is captured again). On a backend that captures
+ * (CUDA) sized steps are replayed from the graph; elsewhere the same step
+ * function runs eagerly. */
+static void graph_vs_eager(mst_ctx_t* ctx) {
+    static const struct { const char* policy; mst_schedule_kind sched; const char* recompute; int64_t over, flow; } cases[] = {
+        {"keep", MST_SCHEDULE_PLAIN, "none", 0, 0},
+        {"stash", MST_SCHEDULE_1F1B, "none", 0, 0},
+        {"offload", MST_SCHEDULE_INTERLEAVED, "none", 0, 0},
+        {"recompute", MST_SCHEDULE_PLAIN, "none", 0, 0},
+        {"fc1_input=stash,act_input=offload,fc2_input=recompute,probs=keep", MST_SCHEDULE_1F1B, "uniform:1", 0, 0},
+        {"stash", MST_SCHEDULE_INTERLEAVED, "block:1", 0, 0},
+        {"keep", MST_SCHEDULE_1F1B, "uniform:2", 0, 0},
+        {"stash", MST_SCHEDULE_PLAIN, "none", 4, 0},
+        {"stash", MST_SCHEDULE_1F1B, "none", 0, 4},
+    };
+    const int capturing = ctx->be->capture_begin != NULL;
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        mst_train_config cfg = tiny();
+        cfg.steps = 6;
+        cfg.microbatches = 2;
+        cfg.mem.policy = cases[i].policy;
+        cfg.mem.schedule = cases[i].sched;
+        cfg.mem.virtual_stages = cases[i].sched == MST_SCHEDULE_INTERLEAVED ? 2 : 1;
+        cfg.force_over_budget = cases[i].over;
+        cfg.force_overflow = cases[i].flow;
+        CHECK_OK(mst_recompute_parse(cases[i].recompute, &cfg.mem.recompute));
+        mst_train_result eager = {0}, graph = {0};
+        CHECK_OK(mst_train_run(ctx, &cfg, NULL, &eager));
+        cfg.graph_from = 1;
+        CHECK_OK(mst_train_run(ctx, &cfg, NULL, &graph));
+        if (!eager.loss || !graph.loss) {
+            mst_train_result_free(&eager);
+            mst_train_result_free(&graph);
+            continue;
+        }
+        char what[256];
+        snprintf(what, sizeof what, "graph vs eager, %s, %s, recompute %s, forced %lld/%lld", cases[i].policy,
+                 mst_schedule_kind_str(cases[i].sched), cases[i].recompute, (long long)cases[i].over,
+                 (long long)cases[i].flow);
+        same_losses(&eager, &graph, what);
+        CHECK(eager.weights_hash == graph.weights_hash, "%s: final weights differ (%016llx vs %016llx)", what,
+              (unsigned long long)eager.weights_hash, (unsigned long long)graph.weights_hash);
+        CHECK(eager.captures == 0 && eager.replays == 0, "%s: eager run captured %lld, replayed %lld", what,
+              (long long)eager.captures, (long long)eager.replays);
+        /* step 1 measures, step 2 runs eagerly, 3.. replay; a rerun drops the
+         * graph (a flagged replay counts): the step after it runs eagerly,
+         * the next is captured again */
+        const int64_t reruns = cases[i].over || cases[i].flow;
+        const int64_t want_cap = capturing ? 1 + reruns : 0, want_rep = capturing ? cfg.steps - 2 - reruns : 0;
+        CHECK(graph.reruns == reruns && graph.captures == want_cap && graph.replays == want_rep,
+              "%s: %lld reruns, %lld captures, %lld replays; expected %lld, %lld, %lld", what, (long long)graph.reruns,
+              (long long)graph.captures, (long long)graph.replays, (long long)reruns, (long long)want_cap,
+              (long long)want_rep);
+        mst_train_result_free(&eager);
+        mst_train_result_free(&graph);
+    }
+}
+
 /* Runs `moestash train ARGS`; expects exit code 2 and one stderr line that
  * contains each of `want` (the flag and its value). */
 static void bad_input(const char* args, const char* want1, const char* want2) {
@@ -183,7 +245,11 @@ static void cli(mst_ctx_t* ctx) {
     BAD("--check-policies --policy stash", "--policy", "stash");
     BAD("--schedule interleaved --layers 2", "--schedule", "interleaved");
     BAD("--microbatches 0", "--microbatches", "0");
+    BAD("--graph maybe", "--graph", "maybe");
+    BAD("--log-every 0", "--log-every", "0");
+    BAD("--preset a100", "--preset", "a100");
 #undef BAD
+    if (mst_ctx_backend(ctx) == MST_BACKEND_CPU) bad_input("--backend cpu --graph on", "--graph", "on");
     bad_input("--backend tpu", "--backend", "tpu");
     if (!mst_backend_available(MST_BACKEND_CUDA)) bad_input("--backend cuda", "--backend", "cuda");
 }
@@ -221,6 +287,7 @@ static void data_file(mst_ctx_t* ctx) {
 
 static void run(mst_ctx_t* ctx) {
     training(ctx);
+    graph_vs_eager(ctx);
     data_file(ctx);
     cli(ctx);
 }

@@ -162,6 +162,17 @@ typedef struct mst_backend {
     mst_status (*stash_restore)(mst_ctx_t* ctx, const struct mst_stash_args* a);
     mst_status (*host_alloc)(mst_ctx_t* ctx, size_t n_bytes, void** out);
     void (*host_free)(mst_ctx_t* ctx, void* ptr);
+
+    /* (optional) whole-step capture: copy_async enqueues a copy between
+     * backend memory and host memory from host_alloc without waiting;
+     * capture_begin / capture_end record what the context's stream is given
+     * in between as one graph (an allocation, a host sync or a blocking copy
+     * inside fails the capture); graph_launch replays it on that stream. */
+    mst_status (*copy_async)(mst_ctx_t* ctx, void* dst, const void* src, size_t n_bytes, mst_copy_dir dir);
+    mst_status (*capture_begin)(mst_ctx_t* ctx);
+    mst_status (*capture_end)(mst_ctx_t* ctx, void** graph);
+    mst_status (*graph_launch)(mst_ctx_t* ctx, void* graph);
+    void (*graph_destroy)(mst_ctx_t* ctx, void* graph);
 } mst_backend;
 
 /* The backend of a kind, or NULL when it was not built in. */

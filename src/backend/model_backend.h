@@ -144,13 +144,28 @@ typedef struct mst_sumsq_args {
     float* out;            /* [1] fp32                                       */
 } mst_sumsq_args;
 
+/* Sum of n fp32 values into out [1] as float64 (the losses of a step,
+ * summed on the backend so the host reads one small record), in the same
+ * order on every backend: lane i < MST_SUM_LANES sums x[i], x[i + lanes],
+ * ... in turn, then the lanes are added in lane order. */
+enum { MST_SUM_LANES = 256 };
+typedef struct mst_sum_args {
+    int64_t n;
+    const float* x;        /* [n] fp32                                       */
+    double* out;           /* [1] float64                                    */
+} mst_sum_args;
+
 /* AdamW on fp32 master weights with the gradient scaled by
  * min(1, clip / sqrt(*grad_sumsq)); skipped entirely when *flag != 0 (the
- * step's results are invalid). Writes the bf16 copy of the new weights. */
+ * step's results are invalid). Writes the bf16 copy of the new weights.
+ * The step's learning rate and bias corrections are read from backend
+ * memory, so that a captured step replays with each step's values. */
+enum { MST_HYPER_LR = 0, MST_HYPER_BC1, MST_HYPER_BC2, MST_N_HYPER };
 typedef struct mst_adamw_args {
     int64_t n;
-    float lr, beta1, beta2, eps, weight_decay, clip;
-    int64_t step;          /* 1-based, for bias correction                   */
+    float beta1, beta2, eps, weight_decay, clip;
+    const float* hyper;    /* [MST_N_HYPER] fp32: lr, 1 - beta1^step,
+                              1 - beta2^step (step 1-based)                 */
     float* master;         /* [n] fp32                                       */
     const float* grad;     /* [n] fp32 main_grad                             */
     float* m;              /* [n] fp32 first moment                          */
@@ -180,6 +195,7 @@ typedef struct mst_model_backend {
     mst_status (*rows_sum)(mst_ctx_t* ctx, const mst_rows_args* a);
     mst_status (*sumsq)(mst_ctx_t* ctx, const mst_sumsq_args* a);
     mst_status (*adamw)(mst_ctx_t* ctx, const mst_adamw_args* a);
+    mst_status (*sum)(mst_ctx_t* ctx, const mst_sum_args* a);
 
 } mst_model_backend;
 

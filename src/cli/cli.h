@@ -10,6 +10,11 @@
 int mst_cmd_info(int argc, char** argv);
 int mst_cmd_selfcheck(int argc, char** argv);
 int mst_cmd_train(int argc, char** argv); /* train.c */
+/* train.c: the configuration of `moestash train` on a backend, and --preset
+ * NAME applied to it (exit code 2 and one line for an unknown name). */
+struct mst_train_config;
+void mst_train_defaults(struct mst_train_config* t, mst_backend_kind kind);
+int mst_train_preset(struct mst_train_config* t, const char* name);
 
 /* Benchmarks (bench/): `moestash bench NAME [--json FILE] ...` */
 typedef struct mst_bench_entry {
@@ -22,6 +27,7 @@ int mst_bench_mlp(int argc, char** argv); /* bench/bench_mlp.c */
 int mst_bench_step(int argc, char** argv); /* bench/bench_step.c */
 int mst_bench_stash(int argc, char** argv); /* bench/bench_stash.c */
 int mst_bench_gemm(int argc, char** argv); /* bench/bench_gemm.c */
+int mst_bench_train(int argc, char** argv); /* bench/bench_train.c */
 
 /* Parses --backend cpu|cuda (default: cuda when available); exit code 2 and a
  * one-line message naming the value otherwise. */

@@ -11,6 +11,7 @@ static const mst_bench_entry benches[] = {
     {"stash", "paged stash save/restore/spill GB/s beside cudaMemcpyAsync (CUDA)", mst_bench_stash},
     {"gemm", "grouped linear fwd/dgrad/wgrad TFLOP/s, graph-replayed, vs cuBLAS loop/grouped/dense (CUDA)", mst_bench_gemm},
     {"step", "memory-manager step per policy: time and activation memory vs keep and exact shapes", mst_bench_step},
+    {"train", "the trainer's whole step, eager vs graph-replayed: tokens/s, model TFLOP/s, MFU, peak memory (CUDA)", mst_bench_train},
     {NULL, NULL, NULL},
 };
 

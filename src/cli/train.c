@@ -14,7 +14,7 @@
 
 /* Defaults: small on the CPU (200 steps in well under 3 minutes on 2 cores),
  * larger on a GPU so the KEEP vs exact-shapes difference shows. */
-static void defaults(mst_train_config* t, mst_backend_kind kind) {
+void mst_train_defaults(mst_train_config* t, mst_backend_kind kind) {
     const int gpu = kind == MST_BACKEND_CUDA;
     mst_model_config m = {.vocab = 256, .hidden = gpu ? 512 : 64, .ffn = gpu ? 1024 : 128,
                           .n_head = gpu ? 8 : 4, .seq = gpu ? 256 : 64, .batch = gpu ? 16 : 8,
@@ -29,6 +29,7 @@ static void defaults(mst_train_config* t, mst_backend_kind kind) {
     t->microbatches = 1;
     t->steps = 200;
     t->mem = mst_mem_config_default();
+    t->graph_from = gpu;
 }
 
 static void help(const mst_train_config* c, const mst_train_config* g) {
@@ -63,6 +64,10 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            "  --warmup N                warmup steps (%lld)\n"
            "  --data FILE               train on a text file (default: built-in synthetic corpus)\n"
            "  --seed S                  seed of weights and data (%llu)\n"
+           "  --graph on|off            replay each sized step from one captured CUDA graph (cpu: off / cuda: on)\n"
+           "  --log-every N             a progress line every N steps (1)\n"
+           "  --preset h100             H 2048, 16 heads, 8 layers, 64 experts top-4, F 1024, T 2048, B 4, ep 8\n"
+           "                            (flags given after it override it)\n"
            "  --json FILE               write losses, timings and the memory table as JSON\n"
            "  --force-over-budget STEP  flag STEP over budget once to exercise the rerun (0: off)\n"
            "  --force-overflow STEP     flag STEP as a stash-pool overflow once (0: off)\n"
@@ -110,10 +115,22 @@ static int parse_f32(const char* flag, const char* v, double lo, double hi, floa
     return 0;
 }
 
+/* --preset h100: the model of the whole-step benchmark, sized for one
+ * 80 GB card (H 2048, 16 heads, 8 layers, 64 experts top-4 of F 1024,
+ * T 2048); the other flags still override it. */
+int mst_train_preset(mst_train_config* t, const char* v) {
+    if (!v || strcmp(v, "h100") != 0) return bad("--preset", v, "expected h100");
+    mst_model_config* m = &t->model;
+    m->hidden = 2048, m->n_head = 16, m->layers = 8, m->experts = 64, m->top_k = 4, m->ffn = 1024;
+    m->seq = 2048, m->batch = 4, m->ep = 8;
+    return 0;
+}
+
 typedef struct train_cli {
     mst_train_config cfg;
     const char* backend;   /* NULL: default */
     const char* json;
+    const char* graph;     /* --graph as given (NULL: the backend's default) */
     const char* policy;    /* --policy as given (NULL: not given) */
     const char* recompute; /* --recompute as given */
     int quiet, check_policies;
@@ -160,6 +177,7 @@ static int parse_flag(train_cli* t, const char* f, const char* v) {
     INT_FLAG("--seed", 0, INT64_MAX, m->seed);
     INT_FLAG("--force-over-budget", 0, INT64_MAX, t->cfg.force_over_budget);
     INT_FLAG("--force-overflow", 0, INT64_MAX, t->cfg.force_overflow);
+    INT_FLAG("--log-every", 1, INT64_MAX, t->cfg.log_every);
 #undef INT_FLAG
     if (strcmp(f, "--capacity-factor") == 0) return parse_f32(f, v, 1e-6, 1024, &m->capacity_factor);
     if (strcmp(f, "--mtp-weight") == 0) return parse_f32(f, v, 0, 100, &m->mtp_weight);
@@ -172,6 +190,11 @@ static int parse_flag(train_cli* t, const char* f, const char* v) {
         return rc;
     }
     if (strcmp(f, "--backend") == 0) return (t->backend = v, 0);
+    if (strcmp(f, "--preset") == 0) return mst_train_preset(&t->cfg, v);
+    if (strcmp(f, "--graph") == 0) {
+        if (v && (strcmp(v, "on") == 0 || strcmp(v, "off") == 0)) return (t->graph = v, 0);
+        return bad(f, v, "expected on or off");
+    }
     if (strcmp(f, "--json") == 0) return v && *v ? (t->json = v, 0) : bad(f, v, "expected a file name");
     if (strcmp(f, "--data") == 0) return v && *v ? (t->cfg.data_path = v, 0) : bad(f, v, "expected a file name");
     if (strcmp(f, "--schedule") == 0) {
@@ -218,15 +241,15 @@ int mst_cmd_train(int argc, char** argv) {
     for (int i = 0; i < argc; i++)
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
             mst_train_config c, g;
-            defaults(&c, MST_BACKEND_CPU);
-            defaults(&g, MST_BACKEND_CUDA);
+            mst_train_defaults(&c, MST_BACKEND_CPU);
+            mst_train_defaults(&g, MST_BACKEND_CUDA);
             help(&c, &g);
             return 0;
         }
     mst_backend_kind kind;
     if (mst_cli_backend(find_backend(argc, argv), &kind)) return 2;
     train_cli t = {0};
-    defaults(&t.cfg, kind);
+    mst_train_defaults(&t.cfg, kind);
     if (parse(argc, argv, &t)) return 2;
     t.cfg.optim.steps = t.cfg.steps;
     if (t.cfg.model.capacity_factor == 0.0f) t.cfg.model.capacity_factor = (float)t.cfg.model.ep;
@@ -234,6 +257,8 @@ int mst_cmd_train(int argc, char** argv) {
         fprintf(stderr, "moestash train: %s\n", mst_last_error());
         return 2;
     }
+    if (t.graph) t.cfg.graph_from = strcmp(t.graph, "on") == 0;
+    if (t.cfg.graph_from && kind != MST_BACKEND_CUDA) return bad("--graph", t.graph, "step capture needs --backend cuda");
     if (t.check_policies && (t.policy || t.recompute))
         return bad(t.policy ? "--policy" : "--recompute", t.policy ? t.policy : t.recompute,
                    "contradicts --check-policies (which runs every policy itself)");
@@ -255,12 +280,13 @@ int mst_cmd_train(int argc, char** argv) {
     const mst_model_config* m = &t.cfg.model;
     if (!t.quiet)
         printf("moestash train on %s\n  H=%lld F=%lld heads=%lld T=%lld B=%lld M=%d L=%d E=%d k=%d ep=%d cf=%g "
-               "max_rows=%lld mtp-weight=%g steps=%lld data=%s\n  schedule %s, policy %s, recompute %s\n",
+               "max_rows=%lld mtp-weight=%g steps=%lld data=%s\n  schedule %s, policy %s, recompute %s, graph %s\n",
                mst_ctx_describe(ctx), (long long)m->hidden, (long long)m->ffn, (long long)m->n_head,
                (long long)m->seq, (long long)m->batch, t.cfg.microbatches, m->layers, m->experts,
                m->top_k, m->ep, (double)m->capacity_factor, (long long)mst_model_max_rows(m),
                (double)m->mtp_weight, (long long)t.cfg.steps, t.cfg.data_path ? t.cfg.data_path : "synthetic",
-               mst_schedule_kind_str(t.cfg.mem.schedule), t.cfg.mem.policy, t.recompute ? t.recompute : "none");
+               mst_schedule_kind_str(t.cfg.mem.schedule), t.cfg.mem.policy, t.recompute ? t.recompute : "none",
+               t.cfg.graph_from ? "on" : "off");
     mst_train_result res = {0};
     mst_status st = MST_OK;
     int rc = 0;

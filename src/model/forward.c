@@ -8,32 +8,39 @@
  * last hidden state, their concatenation projected 2H -> H, the layer, its
  * own final norm, the shared head, loss on the token after next weighted by
  * --mtp-weight. A layer in a recompute chunk is rerun from its kept input
- * just before the backward of the chunk's last layer.
+ * just before the backward of the chunk's last layer. The host stages the
+ * step's static inputs (tokens, AdamW values) and uploads them before the
+ * step; the step itself reads them from backend memory only.
  */
 #include <string.h>
 
 #include "moe.h"
 #include "ops.h"
 
-static mst_status upload_tokens(mst_model* m, const int32_t* host_tok, mst_micro* u) {
+mst_status mst_model_stage(mst_model* m, int slot, const int32_t* host_tok, const float hyper[MST_N_HYPER]) {
     const mst_model_config* c = &m->cfg;
     const int64_t T = c->seq, N = c->batch * T, V = c->vocab;
-    int32_t* t = (int32_t*)malloc(sizeof(int32_t) * 3 * (size_t)N);
-    if (!t) return mst_set_error(MST_ERR_OOM, "token staging");
-    for (int64_t b = 0; b < c->batch; b++)
-        for (int64_t i = 0; i < T; i++)
-            for (int j = 0; j < 3; j++) {
-                int32_t v = host_tok[b * (T + 2) + i + j];
-                if (v < 0 || v >= V) {
-                    free(t);
-                    return mst_set_error(MST_ERR_INVALID, "token %d at [%lld, %lld] is outside [0, %lld)",
-                                         v, (long long)b, (long long)(i + j), (long long)V);
+    if (slot < 0 || slot > 1) return mst_set_error(MST_ERR_INVALID, "slot = %d: expected 0 or 1", slot);
+    int32_t* t = (int32_t*)m->staging[slot]; /* [M, 3, N] */
+    for (int32_t mb = 0; mb < m->n_micro; mb++)
+        for (int64_t b = 0; b < c->batch; b++)
+            for (int64_t i = 0; i < T; i++)
+                for (int j = 0; j < 3; j++) {
+                    int32_t v = host_tok[(mb * c->batch + b) * (T + 2) + i + j];
+                    if (v < 0 || v >= V)
+                        return mst_set_error(MST_ERR_INVALID, "token %d of microbatch %d at [%lld, %lld] is outside [0, %lld)",
+                                             v, mb, (long long)b, (long long)(i + j), (long long)V);
+                    t[(mb * 3 + j) * N + b * T + i] = v;
                 }
-                t[j * N + b * T + i] = v;
-            }
-    mst_status st = mst_copy_h2b(m->ctx, u->tok, t, sizeof(int32_t) * 3 * (size_t)N);
-    free(t);
-    return st;
+    memcpy(t + m->n_micro * 3 * N, hyper, sizeof(float) * MST_N_HYPER);
+    return MST_OK;
+}
+
+mst_status mst_model_upload(mst_model* m, int slot) {
+    mst_ctx_t* ctx = m->ctx;
+    if (slot < 0 || slot > 1) return mst_set_error(MST_ERR_INVALID, "slot = %d: expected 0 or 1", slot);
+    if (!ctx->be->copy_async) return mst_copy_h2b(ctx, m->inputs, m->staging[slot], m->inputs_bytes);
+    return ctx->be->copy_async(ctx, m->inputs, m->staging[slot], m->inputs_bytes, MST_COPY_H2B);
 }
 
 static int64_t n_tok(const mst_model* m) { return m->cfg.batch * m->cfg.seq; }
@@ -183,9 +190,7 @@ static mst_status backward_chunk(mst_model* m, int32_t chunk, int32_t mb) {
     return MST_OK;
 }
 
-mst_status mst_model_step(mst_model* m, const int32_t* host_tok, int measuring) {
-    const int64_t per = m->cfg.batch * (m->cfg.seq + 2);
-    for (int32_t mb = 0; mb < m->n_micro; mb++) MST_TRY(upload_tokens(m, host_tok + mb * per, &m->micro[mb]));
+mst_status mst_model_step(mst_model* m, int measuring) {
     MST_TRY(mst_optim_zero(m));
     MST_TRY(mst_memmgr_step_begin(m->mm, measuring));
     for (int32_t i = 0; i < m->n_sched; i++) {

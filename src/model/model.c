@@ -78,10 +78,13 @@ static void layout(mst_model* m) {
     m->n_params = n;
 }
 
-static double rng_normal(uint64_t* s) { /* splitmix64 + Box-Muller */
+/* Draw j of the splitmix64 stream from state s: the normal of counters
+ * s + (2j + 1) g and s + (2j + 2) g (Box-Muller), so that draws can be
+ * made in any order (in parallel) with the bits of a sequential stream. */
+static double normal_at(uint64_t s, int64_t j) {
     uint64_t z[2];
     for (int i = 0; i < 2; i++) {
-        uint64_t x = (*s += 0x9E3779B97F4A7C15ull);
+        uint64_t x = s + (uint64_t)(2 * j + 1 + i) * 0x9E3779B97F4A7C15ull;
         x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
         x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
         z[i] = x ^ (x >> 31);
@@ -90,8 +93,12 @@ static double rng_normal(uint64_t* s) { /* splitmix64 + Box-Muller */
     return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
 }
 
+/* p[i] = the next n draws times std; the state moves past them. */
 static void fill_normal(float* p, int64_t n, double std, uint64_t* s) {
-    for (int64_t i = 0; i < n; i++) p[i] = (float)(rng_normal(s) * std);
+    const uint64_t s0 = *s;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) p[i] = (float)(normal_at(s0, i) * std);
+    *s = s0 + (uint64_t)(2 * n) * 0x9E3779B97F4A7C15ull;
 }
 
 /* Host init: normal(0, std) matrices (output projections scaled down by
@@ -200,7 +207,6 @@ static mst_status alloc_micro(mst_model* m, mst_micro* u) {
     u->acts = (mst_layer_acts*)calloc((size_t)c->layers + 1, sizeof *u->acts);
     if (!u->acts) return mst_set_error(MST_ERR_OOM, "layer table");
     for (int32_t l = 0; l <= c->layers; l++) MST_TRY(alloc_layer(m, &u->acts[l]));
-    BUF(S, u->tok, 3 * N);
     BUF(S, u->x0, N * H);
     BUF(S, u->xf, N * H);
     BUF(S, u->rstdf, N);
@@ -218,12 +224,29 @@ static mst_status alloc_micro(mst_model* m, mst_micro* u) {
     return MST_OK;
 }
 
+/* The static inputs (tokens of every microbatch, then the AdamW values),
+ * their two host staging copies (pinned), and the record. */
+static mst_status alloc_inputs(mst_model* m) {
+    const int64_t N = m->cfg.batch * m->cfg.seq, tok = (int64_t)m->n_micro * 3 * N;
+    m->inputs_bytes = sizeof(int32_t) * (size_t)tok + sizeof(float) * MST_N_HYPER;
+    MST_TRY(buf(m, MST_MEM_COMPUTE, m->inputs_bytes, &m->inputs));
+    m->hyper = (float*)((int32_t*)m->inputs + tok);
+    for (int32_t mb = 0; mb < m->n_micro; mb++) m->micro[mb].tok = (int32_t*)m->inputs + mb * 3 * N;
+    for (int k = 0; k < 2; k++) {
+        if (!m->ctx->be->host_alloc)
+            return mst_set_error(MST_ERR_UNSUPPORTED, "backend %s has no host_alloc", m->ctx->be->name);
+        MST_TRY(m->ctx->be->host_alloc(m->ctx, m->inputs_bytes, &m->staging[k]));
+    }
+    return buf(m, MST_MEM_COMPUTE, sizeof(mst_step_record), &m->record);
+}
+
 static mst_status alloc_acts(mst_model* m) {
     const mst_model_config* c = &m->cfg;
     const int64_t N = c->batch * c->seq, H = c->hidden, V = c->vocab, M = m->n_micro;
     m->micro = (mst_micro*)calloc((size_t)M, sizeof *m->micro);
     if (!m->micro) return mst_set_error(MST_ERR_OOM, "microbatch table");
     for (int64_t mb = 0; mb < M; mb++) MST_TRY(alloc_micro(m, &m->micro[mb]));
+    MST_TRY(alloc_inputs(m));
     const int C = MST_MEM_COMPUTE;
     BUF(C, m->peak, (c->layers + 1) * c->ep);
     MST_TRY(mst_fill(m->ctx, m->peak, 0, sizeof(int32_t) * (size_t)((c->layers + 1) * c->ep)));
@@ -309,6 +332,7 @@ static void free_rows(mst_model* m) {
 mst_status mst_model_set_max_rows(mst_model* m, int64_t R) {
     if (R == m->max_rows) return MST_OK;
     if (R < 1 || R > INT32_MAX / m->cfg.ep) return BAD("max_rows %lld per group", (long long)R);
+    mst_step_drop_graph(m); /* it points at the rows and the manager */
     if (m->max_rows > 0) free_rows(m);
     const int64_t GR = R * m->cfg.ep, H = m->cfg.hidden;
     const int C = MST_MEM_COMPUTE;
@@ -356,6 +380,9 @@ mst_status mst_model_create(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t
 
 void mst_model_destroy(mst_model* m) {
     if (!m) return;
+    mst_step_drop_graph(m);
+    for (int k = 0; k < 2; k++)
+        if (m->staging[k]) m->ctx->be->host_free(m->ctx, m->staging[k]);
     if (m->mm != m->mm_static) mst_memmgr_destroy(m->mm);
     mst_memmgr_destroy(m->mm_static);
     for (int32_t mb = 0; m->micro && mb < m->n_micro; mb++) free(m->micro[mb].acts);

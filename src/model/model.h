@@ -91,7 +91,8 @@ typedef struct mst_layer_acts {
 
 /* One microbatch's activations. */
 typedef struct mst_micro {
-    int32_t* tok;            /* [3, N] inputs, next tokens, tokens after next */
+    int32_t* tok;            /* [3, N] inputs, next tokens, tokens after next
+                                (in the step's static inputs)                 */
     uint16_t* x0;            /* [N, H] embedding of the inputs                */
     uint16_t* xf;            /* [N, H] final norm output                      */
     float* rstdf;            /* [N]                                           */
@@ -129,6 +130,17 @@ typedef struct mst_model {
     float* gsumsq;           /* [1] sum of squared gradients                  */
     float* gpartial;         /* [MST_SUMSQ_PARTS] its chunk sums              */
     int32_t* peak;           /* [L+1, G] peak rows per group over the run     */
+    /* the step's static inputs: what changes between two steps, copied in
+     * before each (a captured step reads them at the same addresses) */
+    void* inputs;            /* backend: tokens [M, 3, N] int32, then hyper   */
+    float* hyper;            /* [MST_N_HYPER] in inputs: lr, bias corrections */
+    void* staging[2];        /* host (pinned) copies of inputs, filled in turn */
+    size_t inputs_bytes;
+    /* the record the host reads after a step (mst_step_record) */
+    void* record;            /* backend: [1] mst_step_record                  */
+    void* graph;             /* the step captured (backend graph) or NULL     */
+    int graph_warm;          /* a sized step ran eagerly since the last
+                                measuring step or max_rows change             */
     /* activations */
     mst_micro* micro;        /* [M]                                           */
     float *loss_main, *loss_mtp; /* [M, N] per-token losses                   */
@@ -162,11 +174,21 @@ void mst_model_destroy(mst_model* m);
  * the static R; its first step must be measuring). */
 mst_status mst_model_set_max_rows(mst_model* m, int64_t max_rows);
 
+/* Fills host staging slot `slot` (0 or 1) of the step's static inputs:
+ * host_tok [M, B, T+2] (B windows of T+2 bytes per microbatch; each token
+ * checked against the vocabulary) and the AdamW values of the step. */
+mst_status mst_model_stage(mst_model* m, int slot, const int32_t* host_tok, const float hyper[MST_N_HYPER]);
+/* Copies staging slot `slot` into the static inputs, not waited for (after
+ * what the context's stream holds; the slot may be refilled once the next
+ * step's record was read). */
+mst_status mst_model_upload(mst_model* m, int slot);
+
 /* One step's forward and backward passes over M microbatches along the
- * schedule; gradients (zeroed first) accumulate into main_grad.
- * host_tok [M, B, T+2]: B windows of T+2 bytes per microbatch.
- * measuring: the memory manager's measuring step (the first, and reruns). */
-mst_status mst_model_step(mst_model* m, const int32_t* host_tok, int measuring);
+ * schedule, on the static inputs; gradients (zeroed first) accumulate into
+ * main_grad. measuring: the memory manager's measuring step (the first, and
+ * reruns). Allocates, syncs and reads nothing on the host unless measuring,
+ * so a sized step can be captured. */
+mst_status mst_model_step(mst_model* m, int measuring);
 
 /* Peak rows per group over the run, [L+1, G] host (reads device stats). */
 mst_status mst_model_peak_rows(mst_model* m, int32_t* peak);
@@ -179,9 +201,37 @@ typedef struct mst_optim_config {
 float mst_optim_lr(const mst_optim_config* o, int64_t step);
 /* Zeroes main_grad (start of a step). */
 mst_status mst_optim_zero(mst_model* m);
-/* Clip by global norm and AdamW; skipped on the device when the step's
- * error flag is set. step is 1-based. */
-mst_status mst_optim_step(mst_model* m, const mst_optim_config* o, int64_t step);
+/* The AdamW values of step `step` (1-based): lr, 1 - beta1^step, 1 - beta2^step. */
+void mst_optim_hyper(const mst_optim_config* o, int64_t step, float hyper[MST_N_HYPER]);
+/* Clip by global norm and AdamW with the step's values from the static
+ * inputs; skipped on the device when the step's error flag is set. */
+mst_status mst_optim_step(mst_model* m, const mst_optim_config* o);
+
+/* ---- the whole optimizer step (step.c) ---- */
+
+/* What the host reads after a step: its error flag and its loss sums. */
+typedef struct mst_step_record {
+    int32_t flag;            /* MST_FLAG_* bits raised in the step            */
+    int32_t unused;
+    double loss_main;        /* sum of the [M, N] next-token losses           */
+    double loss_mtp;         /* sum of the [M, N] MTP losses                  */
+    double aux;              /* sum of the [M, L+1] load-balancing losses     */
+} mst_step_record;
+
+/* One optimizer step on the static inputs, run eagerly: mst_model_step,
+ * clip + AdamW (mst_optim_step), then the record. A measuring step drops
+ * the captured graph (it may resize what the graph points at). */
+mst_status mst_step_run(mst_model* m, const mst_optim_config* o, int measuring);
+/* One sized step replayed from its graph, captured first when there is
+ * none. Until a sized step has run eagerly since the last measuring step
+ * (ops size their workspaces on first use), and on a backend without
+ * capture, the step runs eagerly instead. *captured: 1 when this call
+ * captured the step. */
+mst_status mst_step_replay(mst_model* m, const mst_optim_config* o, int* captured);
+/* The record of the last step (waits for it). */
+mst_status mst_step_read(mst_model* m, mst_step_record* r);
+/* Forgets the captured graph (buffers it points at change). */
+void mst_step_drop_graph(mst_model* m);
 
 /* ---- data (data.c) ---- */
 typedef struct mst_data {

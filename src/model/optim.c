@@ -2,7 +2,9 @@
  * optim.c — AdamW with linear warmup and cosine decay, clipping by the
  * global gradient norm (computed on the backend in a fixed order). The
  * update reads the step's error flag on the backend and skips itself when it
- * is set (over budget: the step is rerun with exact shapes).
+ * is set (over budget: the step is rerun with exact shapes); it reads the
+ * step's learning rate and bias corrections from the static inputs, which
+ * the host fills before each step (mst_optim_hyper).
  */
 #include <math.h>
 
@@ -21,16 +23,21 @@ mst_status mst_optim_zero(mst_model* m) {
     return mst_fill(m->ctx, m->grad, 0, sizeof(float) * (size_t)m->n_params);
 }
 
-mst_status mst_optim_step(mst_model* m, const mst_optim_config* o, int64_t step) {
+void mst_optim_hyper(const mst_optim_config* o, int64_t step, float hyper[MST_N_HYPER]) {
+    hyper[MST_HYPER_LR] = mst_optim_lr(o, step);
+    hyper[MST_HYPER_BC1] = 1.0f - powf(o->beta1, (float)step);
+    hyper[MST_HYPER_BC2] = 1.0f - powf(o->beta2, (float)step);
+}
+
+mst_status mst_optim_step(mst_model* m, const mst_optim_config* o) {
     mst_sumsq_args ss = {.n = m->n_params, .x = m->grad, .partial = m->gpartial, .out = m->gsumsq};
     MST_TRY(MST_MODEL_OP(m, sumsq, &ss));
     /* [0, n_decay): matrices with weight decay; the rest: norm weights */
     const int64_t lo[2] = {0, m->n_decay}, hi[2] = {m->n_decay, m->n_params};
     for (int i = 0; i < 2; i++) {
-        mst_adamw_args a = {.n = hi[i] - lo[i], .lr = mst_optim_lr(o, step), .beta1 = o->beta1,
-                            .beta2 = o->beta2, .eps = o->eps,
+        mst_adamw_args a = {.n = hi[i] - lo[i], .beta1 = o->beta1, .beta2 = o->beta2, .eps = o->eps,
                             .weight_decay = i == 0 ? o->weight_decay : 0.0f, .clip = o->clip,
-                            .step = step, .master = m->master + lo[i], .grad = m->grad + lo[i],
+                            .hyper = m->hyper, .master = m->master + lo[i], .grad = m->grad + lo[i],
                             .m = m->adam_m + lo[i], .v = m->adam_v + lo[i], .w = m->w + lo[i],
                             .grad_sumsq = m->gsumsq, .flag = m->ctx->err_flag};
         MST_TRY(MST_MODEL_OP(m, adamw, &a));

@@ -1,12 +1,16 @@
 /*
- * trainer.c — the training loop (see trainer.h). A step: M microbatches of
- * forward + backward along the schedule (main_grad zeroed first), clip +
- * AdamW (skipped on the backend when the step's flag is set), then one host
- * check of the flag. A step flagged over budget (a group got more rows than
- * max_rows) is rerun with exact shapes: every group sized to the largest
- * group seen, with its own memory manager, and the static buffers come back
- * for the next step. A step whose stash pool overflowed is rerun as a
- * measuring step, which resizes the pools. Losses are read once per step.
+ * trainer.c — the training loop (see trainer.h). A step (step.c): M
+ * microbatches of forward + backward along the schedule (main_grad zeroed
+ * first), clip + AdamW (skipped on the backend when the step's flag is set),
+ * the record of flag and loss sums; eagerly, or replayed from its captured
+ * graph (--graph on, from step cfg->graph_from). The host uploads the step's staged inputs, launches
+ * it, stages the next step's batch while it runs, then reads the record
+ * once. A step flagged over budget (a group got more rows than max_rows) is
+ * rerun with exact shapes: every group sized to the largest group seen,
+ * with its own memory manager, and the static buffers come back for the
+ * next step. A step whose stash pool overflowed is rerun as a measuring
+ * step, which resizes the pools. Reruns run eagerly; the step is captured
+ * again after one.
  */
 #include <math.h>
 #include <string.h>
@@ -18,13 +22,6 @@ static double now_s(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static mst_status run_step(mst_model* m, const mst_train_config* cfg, const int32_t* tok, int64_t step,
-                           int measuring, int32_t inject) {
-    MST_TRY(mst_model_step(m, tok, measuring));
-    if (inject) MST_TRY(mst_copy_h2b(m->ctx, m->ctx->err_flag, &inject, sizeof inject));
-    return mst_optim_step(m, &cfg->optim, step);
 }
 
 /* The largest group of any layer so far (host read: the rerun path only). */
@@ -39,15 +36,30 @@ static mst_status exact_rows(mst_model* m, int64_t* rows) {
     return st;
 }
 
-/* Step with its reruns; MST_OK once the step's results are valid. A layer
- * after an over-budget one saw other inputs, so its group may still not fit
- * the first exact size: rerun again (each rerun fixes at least one more
- * layer); the last attempt sizes groups for every token copy (N k rows). */
-static mst_status step_checked(mst_model* m, const mst_train_config* cfg, const int32_t* tok, int64_t step,
-                               mst_train_result* res) {
+/* Starts step `step` on the uploaded inputs: the first eagerly as the
+ * measuring step, the others replayed from the captured graph (--graph on)
+ * or eagerly. */
+static mst_status launch_step(mst_model* m, const mst_train_config* cfg, int64_t step, mst_train_result* res) {
     int32_t inject = step == cfg->force_over_budget ? MST_FLAG_COUNTS : 0;
     inject |= step == cfg->force_overflow ? MST_FLAG_OVERFLOW : 0;
-    MST_TRY(run_step(m, cfg, tok, step, step == 1, inject));
+    if (inject) MST_TRY(mst_copy_h2b(m->ctx, m->ctx->err_flag, &inject, sizeof inject));
+    if (step == 1 || !cfg->graph_from || step < cfg->graph_from) return mst_step_run(m, &cfg->optim, step == 1);
+    int captured = 0;
+    MST_TRY(mst_step_replay(m, &cfg->optim, &captured));
+    res->captures += captured;
+    res->replays += m->graph != NULL;
+    return MST_OK;
+}
+
+/* After a flagged step, its reruns (eager, on the same inputs), then its
+ * record again. A step flagged over budget is rerun with exact shapes:
+ * every group sized to the largest group seen, with a manager of its own; a
+ * layer after an over-budget one saw other inputs, so its group may still
+ * not fit the first exact size: rerun again (each rerun fixes at least one
+ * more layer); the last attempt sizes groups for every token copy (N k
+ * rows). A step whose stash pool overflowed is rerun as a measuring step,
+ * which resizes the pools. The static buffers come back afterwards. */
+static mst_status rerun(mst_model* m, const mst_train_config* cfg, mst_train_result* res, mst_step_record* r) {
     mst_status st = mst_memmgr_step_check(m->mm);
     const int64_t all = m->cfg.batch * m->cfg.seq * m->cfg.top_k;
     for (int32_t attempt = 0; (st == MST_ERR_COUNTS || st == MST_ERR_OVERFLOW) && attempt <= m->cfg.layers + 1;
@@ -61,31 +73,39 @@ static mst_status step_checked(mst_model* m, const mst_train_config* cfg, const 
              * manager of its own, one row larger */
             MST_TRY(mst_model_set_max_rows(m, exact > m->max_rows ? exact : m->max_rows + 1));
         }
-        MST_TRY(run_step(m, cfg, tok, step, 1, 0));
+        MST_TRY(mst_step_run(m, &cfg->optim, 1));
         st = mst_memmgr_step_check(m->mm);
     }
     if (st != MST_OK) return st;
+    MST_TRY(mst_step_read(m, r));
     return mst_model_set_max_rows(m, m->static_rows);
 }
 
-static mst_status read_losses(mst_model* m, int64_t i, mst_train_result* res) {
-    const int64_t N = m->cfg.batch * m->cfg.seq, M = m->n_micro, NA = M * (m->cfg.layers + 1);
-    float* h = (float*)malloc(sizeof(float) * (size_t)(2 * M * N + NA));
-    if (!h) return mst_set_error(MST_ERR_OOM, "loss readback");
-    mst_status st = mst_copy_b2h(m->ctx, h, m->loss_main, sizeof(float) * (size_t)(M * N));
-    if (st == MST_OK) st = mst_copy_b2h(m->ctx, h + M * N, m->loss_mtp, sizeof(float) * (size_t)(M * N));
-    if (st == MST_OK) st = mst_copy_b2h(m->ctx, h + 2 * M * N, m->aux_sum, sizeof(float) * (size_t)NA);
-    double a = 0, b = 0, c = 0;
-    for (int64_t j = 0; j < M * N; j++) {
-        a += h[j];
-        b += h[M * N + j];
-    }
-    for (int64_t j = 0; j < NA; j++) c += h[2 * M * N + j];
-    res->loss[i] = a / (double)(M * N);
-    res->mtp_loss[i] = b / (double)(M * N);
-    res->aux_loss[i] = c / (double)M;
-    free(h);
-    return st;
+/* Draws the next step's microbatches and stages them with its AdamW values. */
+static mst_status stage_next(mst_model* m, mst_data* d, const mst_train_config* cfg, int32_t* tok, int64_t step) {
+    const int64_t per = cfg->model.batch * (cfg->model.seq + 2);
+    for (int32_t mb = 0; mb < cfg->microbatches; mb++)
+        mst_data_batch(d, cfg->model.batch, cfg->model.seq, tok + mb * per);
+    float hyper[MST_N_HYPER];
+    mst_optim_hyper(&cfg->optim, step, hyper);
+    return mst_model_stage(m, (int)((step - 1) & 1), tok, hyper);
+}
+
+/* One step (1-based) on staged inputs: upload, launch, stage the next step
+ * while this one runs, read the record (rerun when it is flagged), losses. */
+static mst_status one_step(mst_model* m, mst_data* d, const mst_train_config* cfg, int32_t* tok, int64_t step,
+                           mst_train_result* res) {
+    MST_TRY(mst_model_upload(m, (int)((step - 1) & 1)));
+    MST_TRY(launch_step(m, cfg, step, res));
+    if (step < cfg->steps) MST_TRY(stage_next(m, d, cfg, tok, step + 1));
+    mst_step_record r;
+    MST_TRY(mst_step_read(m, &r));
+    if (r.flag) MST_TRY(rerun(m, cfg, res, &r));
+    const double MN = (double)(m->n_micro * m->cfg.batch * m->cfg.seq);
+    res->loss[step - 1] = r.loss_main / MN;
+    res->mtp_loss[step - 1] = r.loss_mtp / MN;
+    res->aux_loss[step - 1] = r.aux / (double)m->n_micro;
+    return MST_OK;
 }
 
 /* ---- memory report ------------------------------------------------------------ */
@@ -102,9 +122,17 @@ const char* mst_mem_row_str(int row) { return row >= 0 && row < MST_N_ROWS ? row
 static size_t saved_row_bytes(const mst_model_config* c) { return (size_t)(c->hidden + 3 * c->ffn) * 2 + 4; }
 static size_t compute_row_bytes(const mst_model_config* c) { return (size_t)c->hidden * 6 + 4; }
 
+/* FNV-1a over 8-byte words (the tail bytes one by one): a hash of weights
+ * of billions of bytes in seconds. */
 static uint64_t fnv1a(uint64_t h, const void* p, size_t n) {
     const unsigned char* b = (const unsigned char*)p;
-    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001B3ull;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, b + i, 8);
+        h = (h ^ w) * 0x100000001B3ull;
+    }
+    for (; i < n; i++) h = (h ^ b[i]) * 0x100000001B3ull;
     return h;
 }
 
@@ -185,25 +213,23 @@ static mst_status train_loop(mst_model* m, mst_data* d, const mst_train_config* 
                              mst_train_result* res) {
     const int64_t per = cfg->model.batch * (cfg->model.seq + 2);
     const double tokens = (double)(cfg->model.batch * cfg->model.seq * cfg->microbatches);
+    const int64_t every = cfg->log_every > 0 ? cfg->log_every : 1;
     int32_t* tok = (int32_t*)malloc(sizeof(int32_t) * (size_t)(per * cfg->microbatches));
     if (!tok) return mst_set_error(MST_ERR_OOM, "token batch");
-    mst_status st = MST_OK;
     const double t0 = now_s();
+    mst_status st = stage_next(m, d, cfg, tok, 1);
     for (int64_t i = 0; i < cfg->steps && st == MST_OK; i++) {
         double ts = now_s();
-        for (int32_t mb = 0; mb < cfg->microbatches; mb++)
-            mst_data_batch(d, cfg->model.batch, cfg->model.seq, tok + mb * per);
-        st = step_checked(m, cfg, tok, i + 1, res);
-        if (st == MST_OK) st = read_losses(m, i, res);
+        st = one_step(m, d, cfg, tok, i + 1, res);
         if (st != MST_OK) break;
         res->tok_per_s[i] = tokens / (now_s() - ts);
         size_t in_use = 0;
         mst_ctx_mem(m->ctx, &in_use, NULL);
-        if (progress)
-            fprintf(progress, "step %5lld | loss %.4f | mtp %.4f | aux %.4f | lr %.2e | %8.0f tok/s | mem %.1f MiB | reruns %lld\n",
+        if (progress && ((i + 1) % every == 0 || i + 1 == cfg->steps))
+            fprintf(progress, "step %5lld | loss %.4f | mtp %.4f | aux %.4f | lr %.2e | %8.0f tok/s | mem %.1f MiB | reruns %lld | graph %lld\n",
                     (long long)(i + 1), res->loss[i], res->mtp_loss[i], res->aux_loss[i],
                     (double)mst_optim_lr(&cfg->optim, i + 1), res->tok_per_s[i],
-                    (double)in_use / (1 << 20), (long long)res->reruns);
+                    (double)in_use / (1 << 20), (long long)res->reruns, (long long)res->captures);
     }
     res->seconds = now_s() - t0;
     free(tok);
@@ -300,8 +326,9 @@ void mst_train_print_memory(FILE* f, const mst_train_result* r) {
     const int64_t G = r->n_groups;
     for (int64_t i = 0; r->peak_rows && i < r->n_layers * G; i++)
         fprintf(f, "%s%d%s", i % G ? " " : " [", r->peak_rows[i], i % G == G - 1 ? "]" : "");
-    fprintf(f, "\n  backend peak %.2f MiB; reruns %lld (over budget %lld, overflow %lld)\n", mib(t->peak),
-            (long long)r->reruns, (long long)r->over_budget, (long long)(r->reruns - r->over_budget));
+    fprintf(f, "\n  backend peak %.2f MiB; reruns %lld (over budget %lld, overflow %lld); step graph: %lld captures, "
+               "%lld replays\n", mib(t->peak), (long long)r->reruns, (long long)r->over_budget,
+            (long long)(r->reruns - r->over_budget), (long long)r->captures, (long long)r->replays);
 }
 
 static void json_array(FILE* f, const char* name, const double* v, int64_t n) {
@@ -337,6 +364,8 @@ mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
     json_array(f, "mtp_loss", r->mtp_loss, r->steps);
     json_array(f, "aux_loss", r->aux_loss, r->steps);
     json_array(f, "tokens_per_s", r->tok_per_s, r->steps);
+    fprintf(f, "  \"graph_from_step\": %lld,\n  \"captures\": %lld,\n  \"replays\": %lld,\n", (long long)cfg->graph_from,
+            (long long)r->captures, (long long)r->replays);
     fprintf(f, "  \"reruns\": %lld,\n  \"over_budget_reruns\": %lld,\n  \"seconds\": %.3f,\n  \"max_rows\": %lld,\n"
                "  \"weights_hash\": \"%016llx\",\n  \"peak_rows\": [",
             (long long)r->reruns, (long long)r->over_budget, r->seconds, (long long)r->max_rows,

@@ -21,6 +21,10 @@ typedef struct mst_train_config {
     const char* data_path;     /* NULL: the synthetic corpus                      */
     int64_t force_over_budget; /* step (1-based) flagged over budget once; 0: never */
     int64_t force_overflow;    /* step flagged as a stash-pool overflow once      */
+    int64_t graph_from;        /* first step that may be replayed from the
+                                  captured step graph (backends that capture;
+                                  others run eagerly); 0: never                 */
+    int64_t log_every;         /* a progress line every N steps (0: every step)  */
 } mst_train_config;
 
 /* Memory of the run by row of the table, with the same routing's needs under
@@ -48,6 +52,8 @@ typedef struct mst_train_result {
     int64_t steps;
     int64_t reruns;           /* step reruns: over budget or overflow          */
     int64_t over_budget;      /* of which over budget                          */
+    int64_t captures;         /* graph captures of the step (again after reruns) */
+    int64_t replays;          /* steps replayed from a captured graph          */
     int64_t max_rows;         /* static R per group                            */
     int32_t* peak_rows;       /* [L+1, G] peak rows per group                  */
     int64_t n_layers, n_groups; /* L+1, G                                      */

@@ -2,7 +2,8 @@
  * model_ops.c (CPU) — the reference versions of the trainer's row ops:
  * matmul (OpenBLAS sgemm on fp32 copies of the bf16 operands), RMSNorm
  * forward/backward, residual add, token embedding gather / scatter-add,
- * softmax cross-entropy, sum of squares and AdamW. fp32 accumulation, bf16
+ * softmax cross-entropy, sum of squares, AdamW and the float64 loss sum.
+ * fp32 accumulation (float64 in the loss sum), bf16
  * rounding (nearest even) on store; every reduction runs in a fixed order.
  */
 #include <cblas.h>
@@ -161,18 +162,28 @@ mst_status mst_cpu_adamw(mst_ctx_t* ctx, const mst_adamw_args* a) {
     if (*a->flag != 0) return MST_OK; /* invalid step: no update */
     float norm = sqrtf(*a->grad_sumsq);
     float gs = norm > a->clip ? a->clip / norm : 1.0f;
-    float bc1 = 1.0f - powf(a->beta1, (float)a->step), bc2 = 1.0f - powf(a->beta2, (float)a->step);
+    const float lr = a->hyper[MST_HYPER_LR], bc1 = a->hyper[MST_HYPER_BC1], bc2 = a->hyper[MST_HYPER_BC2];
     for (int64_t i = 0; i < a->n; i++) {
         float g = a->grad[i] * gs;
         float m = a->beta1 * a->m[i] + (1.0f - a->beta1) * g;
         float v = a->beta2 * a->v[i] + (1.0f - a->beta2) * g * g;
         a->m[i] = m;
         a->v[i] = v;
-        float p = a->master[i] * (1.0f - a->lr * a->weight_decay);
-        p -= a->lr * (m / bc1) / (sqrtf(v / bc2) + a->eps);
+        float p = a->master[i] * (1.0f - lr * a->weight_decay);
+        p -= lr * (m / bc1) / (sqrtf(v / bc2) + a->eps);
         a->master[i] = p;
         a->w[i] = mst_fp32_to_bf16(p);
     }
+    return MST_OK;
+}
+
+mst_status mst_cpu_sum(mst_ctx_t* ctx, const mst_sum_args* a) {
+    (void)ctx;
+    double lane[MST_SUM_LANES] = {0};
+    for (int64_t i = 0; i < a->n; i++) lane[i % MST_SUM_LANES] += (double)a->x[i];
+    double s = 0.0;
+    for (int i = 0; i < MST_SUM_LANES; i++) s += lane[i];
+    *a->out = s;
     return MST_OK;
 }
 
@@ -194,4 +205,5 @@ const mst_model_backend mst_model_backend_cpu = {
     .rows_sum = mst_cpu_rows_sum,
     .sumsq = mst_cpu_sumsq,
     .adamw = mst_cpu_adamw,
+    .sum = mst_cpu_sum,
 };

@@ -18,6 +18,17 @@ extern "C" int mst_cuda_device_count(void) {
     return n;
 }
 
+/* cuBLAS's workspace: 32 MiB, what NVIDIA advises for Hopper. */
+enum { BLAS_WORKSPACE = 32 << 20 };
+
+/* cuBLAS on the context's stream with our workspace (cublasSetStream
+ * drops a workspace set before it, so both go together). */
+static mst_status bind_blas(mst_cuda_impl* c) {
+    MST_CUBLAS_TRY(cublasSetStream(c->blas, c->stream));
+    MST_CUBLAS_TRY(cublasSetWorkspace(c->blas, c->blas_ws, BLAS_WORKSPACE));
+    return MST_OK;
+}
+
 static mst_status cuda_init(mst_ctx_t* ctx, int device) {
     int n = mst_cuda_device_count();
     if (device < 0 || device >= n)
@@ -35,7 +46,10 @@ static mst_status cuda_init(mst_ctx_t* ctx, int device) {
     for (int i = 0; i < MST_N_SIDE; i++) MST_CUDA_TRY(cudaStreamCreateWithFlags(&c->side[i], cudaStreamNonBlocking));
     c->stream = c->own_stream;
     MST_CUBLAS_TRY(cublasCreate(&c->blas));
-    MST_CUBLAS_TRY(cublasSetStream(c->blas, c->stream));
+    /* cuBLAS's workspace up front (accounted as context memory): it never
+     * allocates inside a step, so the step can be captured */
+    MST_TRY(mst_alloc(ctx, BLAS_WORKSPACE, &c->blas_ws));
+    MST_TRY(bind_blas(c));
     snprintf(ctx->desc, sizeof ctx->desc, "cuda:%d %.120s (sm_%d%d, %d SMs, %.1f GiB)", device, p.name,
              p.major, p.minor, p.multiProcessorCount, (double)p.totalGlobalMem / (1 << 30));
     return MST_OK;
@@ -91,13 +105,56 @@ static mst_status cuda_sync(mst_ctx_t* ctx) {
     return MST_OK;
 }
 
+/* Copies between backend memory and pinned host memory, not waited for. */
+static mst_status cuda_copy_async(mst_ctx_t* ctx, void* dst, const void* src, size_t n_bytes,
+                                  mst_copy_dir dir) {
+    cudaMemcpyKind kind = dir == MST_COPY_H2B   ? cudaMemcpyHostToDevice
+                          : dir == MST_COPY_B2H ? cudaMemcpyDeviceToHost
+                                                : cudaMemcpyDeviceToDevice;
+    MST_CUDA_TRY(cudaMemcpyAsync(dst, src, n_bytes, kind, mst_cuda(ctx)->stream));
+    return MST_OK;
+}
+
+/* Global capture mode: an allocation, a host sync or a blocking copy by
+ * this thread while it captures is an error, never a silent slowdown. */
+static mst_status cuda_capture_begin(mst_ctx_t* ctx) {
+    MST_CUDA_TRY(cudaStreamBeginCapture(mst_cuda(ctx)->stream, cudaStreamCaptureModeGlobal));
+    return MST_OK;
+}
+
+/* Ends the capture (also after a failed step, so the stream is usable);
+ * *graph: the instantiated graph (a cudaGraphExec_t). */
+static mst_status cuda_capture_end(mst_ctx_t* ctx, void** graph) {
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t exec = NULL;
+    *graph = NULL;
+    cudaError_t e = cudaStreamEndCapture(mst_cuda(ctx)->stream, &g);
+    if (e == cudaSuccess) e = cudaGraphInstantiate(&exec, g, 0);
+    if (g) cudaGraphDestroy(g);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return mst_set_error(MST_ERR_BACKEND, "capture of a step: %s", cudaGetErrorString(e));
+    }
+    *graph = (void*)exec;
+    return MST_OK;
+}
+
+static mst_status cuda_graph_launch(mst_ctx_t* ctx, void* graph) {
+    MST_CUDA_TRY(cudaGraphLaunch((cudaGraphExec_t)graph, mst_cuda(ctx)->stream));
+    return MST_OK;
+}
+
+static void cuda_graph_destroy(mst_ctx_t* ctx, void* graph) {
+    (void)ctx;
+    if (graph) cudaGraphExecDestroy((cudaGraphExec_t)graph);
+}
+
 static void* cuda_get_stream(mst_ctx_t* ctx) { return (void*)mst_cuda(ctx)->stream; }
 
 static mst_status cuda_set_stream(mst_ctx_t* ctx, void* s) {
     mst_cuda_impl* c = mst_cuda(ctx);
     c->stream = s ? (cudaStream_t)s : c->own_stream;
-    MST_CUBLAS_TRY(cublasSetStream(c->blas, c->stream));
-    return MST_OK;
+    return bind_blas(c);
 }
 
 static void* cuda_side_stream(mst_ctx_t* ctx, int which) { return (void*)mst_cuda(ctx)->side[which]; }
@@ -156,4 +213,9 @@ extern "C" const mst_backend mst_backend_cuda = {
     .stash_restore = mst_cuda_stash_restore,
     .host_alloc = mst_cuda_host_alloc,
     .host_free = mst_cuda_host_free,
+    .copy_async = cuda_copy_async,
+    .capture_begin = cuda_capture_begin,
+    .capture_end = cuda_capture_end,
+    .graph_launch = cuda_graph_launch,
+    .graph_destroy = cuda_graph_destroy,
 };

@@ -3,10 +3,9 @@
  * cublasGemmEx (bf16 operands, fp32 compute), RMSNorm forward/backward,
  * residual add, token embedding gather / scatter-add (tokens bucketed by
  * vocabulary entry first, so each entry's sum runs in token order),
- * softmax cross-entropy,
- * sum of squares and AdamW. Same arguments as the CPU reference
- * (model_ops.c). Every reduction runs in a fixed order: no floating-point
- * atomics, the same bits on every run.
+ * softmax cross-entropy, sum of squares, AdamW and the float64 loss sum.
+ * Same arguments as the CPU reference (model_ops.c). Every reduction runs in
+ * a fixed order: no floating-point atomics, the same bits on every run.
  */
 #include "model_ops.cuh"
 
@@ -245,25 +244,45 @@ extern "C" mst_status mst_cuda_sumsq(mst_ctx_t* ctx, const mst_sumsq_args* a) {
 
 /* ---- AdamW -------------------------------------------------------------------- */
 
-__global__ void adamw_kernel(mst_adamw_args a, float bc1, float bc2) {
+__global__ void adamw_kernel(mst_adamw_args a) {
     if (*a.flag != 0) return; /* the step's results are invalid: no update */
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= a.n) return;
+    const float lr = a.hyper[MST_HYPER_LR], bc1 = a.hyper[MST_HYPER_BC1], bc2 = a.hyper[MST_HYPER_BC2];
     const float norm = sqrtf(*a.grad_sumsq);
     const float g = a.grad[i] * (norm > a.clip ? a.clip / norm : 1.0f);
     const float m = a.beta1 * a.m[i] + (1.0f - a.beta1) * g;
     const float v = a.beta2 * a.v[i] + (1.0f - a.beta2) * g * g;
     a.m[i] = m;
     a.v[i] = v;
-    float p = a.master[i] * (1.0f - a.lr * a.weight_decay);
-    p -= a.lr * (m / bc1) / (sqrtf(v / bc2) + a.eps);
+    float p = a.master[i] * (1.0f - lr * a.weight_decay);
+    p -= lr * (m / bc1) / (sqrtf(v / bc2) + a.eps);
     a.master[i] = p;
     a.w[i] = mst_to_bf(p);
 }
 
 extern "C" mst_status mst_cuda_adamw(mst_ctx_t* ctx, const mst_adamw_args* a) {
-    const float bc1 = 1.0f - powf(a->beta1, (float)a->step), bc2 = 1.0f - powf(a->beta2, (float)a->step);
-    adamw_kernel<<<mst_blocks(a->n, 256), 256, 0, mst_cuda(ctx)->stream>>>(*a, bc1, bc2);
+    adamw_kernel<<<mst_blocks(a->n, 256), 256, 0, mst_cuda(ctx)->stream>>>(*a);
+    MST_CUDA_LAUNCHED();
+    return MST_OK;
+}
+
+/* ---- float64 sum: MST_SUM_LANES lanes, then the lanes in order ------------- */
+
+__global__ void sum_kernel(mst_sum_args a) {
+    __shared__ double lane[MST_SUM_LANES];
+    double s = 0.0;
+    for (int64_t i = threadIdx.x; i < a.n; i += MST_SUM_LANES) s += (double)a.x[i];
+    lane[threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    double t = 0.0;
+    for (int i = 0; i < MST_SUM_LANES; i++) t += lane[i];
+    *a.out = t;
+}
+
+extern "C" mst_status mst_cuda_sum(mst_ctx_t* ctx, const mst_sum_args* a) {
+    sum_kernel<<<1, MST_SUM_LANES, 0, mst_cuda(ctx)->stream>>>(*a);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
@@ -286,4 +305,5 @@ extern "C" const mst_model_backend mst_model_backend_cuda = {
     .rows_sum = mst_cuda_rows_sum,
     .sumsq = mst_cuda_sumsq,
     .adamw = mst_cuda_adamw,
+    .sum = mst_cuda_sum,
 };

@@ -1,0 +1,208 @@
+/*
+ * bench_train.c — `moestash bench train [--steps S] [--preset h100]
+ * [--policies keep,stash] [--json FILE]`: the trainer's whole optimizer step,
+ * eager against replayed from its captured CUDA graph, on the GPU default
+ * configuration of `moestash train` and, with --preset, on that preset.
+ *
+ * Each (configuration, policy) is one training run of 2 S steps on one
+ * model: steps 1 .. S eager (step 1 measures), steps S+1 .. 2S with the
+ * graph (S+1 runs eagerly since the sizes are known, S+2 captures and
+ * replays). Timed: the median step of steps 3 .. S (eager) and S+3 .. 2S
+ * (graph), host wall clock from the upload of the step's inputs to its
+ * record read back.
+ *
+ * Model FLOPs of a step (stated in the output):
+ *   6 x active parameters x tokens + attention,
+ *   active parameters per token = (L + 1) (4 H^2 + E H + k 3 F H)
+ *     (attention projections, router, the k experts' fc1 2F x H and fc2
+ *     H x F; the MTP layer counted as layer L) + 2 H^2 (MTP projection)
+ *     + 2 H V (the tied head, used by the next-token and the MTP loss),
+ *   attention = 6 T^2 H per layer and sequence (QK^T and PV, forward and
+ *     backward, the causal half of the score matrix).
+ * MFU = model TFLOP/s / the dense cuBLAS bf16 TFLOP/s of an 8192^3 GEMM
+ * (bf16 in, fp32 accumulate) measured in the same run.
+ */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cli/cli.h"
+#include "core/context.h"
+#include "backend/model_backend.h"
+#include "model/trainer.h"
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static int cmp_double(const void* a, const void* b) {
+    double x = *(const double*)a, y = *(const double*)b;
+    return (x > y) - (x < y);
+}
+
+/* Median of v[0 .. n) (sorted in place). */
+static double median(double* v, int64_t n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static double step_flops(const mst_train_config* t) {
+    const mst_model_config* c = &t->model;
+    const double H = (double)c->hidden, F = (double)c->ffn, E = c->experts, k = c->top_k, V = (double)c->vocab;
+    const double T = (double)c->seq, seqs = (double)(c->batch * t->microbatches), L1 = c->layers + 1;
+    const double active = L1 * (4 * H * H + E * H + k * 3 * F * H) + 2 * H * H + 2 * H * V;
+    return 6 * active * T * seqs + 6 * T * T * H * L1 * seqs;
+}
+
+/* Dense cuBLAS bf16 TFLOP/s: n^3 GEMMs (bf16 out), 20 timed after 3. */
+static mst_status dense_tflops(mst_ctx_t* ctx, double* out) {
+    const int64_t n = 8192;
+    void *a = NULL, *b = NULL, *c = NULL;
+    const mst_model_backend* ops = NULL;
+    MST_TRY(mst_model_backend_of(ctx, &ops));
+    mst_status st = mst_alloc(ctx, (size_t)(n * n * 2), &a);
+    if (st == MST_OK) st = mst_alloc(ctx, (size_t)(n * n * 2), &b);
+    if (st == MST_OK) st = mst_alloc(ctx, (size_t)(n * n * 2), &c);
+    if (st == MST_OK) st = mst_fill(ctx, a, 0x3c, (size_t)(n * n * 2)); /* bf16 0x3c3c: about 0.0115 */
+    if (st == MST_OK) st = mst_fill(ctx, b, 0x3c, (size_t)(n * n * 2));
+    mst_mm_args g = {.trans_b = 1, .m = n, .n = n, .k = n, .a = a, .lda = n, .b = b, .ldb = n, .c16 = c, .ldc = n};
+    double t0 = 0;
+    for (int i = 0; i < 23 && st == MST_OK; i++) {
+        if (i == 3) {
+            st = mst_ctx_sync(ctx);
+            t0 = now_s();
+        }
+        if (st == MST_OK) st = ops->mm(ctx, &g);
+    }
+    if (st == MST_OK) st = mst_ctx_sync(ctx);
+    if (st == MST_OK) *out = 20 * 2.0 * (double)n * n * n / (now_s() - t0) / 1e12;
+    mst_free(ctx, a), mst_free(ctx, b), mst_free(ctx, c);
+    return st;
+}
+
+typedef struct train_fig {
+    const char* config;        /* "gpu default" or the preset's name           */
+    const char* policy;
+    double eager_tok_s, graph_tok_s;  /* medians                               */
+    double flops;              /* model FLOPs of one step                      */
+    double tokens;             /* tokens of one step                           */
+    size_t peak, saved, mlp;   /* backend peak; saved attention/norm/router;
+                                  grouped MLP kept + stash pages (bytes)       */
+    int64_t captures, replays, reruns;
+} train_fig;
+
+static mst_status measure(mst_ctx_t* ctx, mst_train_config cfg, int64_t S, train_fig* f) {
+    cfg.steps = 2 * S;
+    cfg.optim.steps = cfg.steps;
+    cfg.graph_from = S + 1;
+    cfg.mem.policy = f->policy;
+    mst_train_result r = {0};
+    mst_status st = mst_train_run(ctx, &cfg, NULL, &r);
+    if (st == MST_OK) {
+        f->tokens = (double)(cfg.model.batch * cfg.model.seq * cfg.microbatches);
+        f->flops = step_flops(&cfg);
+        f->eager_tok_s = median(r.tok_per_s + 2, S - 2);
+        f->graph_tok_s = median(r.tok_per_s + S + 2, S - 2);
+        f->peak = r.mem.peak;
+        f->saved = r.mem.run[MST_ROW_SAVED];
+        f->mlp = r.mem.run[MST_ROW_MLP_KEPT] + r.mem.run[MST_ROW_MLP_DEV_PAGES];
+        f->captures = r.captures, f->replays = r.replays, f->reruns = r.reruns;
+    }
+    mst_train_result_free(&r);
+    return st;
+}
+
+static void print_fig(const train_fig* f, double dense) {
+    const double te = f->flops / (f->tokens / f->eager_tok_s) / 1e12, tg = f->flops / (f->tokens / f->graph_tok_s) / 1e12;
+    printf("  %-12s %-7s eager %9.0f tok/s %7.1f TFLOP/s (MFU %4.1f%%) | graph %9.0f tok/s %7.1f TFLOP/s (MFU %4.1f%%) "
+           "| graph/eager %.2fx | peak %.2f GiB, saved attn/norm/router %.2f GiB, grouped MLP %.2f GiB | "
+           "%lld captures, %lld replays, %lld reruns\n",
+           f->config, f->policy, f->eager_tok_s, te, 100 * te / dense, f->graph_tok_s, tg, 100 * tg / dense,
+           f->graph_tok_s / f->eager_tok_s, f->peak / 1073741824.0, f->saved / 1073741824.0, f->mlp / 1073741824.0,
+           (long long)f->captures, (long long)f->replays, (long long)f->reruns);
+}
+
+static void write_json(const char* path, const char* device, double dense, const train_fig* f, int n) {
+    FILE* j = fopen(path, "w");
+    if (!j) {
+        fprintf(stderr, "moestash bench train: --json '%s': cannot open for writing\n", path);
+        return;
+    }
+    fprintf(j, "{\n  \"device\": \"%s\",\n  \"dense_cublas_bf16_tflops\": %.1f,\n  \"flops\": \"6 x active params x tokens "
+               "+ 6 T^2 H per layer and sequence (causal attention)\",\n  \"runs\": [\n", device, dense);
+    for (int i = 0; i < n; i++) {
+        const double te = f[i].flops * f[i].eager_tok_s / f[i].tokens / 1e12;
+        const double tg = f[i].flops * f[i].graph_tok_s / f[i].tokens / 1e12;
+        fprintf(j, "    {\"config\": \"%s\", \"policy\": \"%s\", \"tokens_per_step\": %.0f, \"flops_per_step\": %.4g, "
+                   "\"eager_tokens_per_s\": %.1f, \"graph_tokens_per_s\": %.1f, \"eager_tflops\": %.2f, "
+                   "\"graph_tflops\": %.2f, \"eager_mfu\": %.4f, \"graph_mfu\": %.4f, \"peak_bytes\": %zu, "
+                   "\"saved_bytes\": %zu, \"grouped_mlp_bytes\": %zu, \"captures\": %lld, \"replays\": %lld, "
+                   "\"reruns\": %lld}%s\n",
+                f[i].config, f[i].policy, f[i].tokens, f[i].flops, f[i].eager_tok_s, f[i].graph_tok_s, te, tg,
+                te / dense, tg / dense, f[i].peak, f[i].saved, f[i].mlp, (long long)f[i].captures,
+                (long long)f[i].replays, (long long)f[i].reruns, i + 1 < n ? "," : "");
+    }
+    fprintf(j, "  ]\n}\n");
+    fclose(j);
+}
+
+int mst_bench_train(int argc, char** argv) {
+    const char *json = NULL, *preset = NULL, *policies = "keep,stash";
+    int64_t S = 20;
+    for (int i = 0; i < argc; i++) {
+        if (strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
+        else if (strcmp(argv[i], "--preset") == 0 && i + 1 < argc) preset = argv[++i];
+        else if (strcmp(argv[i], "--policies") == 0 && i + 1 < argc) policies = argv[++i];
+        else if (strcmp(argv[i], "--steps") == 0 && i + 1 < argc && (S = atoll(argv[++i])) >= 5 && S <= 100000) continue;
+        else {
+            fprintf(stderr, "moestash bench train: argument '%s': expected --steps S (5 ..), --preset NAME, "
+                            "--policies P,Q, --json FILE\n", argv[i]);
+            return 2;
+        }
+    }
+    mst_train_config base, pre;
+    mst_train_defaults(&base, MST_BACKEND_CUDA);
+    base.model.capacity_factor = (float)base.model.ep;
+    pre = base;
+    if (preset && mst_train_preset(&pre, preset)) return 2;
+    pre.model.capacity_factor = (float)pre.model.ep;
+    if (!mst_backend_available(MST_BACKEND_CUDA)) {
+        fprintf(stderr, "moestash bench train: needs a CUDA device\n");
+        return 2;
+    }
+    mst_ctx_t* ctx = NULL;
+    if (mst_ctx_create(MST_BACKEND_CUDA, 0, &ctx) != MST_OK) {
+        fprintf(stderr, "moestash bench train: %s\n", mst_last_error());
+        return 1;
+    }
+    double dense = 0;
+    mst_status st = dense_tflops(ctx, &dense);
+    printf("moestash bench train on %s\n  dense cuBLAS bf16 8192^3: %.1f TFLOP/s (the MFU denominator)\n"
+           "  model FLOPs = 6 x active params x tokens + 6 T^2 H per layer and sequence (causal attention); "
+           "%lld eager then %lld graph steps per run, medians\n",
+           mst_ctx_describe(ctx), dense, (long long)S, (long long)S);
+    char buf[256];
+    const char* pol[8];
+    int n_pol = 0;
+    snprintf(buf, sizeof buf, "%s", policies);
+    for (char* p = strtok(buf, ","); p && n_pol < 8; p = strtok(NULL, ",")) pol[n_pol++] = p;
+    train_fig figs[16];
+    int n = 0;
+    for (int c = 0; c < (preset ? 2 : 1) && st == MST_OK; c++)
+        for (int i = 0; i < n_pol && st == MST_OK; i++) {
+            train_fig* f = &figs[n];
+            memset(f, 0, sizeof *f);
+            f->config = c ? preset : "gpu default";
+            f->policy = pol[i];
+            st = measure(ctx, c ? pre : base, S, f);
+            if (st == MST_OK) print_fig(&figs[n++], dense);
+        }
+    if (st != MST_OK) fprintf(stderr, "moestash bench train: %s\n", mst_last_error());
+    if (json && n) write_json(json, mst_ctx_describe(ctx), dense, figs, n);
+    mst_ctx_destroy(ctx);
+    return st == MST_OK ? 0 : 1;
+}
