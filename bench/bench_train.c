@@ -1,6 +1,6 @@
 /*
  * bench_train.c — `moestash bench train [--steps S] [--preset h100]
- * [--policies keep,stash] [--json FILE]`: the trainer's whole optimizer step,
+ * [--policies keep,stash] [--ops] [--json FILE]`: the trainer's whole optimizer step,
  * eager against replayed from its captured CUDA graph, on the GPU default
  * configuration of `moestash train` and, with --preset, on that preset.
  *
@@ -20,7 +20,8 @@
  *   attention = 6 T^2 H per layer and sequence (QK^T and PV, forward and
  *     backward, the causal half of the score matrix).
  * MFU = model TFLOP/s / the dense cuBLAS bf16 TFLOP/s of an 8192^3 GEMM
- * (bf16 in, fp32 accumulate) measured in the same run.
+ * (bf16 in, fp32 accumulate) measured in the same run. --ops adds a per-op
+ * time table of one eager sized step for each run (see op_table).
  */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <stdio.h>
@@ -31,6 +32,7 @@
 #include "cli/cli.h"
 #include "core/context.h"
 #include "backend/model_backend.h"
+#include "model/model.h"
 #include "model/trainer.h"
 
 static double now_s(void) {
@@ -81,6 +83,141 @@ static mst_status dense_tflops(mst_ctx_t* ctx, double* out) {
     if (st == MST_OK) st = mst_ctx_sync(ctx);
     if (st == MST_OK) *out = 20 * 2.0 * (double)n * n * n / (now_s() - t0) / 1e12;
     mst_free(ctx, a), mst_free(ctx, b), mst_free(ctx, c);
+    return st;
+}
+
+/* ---- per-op time table of one eager sized step ------------------------------
+ * The context's library ops and the model's ops are swapped for wrappers
+ * that synchronize before and after each call and add its wall time to its
+ * row: the ops serialized (side-stream copies no longer overlap), each
+ * with its launch cost, so the rows add up to more than the step. */
+
+typedef struct op_row {
+    const char* name;
+    double s;
+    int64_t n;
+} op_row;
+
+static op_row g_rows[48];
+static int g_n_rows;
+static const mst_backend* g_be;        /* the real tables */
+static const mst_model_backend* g_mo;
+
+static void op_add(const char* name, double s) {
+    int i = 0;
+    while (i < g_n_rows && strcmp(g_rows[i].name, name) != 0) i++;
+    if (i == g_n_rows) {
+        if (g_n_rows == 48) return;
+        g_rows[g_n_rows++] = (op_row){name, 0, 0};
+    }
+    g_rows[i].s += s;
+    g_rows[i].n++;
+}
+
+#define TIMED(name, call)                       \
+    do {                                        \
+        g_be->sync(ctx);                        \
+        const double t0_ = now_s();             \
+        const mst_status st_ = (call);          \
+        g_be->sync(ctx);                        \
+        op_add(name, now_s() - t0_);            \
+        return st_;                             \
+    } while (0)
+#define WRAP_MODEL(slot, T) \
+    static mst_status wm_##slot(mst_ctx_t* ctx, const T* a) { TIMED(#slot, g_mo->slot(ctx, a)); }
+#define WRAP_LIB(slot, T) \
+    static mst_status wl_##slot(mst_ctx_t* ctx, const T* a) { TIMED(#slot, g_be->slot(ctx, a)); }
+WRAP_MODEL(mm, mst_mm_args)
+WRAP_MODEL(norm_forward, mst_norm_args)
+WRAP_MODEL(norm_backward, mst_norm_args)
+WRAP_MODEL(add, mst_add_args)
+WRAP_MODEL(embed_forward, mst_embed_args)
+WRAP_MODEL(embed_backward, mst_embed_args)
+WRAP_MODEL(xent, mst_xent_args)
+WRAP_MODEL(attn_forward, mst_attn_args)
+WRAP_MODEL(attn_backward, mst_attn_args)
+WRAP_MODEL(route_forward, mst_route_args)
+WRAP_MODEL(route_backward, mst_route_args)
+WRAP_MODEL(rows_gather, mst_rows_args)
+WRAP_MODEL(rows_sum, mst_rows_args)
+WRAP_MODEL(sumsq, mst_sumsq_args)
+WRAP_MODEL(adamw, mst_adamw_args)
+WRAP_MODEL(sum, mst_sum_args)
+WRAP_LIB(gl_forward, mst_gl_args)
+WRAP_LIB(gl_dgrad, mst_gl_args)
+WRAP_LIB(gl_wgrad, mst_gl_args)
+WRAP_LIB(act_forward, mst_act_args)
+WRAP_LIB(act_backward, mst_act_args)
+WRAP_LIB(stash_reset, struct mst_stash_args)
+WRAP_LIB(stash_save, struct mst_stash_args)
+WRAP_LIB(stash_restore, struct mst_stash_args)
+static mst_status wl_copy(mst_ctx_t* ctx, void* dst, const void* src, size_t n, mst_copy_dir dir) {
+    TIMED("copy", g_be->copy(ctx, dst, src, n, dir));
+}
+static mst_status wl_fill(mst_ctx_t* ctx, void* dst, int byte, size_t n) { TIMED("fill", g_be->fill(ctx, dst, byte, n)); }
+
+static int cmp_row(const void* a, const void* b) {
+    double x = ((const op_row*)a)->s, y = ((const op_row*)b)->s;
+    return (x < y) - (x > y);
+}
+
+/* One model of cfg: a measuring and a sized step, then one sized step
+ * timed whole and one with every op timed; the table to stdout. */
+static mst_status op_table(mst_ctx_t* ctx, const mst_train_config* cfg, const char* label) {
+    mst_data d;
+    MST_TRY(mst_data_synthetic(&d, cfg->model.seed, 1 << 20));
+    const int64_t per = cfg->model.batch * (cfg->model.seq + 2);
+    int32_t* tok = (int32_t*)malloc(sizeof(int32_t) * (size_t)(per * cfg->microbatches));
+    mst_model* m = NULL;
+    mst_status st = tok ? mst_model_create(ctx, &cfg->model, cfg->microbatches, &cfg->mem, &m)
+                        : mst_set_error(MST_ERR_OOM, "token batch");
+    float hyper[MST_N_HYPER];
+    mst_optim_hyper(&cfg->optim, 1, hyper);
+    for (int32_t mb = 0; st == MST_OK && mb < cfg->microbatches; mb++)
+        mst_data_batch(&d, cfg->model.batch, cfg->model.seq, tok + mb * per);
+    if (st == MST_OK) st = mst_model_stage(m, 0, tok, hyper);
+    double whole = 0;
+    for (int i = 0; i < 3 && st == MST_OK; i++) {
+        st = mst_model_upload(m, 0);
+        const double t0 = now_s();
+        if (st == MST_OK) st = mst_step_run(m, &cfg->optim, i == 0);
+        if (st == MST_OK) st = mst_ctx_sync(ctx);
+        whole = now_s() - t0;
+    }
+    mst_backend wb;
+    mst_model_backend wm;
+    if (st == MST_OK) {
+        g_be = ctx->be, g_mo = m->ops, g_n_rows = 0;
+        wb = *g_be, wm = *g_mo;
+#define SET(t, slot, w) if (t.slot) t.slot = w##_##slot
+        SET(wm, mm, wm); SET(wm, norm_forward, wm); SET(wm, norm_backward, wm); SET(wm, add, wm);
+        SET(wm, embed_forward, wm); SET(wm, embed_backward, wm); SET(wm, xent, wm); SET(wm, attn_forward, wm);
+        SET(wm, attn_backward, wm); SET(wm, route_forward, wm); SET(wm, route_backward, wm);
+        SET(wm, rows_gather, wm); SET(wm, rows_sum, wm); SET(wm, sumsq, wm); SET(wm, adamw, wm); SET(wm, sum, wm);
+        SET(wb, gl_forward, wl); SET(wb, gl_dgrad, wl); SET(wb, gl_wgrad, wl); SET(wb, act_forward, wl);
+        SET(wb, act_backward, wl); SET(wb, stash_reset, wl); SET(wb, stash_save, wl); SET(wb, stash_restore, wl);
+        SET(wb, copy, wl); SET(wb, fill, wl);
+#undef SET
+        ctx->be = &wb, m->ops = &wm;
+        st = mst_model_upload(m, 0);
+        if (st == MST_OK) st = mst_step_run(m, &cfg->optim, 0);
+        if (st == MST_OK) st = mst_ctx_sync(ctx);
+        ctx->be = g_be, m->ops = g_mo;
+    }
+    if (st == MST_OK) {
+        double sum = 0;
+        for (int i = 0; i < g_n_rows; i++) sum += g_rows[i].s;
+        qsort(g_rows, (size_t)g_n_rows, sizeof *g_rows, cmp_row);
+        printf("  per-op time of one eager sized step, %s, policy %s: step %.2f ms eager unsynchronized; ops "
+               "synchronized one by one:\n", label, cfg->mem.policy, 1e3 * whole);
+        for (int i = 0; i < g_n_rows; i++)
+            printf("    %-16s %8.3f ms %5.1f%%  %5lld calls\n", g_rows[i].name, 1e3 * g_rows[i].s,
+                   100 * g_rows[i].s / sum, (long long)g_rows[i].n);
+        printf("    %-16s %8.3f ms\n", "sum", 1e3 * sum);
+    }
+    mst_model_destroy(m);
+    mst_data_free(&d);
+    free(tok);
     return st;
 }
 
@@ -153,14 +290,16 @@ static void write_json(const char* path, const char* device, double dense, const
 int mst_bench_train(int argc, char** argv) {
     const char *json = NULL, *preset = NULL, *policies = "keep,stash";
     int64_t S = 20;
+    int ops = 0;
     for (int i = 0; i < argc; i++) {
         if (strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
         else if (strcmp(argv[i], "--preset") == 0 && i + 1 < argc) preset = argv[++i];
         else if (strcmp(argv[i], "--policies") == 0 && i + 1 < argc) policies = argv[++i];
+        else if (strcmp(argv[i], "--ops") == 0) ops = 1;
         else if (strcmp(argv[i], "--steps") == 0 && i + 1 < argc && (S = atoll(argv[++i])) >= 5 && S <= 100000) continue;
         else {
             fprintf(stderr, "moestash bench train: argument '%s': expected --steps S (5 ..), --preset NAME, "
-                            "--policies P,Q, --json FILE\n", argv[i]);
+                            "--policies P,Q, --ops, --json FILE\n", argv[i]);
             return 2;
         }
     }
@@ -200,6 +339,11 @@ int mst_bench_train(int argc, char** argv) {
             f->policy = pol[i];
             st = measure(ctx, c ? pre : base, S, f);
             if (st == MST_OK) print_fig(&figs[n++], dense);
+            if (st == MST_OK && ops) {
+                mst_train_config oc = c ? pre : base;
+                oc.mem.policy = pol[i];
+                st = op_table(ctx, &oc, f->config);
+            }
         }
     if (st != MST_OK) fprintf(stderr, "moestash bench train: %s\n", mst_last_error());
     if (json && n) write_json(json, mst_ctx_describe(ctx), dense, figs, n);
