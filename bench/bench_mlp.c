@@ -141,6 +141,15 @@ static void bufs_free(mst_ctx_t* ctx, mlp_bufs* b) {
     memset(b, 0, sizeof *b);
 }
 
+/* Tensor n of R rows, in its saved shape, from the saver. */
+static mst_status produce_saved(const mst_saver* sv, const mst_mlp_config* cfg, mst_saved_name n, int64_t R,
+                                mst_tensor* out) {
+    int64_t cols;
+    mst_dtype dt;
+    MST_TRY(mst_saved_shape(n, cfg->hidden, cfg->ffn, &cols, &dt));
+    return sv->produce(sv->self, n, R, cols, dt, out);
+}
+
 /* Weights with biases, inputs produced straight into the saver's buffers. */
 static mst_status bufs_make(mst_ctx_t* ctx, const mlp_shape* s, const int32_t* counts, uint64_t seed,
                             mlp_bufs* b) {
@@ -150,8 +159,8 @@ static mst_status bufs_make(mst_ctx_t* ctx, const mlp_shape* s, const int32_t* c
     mst_policy keep[MST_N_SAVED] = {MST_POLICY_KEEP, MST_POLICY_KEEP, MST_POLICY_KEEP, MST_POLICY_KEEP};
     MST_TRY(mst_saver_basic_create(ctx, R, &b->cfg, keep, &b->saver));
     const mst_saver* sv = mst_saver_basic_get(b->saver);
-    MST_TRY(sv->produce(sv->self, MST_SAVED_FC1_INPUT, R, H, MST_DTYPE_BF16, &b->x));
-    MST_TRY(sv->produce(sv->self, MST_SAVED_PROBS, R, 1, MST_DTYPE_FP32, &b->p));
+    MST_TRY(produce_saved(sv, &b->cfg, MST_SAVED_FC1_INPUT, R, &b->x));
+    MST_TRY(produce_saved(sv, &b->cfg, MST_SAVED_PROBS, R, &b->p));
     MST_TRY(alloc_t(ctx, b, &b->counts, MST_DTYPE_INT32, E, 1));
     MST_TRY(alloc_t(ctx, b, &b->y, MST_DTYPE_BF16, R, H));
     MST_TRY(alloc_t(ctx, b, &b->dy, MST_DTYPE_BF16, R, H));
@@ -268,8 +277,8 @@ typedef enum { OP_FORWARD, OP_BACKWARD, OP_ACT_FORWARD, OP_ACT_BACKWARD } bench_
 static mst_status act_alone(mst_ctx_t* ctx, mlp_bufs* b, int backward_pass) {
     const mst_saver* sv = mst_saver_basic_get(b->saver);
     mst_tensor h, z, dz, dh;
-    MST_TRY(sv->produce(sv->self, MST_SAVED_ACT_INPUT, b->x.rows, 2 * b->cfg.ffn, MST_DTYPE_BF16, &h));
-    MST_TRY(sv->produce(sv->self, MST_SAVED_FC2_INPUT, b->x.rows, b->cfg.ffn, MST_DTYPE_BF16, &z));
+    MST_TRY(produce_saved(sv, &b->cfg, MST_SAVED_ACT_INPUT, b->x.rows, &h));
+    MST_TRY(produce_saved(sv, &b->cfg, MST_SAVED_FC2_INPUT, b->x.rows, &z));
     dz = z;     /* any [R, F] bf16 input will do for timing */
     dh = b->dx; /* [R, H] >= [R, 2F] bytes for every shape here */
     mst_act_args a = {0};

@@ -233,6 +233,10 @@ MST_API const char* mst_policy_str(mst_policy p);          /* "keep", ...      *
 /* Parses a name ("act_input") or policy ("stash"); MST_ERR_INVALID naming it. */
 MST_API mst_status mst_saved_name_parse(const char* s, mst_saved_name* out);
 MST_API mst_status mst_policy_parse(const char* s, mst_policy* out);
+/* The shape of saved tensor `name` of a grouped MLP of width `hidden` and
+ * `ffn`: [R, *cols] of *dtype (the table in the comments of mst_saved_name). */
+MST_API mst_status mst_saved_shape(mst_saved_name name, int64_t hidden, int64_t ffn, int64_t* cols,
+                                   mst_dtype* dtype);
 
 typedef struct mst_saver {
     void* self;

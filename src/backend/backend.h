@@ -106,12 +106,15 @@ MST_HD const uint16_t* mst_act_h_row(const mst_act_args* a, int64_t r) {
 
 struct mst_stash_args; /* paged stash: src/stash/stash.h */
 
-/* The side streams of the memory manager. */
-enum {
-    MST_SIDE_RING = 0, /* saves and page returns: every ring update, in order */
-    MST_SIDE_COPY,     /* the copies of split restores                         */
-    MST_N_SIDE,
-};
+/* The streams of the memory manager: main (the context's current stream,
+ * where ops run) and the side streams of the stash traffic. A selector is
+ * always one of these names, never a bare number. */
+typedef enum mst_stream_sel {
+    MST_STREAM_MAIN = 0, /* the context's current stream                        */
+    MST_STREAM_RING,     /* saves and page returns: every ring update, in order */
+    MST_STREAM_COPY,     /* the copies of split restores                        */
+    MST_N_STREAMS,
+} mst_stream_sel;
 
 /* Calls slot `slot` of function table `table` with (ctx, args), or returns
  * MST_ERR_UNSUPPORTED naming the slot and the backend when it is NULL. */
@@ -146,13 +149,15 @@ typedef struct mst_backend {
 
     /* streams and events (memory manager); (optional): a backend without
      * them runs everything in program order. stream NULL = the context's
-     * current stream; side_stream(ctx, MST_SIDE_*) is a stream of the
-     * stash traffic. */
-    void* (*side_stream)(mst_ctx_t* ctx, int which);                 /* (optional) */
+     * current stream; side_stream(ctx, sel) is the stream `sel` names (the
+     * current stream for MST_STREAM_MAIN). stream_spin (tests: slows a
+     * stream down) enqueues a kernel that spins for `cycles` clock cycles. */
+    void* (*side_stream)(mst_ctx_t* ctx, mst_stream_sel sel);        /* (optional) */
     mst_status (*event_create)(mst_ctx_t* ctx, void** ev);           /* (optional) */
     void (*event_destroy)(mst_ctx_t* ctx, void* ev);                 /* (optional) */
     mst_status (*event_record)(mst_ctx_t* ctx, void* ev, void* stream); /* (optional) */
     mst_status (*stream_wait)(mst_ctx_t* ctx, void* stream, void* ev);  /* (optional) */
+    mst_status (*stream_spin)(mst_ctx_t* ctx, void* stream, int64_t cycles); /* (optional) */
 
     /* paged stash (src/stash/stash.h): reserve + copy, copy + page return,
      * ring refill; host_alloc gives pinned host memory that the backend's

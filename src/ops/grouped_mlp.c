@@ -124,18 +124,11 @@ static mst_status act_forward(mst_ctx_t* ctx, const mst_mlp_config* cfg, const m
 
 /* ---- saved tensors -------------------------------------------------------- */
 
-/* What each saved tensor must look like for max_rows R. */
-static void saved_like(const mst_mlp_config* cfg, mst_saved_name n, int64_t* cols, mst_dtype* dt) {
-    const int64_t widths[MST_N_SAVED] = {cfg->hidden, 2 * cfg->ffn, cfg->ffn, 1};
-    *cols = widths[n];
-    *dt = n == MST_SAVED_PROBS ? MST_DTYPE_FP32 : MST_DTYPE_BF16;
-}
-
 static mst_status produce(const mst_saver* s, const mst_mlp_config* cfg, mst_saved_name n,
                           int64_t R, mst_tensor* out) {
     int64_t cols;
     mst_dtype dt;
-    saved_like(cfg, n, &cols, &dt);
+    MST_TRY(mst_saved_shape(n, cfg->hidden, cfg->ffn, &cols, &dt));
     MST_TRY(s->produce(s->self, n, R, cols, dt, out));
     return check_like(out, mst_saved_name_str(n), dt, R, cols);
 }
@@ -147,7 +140,7 @@ static mst_status fetch(const mst_saver* s, const mst_mlp_config* cfg, mst_saved
                         mst_tensor* out) {
     int64_t cols;
     mst_dtype dt;
-    saved_like(cfg, n, &cols, &dt);
+    MST_TRY(mst_saved_shape(n, cfg->hidden, cfg->ffn, &cols, &dt));
     MST_TRY(s->fetch(s->self, n, out));
     if (n == MST_SAVED_FC2_INPUT && !out->data) return MST_OK;
     if (n == MST_SAVED_ACT_INPUT && out->pages) MST_TRY(mst_check_pages(out->pages, "act_input.pages"));

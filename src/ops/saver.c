@@ -45,6 +45,16 @@ mst_status mst_policy_parse(const char* s, mst_policy* out) {
     return MST_OK;
 }
 
+mst_status mst_saved_shape(mst_saved_name name, int64_t hidden, int64_t ffn, int64_t* cols, mst_dtype* dtype) {
+    if ((unsigned)name >= MST_N_SAVED)
+        return mst_set_error(MST_ERR_INVALID, "saved name %d is not a mst_saved_name", (int)name);
+    if (!cols || !dtype) return mst_set_error(MST_ERR_INVALID, "cols or dtype is NULL");
+    const int64_t widths[MST_N_SAVED] = {hidden, 2 * ffn, ffn, 1};
+    *cols = widths[name];
+    *dtype = name == MST_SAVED_PROBS ? MST_DTYPE_FP32 : MST_DTYPE_BF16;
+    return MST_OK;
+}
+
 /* ---- the basic saver ---------------------------------------------------- */
 
 /* One saved name. Invariant: data != NULL for every slot after create;
@@ -125,15 +135,6 @@ static mst_status basic_release(void* self, mst_saved_name name) {
     return MST_OK;
 }
 
-/* Widths and dtypes of the saved tensors of one MLP layer. */
-static void saved_shape(const mst_mlp_config* cfg, mst_saved_name n, int64_t* cols, mst_dtype* dt) {
-    static const mst_dtype dts[MST_N_SAVED] = {MST_DTYPE_BF16, MST_DTYPE_BF16, MST_DTYPE_BF16,
-                                               MST_DTYPE_FP32};
-    const int64_t widths[MST_N_SAVED] = {cfg->hidden, 2 * cfg->ffn, cfg->ffn, 1};
-    *cols = widths[n];
-    *dt = dts[n];
-}
-
 static mst_status check_policy(mst_saved_name n, mst_policy p) {
     if ((unsigned)p >= MST_N_POLICIES)
         return mst_set_error(MST_ERR_INVALID, "policies[%s] = %d is not a mst_policy",
@@ -167,7 +168,7 @@ mst_status mst_saver_basic_create(mst_ctx_t* ctx, int64_t max_rows,
     for (int n = 0; n < MST_N_SAVED; n++) {
         int64_t cols;
         mst_dtype dt;
-        saved_shape(cfg, (mst_saved_name)n, &cols, &dt);
+        mst_saved_shape((mst_saved_name)n, cfg->hidden, cfg->ffn, &cols, &dt);
         void* data = NULL;
         mst_status st = mst_alloc(ctx, (size_t)max_rows * (size_t)cols * mst_dtype_size(dt), &data);
         if (st != MST_OK) {

@@ -43,7 +43,7 @@ static mst_status cuda_init(mst_ctx_t* ctx, int device) {
     MST_CUDA_TRY(cudaGetDeviceProperties(&p, device));
     c->n_sm = p.multiProcessorCount;
     MST_CUDA_TRY(cudaStreamCreateWithFlags(&c->own_stream, cudaStreamNonBlocking));
-    for (int i = 0; i < MST_N_SIDE; i++) MST_CUDA_TRY(cudaStreamCreateWithFlags(&c->side[i], cudaStreamNonBlocking));
+    for (int i = MST_STREAM_RING; i < MST_N_STREAMS; i++) MST_CUDA_TRY(cudaStreamCreateWithFlags(&c->side[i], cudaStreamNonBlocking));
     c->stream = c->own_stream;
     MST_CUBLAS_TRY(cublasCreate(&c->blas));
     /* cuBLAS's workspace up front (accounted as context memory): it never
@@ -58,7 +58,7 @@ static mst_status cuda_init(mst_ctx_t* ctx, int device) {
 static void cuda_shutdown(mst_ctx_t* ctx) {
     mst_cuda_impl* c = mst_cuda(ctx);
     if (c->blas) cublasDestroy(c->blas);
-    for (int i = 0; i < MST_N_SIDE; i++)
+    for (int i = MST_STREAM_RING; i < MST_N_STREAMS; i++)
         if (c->side[i]) cudaStreamDestroy(c->side[i]);
     if (c->own_stream) cudaStreamDestroy(c->own_stream);
     free(c);
@@ -100,7 +100,7 @@ static mst_status cuda_fill(mst_ctx_t* ctx, void* dst, int byte, size_t n_bytes)
 
 static mst_status cuda_sync(mst_ctx_t* ctx) {
     mst_cuda_impl* c = mst_cuda(ctx);
-    for (int i = 0; i < MST_N_SIDE; i++) MST_CUDA_TRY(cudaStreamSynchronize(c->side[i]));
+    for (int i = MST_STREAM_RING; i < MST_N_STREAMS; i++) MST_CUDA_TRY(cudaStreamSynchronize(c->side[i]));
     MST_CUDA_TRY(cudaStreamSynchronize(c->stream));
     return MST_OK;
 }
@@ -157,7 +157,10 @@ static mst_status cuda_set_stream(mst_ctx_t* ctx, void* s) {
     return bind_blas(c);
 }
 
-static void* cuda_side_stream(mst_ctx_t* ctx, int which) { return (void*)mst_cuda(ctx)->side[which]; }
+static void* cuda_side_stream(mst_ctx_t* ctx, mst_stream_sel sel) {
+    mst_cuda_impl* c = mst_cuda(ctx);
+    return (void*)(sel == MST_STREAM_MAIN ? c->stream : c->side[sel]);
+}
 
 static mst_status cuda_event_create(mst_ctx_t* ctx, void** ev) {
     (void)ctx;
@@ -207,6 +210,7 @@ extern "C" const mst_backend mst_backend_cuda = {
     .event_destroy = cuda_event_destroy,
     .event_record = cuda_event_record,
     .stream_wait = cuda_stream_wait,
+    .stream_spin = mst_cuda_stream_spin,
     /* paged stash */
     .stash_reset = mst_cuda_stash_reset,
     .stash_save = mst_cuda_stash_save,

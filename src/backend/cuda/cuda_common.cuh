@@ -16,7 +16,8 @@ typedef struct mst_cuda_impl {
     int n_sm;                 /* multiprocessors, for persistent grids          */
     cudaStream_t stream;      /* where ops are enqueued (own_stream or caller's) */
     cudaStream_t own_stream;  /* created by the context                          */
-    cudaStream_t side[MST_N_SIDE]; /* side streams: MST_SIDE_* (memory manager)  */
+    cudaStream_t side[MST_N_STREAMS]; /* side streams of the memory manager, by
+                                         mst_stream_sel from MST_STREAM_RING   */
     cublasHandle_t blas;      /* bound to `stream`                              */
     mst_ws ws_sched;          /* the grouped GEMM's schedule (grouped_gemm.cu)  */
     mst_ws ws_gather;         /* a paged wgrad's x gathered (grouped_gemm.cu)   */

@@ -1,0 +1,218 @@
+/*
+ * memmgr_impl.h — the memory manager's private state, shared by its rooms:
+ *
+ *   memmgr.c          the step protocol: create, policies, expect / advance,
+ *                     prefetch, step begin / end / check, report
+ *   memmgr_streams.c  stream and event plumbing (the table of event edges)
+ *   memmgr_buffers.c  KEEP, compute, restore and rerun buffers; pool sizing
+ *   memmgr_saver.c    the saver: produce, claim, commit, fetch, release,
+ *                     restore
+ *
+ * What the manager does with each policy:
+ *
+ *   KEEP       the tensor lives in its own [R, cols] buffer (produced there,
+ *              or copied there when it is an op input)
+ *   STASH      produced into a shared compute buffer (one per name, reused
+ *              by the next layer once its stash has read it), packed into
+ *              device pages on the ring stream. In the backward, the names
+ *              whose readers take pages (read_from_pages: fc1_input and
+ *              fc2_input, a wgrad's x; act_input, the activation) are read
+ *              from the pages in place; the others are restored into one of
+ *              two restore buffers (the next backward layer's restore is
+ *              started while the current one runs, and a backward entry's
+ *              first two while the forward before it runs: prefetch).
+ *              A name read in place whose producer can write pages
+ *              (act_input, fc2_input: the activation) is claimed instead
+ *              (sv_claim): its pages are taken before the producer runs,
+ *              which writes them besides the compute buffer; no copy
+ *   OFFLOAD    as STASH, into pinned host pages
+ *   RECOMPUTE  fc2_input only: not saved; the grouped MLP recomputes it
+ *   layer recompute (uniform / block): a recomputed layer saves nothing in
+ *              its forward; the caller keeps the chunk input and reruns the
+ *              chunk with the recompute saver before its backward
+ *
+ * Restore buffers are views into one arena: [restore_rows, cols] each, laid
+ * out widest first so that every view has max_rows addressable rows inside
+ * the arena (ops may read up to max_rows rows of a saved tensor; they use
+ * only the first sum(counts)). Handles hold restore_rows rows: a save of
+ * more rows overflows on the device and the step is rerun.
+ *
+ * A measuring step (eager, host-known counts) keeps stashed tensors as
+ * exact-size copies, counts the pages each pool would need along the
+ * schedule and the largest rows saved, and then sizes the pools (ceil(peak *
+ * factor) pages) and the restore buffers (largest rows * (dev_factor +
+ * host_factor), a page multiple, at most max_rows).
+ */
+#ifndef MST_MEMMGR_IMPL_H
+#define MST_MEMMGR_IMPL_H
+
+#include "../core/context.h"
+
+/* What a handed-out saver does: forward, backward, forward of a layer in a
+ * recompute chunk (saves nothing), rerun of that layer before its backward. */
+enum { MODE_FWD = 0, MODE_BWD, MODE_DISCARD, MODE_RECOMP, N_MODES };
+
+typedef struct slot {            /* one saved tensor of (layer, mb, name)        */
+    mst_tensor keep;              /* KEEP: own [R, cols] buffer                    */
+    mst_stash_handle_t* handle;   /* STASH / OFFLOAD: its page table              */
+    void* exact;                  /* measuring step: [n, cols] exact copy          */
+    void* saved_ev;               /* STASH / OFFLOAD: event, its save finished     */
+    int64_t n_rows;               /* rows saved (host-known in a measuring step)  */
+    int in_compute;               /* stash skipped: still in the compute buffer   */
+    int claimed;                  /* claimed, its producer writes the pages; until commit */
+    mst_pages pages;              /* read in place: the view fetch handed out     */
+    int restore_idx;              /* restore buffer holding it, or -1             */
+    int saved;                    /* 1 between commit and release                 */
+} slot;
+
+typedef struct shared_bufs {      /* per name, for STASH / OFFLOAD / RECOMPUTE   */
+    mst_tensor compute;           /* [R, cols] produced into                      */
+    void* compute_free;           /* event: the stash of compute has read it      */
+    int compute_pending;          /* compute_free recorded and not waited on      */
+    mst_tensor restore[2];        /* [R, cols] views into the arena, restored
+                                     into by backward parity                      */
+    void* restore_done[2];        /* event: restore into restore[k] finished      */
+    void* restore_free[2];        /* event: backward done reading restore[k]      */
+    int restore_free_rec[2];      /* restore_free[k] recorded in this step        */
+} shared_bufs;
+
+typedef struct saver_ref {        /* what a handed-out mst_saver points at        */
+    mst_memmgr_t* m;
+    int32_t layer, mb, mode;
+    mst_saver saver;
+} saver_ref;
+
+struct mst_memmgr {
+    mst_ctx_t* ctx;
+    mst_memmgr_config cfg;        /* cfg.schedule points at `schedule`             */
+    mst_sched_entry* schedule;    /* [n_schedule]                                  */
+    int32_t layers_per_chunk;     /* L / V                                         */
+    mst_policy* policy;           /* [L, N_SAVED]                                  */
+    int32_t* chunk_start;         /* [L] recompute chunk start, -1 = none          */
+    slot* slots;                  /* [L, M, N_SAVED]                               */
+    saver_ref* refs;              /* [L, M, N_MODES]                               */
+    shared_bufs bufs[MST_N_SAVED];
+    mst_tensor* recomp;           /* [L, N_SAVED] rerun buffers (recomputed layers) */
+    void** chunk_in;              /* [L, M] [R, H] chunk inputs (chunk starts)      */
+    mst_pool_t* pool[MST_N_SAVED][2]; /* [name][0 STASH device, 1 OFFLOAD host]     */
+    void* arena;                  /* restore buffers of the paged names, device    */
+    size_t arena_bytes;           /* its size                                      */
+    int64_t restore_rows;         /* rows of each restore buffer and handle; 0: none */
+    int arena_sized;              /* the arena holds views of restored names only */
+    int pages_read[MST_N_SAVED];  /* the backward reads name n from its pages as they are */
+    int64_t max_saved_rows;       /* measuring: largest rows of a paged tensor     */
+    void* ev_main;                /* event: main stream reached a side operation   */
+    void* ev_side;                /* event: a side stream's work so far (step end) */
+    void* inputs_read;            /* event: stashes of op inputs have read them    */
+    int inputs_pending;
+    int64_t slow[MST_N_STREAMS];  /* tests: spin cycles per stream (mst_memmgr_debug_slow) */
+    /* step state */
+    int measuring, sized, in_step;
+    int started;                  /* a layer call of the current entry is open     */
+    int side_used;                /* bit s: this step put work on side stream s    */
+    int32_t pos, cursor;          /* schedule entry, layer within its chunk        */
+    int32_t bwd_seq;              /* backward layers so far this step (restore parity) */
+    /* accounting */
+    int64_t live_pages[MST_N_SAVED][2], peak_pages[MST_N_SAVED][2]; /* measuring */
+    size_t live_exact, peak_exact;
+    mst_mem_report_t rep;
+};
+
+/* ---- small helpers ------------------------------------------------------- */
+
+static inline int64_t cols_of(const mst_memmgr_t* m, mst_saved_name n) {
+    int64_t cols;
+    mst_dtype dt;
+    mst_saved_shape(n, m->cfg.hidden, m->cfg.ffn, &cols, &dt);
+    return cols;
+}
+static inline mst_dtype dtype_of(const mst_memmgr_t* m, mst_saved_name n) {
+    int64_t cols;
+    mst_dtype dt;
+    mst_saved_shape(n, m->cfg.hidden, m->cfg.ffn, &cols, &dt);
+    return dt;
+}
+static inline size_t row_bytes(const mst_memmgr_t* m, mst_saved_name n) {
+    return (size_t)cols_of(m, n) * mst_dtype_size(dtype_of(m, n));
+}
+static inline size_t buf_bytes(const mst_memmgr_t* m, mst_saved_name n) {
+    return (size_t)m->cfg.max_rows * row_bytes(m, n);
+}
+static inline mst_policy policy_of(const mst_memmgr_t* m, int32_t l, mst_saved_name n) {
+    return m->policy[l * MST_N_SAVED + n];
+}
+static inline slot* slot_of(mst_memmgr_t* m, int32_t l, int32_t mb, mst_saved_name n) {
+    return &m->slots[((int64_t)l * m->cfg.n_microbatches + mb) * MST_N_SAVED + n];
+}
+static inline int paged(mst_policy p) { return p == MST_POLICY_STASH || p == MST_POLICY_OFFLOAD; }
+static inline int kind_of(mst_policy p) { return p == MST_POLICY_OFFLOAD; } /* pool index */
+/* Names that the grouped MLP's backward reads from pages as they are on
+ * this backend and these shapes (fc1_input, fc2_input: a wgrad's x;
+ * act_input: the activation, any backend). */
+static inline int read_from_pages(const mst_memmgr_t* m, mst_saved_name n) { return m->pages_read[n]; }
+static inline int32_t chunk_of(const mst_memmgr_t* m, int32_t l) { return l / m->layers_per_chunk; }
+static inline int64_t pages_for(const mst_memmgr_t* m, int64_t rows) {
+    return (rows + m->cfg.page_rows - 1) / m->cfg.page_rows;
+}
+/* Layer l and microbatch mb in range, else an error naming the one that is not. */
+mst_status mst_mm_check_layer_mb(const mst_memmgr_t* m, int32_t l, int32_t mb);
+
+/* ---- streams and events (memmgr_streams.c) ------------------------------- *
+ * No-ops where the backend has no streams (everything runs in program order). */
+
+mst_status mst_mm_ev_new(mst_memmgr_t* m, void** ev);
+void mst_mm_ev_free(mst_memmgr_t* m, void* ev);
+mst_status mst_mm_ev_record(mst_memmgr_t* m, void* ev, mst_stream_sel on);
+/* Stream `on` waits for the last record of ev. */
+mst_status mst_mm_ev_wait(mst_memmgr_t* m, void* ev, mst_stream_sel on);
+
+/* The pool operations that run on a side stream. */
+typedef enum mst_mm_side_op {
+    MM_SAVE = 0,      /* mst_stash_save of t                         */
+    MM_CLAIM,         /* mst_stash_claim of t->rows rows              */
+    MM_RESTORE_COPY,  /* mst_stash_restore_copy into t                */
+    MM_RETURN,        /* mst_stash_restore_return (t, counts unused)  */
+} mst_mm_side_op;
+
+/* Runs `op` on side stream `side` after main's work so far and after event
+ * `after` (NULL: none). */
+mst_status mst_mm_on_side(mst_memmgr_t* m, mst_stream_sel side, void* after, mst_mm_side_op op,
+                          mst_pool_t* p, mst_stash_handle_t* h, mst_tensor* t, const mst_tensor* counts);
+/* Main waits for the side streams this step used (step end; a graph
+ * capture rejoins them here). */
+mst_status mst_mm_join_side(mst_memmgr_t* m);
+/* tests: main slowed at each layer call (mst_memmgr_debug_slow). */
+mst_status mst_mm_slow_main(mst_memmgr_t* m);
+
+/* Tests: slows stream `sel` down by a spin of `cycles` clock cycles (0: off)
+ * on backends with streams: on a side stream before each of its pool
+ * operations, on main at each layer call. A missing event edge then shows
+ * as a wrong result. MST_ERR_UNSUPPORTED where the backend cannot spin. */
+mst_status mst_memmgr_debug_slow(mst_memmgr_t* m, mst_stream_sel sel, int64_t cycles);
+
+/* ---- buffers and pool sizing (memmgr_buffers.c) --------------------------- */
+
+/* t's [R, cols] buffer of name n, allocated on first use, its bytes added to *account. */
+mst_status mst_mm_alloc_tensor(mst_memmgr_t* m, mst_saved_name n, mst_tensor* t, size_t* account);
+/* The compute buffer of a name (and its event), allocated on first use. */
+mst_status mst_mm_ensure_compute(mst_memmgr_t* m, mst_saved_name n);
+/* Restore buffers (and handles) of `rows` rows for a measuring (sized 0)
+ * or a sized step; the events of every paged name exist afterwards. */
+mst_status mst_mm_ensure_arena(mst_memmgr_t* m, int64_t rows, int sized);
+/* A restore buffer as the destination of a restore: its restore_rows rows. */
+mst_tensor mst_mm_restore_dst(const mst_memmgr_t* m, const mst_tensor* view);
+/* The rerun buffer of (layer l, name n) of a recomputed layer. */
+mst_tensor* mst_mm_rerun_buf(mst_memmgr_t* m, int32_t l, mst_saved_name n);
+/* After a measuring step: restore buffers, pools, handles and save events. */
+mst_status mst_mm_size_pools(mst_memmgr_t* m);
+/* Destroys the handles of name n whose policy uses pool kind k (k < 0: all). */
+void mst_mm_free_handles(mst_memmgr_t* m, mst_saved_name n, int k);
+
+/* ---- the saver (memmgr_saver.c) ------------------------------------------- */
+
+/* The saver of (layer l, mb) in mode MODE_*. */
+const mst_saver* mst_mm_saver_for(mst_memmgr_t* m, int32_t l, int32_t mb, int mode);
+/* Starts the restores of (l, mb)'s paged tensors into restore buffers k. */
+mst_status mst_mm_issue_restore(mst_memmgr_t* m, int32_t l, int32_t mb, int k);
+
+#endif /* MST_MEMMGR_IMPL_H */

@@ -1,0 +1,282 @@
+/*
+ * memmgr_saver.c — the saver the memory manager hands out for each layer
+ * call: produce, claim and commit in the forward, fetch and release in the
+ * backward, and the restores that bring paged tensors back (prefetched by
+ * the step protocol). Which stream runs what: memmgr_streams.c.
+ */
+#include <string.h>
+
+#include "memmgr_impl.h"
+
+/* Host-known rows of a measuring step: sum of counts (syncs), checked
+ * (negative counts, sum past max_rows) by mst_counts_offsets. */
+static mst_status host_rows(mst_memmgr_t* m, const mst_tensor* counts, int64_t* n) {
+    int32_t E = (int32_t)counts->rows;
+    int32_t* h = (int32_t*)malloc(sizeof(int32_t) * (size_t)E);
+    int64_t* off = (int64_t*)malloc(sizeof(int64_t) * ((size_t)E + 1));
+    mst_status st = h && off ? mst_copy_b2h(m->ctx, h, counts->data, sizeof(int32_t) * (size_t)E)
+                             : mst_set_error(MST_ERR_OOM, "counts copy of %d groups", E);
+    if (st == MST_OK) st = mst_counts_offsets(h, E, m->cfg.max_rows, off);
+    if (st == MST_OK) *n = off[E];
+    free(h);
+    free(off);
+    return st;
+}
+
+static mst_status sv_produce(void* self, mst_saved_name n, int64_t rows, int64_t cols, mst_dtype dt,
+                             mst_tensor* out) {
+    saver_ref* r = (saver_ref*)self;
+    mst_memmgr_t* m = r->m;
+    if ((int)n < 0 || n >= MST_N_SAVED) return mst_set_error(MST_ERR_INVALID, "name = %d", (int)n);
+    if (rows != m->cfg.max_rows || cols != cols_of(m, n) || dt != dtype_of(m, n))
+        return mst_set_error(MST_ERR_INVALID, "produce %s: [%lld, %lld] %s, the manager holds [%lld, %lld] %s",
+                             mst_saved_name_str(n), (long long)rows, (long long)cols, mst_dtype_name(dt),
+                             (long long)m->cfg.max_rows, (long long)cols_of(m, n), mst_dtype_name(dtype_of(m, n)));
+    if (r->mode == MODE_RECOMP) {
+        MST_TRY(mst_mm_alloc_tensor(m, n, mst_mm_rerun_buf(m, r->layer, n), &m->rep.kept_bytes));
+        *out = *mst_mm_rerun_buf(m, r->layer, n);
+        return MST_OK;
+    }
+    if (r->mode == MODE_FWD && policy_of(m, r->layer, n) == MST_POLICY_KEEP) {
+        slot* s = slot_of(m, r->layer, r->mb, n);
+        MST_TRY(mst_mm_alloc_tensor(m, n, &s->keep, &m->rep.kept_bytes));
+        *out = s->keep;
+        return MST_OK;
+    }
+    if (r->mode == MODE_BWD) return mst_set_error(MST_ERR_STATE, "produce of %s in a backward", mst_saved_name_str(n));
+    MST_TRY(mst_mm_ensure_compute(m, n));
+    shared_bufs* b = &m->bufs[n];
+    if (b->compute_pending) { /* its last stash must have read it */
+        MST_TRY(mst_mm_ev_wait(m, b->compute_free, MST_STREAM_MAIN));
+        b->compute_pending = 0;
+    }
+    *out = b->compute;
+    return MST_OK;
+}
+
+/* Is (layer, mb)'s backward the very next thing after its forward? Only the
+ * last layer of a chunk can be, when the next schedule entry is its backward. */
+static int backward_follows(const mst_memmgr_t* m, int32_t l, int32_t mb) {
+    int32_t c = chunk_of(m, l);
+    if (l != (c + 1) * m->layers_per_chunk - 1 || m->pos + 1 >= m->cfg.n_schedule) return 0;
+    mst_sched_entry e = m->schedule[m->pos + 1];
+    return e.backward && e.chunk == c && e.microbatch == mb;
+}
+
+static mst_status commit_measuring(mst_memmgr_t* m, slot* s, mst_saved_name n, const mst_tensor* src,
+                                   const mst_tensor* counts) {
+    (void)counts; /* s->n_rows was read at commit */
+    size_t bytes = (size_t)s->n_rows * row_bytes(m, n);
+    if (bytes) {
+        MST_TRY(mst_alloc(m->ctx, bytes, &s->exact));
+        MST_TRY(mst_copy_b2b(m->ctx, s->exact, src->data, bytes));
+    }
+    return MST_OK;
+}
+
+static mst_status sv_commit(void* self, mst_saved_name n, const mst_tensor* src, const mst_tensor* counts) {
+    saver_ref* r = (saver_ref*)self;
+    mst_memmgr_t* m = r->m;
+    if ((int)n < 0 || n >= MST_N_SAVED) return mst_set_error(MST_ERR_INVALID, "name = %d", (int)n);
+    MST_TRY(mst_check_tensor(src, "src", dtype_of(m, n)));
+    MST_TRY(mst_check_shape(src, "src", m->cfg.max_rows, cols_of(m, n)));
+    if (r->mode == MODE_DISCARD) return MST_OK;
+    if (r->mode == MODE_RECOMP) {
+        mst_tensor* t = mst_mm_rerun_buf(m, r->layer, n);
+        MST_TRY(mst_mm_alloc_tensor(m, n, t, &m->rep.kept_bytes));
+        return t->data == src->data ? MST_OK : mst_copy_b2b(m->ctx, t->data, src->data, buf_bytes(m, n));
+    }
+    if (r->mode != MODE_FWD) return mst_set_error(MST_ERR_STATE, "commit of %s in a backward", mst_saved_name_str(n));
+    slot* s = slot_of(m, r->layer, r->mb, n);
+    if (s->saved)
+        return mst_set_error(MST_ERR_STATE, "%s of (layer %d, mb %d) committed twice", mst_saved_name_str(n),
+                             r->layer, r->mb);
+    mst_policy p = policy_of(m, r->layer, n);
+    if (m->measuring) { /* exact shapes: what this tensor needs kept at its true size */
+        MST_TRY(host_rows(m, counts, &s->n_rows));
+        m->live_exact += (size_t)s->n_rows * row_bytes(m, n);
+        if (m->live_exact > m->peak_exact) m->peak_exact = m->live_exact;
+    }
+    s->saved = 1;
+    s->in_compute = 0;
+    s->restore_idx = -1;
+    if (p == MST_POLICY_RECOMPUTE) return MST_OK;
+    if (p == MST_POLICY_KEEP) {
+        MST_TRY(mst_mm_alloc_tensor(m, n, &s->keep, &m->rep.kept_bytes));
+        return s->keep.data == src->data ? MST_OK : mst_copy_b2b(m->ctx, s->keep.data, src->data, buf_bytes(m, n));
+    }
+    if (s->claimed) { /* its producer writes the pages (sv_claim): nothing to copy */
+        s->claimed = 0;
+        return MST_OK;
+    }
+    int from_compute = src->data == m->bufs[n].compute.data;
+    if (from_compute && backward_follows(m, r->layer, r->mb)) { /* no stash: used right away */
+        s->in_compute = 1;
+        return MST_OK;
+    }
+    if (m->measuring) {
+        MST_TRY(commit_measuring(m, s, n, src, counts));
+        int64_t* live = &m->live_pages[n][kind_of(p)];
+        *live += pages_for(m, s->n_rows);
+        if (*live > m->peak_pages[n][kind_of(p)]) m->peak_pages[n][kind_of(p)] = *live;
+        if (s->n_rows > m->max_saved_rows) m->max_saved_rows = s->n_rows;
+        return MST_OK;
+    }
+    mst_tensor t = *src;
+    MST_TRY(mst_mm_on_side(m, MST_STREAM_RING, NULL, MM_SAVE, m->pool[n][kind_of(p)], s->handle, &t, counts));
+    MST_TRY(mst_mm_ev_record(m, s->saved_ev, MST_STREAM_RING));
+    if (from_compute) {
+        MST_TRY(mst_mm_ev_record(m, m->bufs[n].compute_free, MST_STREAM_RING));
+        m->bufs[n].compute_pending = 1;
+    } else {
+        MST_TRY(mst_mm_ev_record(m, m->inputs_read, MST_STREAM_RING));
+        m->inputs_pending = 1;
+    }
+    return MST_OK;
+}
+
+/* In a sized step a stashed fc1_input, fc2_input or act_input is read from
+ * its device pages in place (no restore copy) where read_from_pages: the
+ * backward waits for its save and the pages go back at its release.
+ * Offloaded ones are restored (in place the wgrad would read them over PCIe
+ * once per row block of its output). */
+static int in_place(const mst_memmgr_t* m, int32_t l, mst_saved_name n) {
+    return !m->measuring && policy_of(m, l, n) == MST_POLICY_STASH && read_from_pages(m, n);
+}
+
+/* Starts copying the paged tensors of (l, mb) back into restore buffers k
+ * (copy stream); their pages are returned at the backward's release. */
+mst_status mst_mm_issue_restore(mst_memmgr_t* m, int32_t l, int32_t mb, int k) {
+    if (m->measuring || m->chunk_start[l] >= 0) return MST_OK;
+    for (int n = 0; n < MST_N_SAVED; n++) {
+        slot* s = slot_of(m, l, mb, (mst_saved_name)n);
+        if (!paged(policy_of(m, l, (mst_saved_name)n)) || !s->saved || s->in_compute || s->restore_idx >= 0 ||
+            in_place(m, l, (mst_saved_name)n))
+            continue;
+        shared_bufs* b = &m->bufs[n];
+        if (b->restore_free_rec[k]) MST_TRY(mst_mm_ev_wait(m, b->restore_free[k], MST_STREAM_COPY));
+        mst_pool_t* pool = m->pool[n][kind_of(policy_of(m, l, (mst_saved_name)n))];
+        mst_tensor dst = mst_mm_restore_dst(m, &b->restore[k]);
+        MST_TRY(mst_mm_on_side(m, MST_STREAM_COPY, s->saved_ev, MM_RESTORE_COPY, pool, s->handle, &dst, NULL));
+        MST_TRY(mst_mm_ev_record(m, b->restore_done[k], MST_STREAM_COPY));
+        s->restore_idx = k;
+    }
+    return MST_OK;
+}
+
+static mst_status sv_fetch(void* self, mst_saved_name n, mst_tensor* out) {
+    saver_ref* r = (saver_ref*)self;
+    mst_memmgr_t* m = r->m;
+    if ((int)n < 0 || n >= MST_N_SAVED) return mst_set_error(MST_ERR_INVALID, "name = %d", (int)n);
+    if (r->mode != MODE_BWD) return mst_set_error(MST_ERR_STATE, "fetch of %s outside a backward", mst_saved_name_str(n));
+    if (m->chunk_start[r->layer] >= 0) {
+        *out = *mst_mm_rerun_buf(m, r->layer, n);
+        if (!out->data)
+            return mst_set_error(MST_ERR_STATE, "%s of recomputed layer %d was not rerun before its backward",
+                                 mst_saved_name_str(n), r->layer);
+        return MST_OK;
+    }
+    slot* s = slot_of(m, r->layer, r->mb, n);
+    if (!s->saved)
+        return mst_set_error(MST_ERR_STATE, "%s of (layer %d, mb %d) was never saved", mst_saved_name_str(n),
+                             r->layer, r->mb);
+    mst_policy p = policy_of(m, r->layer, n);
+    if (p == MST_POLICY_RECOMPUTE) {
+        *out = mst_tensor_make(NULL, dtype_of(m, n), m->cfg.max_rows, cols_of(m, n));
+        return MST_OK;
+    }
+    if (p == MST_POLICY_KEEP) {
+        *out = s->keep;
+        return MST_OK;
+    }
+    shared_bufs* b = &m->bufs[n];
+    if (s->in_compute) {
+        *out = b->compute;
+        return MST_OK;
+    }
+    if (in_place(m, r->layer, n)) {
+        MST_TRY(mst_mm_ev_wait(m, s->saved_ev, MST_STREAM_MAIN)); /* its pages are written */
+        MST_TRY(mst_stash_handle_pages(s->handle, &s->pages));
+        *out = mst_tensor_make((void*)s->pages.table, dtype_of(m, n), m->cfg.max_rows, cols_of(m, n));
+        out->pages = &s->pages;
+        return MST_OK;
+    }
+    int k = m->bwd_seq & 1;
+    if (m->measuring) {
+        size_t bytes = (size_t)s->n_rows * row_bytes(m, n);
+        if (bytes) MST_TRY(mst_copy_b2b(m->ctx, b->restore[k].data, s->exact, bytes));
+        s->restore_idx = k;
+    } else {
+        MST_TRY(mst_mm_issue_restore(m, r->layer, r->mb, k)); /* when not prefetched */
+        MST_TRY(mst_mm_ev_wait(m, b->restore_done[s->restore_idx], MST_STREAM_MAIN));
+    }
+    *out = b->restore[s->restore_idx];
+    return MST_OK;
+}
+
+/* A stashed tensor read in place, claimed before its producer runs: the
+ * claim (a save without the copy) takes its pages on the ring stream, in
+ * order with the pool's other ring updates, main waits for it, and the
+ * producer writes the rows into the pages besides its output; the commit
+ * then copies nothing. */
+static mst_status sv_claim(void* self, mst_saved_name n, const mst_tensor* counts, mst_pages* out) {
+    saver_ref* r = (saver_ref*)self;
+    mst_memmgr_t* m = r->m;
+    memset(out, 0, sizeof *out);
+    if ((int)n < 0 || n >= MST_N_SAVED) return mst_set_error(MST_ERR_INVALID, "name = %d", (int)n);
+    if (r->mode != MODE_FWD || !in_place(m, r->layer, n) || backward_follows(m, r->layer, r->mb)) return MST_OK;
+    slot* s = slot_of(m, r->layer, r->mb, n);
+    if (s->saved || s->claimed)
+        return mst_set_error(MST_ERR_STATE, "%s of (layer %d, mb %d) claimed after its commit or twice",
+                             mst_saved_name_str(n), r->layer, r->mb);
+    MST_TRY(mst_mm_ensure_compute(m, n));
+    mst_tensor t = m->bufs[n].compute; /* [R, cols]: counts past R are bad counts, as in a save */
+    /* after main's work so far: the counts may come from it (the router) */
+    MST_TRY(mst_mm_on_side(m, MST_STREAM_RING, NULL, MM_CLAIM, m->pool[n][kind_of(MST_POLICY_STASH)], s->handle, &t, counts));
+    MST_TRY(mst_mm_ev_record(m, s->saved_ev, MST_STREAM_RING));
+    MST_TRY(mst_mm_ev_wait(m, s->saved_ev, MST_STREAM_MAIN));
+    MST_TRY(mst_stash_handle_pages(s->handle, out));
+    s->claimed = 1;
+    return MST_OK;
+}
+
+static mst_status sv_release(void* self, mst_saved_name n) {
+    saver_ref* r = (saver_ref*)self;
+    mst_memmgr_t* m = r->m;
+    if ((int)n < 0 || n >= MST_N_SAVED) return mst_set_error(MST_ERR_INVALID, "name = %d", (int)n);
+    if (r->mode != MODE_BWD || m->chunk_start[r->layer] >= 0) return MST_OK;
+    slot* s = slot_of(m, r->layer, r->mb, n);
+    if (!s->saved) return MST_OK;
+    mst_policy p = policy_of(m, r->layer, n);
+    if (s->restore_idx >= 0) {
+        shared_bufs* b = &m->bufs[n];
+        MST_TRY(mst_mm_ev_record(m, b->restore_free[s->restore_idx], MST_STREAM_MAIN));
+        b->restore_free_rec[s->restore_idx] = 1;
+        if (!m->measuring) /* the pages go back now, where the measuring step counted them free */
+            MST_TRY(mst_mm_on_side(m, MST_STREAM_RING, b->restore_done[s->restore_idx], MM_RETURN,
+                            m->pool[n][kind_of(p)], s->handle, NULL, NULL));
+    } else if (in_place(m, r->layer, n) && !s->in_compute) /* after the backward's reads (main, so far) */
+        MST_TRY(mst_mm_on_side(m, MST_STREAM_RING, NULL, MM_RETURN, m->pool[n][kind_of(p)], s->handle, NULL, NULL));
+    if (m->measuring) {
+        m->live_exact -= (size_t)s->n_rows * row_bytes(m, n);
+        if (paged(p) && !s->in_compute) m->live_pages[n][kind_of(p)] -= pages_for(m, s->n_rows);
+        mst_free(m->ctx, s->exact);
+        s->exact = NULL;
+    }
+    s->saved = 0;
+    s->restore_idx = -1;
+    s->in_compute = 0;
+    return MST_OK;
+}
+
+
+const mst_saver* mst_mm_saver_for(mst_memmgr_t* m, int32_t l, int32_t mb, int mode) {
+    saver_ref* r = &m->refs[((int64_t)l * m->cfg.n_microbatches + mb) * N_MODES + mode];
+    r->m = m;
+    r->layer = l;
+    r->mb = mb;
+    r->mode = mode;
+    r->saver = (mst_saver){r, sv_produce, sv_commit, sv_fetch, sv_release, sv_claim};
+    return &r->saver;
+}
+

@@ -1,0 +1,132 @@
+/*
+ * memmgr_streams.c — the memory manager's streams and events.
+ *
+ * Streams (mst_stream_sel; CUDA: the CPU runs everything in program order):
+ *   main  the context's current stream: the ops, and every buffer the caller
+ *         and the ops write
+ *   ring  every save, claim and page return of every pool, in host order
+ *         (the rings are updated without atomics), so that pages are used in
+ *         the order the measuring step counted them
+ *   copy  the copies of restores (mst_stash_restore_copy), which run beside
+ *         the saves (on PCIe: D2H and H2D at once)
+ *
+ * Every event edge (record on one stream -> wait on another), and what it
+ * guards. A side operation starts only after main's work so far (ev_main), so
+ * the other edges order work that main enqueues AFTER a side operation.
+ *
+ *   event             recorded on / where        waited on / where          guards
+ *   ----------------  -------------------------  -------------------------  ------------------------------
+ *   ev_main           main, before each side op  ring / copy, before that   the tensor a save reads is
+ *                     (mst_mm_on_side)           op (mst_mm_on_side)        written; the pages a return
+ *                                                                           gives back and the restore
+ *                                                                           buffer a copy overwrites are
+ *                                                                           no longer read
+ *   compute_free[n]   ring, after a save from    main, before the next      main overwrites compute buffer
+ *                     compute buffer n           produce into it            n only after its stash read it
+ *                     (sv_commit)                (sv_produce)
+ *   inputs_read       ring, after a save of an   main, at the next layer    the caller writes its input
+ *                     op input (fc1_input,       call: forward, backward,   buffers again only after
+ *                     probs) (sv_commit)         recompute (inputs_free)    their stash read them
+ *   saved_ev[slot]    ring, after the save or    copy, before its restore   a restore reads pages the
+ *                     claim of the slot          copy (issue_restore)       save has written
+ *                     (sv_commit, sv_claim)      main, after a claim        the producer writes pages the
+ *                                                (sv_claim)                 claim has tabled
+ *                                                main, before an in-place   the backward reads pages the
+ *                                                read (sv_fetch)            save has written
+ *   restore_done[n][k] copy, after a restore     main, before the backward  the backward reads the rows
+ *                     into restore[k]            reads it (sv_fetch)        the copy wrote
+ *                     (issue_restore)            ring, before the page      the pages go back to the ring
+ *                                                return (sv_release)        after the copy read them
+ *   restore_free[n][k] main, at the release of   copy, before the next      the copy overwrites a restore
+ *                     a tensor restored into k   restore into k             buffer after its last reader
+ *                     (sv_release)               (issue_restore)            (also implied by ev_main)
+ *   ev_side           ring and copy (those used) main (step end:            the next step (pool reset on
+ *                     at step end                mst_mm_join_side)          main, host reads) after this
+ *                                                                           step's side work; a captured
+ *                                                                           graph rejoins its streams
+ *
+ * Tests slow a stream down (mst_memmgr_debug_slow): a spin before each
+ * operation of a side stream, or at each layer call on main; a missing edge
+ * then changes the gradients.
+ */
+#include "memmgr_impl.h"
+
+static void* stream_of(mst_memmgr_t* m, mst_stream_sel on) {
+    return on == MST_STREAM_MAIN ? NULL : m->ctx->be->side_stream(m->ctx, on);
+}
+
+mst_status mst_mm_ev_record(mst_memmgr_t* m, void* ev, mst_stream_sel on) {
+    const mst_backend* be = m->ctx->be;
+    if (!be->event_record) return MST_OK;
+    return be->event_record(m->ctx, ev, stream_of(m, on));
+}
+
+mst_status mst_mm_ev_wait(mst_memmgr_t* m, void* ev, mst_stream_sel on) {
+    const mst_backend* be = m->ctx->be;
+    if (!be->stream_wait) return MST_OK;
+    return be->stream_wait(m->ctx, stream_of(m, on), ev);
+}
+
+mst_status mst_mm_ev_new(mst_memmgr_t* m, void** ev) {
+    *ev = NULL;
+    return m->ctx->be->event_create ? m->ctx->be->event_create(m->ctx, ev) : MST_OK;
+}
+
+void mst_mm_ev_free(mst_memmgr_t* m, void* ev) {
+    if (ev && m->ctx->be->event_destroy) m->ctx->be->event_destroy(m->ctx, ev);
+}
+
+static mst_status run_op(mst_mm_side_op op, mst_pool_t* p, mst_stash_handle_t* h, mst_tensor* t,
+                         const mst_tensor* counts) {
+    switch (op) {
+    case MM_SAVE: return mst_stash_save(p, h, t, counts);
+    case MM_CLAIM: return mst_stash_claim(p, h, t->rows, counts);
+    case MM_RESTORE_COPY: return mst_stash_restore_copy(p, h, t);
+    case MM_RETURN: return mst_stash_restore_return(p, h);
+    }
+    return mst_set_error(MST_ERR_INVALID, "side op = %d", (int)op);
+}
+
+/* A spin of m->slow[on] cycles on stream `on` (NULL stream: the current one). */
+static mst_status slow_down(mst_memmgr_t* m, mst_stream_sel on) {
+    if (!m->slow[on]) return MST_OK;
+    return m->ctx->be->stream_spin(m->ctx, NULL, m->slow[on]);
+}
+
+mst_status mst_mm_on_side(mst_memmgr_t* m, mst_stream_sel side, void* after, mst_mm_side_op op,
+                          mst_pool_t* p, mst_stash_handle_t* h, mst_tensor* t, const mst_tensor* counts) {
+    const mst_backend* be = m->ctx->be;
+    if (!be->side_stream) return run_op(op, p, h, t, counts);
+    void* main_stream = mst_ctx_stream(m->ctx);
+    MST_TRY(mst_mm_ev_record(m, m->ev_main, MST_STREAM_MAIN));
+    MST_TRY(mst_mm_ev_wait(m, m->ev_main, side));
+    if (after) MST_TRY(mst_mm_ev_wait(m, after, side));
+    MST_TRY(mst_ctx_set_stream(m->ctx, be->side_stream(m->ctx, side)));
+    m->side_used |= 1 << side;
+    mst_status st = slow_down(m, side);
+    if (st == MST_OK) st = run_op(op, p, h, t, counts);
+    mst_status st2 = mst_ctx_set_stream(m->ctx, main_stream);
+    return st != MST_OK ? st : st2;
+}
+
+mst_status mst_mm_join_side(mst_memmgr_t* m) {
+    for (mst_stream_sel s = MST_STREAM_RING; s < MST_N_STREAMS; s++) {
+        if (!(m->side_used & 1 << s)) continue;
+        MST_TRY(mst_mm_ev_record(m, m->ev_side, s));
+        MST_TRY(mst_mm_ev_wait(m, m->ev_side, MST_STREAM_MAIN));
+    }
+    return MST_OK;
+}
+
+mst_status mst_mm_slow_main(mst_memmgr_t* m) { return slow_down(m, MST_STREAM_MAIN); }
+
+mst_status mst_memmgr_debug_slow(mst_memmgr_t* m, mst_stream_sel sel, int64_t cycles) {
+    if (!m) return mst_set_error(MST_ERR_INVALID, "m is NULL");
+    if ((int)sel < 0 || sel >= MST_N_STREAMS || cycles < 0)
+        return mst_set_error(MST_ERR_INVALID, "sel = %d, cycles = %lld: a stream and cycles >= 0", (int)sel,
+                             (long long)cycles);
+    if (cycles && (!m->ctx->be->stream_spin || !m->ctx->be->side_stream))
+        return mst_set_error(MST_ERR_UNSUPPORTED, "backend %s cannot slow a stream down", m->ctx->be->name);
+    m->slow[sel] = cycles;
+    return MST_OK;
+}
