@@ -251,7 +251,7 @@ static mst_status layer_call_begins(mst_memmgr_t* m) {
     MST_TRY(mst_mm_slow_main(m));
     if (!m->inputs_pending) return MST_OK;
     m->inputs_pending = 0;
-    return mst_mm_ev_wait(m, m->inputs_read, MST_STREAM_RING);
+    return mst_mm_ev_wait(m, m->inputs_read, MST_STREAM_MAIN);
 }
 
 /* At the start of a forward entry that a backward entry follows: the
