@@ -6,7 +6,9 @@
  * step; an injected overflow detected and the rerun step bit-identical to a
  * run with large pools; a device block at factor 1.0 spills to its host block
  * on heavier counts; offload bytes equal the host pages used; bad input.
- * On CUDA the sized steps run as one captured CUDA graph.
+ * On CUDA the sized steps run as one captured CUDA graph, and the schedules
+ * and policies run again with each stream slowed down in turn (a missing
+ * event edge of the memory manager then changes the gradients).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +18,7 @@
 
 #include "harness.h"
 #include "mlp_stack.h"
+#include "stash/memmgr_debug.h"
 
 enum { L = 4, M = 4, E = 4, H = 32, F = 24, R = 200, PAGE = 16 };
 
@@ -26,6 +29,8 @@ typedef struct setup {
     const char* recompute;
     double dev_factor;    /* pool sizing; 0: 1.10                         */
     double host_factor;
+    mst_stream_sel slow;  /* the stream slowed down (cycles > 0)         */
+    int64_t cycles;       /* its spin, clock cycles; 0: none             */
 } setup;
 
 /* Gradients of one step, downloaded: main_grads, dprobs, input grads. */
@@ -104,6 +109,7 @@ static grads run_setup(mst_ctx_t* ctx, mst_stack* s, const setup* su, const int3
     mst_memmgr_config mc = {L, M, su->sched.virtual_stages, R, H, F, sch, n, PAGE,
                             su->dev_factor ? su->dev_factor : 1.10, su->host_factor};
     CHECK_OK(mst_memmgr_create(ctx, &mc, &s->mm));
+    if (su->cycles) CHECK_OK(mst_memmgr_debug_slow(s->mm, su->slow, su->cycles));
     if (su->policy) CHECK_OK(mst_memmgr_set_policy_spec(s->mm, su->policy));
     else { /* a different mix on each layer */
         for (int l = 0; l < L; l++)
@@ -147,7 +153,14 @@ static void compare(const grads* base, const grads* got, const char* what) {
     CHECK(d < 0, "%s: gradients differ from all-KEEP at byte %lld of %zu", what, (long long)d, base->n);
 }
 
-static void policies_and_schedules(mst_ctx_t* ctx, const mst_mlp_config* mlp, mst_rng* rng) {
+/* Every schedule, policy and layer recompute against all-KEEP. With cycles
+ * > 0, stream `slow` is slowed down (a spin before each of its pool
+ * operations, or at each layer call on main) in every run but KEEP's: an
+ * event edge missing from the memory manager lets main overwrite a buffer
+ * whose stash has not read it, or read rows that a restore has not written,
+ * and the gradients change. */
+static void policies_and_schedules(mst_ctx_t* ctx, const mst_mlp_config* mlp, mst_rng* rng, mst_stream_sel slow,
+                                   int64_t cycles) {
     int32_t* a = (int32_t*)malloc(sizeof(int32_t) * L * M * E);
     random_counts(rng, a, 0.8);
     const mst_schedule_config scheds[] = {
@@ -162,17 +175,18 @@ static void policies_and_schedules(mst_ctx_t* ctx, const mst_mlp_config* mlp, ms
     for (size_t si = 0; si < sizeof scheds / sizeof scheds[0]; si++) {
         mst_stack stack, *s = &stack;
         CHECK_OK(mst_stack_create(ctx, mlp, L, M, scheds[si].virtual_stages, R, 5, s));
-        setup keep = {"keep", scheds[si], "keep", NULL, 0, 0};
+        setup keep = {"keep", scheds[si], "keep", NULL, 0, 0, MST_STREAM_MAIN, 0};
         int ov;
         mst_mem_report_t rk, r;
         grads base = run_setup(ctx, s, &keep, a, a, &ov, &rk);
         CHECK(!ov, "keep overflowed");
         for (size_t pi = 0; pi < sizeof specs / sizeof specs[0]; pi++) {
-            setup su = {specs[pi] ? specs[pi] : "per-layer mix", scheds[si], specs[pi], NULL, 0, 0};
+            setup su = {specs[pi] ? specs[pi] : "per-layer mix", scheds[si], specs[pi], NULL, 0, 0, slow, cycles};
             grads g = run_setup(ctx, s, &su, a, a, &ov, &r);
             char what[160];
-            snprintf(what, sizeof what, "%s / %s S=%d r=%d V=%d", su.name,
-                     mst_schedule_kind_str(su.sched.kind), su.sched.stages, su.sched.rank, su.sched.virtual_stages);
+            snprintf(what, sizeof what, "%s / %s S=%d r=%d V=%d, stream %d slowed by %lld cycles", su.name,
+                     mst_schedule_kind_str(su.sched.kind), su.sched.stages, su.sched.rank, su.sched.virtual_stages,
+                     (int)slow, (long long)cycles);
             compare(&base, &g, what);
             CHECK(!ov, "%s: overflowed on the counts it was sized with", what);
             if (specs[pi] && strcmp(specs[pi], "offload") == 0) {
@@ -198,11 +212,12 @@ static void policies_and_schedules(mst_ctx_t* ctx, const mst_mlp_config* mlp, ms
             free(g.g);
         }
         for (size_t ri = 0; ri < sizeof recomputes / sizeof recomputes[0]; ri++) {
-            setup su = {recomputes[ri], scheds[si], "stash", recomputes[ri], 0, 0};
+            setup su = {recomputes[ri], scheds[si], "stash", recomputes[ri], 0, 0, slow, cycles};
             grads g = run_setup(ctx, s, &su, a, a, &ov, &r);
             char what[160];
-            snprintf(what, sizeof what, "recompute %s / %s S=%d V=%d", recomputes[ri],
-                     mst_schedule_kind_str(su.sched.kind), su.sched.stages, su.sched.virtual_stages);
+            snprintf(what, sizeof what, "recompute %s / %s S=%d V=%d, stream %d slowed by %lld cycles",
+                     recomputes[ri], mst_schedule_kind_str(su.sched.kind), su.sched.stages,
+                     su.sched.virtual_stages, (int)slow, (long long)cycles);
             compare(&base, &g, what);
             CHECK(r.recompute_bytes > 0, "%s: no recompute savings reported", what);
             free(g.g);
@@ -220,7 +235,7 @@ static void overflow_rerun(mst_ctx_t* ctx, mst_stack* s, mst_rng* rng) {
     int32_t* heavy = (int32_t*)malloc(sizeof(int32_t) * L * M * E);
     random_counts(rng, light, 0.3);
     random_counts(rng, heavy, 0.95);
-    setup su = {"stash overflow", {MST_SCHEDULE_1F1B, 4, 0, M, 1}, "stash", NULL, 0, 0};
+    setup su = {"stash overflow", {MST_SCHEDULE_1F1B, 4, 0, M, 1}, "stash", NULL, 0, 0, MST_STREAM_MAIN, 0};
     int ov, ov2;
     mst_mem_report_t r1, r2;
     grads g_over = run_setup(ctx, s, &su, light, heavy, &ov, &r1);
@@ -229,7 +244,7 @@ static void overflow_rerun(mst_ctx_t* ctx, mst_stack* s, mst_rng* rng) {
     grads g_big = run_setup(ctx, s, &su, heavy, heavy, &ov2, &r2);
     CHECK(!ov2, "pools sized on heavy routing overflowed");
     compare(&g_big, &g_over, "rerun after overflow");
-    setup keep = {"keep", su.sched, "keep", NULL, 0, 0};
+    setup keep = {"keep", su.sched, "keep", NULL, 0, 0, MST_STREAM_MAIN, 0};
     mst_mem_report_t rk;
     grads g_keep = run_setup(ctx, s, &keep, heavy, heavy, &ov2, &rk);
     compare(&g_keep, &g_over, "rerun after overflow vs keep");
@@ -250,7 +265,7 @@ static void host_spill(mst_ctx_t* ctx, mst_stack* s, mst_rng* rng) {
         hv[0] += want * 5 / 4 + 1 - sum;
     }
     const mst_schedule_config sc = {MST_SCHEDULE_1F1B, 4, 0, M, 1};
-    setup su = {"stash, device 1.0 + host 1.0", sc, "stash", NULL, 1.0, 1.0};
+    setup su = {"stash, device 1.0 + host 1.0", sc, "stash", NULL, 1.0, 1.0, MST_STREAM_MAIN, 0};
     int ov;
     mst_mem_report_t r, rk;
     grads g = run_setup(ctx, s, &su, light, heavy, &ov, &r);
@@ -258,7 +273,7 @@ static void host_spill(mst_ctx_t* ctx, mst_stack* s, mst_rng* rng) {
     CHECK(r.host_pages_peak_bytes > 0 && r.dev_pages_peak_bytes == r.dev_pages_bytes,
           "%s: %zu host page bytes at peak, device %zu of %zu", su.name, r.host_pages_peak_bytes,
           r.dev_pages_peak_bytes, r.dev_pages_bytes);
-    setup keep = {"keep", sc, "keep", NULL, 0, 0};
+    setup keep = {"keep", sc, "keep", NULL, 0, 0, MST_STREAM_MAIN, 0};
     grads gk = run_setup(ctx, s, &keep, heavy, heavy, &ov, &rk);
     compare(&gk, &g, su.name);
     free(g.g), free(gk.g), free(light), free(heavy);
@@ -326,7 +341,10 @@ static void run(mst_ctx_t* ctx) {
     overflow_rerun(ctx, &s, &rng);
     host_spill(ctx, &s, &rng);
     mst_stack_destroy(&s);
-    policies_and_schedules(ctx, &mlp, &rng);
+    policies_and_schedules(ctx, &mlp, &rng, MST_STREAM_MAIN, 0);
+    if (mst_ctx_backend(ctx) == MST_BACKEND_CUDA) /* each stream slowed in turn: about 0.6 ms a spin */
+        for (mst_stream_sel sel = MST_STREAM_MAIN; sel < MST_N_STREAMS; sel++)
+            policies_and_schedules(ctx, &mlp, &rng, sel, (int64_t)1 << 20);
     bad_input(ctx);
 }
 

@@ -15,16 +15,11 @@
 #define MST_BACKEND_H
 
 #include "moestash.h"
+#include "host_device.h" /* MST_HD */
+#include "page_table.h"
 
 #ifdef __cplusplus
 extern "C" {
-#endif
-
-/* Inline functions shared by the CPU reference (C11) and the CUDA kernels. */
-#ifdef __CUDACC__
-#define MST_HD static __host__ __device__ __forceinline__
-#else
-#define MST_HD static inline
 #endif
 
 /* Bits of the context's device error flag (int32 in backend memory). */
@@ -37,9 +32,8 @@ enum {
  * is past the table or its page id past its block (the row reads as zeros). */
 MST_HD const char* mst_paged_row(const mst_pages* pg, int64_t r, int64_t row_bytes) {
     if (r >= pg->table_rows) return 0;
-    const uint32_t id = pg->table[r / pg->page_rows];
-    const int b = (int)(id >> 31);
-    const int64_t i = (int64_t)(id & 0x7fffffffu);
+    int b;
+    const int64_t i = mst_page_decode(pg->table[r / pg->page_rows], &b);
     if (i >= pg->n_pages[b]) return 0;
     return (const char*)pg->block[b] + (i * pg->page_rows + r % pg->page_rows) * row_bytes;
 }
@@ -104,8 +98,6 @@ MST_HD const uint16_t* mst_act_h_row(const mst_act_args* a, int64_t r) {
     return (const uint16_t*)mst_paged_row(&a->h_pages, r, 4 * a->ffn);
 }
 
-struct mst_stash_args; /* paged stash: src/stash/stash.h */
-
 /* The streams of the memory manager: main (the context's current stream,
  * where ops run) and the side streams of the stash traffic. A selector is
  * always one of these names, never a bare number. */
@@ -159,7 +151,7 @@ typedef struct mst_backend {
     mst_status (*stream_wait)(mst_ctx_t* ctx, void* stream, void* ev);  /* (optional) */
     mst_status (*stream_spin)(mst_ctx_t* ctx, void* stream, int64_t cycles); /* (optional) */
 
-    /* paged stash (src/stash/stash.h): reserve + copy, copy + page return,
+    /* paged stash (page_table.h): reserve + copy, copy + page return,
      * ring refill; host_alloc gives pinned host memory that the backend's
      * kernels can address (the host block of a pool). */
     mst_status (*stash_reset)(mst_ctx_t* ctx, const struct mst_stash_args* a);

@@ -47,6 +47,7 @@
 #define MST_MEMMGR_IMPL_H
 
 #include "../core/context.h"
+#include "memmgr_debug.h"
 
 /* What a handed-out saver does: forward, backward, forward of a layer in a
  * recompute chunk (saves nothing), rerun of that layer before its backward. */
@@ -183,12 +184,6 @@ mst_status mst_mm_on_side(mst_memmgr_t* m, mst_stream_sel side, void* after, mst
 mst_status mst_mm_join_side(mst_memmgr_t* m);
 /* tests: main slowed at each layer call (mst_memmgr_debug_slow). */
 mst_status mst_mm_slow_main(mst_memmgr_t* m);
-
-/* Tests: slows stream `sel` down by a spin of `cycles` clock cycles (0: off)
- * on backends with streams: on a side stream before each of its pool
- * operations, on main at each layer call. A missing event edge then shows
- * as a wrong result. MST_ERR_UNSUPPORTED where the backend cannot spin. */
-mst_status mst_memmgr_debug_slow(mst_memmgr_t* m, mst_stream_sel sel, int64_t cycles);
 
 /* ---- buffers and pool sizing (memmgr_buffers.c) --------------------------- */
 

@@ -2,7 +2,8 @@
  * pool.c — the paged stash, backend independent: pools (blocks, rings, state),
  * stash handles, save / restore / reset dispatch with their argument checks,
  * the invariant check, statistics, the flag poll, and sizing from a measured
- * peak. Contracts: docs/DESIGN.md, "The paged stash"; the layout is in stash.h.
+ * peak. Contracts: docs/DESIGN.md, "The paged stash"; the host side is in
+ * stash.h, the format in src/backend/page_table.h.
  */
 #include <math.h>
 #include <string.h>
@@ -50,7 +51,7 @@ static mst_status check_config(const mst_pool_config* cfg, int64_t row_bytes) {
         return mst_set_error(MST_ERR_INVALID,
                              "cfg.n_dev_pages = %lld, cfg.n_host_pages = %lld: >= 0, not both 0",
                              (long long)cfg->n_dev_pages, (long long)cfg->n_host_pages);
-    if (cfg->n_dev_pages >= (int64_t)MST_PAGE_HOST || cfg->n_host_pages >= (int64_t)MST_PAGE_HOST)
+    if (cfg->n_dev_pages >= MST_PAGE_INDEX_LIMIT || cfg->n_host_pages >= MST_PAGE_INDEX_LIMIT)
         return mst_set_error(MST_ERR_INVALID, "cfg: %lld device / %lld host pages, at most 2^31 - 1",
                              (long long)cfg->n_dev_pages, (long long)cfg->n_host_pages);
     if (cfg->copy_sms < 0)
@@ -187,8 +188,8 @@ mst_status mst_pool_poll(mst_pool_t* pool) {
 
 /* Marks page id as seen in owner[]; an error when it is invalid or seen twice. */
 static mst_status mark(const mst_pool_t* p, uint8_t* seen, uint32_t id, const char* where) {
-    const int host = (id & MST_PAGE_HOST) != 0;
-    const int64_t i = id & ~MST_PAGE_HOST;
+    int host;
+    const int64_t i = mst_page_decode(id, &host);
     if (i >= p->a.cap[host])
         return mst_set_error(MST_ERR_STATE, "stash pool check: %s holds page id 0x%x, past the %s block",
                              where, id, host ? "host" : "device");
@@ -211,7 +212,9 @@ static mst_status check_rings(const mst_pool_t* p, const mst_pool_state* st, con
         const uint32_t* ring = rings + (b ? p->a.cap[MST_BLK_DEV] : 0);
         for (int64_t i = 0; i < n_free; i++) {
             const uint32_t id = ring[(st->head[b] + (uint64_t)i) % (uint64_t)cap];
-            if (((id & MST_PAGE_HOST) != 0) != b)
+            int blk;
+            mst_page_decode(id, &blk);
+            if (blk != b)
                 return mst_set_error(MST_ERR_STATE, "stash pool check: page id 0x%x in the %s ring",
                                      id, b ? "host" : "device");
             MST_TRY(mark(p, seen, id, b ? "the host ring" : "the device ring"));
@@ -236,7 +239,9 @@ static mst_status check_handle(const mst_pool_t* p, const mst_pool_state* st,
     char where[64];
     snprintf(where, sizeof where, "handle #%d", h->id);
     for (int64_t i = 0; i < n_pages; i++) {
-        if (((table[i] & MST_PAGE_HOST) != 0) != (i >= hs.n_pages[MST_BLK_DEV]))
+        int blk;
+        mst_page_decode(table[i], &blk);
+        if (blk != (i >= hs.n_pages[MST_BLK_DEV] ? MST_BLK_HOST : MST_BLK_DEV))
             return mst_set_error(MST_ERR_STATE, "stash pool check: %s table[%lld] = 0x%x is out of order",
                                  where, (long long)i, table[i]);
         MST_TRY(mark(p, seen, table[i], where));

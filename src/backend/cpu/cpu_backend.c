@@ -7,7 +7,6 @@
 #include <string.h>
 
 #include "../../core/context.h"
-#include "../../stash/stash.h"
 #include "cpu_ops.h"
 
 static mst_status cpu_init(mst_ctx_t* ctx, int device) {

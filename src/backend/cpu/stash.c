@@ -1,13 +1,14 @@
 /*
  * stash.c — the paged stash on the CPU backend: the reference for the CUDA
- * kernels. Runs the shared page bookkeeping of src/stash/stash.h on the host,
+ * kernels. Runs the shared page bookkeeping of page_table.h on the host,
  * one thread, and copies page by page with memcpy. Blocks and rings are host
  * memory, so the "pinned host block" is plain aligned memory.
  */
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../stash/stash.h"
+#include "../../core/context.h"
+#include "cpu_ops.h"
 
 mst_status mst_cpu_host_alloc(mst_ctx_t* ctx, size_t n_bytes, void** out) {
     (void)ctx;

@@ -5,7 +5,6 @@
  */
 #include <stdio.h>
 
-#include "../../stash/stash.h"
 #include "cuda_common.cuh"
 #include "cuda_ops.h"
 

@@ -20,6 +20,13 @@ int mst_cuda_gl_wgrad_pages(mst_ctx_t* ctx, int64_t page_rows, int64_t in, int64
 mst_status mst_cuda_act_forward(mst_ctx_t* ctx, const mst_act_args* a);
 mst_status mst_cuda_act_backward(mst_ctx_t* ctx, const mst_act_args* a);
 
+/* paged stash (stash.cu); host blocks are pinned, mapped host memory */
+mst_status mst_cuda_stash_reset(mst_ctx_t* ctx, const mst_stash_args* a);
+mst_status mst_cuda_stash_save(mst_ctx_t* ctx, const mst_stash_args* a);
+mst_status mst_cuda_stash_restore(mst_ctx_t* ctx, const mst_stash_args* a);
+mst_status mst_cuda_host_alloc(mst_ctx_t* ctx, size_t n_bytes, void** out);
+void mst_cuda_host_free(mst_ctx_t* ctx, void* ptr);
+
 /* tests: a kernel on `stream` (NULL: the context's) that spins `cycles` clock cycles (spin.cu) */
 mst_status mst_cuda_stream_spin(mst_ctx_t* ctx, void* stream, int64_t cycles);
 

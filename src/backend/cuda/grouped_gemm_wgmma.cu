@@ -178,8 +178,8 @@ __device__ __forceinline__ uint32_t lookup_page(const gg_paged& pg, int r0) {
  * max_rows are). */
 __device__ __forceinline__ void load_paged(uint8_t* sb, const CUtensorMap* mbd, const CUtensorMap* mbh,
                                            const gg_paged& pg, uint32_t id, int r0, int n0, uint64_t* full) {
-    const int host = (int)(id >> 31);
-    const uint32_t i = id & 0x7fffffffu;
+    int host;
+    const uint32_t i = (uint32_t)mst_page_decode(id, &host);
     const int page = i < (uint32_t)(host ? pg.n_pages[1] : pg.n_pages[0]) ? (int)i /* selects: no local copy of pg */
                                                                            : host ? pg.map_pages[1] : pg.map_pages[0];
     const int row = (int)((uint32_t)r0 & ((1u << pg.page_shift) - 1));

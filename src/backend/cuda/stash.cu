@@ -31,11 +31,11 @@
  *
  * Vector copies run on a persistent grid (as many blocks as fit on the
  * device at once). The bookkeeping is the source the CPU backend runs too
- * (src/stash/stash.h). Host pages are pinned, mapped host memory that the
+ * (page_table.h). Host pages are pinned, mapped host memory that the
  * copy kernels write and read over PCIe.
  */
-#include "../../stash/stash.h"
 #include "cuda_common.cuh"
+#include "cuda_ops.h"
 
 namespace {
 
