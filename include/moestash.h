@@ -233,6 +233,13 @@ MST_API const char* mst_policy_str(mst_policy p);          /* "keep", ...      *
 /* Parses a name ("act_input") or policy ("stash"); MST_ERR_INVALID naming it. */
 MST_API mst_status mst_saved_name_parse(const char* s, mst_saved_name* out);
 MST_API mst_status mst_policy_parse(const char* s, mst_policy* out);
+/* A policy spec: one policy for every name ("stash"; "recompute" means
+ * fc2_input recomputed, the rest kept) or NAME=POLICY items separated by
+ * commas ("fc1_input=stash,fc2_input=recompute"; names left out: keep) into
+ * out[name]. MST_ERR_INVALID with a message naming the item: an empty item,
+ * an unknown name or policy, a name given twice, a bare policy among items,
+ * recompute for a name other than fc2_input. */
+MST_API mst_status mst_policy_spec_parse(const char* spec, mst_policy out[MST_N_SAVED]);
 /* The shape of saved tensor `name` of a grouped MLP of width `hidden` and
  * `ffn`: [R, *cols] of *dtype (the table in the comments of mst_saved_name). */
 MST_API mst_status mst_saved_shape(mst_saved_name name, int64_t hidden, int64_t ffn, int64_t* cols,
@@ -573,7 +580,7 @@ MST_API void mst_memmgr_destroy(mst_memmgr_t* m);
  * RECOMPUTE is accepted for fc2_input only (the grouped MLP recomputes it);
  * whole layers are recomputed through mst_memmgr_set_recompute. */
 MST_API mst_status mst_memmgr_set_policy(mst_memmgr_t* m, int32_t layer, mst_saved_name name, mst_policy p);
-/* "stash" (every name) or "fc1_input=stash,fc2_input=recompute,..." */
+/* The policies of a spec (mst_policy_spec_parse) for every layer and name. */
 MST_API mst_status mst_memmgr_set_policy_spec(mst_memmgr_t* m, const char* spec);
 MST_API mst_status mst_memmgr_set_recompute(mst_memmgr_t* m, const mst_recompute_config* rc);
 /* chunk start of layer l's recompute chunk, or -1 (see mst_recompute_plan). */

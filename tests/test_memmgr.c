@@ -10,6 +10,7 @@
  * and policies run again with each stream slowed down in turn (a missing
  * event edge of the memory manager then changes the gradients).
  */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #ifdef MST_HAVE_CUDA
@@ -279,6 +280,121 @@ static void host_spill(mst_ctx_t* ctx, mst_stack* s, mst_rng* rng) {
     free(g.g), free(gk.g), free(light), free(heavy);
 }
 
+/* The one policy-spec parser: what it makes of good specs, and bad ones
+ * refused with a message naming the item. */
+static void policy_specs(void) {
+    mst_policy p[MST_N_SAVED];
+    CHECK_OK(mst_policy_spec_parse("act_input=stash,probs=offload,fc2_input=recompute", p));
+    CHECK(p[MST_SAVED_FC1_INPUT] == MST_POLICY_KEEP && p[MST_SAVED_ACT_INPUT] == MST_POLICY_STASH &&
+              p[MST_SAVED_FC2_INPUT] == MST_POLICY_RECOMPUTE && p[MST_SAVED_PROBS] == MST_POLICY_OFFLOAD,
+          "items: %d %d %d %d", p[0], p[1], p[2], p[3]);
+    CHECK_OK(mst_policy_spec_parse("recompute", p));
+    CHECK(p[MST_SAVED_FC1_INPUT] == MST_POLICY_KEEP && p[MST_SAVED_ACT_INPUT] == MST_POLICY_KEEP &&
+              p[MST_SAVED_FC2_INPUT] == MST_POLICY_RECOMPUTE && p[MST_SAVED_PROBS] == MST_POLICY_KEEP,
+          "recompute: %d %d %d %d", p[0], p[1], p[2], p[3]);
+    CHECK_OK(mst_policy_spec_parse("offload", p));
+    for (int n = 0; n < MST_N_SAVED; n++) CHECK(p[n] == MST_POLICY_OFFLOAD, "offload: name %d is %d", n, p[n]);
+    static const struct {
+        const char* spec;
+        const char* says; /* in the message */
+    } bad[] = {
+        {"", "is empty"},
+        {"stash,", "an empty item"},
+        {",stash", "an empty item"},
+        {"fc1_input=stash,,probs=keep", "an empty item"},
+        {"fc1_input=stash,fc1_input=keep", "item 'fc1_input=keep' names fc1_input again"},
+        {"probs=stash,act_input=keep,probs=stash", "item 'probs=stash' names probs again"},
+        {"stash,fc1_input=keep", "item 'stash' is a bare policy"},
+        {"fc1_input=recompute", "item 'fc1_input=recompute': only fc2_input"},
+        {"fc3_input=stash", "fc3_input"},
+        {"act_input=squash", "squash"},
+        {"act_input", "act_input"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        CHECK_STATUS(mst_policy_spec_parse(bad[i].spec, p), MST_ERR_INVALID);
+        CHECK(strstr(mst_last_error(), bad[i].says) != NULL, "spec '%s': message '%s' lacks '%s'", bad[i].spec,
+              mst_last_error(), bad[i].says);
+    }
+}
+
+/* The pages of each name at its peak along a schedule of a measuring step
+ * under STASH, modelled from the schedule alone: the forward of (chunk, mb)
+ * saves each layer's four tensors (ceil(rows / PAGE) pages each), its
+ * backward gives them back; the last layer's produced tensors (act_input,
+ * fc2_input) stay unsaved when the backward of the same (chunk, mb) comes
+ * right after. sum[n]: every save's pages, as if none were given back. */
+static void model_peaks(const mst_sched_entry* sch, int n_sch, int V, const int64_t rows[M],
+                        int64_t peak[MST_N_SAVED], int64_t sum[MST_N_SAVED]) {
+    int64_t live[MST_N_SAVED] = {0};
+    const int lpc = L / V;
+    for (int n = 0; n < MST_N_SAVED; n++) peak[n] = sum[n] = 0;
+    for (int i = 0; i < n_sch; i++) {
+        const mst_sched_entry e = sch[i];
+        const int follows = !e.backward && i + 1 < n_sch && sch[i + 1].backward && sch[i + 1].chunk == e.chunk &&
+                            sch[i + 1].microbatch == e.microbatch;
+        const int back = i > 0 && !sch[i - 1].backward && sch[i - 1].chunk == e.chunk &&
+                         sch[i - 1].microbatch == e.microbatch;
+        const int64_t pages = (rows[e.microbatch] + PAGE - 1) / PAGE;
+        for (int j = 0; j < lpc; j++)
+            for (int n = 0; n < MST_N_SAVED; n++) {
+                const int produced = n == MST_SAVED_ACT_INPUT || n == MST_SAVED_FC2_INPUT;
+                if (produced && j == lpc - 1 && (e.backward ? back : follows)) continue;
+                live[n] += e.backward ? -pages : pages;
+                if (!e.backward) sum[n] += pages;
+                if (live[n] > peak[n]) peak[n] = live[n];
+            }
+    }
+}
+
+/* Pools sized from the measured peak, not from every save (1F1B keeps a
+ * few microbatches in flight), and the report's device-page peak is the
+ * pages the sized step used, not the capacity: both against model_peaks. */
+static void pool_sizing(mst_ctx_t* ctx, const mst_mlp_config* mlp, mst_rng* rng) {
+    int32_t* a = (int32_t*)malloc(sizeof(int32_t) * L * M * E);
+    random_counts(rng, a, 0.8);
+    int64_t rows[M];
+    for (int mb = 0; mb < M; mb++) {
+        rows[mb] = 0;
+        for (int g = 0; g < E; g++) rows[mb] += a[(int64_t)mb * E + g]; /* layer 0; every layer alike */
+    }
+    const size_t row_bytes[MST_N_SAVED] = {H * 2, 2 * F * 2, F * 2, 4};
+    const mst_schedule_config scheds[] = {
+        {MST_SCHEDULE_1F1B, 4, 3, M, 1},        /* last stage: one microbatch in flight */
+        {MST_SCHEDULE_1F1B, 4, 2, M, 1},        /* two */
+        {MST_SCHEDULE_INTERLEAVED, 2, 1, M, 2}, /* two chunks */
+    };
+    for (size_t si = 0; si < sizeof scheds / sizeof scheds[0]; si++) {
+        mst_stack stack, *s = &stack;
+        CHECK_OK(mst_stack_create(ctx, mlp, L, M, scheds[si].virtual_stages, R, 5, s));
+        const int n_sch = 2 * M * scheds[si].virtual_stages;
+        mst_sched_entry sch[2 * M * 2];
+        CHECK_OK(mst_schedule_make(&scheds[si], sch, n_sch));
+        int64_t peak[MST_N_SAVED], sum[MST_N_SAVED];
+        model_peaks(sch, n_sch, scheds[si].virtual_stages, rows, peak, sum);
+        setup su = {"stash", scheds[si], "stash", NULL, 0, 0, MST_STREAM_MAIN, 0};
+        int ov;
+        mst_mem_report_t r;
+        grads g = run_setup(ctx, s, &su, a, a, &ov, &r);
+        CHECK(!ov, "schedule %zu overflowed on the counts it was sized with", si);
+        size_t want_cap = 0, want_peak = 0, all_saves = 0;
+        for (int n = 0; n < MST_N_SAVED; n++) {
+            const size_t page_bytes = (size_t)PAGE * row_bytes[n];
+            want_cap += (size_t)ceil((double)peak[n] * 1.10) * page_bytes;
+            want_peak += (size_t)peak[n] * page_bytes;
+            all_saves += (size_t)sum[n] * page_bytes;
+        }
+        CHECK(2 * all_saves > 3 * want_peak, "schedule %zu: every save %zu bytes, peak %zu: not a test of the peak", si,
+              all_saves, want_peak);
+        CHECK(r.dev_pages_bytes == want_cap, "schedule %zu: device pages of %zu bytes, want ceil(peak x 1.10) = %zu "
+              "(every save: %zu)", si, r.dev_pages_bytes, want_cap, all_saves);
+        CHECK(r.dev_pages_peak_bytes == want_peak, "schedule %zu: device pages at peak %zu bytes, want %zu (capacity %zu)",
+              si, r.dev_pages_peak_bytes, want_peak, r.dev_pages_bytes);
+        free(g.g);
+        mst_stack_destroy(s);
+    }
+    free(a);
+}
+
 static void bad_input(mst_ctx_t* ctx) {
     mst_schedule_config sc = {MST_SCHEDULE_1F1B, 2, 0, 2, 1};
     mst_sched_entry sch[4];
@@ -338,6 +454,7 @@ static void run(mst_ctx_t* ctx) {
     mst_mlp_config mlp = mst_mlp_config_default(E, H, F);
     mst_stack s;
     CHECK_OK(mst_stack_create(ctx, &mlp, L, M, 1, R, 5, &s));
+    pool_sizing(ctx, &mlp, &rng);
     overflow_rerun(ctx, &s, &rng);
     host_spill(ctx, &s, &rng);
     mst_stack_destroy(&s);
@@ -346,6 +463,7 @@ static void run(mst_ctx_t* ctx) {
         for (mst_stream_sel sel = MST_STREAM_MAIN; sel < MST_N_STREAMS; sel++)
             policies_and_schedules(ctx, &mlp, &rng, sel, (int64_t)1 << 20);
     bad_input(ctx);
+    policy_specs();
 }
 
 int main(int argc, char** argv) { return mst_test_main(argc, argv, run); }

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "harness.h"
+#include "stash/stash.h"
 
 #ifdef MST_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -726,9 +727,50 @@ static void claim(mst_ctx_t* ctx, mst_rng* rng) {
     free(rows), free(back), free(poison), free(table);
 }
 
+/* The pool state in backend memory, read or written by the test. */
+static void state_io(mst_pool_t* pool, mst_pool_state* st, int write) {
+    if (write) CHECK_OK(mst_copy_h2b(pool->ctx, pool->a.st, st, sizeof *st));
+    else CHECK_OK(mst_copy_b2h(pool->ctx, st, pool->a.st, sizeof *st));
+}
+
+/* mst_pool_check sees a corrupted pool: a page both free in the ring and
+ * held by a live handle, and a page in no ring and no handle (leaked); the
+ * state put back, it passes again. */
+static void check_sees_corruption(mst_ctx_t* ctx, mst_rng* rng) {
+    env e;
+    mst_pool_config cfg = {16, 8, 4, 0};
+    if (!env_open(&e, ctx, rng, MST_DTYPE_BF16, 24, &cfg, 2, 64)) return;
+    do_save(&e, 0, 40); /* 3 device pages */
+    expect_pool(&e, "before the corruption");
+    mst_pool_state good, bad;
+    state_io(e.pool, &good, 0);
+    mst_pages pg;
+    CHECK_OK(mst_stash_handle_pages(e.slots[0].h, &pg));
+    uint32_t last;
+    CHECK_OK(mst_copy_b2h(ctx, &last, pg.table + 2, sizeof last)); /* the handle's third page */
+    char want[96];
+    bad = good; /* the handle's last page back in the free ring: owned twice */
+    bad.head[MST_BLK_DEV]--;
+    state_io(e.pool, &bad, 1);
+    CHECK_STATUS(mst_pool_check(e.pool), MST_ERR_STATE);
+    snprintf(want, sizeof want, "page id 0x%x is in two places (again in handle #", last);
+    CHECK(strstr(mst_last_error(), want) != NULL, "owned twice: '%s' lacks '%s'", mst_last_error(), want);
+    bad = good; /* the first free page taken from the ring by no handle: leaked */
+    bad.head[MST_BLK_DEV]++;
+    state_io(e.pool, &bad, 1);
+    CHECK_STATUS(mst_pool_check(e.pool), MST_ERR_STATE);
+    CHECK(strstr(mst_last_error(), "device page 3 is in no ring and no live handle") != NULL, "leaked: '%s'",
+          mst_last_error());
+    state_io(e.pool, &good, 1);
+    expect_pool(&e, "after the state was put back");
+    do_restore(&e, 0, "after the corruption");
+    env_close(&e);
+}
+
 static void run(mst_ctx_t* ctx) {
     mst_rng rng = {0x5157a5};
     bad_input(ctx, &rng);
+    check_sees_corruption(ctx, &rng);
     spill(ctx, &rng);
     overflow(ctx, &rng);
     claim(ctx, &rng);

@@ -45,6 +45,58 @@ mst_status mst_policy_parse(const char* s, mst_policy* out) {
     return MST_OK;
 }
 
+/* Item [item, item + len) (not empty) of policy spec `spec` into out[];
+ * seen[n]: name n given by an earlier item. */
+static mst_status spec_item(const char* spec, const char* item, size_t len, int n_items, mst_policy out[MST_N_SAVED],
+                            int seen[MST_N_SAVED]) {
+    char buf[64];
+    if (len >= sizeof buf)
+        return mst_set_error(MST_ERR_INVALID, "policy spec '%s': item '%.*s' is too long", spec, (int)len, item);
+    memcpy(buf, item, len);
+    buf[len] = '\0';
+    char* eq = strchr(buf, '=');
+    mst_policy p;
+    if (!eq) {
+        if (n_items > 1)
+            return mst_set_error(MST_ERR_INVALID, "policy spec '%s': item '%s' is a bare policy among NAME=POLICY items",
+                                 spec, buf);
+        MST_TRY(mst_policy_parse(buf, &p));
+        for (int n = 0; n < MST_N_SAVED; n++)
+            out[n] = p == MST_POLICY_RECOMPUTE && n != MST_SAVED_FC2_INPUT ? MST_POLICY_KEEP : p;
+        return MST_OK;
+    }
+    *eq = '\0';
+    mst_saved_name n;
+    MST_TRY(mst_saved_name_parse(buf, &n));
+    MST_TRY(mst_policy_parse(eq + 1, &p));
+    *eq = '=';
+    if (seen[n]) return mst_set_error(MST_ERR_INVALID, "policy spec '%s': item '%s' names %s again", spec, buf,
+                                      mst_saved_name_str(n));
+    if (p == MST_POLICY_RECOMPUTE && n != MST_SAVED_FC2_INPUT)
+        return mst_set_error(MST_ERR_INVALID, "policy spec '%s': item '%s': only fc2_input is recomputed", spec, buf);
+    seen[n] = 1;
+    out[n] = p;
+    return MST_OK;
+}
+
+mst_status mst_policy_spec_parse(const char* spec, mst_policy out[MST_N_SAVED]) {
+    if (!spec || !*spec) return mst_set_error(MST_ERR_INVALID, "policy spec '%s' is empty", spec ? spec : "(null)");
+    if (!out) return mst_set_error(MST_ERR_INVALID, "policy spec '%s': out is NULL", spec);
+    const size_t len = strlen(spec);
+    if (spec[0] == ',' || spec[len - 1] == ',' || strstr(spec, ",,"))
+        return mst_set_error(MST_ERR_INVALID, "policy spec '%s': an empty item", spec);
+    int n_items = 1, seen[MST_N_SAVED] = {0};
+    for (const char* c = spec; *c; c++) n_items += *c == ',';
+    for (int n = 0; n < MST_N_SAVED; n++) out[n] = MST_POLICY_KEEP;
+    for (const char* item = spec;; ) {
+        const char* end = strchr(item, ',');
+        const size_t len = end ? (size_t)(end - item) : strlen(item);
+        MST_TRY(spec_item(spec, item, len, n_items, out, seen));
+        if (!end) return MST_OK;
+        item = end + 1;
+    }
+}
+
 mst_status mst_saved_shape(mst_saved_name name, int64_t hidden, int64_t ffn, int64_t* cols, mst_dtype* dtype) {
     if ((unsigned)name >= MST_N_SAVED)
         return mst_set_error(MST_ERR_INVALID, "saved name %d is not a mst_saved_name", (int)name);

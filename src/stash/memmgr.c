@@ -159,37 +159,11 @@ mst_status mst_memmgr_set_policy(mst_memmgr_t* m, int32_t layer, mst_saved_name 
     return MST_OK;
 }
 
-/* One "name=policy" item, or a bare policy for every name ("recompute" then
- * means: fc2_input recomputed, the rest kept). */
-static mst_status apply_item(mst_memmgr_t* m, const char* item) {
-    const char* eq = strchr(item, '=');
-    mst_policy p;
-    if (!eq) {
-        MST_TRY(mst_policy_parse(item, &p));
-        for (int n = 0; n < MST_N_SAVED; n++) {
-            mst_policy q = p == MST_POLICY_RECOMPUTE && n != MST_SAVED_FC2_INPUT ? MST_POLICY_KEEP : p;
-            MST_TRY(mst_memmgr_set_policy(m, -1, (mst_saved_name)n, q));
-        }
-        return MST_OK;
-    }
-    char name[64];
-    size_t len = (size_t)(eq - item);
-    if (len >= sizeof name) return mst_set_error(MST_ERR_INVALID, "policy spec item '%s' is too long", item);
-    memcpy(name, item, len);
-    name[len] = '\0';
-    mst_saved_name n;
-    MST_TRY(mst_saved_name_parse(name, &n));
-    MST_TRY(mst_policy_parse(eq + 1, &p));
-    return mst_memmgr_set_policy(m, -1, n, p);
-}
-
 mst_status mst_memmgr_set_policy_spec(mst_memmgr_t* m, const char* spec) {
     if (!m) return mst_set_error(MST_ERR_INVALID, "m is NULL");
-    if (!spec || !*spec) return mst_set_error(MST_ERR_INVALID, "policy spec is empty");
-    char buf[512];
-    if (strlen(spec) >= sizeof buf) return mst_set_error(MST_ERR_INVALID, "policy spec is too long");
-    strcpy(buf, spec);
-    for (char* item = strtok(buf, ","); item; item = strtok(NULL, ",")) MST_TRY(apply_item(m, item));
+    mst_policy p[MST_N_SAVED];
+    MST_TRY(mst_policy_spec_parse(spec, p));
+    for (int n = 0; n < MST_N_SAVED; n++) MST_TRY(mst_memmgr_set_policy(m, -1, (mst_saved_name)n, p[n]));
     return MST_OK;
 }
 
