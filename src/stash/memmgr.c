@@ -135,6 +135,7 @@ void mst_memmgr_destroy(mst_memmgr_t* m) {
     mst_mm_ev_free(m, m->ev_main);
     mst_mm_ev_free(m, m->ev_side);
     mst_mm_ev_free(m, m->inputs_read);
+    mst_mm_host_free(m);
     free(m->schedule), free(m->policy), free(m->chunk_start), free(m->slots), free(m->refs);
     free(m->recomp), free(m->chunk_in);
     free(m);

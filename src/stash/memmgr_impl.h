@@ -83,6 +83,25 @@ typedef struct saver_ref {        /* what a handed-out mst_saver points at      
     mst_saver saver;
 } saver_ref;
 
+/* A backend without streams: the side streams modelled on the host
+ * (memmgr_host_streams.c). An item is a pool operation or a wait. */
+typedef struct host_item {
+    int is_wait;                  /* 1: wait until stream `on` ran `seq` items     */
+    mst_stream_sel on;
+    uint64_t seq;
+    int op;                       /* mst_mm_side_op                                */
+    mst_pool_t* pool;
+    mst_stash_handle_t* handle;
+    mst_tensor t, counts;         /* counts.data NULL: none                        */
+} host_item;
+
+typedef struct host_stream {
+    host_item* items;             /* [pushed - base] items since the last join     */
+    int64_t cap;
+    uint64_t base, pushed, done;  /* items counted since creation                  */
+    int deferred;                 /* run each item as late as the events allow     */
+} host_stream;
+
 struct mst_memmgr {
     mst_ctx_t* ctx;
     mst_memmgr_config cfg;        /* cfg.schedule points at `schedule`             */
@@ -107,6 +126,7 @@ struct mst_memmgr {
     void* inputs_read;            /* event: stashes of op inputs have read them    */
     int inputs_pending;
     int64_t slow[MST_N_STREAMS];  /* tests: spin cycles per stream (mst_memmgr_debug_slow) */
+    host_stream host[MST_N_STREAMS]; /* backend without streams: the side streams */
     /* step state */
     int measuring, sized, in_step;
     int started;                  /* a layer call of the current entry is open     */
@@ -184,6 +204,21 @@ mst_status mst_mm_on_side(mst_memmgr_t* m, mst_stream_sel side, void* after, mst
 mst_status mst_mm_join_side(mst_memmgr_t* m);
 /* tests: main slowed at each layer call (mst_memmgr_debug_slow). */
 mst_status mst_mm_slow_main(mst_memmgr_t* m);
+
+/* The same on a backend without streams (memmgr_host_streams.c): events are
+ * host objects, and each side stream runs its operations at once (program
+ * order) or, deferred (tests), only when an event wait needs them. */
+mst_status mst_mm_host_ev_new(void** ev);
+void mst_mm_host_ev_free(void* ev);
+void mst_mm_host_ev_record(mst_memmgr_t* m, void* ev, mst_stream_sel on);
+mst_status mst_mm_host_ev_wait(mst_memmgr_t* m, void* ev, mst_stream_sel on);
+mst_status mst_mm_host_on_side(mst_memmgr_t* m, mst_stream_sel side, mst_mm_side_op op, mst_pool_t* p,
+                               mst_stash_handle_t* h, const mst_tensor* t, const mst_tensor* counts);
+mst_status mst_mm_host_join(mst_memmgr_t* m);
+void mst_mm_host_free(mst_memmgr_t* m);
+/* Runs one pool operation now (the current stream). */
+mst_status mst_mm_run_op(mst_mm_side_op op, mst_pool_t* p, mst_stash_handle_t* h, mst_tensor* t,
+                         const mst_tensor* counts);
 
 /* ---- buffers and pool sizing (memmgr_buffers.c) --------------------------- */
 

@@ -45,9 +45,10 @@
  *                                                                           step's side work; a captured
  *                                                                           graph rejoins its streams
  *
- * Tests slow a stream down (mst_memmgr_debug_slow): a spin before each
- * operation of a side stream, or at each layer call on main; a missing edge
- * then changes the gradients.
+ * Tests slow a stream down (mst_memmgr_debug_slow): on CUDA a spin before
+ * each operation of a side stream, or at each layer call on main; on the CPU
+ * (no streams: memmgr_host_streams.c) a side stream deferred as long as the
+ * events allow. A missing edge then changes the gradients.
  */
 #include "memmgr_impl.h"
 
@@ -55,28 +56,38 @@ static void* stream_of(mst_memmgr_t* m, mst_stream_sel on) {
     return on == MST_STREAM_MAIN ? NULL : m->ctx->be->side_stream(m->ctx, on);
 }
 
+/* Every function below takes the host model of memmgr_host_streams.c where
+ * the backend has no streams (side_stream NULL). */
+static int host_streams(const mst_memmgr_t* m) { return !m->ctx->be->side_stream; }
+
 mst_status mst_mm_ev_record(mst_memmgr_t* m, void* ev, mst_stream_sel on) {
     const mst_backend* be = m->ctx->be;
-    if (!be->event_record) return MST_OK;
+    if (host_streams(m)) {
+        mst_mm_host_ev_record(m, ev, on);
+        return MST_OK;
+    }
     return be->event_record(m->ctx, ev, stream_of(m, on));
 }
 
 mst_status mst_mm_ev_wait(mst_memmgr_t* m, void* ev, mst_stream_sel on) {
     const mst_backend* be = m->ctx->be;
-    if (!be->stream_wait) return MST_OK;
+    if (host_streams(m)) return mst_mm_host_ev_wait(m, ev, on);
     return be->stream_wait(m->ctx, stream_of(m, on), ev);
 }
 
 mst_status mst_mm_ev_new(mst_memmgr_t* m, void** ev) {
     *ev = NULL;
-    return m->ctx->be->event_create ? m->ctx->be->event_create(m->ctx, ev) : MST_OK;
+    if (host_streams(m)) return mst_mm_host_ev_new(ev);
+    return m->ctx->be->event_create(m->ctx, ev);
 }
 
 void mst_mm_ev_free(mst_memmgr_t* m, void* ev) {
-    if (ev && m->ctx->be->event_destroy) m->ctx->be->event_destroy(m->ctx, ev);
+    if (!ev) return;
+    if (host_streams(m)) mst_mm_host_ev_free(ev);
+    else m->ctx->be->event_destroy(m->ctx, ev);
 }
 
-static mst_status run_op(mst_mm_side_op op, mst_pool_t* p, mst_stash_handle_t* h, mst_tensor* t,
+mst_status mst_mm_run_op(mst_mm_side_op op, mst_pool_t* p, mst_stash_handle_t* h, mst_tensor* t,
                          const mst_tensor* counts) {
     switch (op) {
     case MM_SAVE: return mst_stash_save(p, h, t, counts);
@@ -96,7 +107,10 @@ static mst_status slow_down(mst_memmgr_t* m, mst_stream_sel on) {
 mst_status mst_mm_on_side(mst_memmgr_t* m, mst_stream_sel side, void* after, mst_mm_side_op op,
                           mst_pool_t* p, mst_stash_handle_t* h, mst_tensor* t, const mst_tensor* counts) {
     const mst_backend* be = m->ctx->be;
-    if (!be->side_stream) return run_op(op, p, h, t, counts);
+    if (host_streams(m)) {
+        if (after) MST_TRY(mst_mm_host_ev_wait(m, after, side));
+        return mst_mm_host_on_side(m, side, op, p, h, t, counts);
+    }
     void* main_stream = mst_ctx_stream(m->ctx);
     MST_TRY(mst_mm_ev_record(m, m->ev_main, MST_STREAM_MAIN));
     MST_TRY(mst_mm_ev_wait(m, m->ev_main, side));
@@ -104,12 +118,13 @@ mst_status mst_mm_on_side(mst_memmgr_t* m, mst_stream_sel side, void* after, mst
     MST_TRY(mst_ctx_set_stream(m->ctx, be->side_stream(m->ctx, side)));
     m->side_used |= 1 << side;
     mst_status st = slow_down(m, side);
-    if (st == MST_OK) st = run_op(op, p, h, t, counts);
+    if (st == MST_OK) st = mst_mm_run_op(op, p, h, t, counts);
     mst_status st2 = mst_ctx_set_stream(m->ctx, main_stream);
     return st != MST_OK ? st : st2;
 }
 
 mst_status mst_mm_join_side(mst_memmgr_t* m) {
+    if (host_streams(m)) return mst_mm_host_join(m);
     for (mst_stream_sel s = MST_STREAM_RING; s < MST_N_STREAMS; s++) {
         if (!(m->side_used & 1 << s)) continue;
         MST_TRY(mst_mm_ev_record(m, m->ev_side, s));
@@ -125,7 +140,15 @@ mst_status mst_memmgr_debug_slow(mst_memmgr_t* m, mst_stream_sel sel, int64_t cy
     if ((int)sel < 0 || sel >= MST_N_STREAMS || cycles < 0)
         return mst_set_error(MST_ERR_INVALID, "sel = %d, cycles = %lld: a stream and cycles >= 0", (int)sel,
                              (long long)cycles);
-    if (cycles && (!m->ctx->be->stream_spin || !m->ctx->be->side_stream))
+    if (host_streams(m)) { /* a side stream deferred; main never lags */
+        if (sel == MST_STREAM_MAIN && cycles)
+            return mst_set_error(MST_ERR_UNSUPPORTED, "backend %s runs main at once: it cannot be slowed down",
+                                 m->ctx->be->name);
+        if (m->in_step) return mst_set_error(MST_ERR_STATE, "a stream is slowed down between steps");
+        m->host[sel].deferred = cycles > 0;
+        return MST_OK;
+    }
+    if (cycles && !m->ctx->be->stream_spin)
         return mst_set_error(MST_ERR_UNSUPPORTED, "backend %s cannot slow a stream down", m->ctx->be->name);
     m->slow[sel] = cycles;
     return MST_OK;
