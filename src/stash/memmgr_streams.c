@@ -32,14 +32,22 @@
  *                     (sv_commit, sv_claim)      main, after a claim        the producer writes pages the
  *                                                (sv_claim)                 claim has tabled
  *                                                main, before an in-place   the backward reads pages the
- *                                                read (sv_fetch)            save has written
+ *                                                read (sv_fetch)            save has written (*)
  *   restore_done[n][k] copy, after a restore     main, before the backward  the backward reads the rows
  *                     into restore[k]            reads it (sv_fetch)        the copy wrote
  *                     (issue_restore)            ring, before the page      the pages go back to the ring
- *                                                return (sv_release)        after the copy read them
+ *                                                return (sv_release)        after the copy read them (*)
  *   restore_free[n][k] main, at the release of   copy, before the next      the copy overwrites a restore
  *                     a tensor restored into k   restore into k             buffer after its last reader
- *                     (sv_release)               (issue_restore)            (also implied by ev_main)
+ *                     (sv_release)               (issue_restore)            (*)
+ *
+ * (*) implied today by other edges, kept for savers that call in other
+ * orders: the in-place read of an op input by inputs_read (waited at every
+ * layer call), of a produced tensor by its claim; the page return after a
+ * fetched restore by restore_done -> main then ev_main; restore_free by
+ * ev_main (a restore into k is issued after the release of k's last reader).
+ * Removing one of these changes no result of the tests; removing any other
+ * edge does (tests/mutants/stash.txt).
  *   ev_side           ring and copy (those used) main (step end:            the next step (pool reset on
  *                     at step end                mst_mm_join_side)          main, host reads) after this
  *                                                                           step's side work; a captured
