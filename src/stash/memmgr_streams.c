@@ -65,8 +65,11 @@ static void* stream_of(mst_memmgr_t* m, mst_stream_sel on) {
 }
 
 /* Every function below takes the host model of memmgr_host_streams.c where
- * the backend has no streams (side_stream NULL). */
-static int host_streams(const mst_memmgr_t* m) { return !m->ctx->be->side_stream; }
+ * the backend has no streams and events. */
+static int host_streams(const mst_memmgr_t* m) {
+    const mst_backend* be = m->ctx->be;
+    return !be->side_stream || !be->event_create || !be->event_destroy || !be->event_record || !be->stream_wait;
+}
 
 mst_status mst_mm_ev_record(mst_memmgr_t* m, void* ev, mst_stream_sel on) {
     const mst_backend* be = m->ctx->be;
@@ -148,11 +151,11 @@ mst_status mst_memmgr_debug_slow(mst_memmgr_t* m, mst_stream_sel sel, int64_t cy
     if ((int)sel < 0 || sel >= MST_N_STREAMS || cycles < 0)
         return mst_set_error(MST_ERR_INVALID, "sel = %d, cycles = %lld: a stream and cycles >= 0", (int)sel,
                              (long long)cycles);
+    if (m->in_step) return mst_set_error(MST_ERR_STATE, "a stream is slowed down between steps");
     if (host_streams(m)) { /* a side stream deferred; main never lags */
         if (sel == MST_STREAM_MAIN && cycles)
             return mst_set_error(MST_ERR_UNSUPPORTED, "backend %s runs main at once: it cannot be slowed down",
                                  m->ctx->be->name);
-        if (m->in_step) return mst_set_error(MST_ERR_STATE, "a stream is slowed down between steps");
         m->host[sel].deferred = cycles > 0;
         return MST_OK;
     }
