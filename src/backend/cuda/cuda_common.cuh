@@ -21,6 +21,7 @@ typedef struct mst_cuda_impl {
     cublasHandle_t blas;      /* bound to `stream`                              */
     mst_ws ws_sched;          /* the grouped GEMM's schedule (grouped_gemm.cu)  */
     mst_ws ws_gather;         /* a paged wgrad's x gathered (grouped_gemm.cu)   */
+    mst_ws ws_attn;           /* the attention's GEMM pointer arrays            */
     void* blas_ws;            /* cuBLAS's workspace (context memory)            */
 } mst_cuda_impl;
 

@@ -1,8 +1,9 @@
 /*
  * model_ops_attn.cu — causal multi-head self-attention on CUDA, forward and
  * backward side by side (the CPU reference is model_ops_attn.c), through
- * cuBLAS strided-batched GEMMs (per batch b, batched over the NH heads: head
- * h of q, k, v at column h D, batch stride D) and two row kernels:
+ * batched cuBLAS GEMMs (one call over every (batch, head) pair, from pointer
+ * arrays made on the device: head h of q, k, v at column h D of its batch's
+ * rows) and two row kernels:
  *   S = q k^T / sqrt(D) (fp32, into probs), P = masked row softmax of S
  *   (saved fp32; a bf16 copy in scratch16), out = P v;
  *   backward: dv = P^T dout, dP = dout v^T (fp32, scratch32),
@@ -27,17 +28,45 @@ static attn_dims dims_of(const mst_attn_args* a) {
     return d;
 }
 
-/* Row-major C [m, n] = op(A) op(B) for each of `batch` heads (see mst_cuda_mm
- * for the column-major swap). */
-static mst_status gemm_heads(mst_ctx_t* ctx, int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha,
-                             const void* A, int64_t lda, int64_t sa, const void* B, int64_t ldb, int64_t sb,
-                             void* C, cudaDataType ct, int64_t ldc, int64_t sc, int64_t batch) {
+/* Where the operand of (batch b, head h) starts: base + b sb + h sh bytes. */
+struct bh_operand {
+    const char* base;
+    int64_t sb, sh;
+};
+
+static bh_operand bh(const void* base, int64_t elt, int64_t sb, int64_t sh) {
+    bh_operand o = {(const char*)base, sb * elt, sh * elt};
+    return o;
+}
+
+/* Pointer arrays of the batched GEMM: pair i = b NH + h; p [3 n]: A, B, C. */
+__global__ void attn_ptrs_kernel(const void** p, bh_operand a, bh_operand b, bh_operand c, int64_t NH, int64_t n) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const int64_t bi = i / NH, h = i % NH;
+    p[i] = a.base + bi * a.sb + h * a.sh;
+    p[n + i] = b.base + bi * b.sb + h * b.sh;
+    p[2 * n + i] = c.base + bi * c.sb + h * c.sh;
+}
+
+/* Row-major C [m, n] = alpha op(A) op(B) for every (batch, head) pair in one
+ * batched cuBLAS call (see mst_cuda_mm for the column-major swap); the
+ * pointer arrays are made on the device in the ws_attn workspace (sized by
+ * the first call, outside capture). */
+static mst_status gemm_heads(mst_ctx_t* ctx, const mst_attn_args* at, int ta, int tb, int64_t m, int64_t n,
+                             int64_t k, float alpha, bh_operand A, int64_t lda, bh_operand B, int64_t ldb,
+                             bh_operand C, cudaDataType ct, int64_t ldc) {
+    mst_cuda_impl* c = mst_cuda(ctx);
+    const int64_t pairs = at->batch * at->n_head;
+    const void** p = NULL;
+    MST_TRY(mst_workspace(ctx, &c->ws_attn, 3 * (size_t)pairs * sizeof(void*), (void**)&p));
+    attn_ptrs_kernel<<<mst_blocks(pairs, 128), 128, 0, c->stream>>>(p, A, B, C, at->n_head, pairs);
+    MST_CUDA_LAUNCHED();
     const float beta = 0.0f;
-    MST_CUBLAS_TRY(cublasGemmStridedBatchedEx(mst_cuda(ctx)->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                              ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)n, (int)m, (int)k, &alpha,
-                                              B, CUDA_R_16BF, (int)ldb, sb, A, CUDA_R_16BF, (int)lda, sa, &beta,
-                                              C, ct, (int)ldc, sc, (int)batch, CUBLAS_COMPUTE_32F,
-                                              CUBLAS_GEMM_DEFAULT));
+    MST_CUBLAS_TRY(cublasGemmBatchedEx(c->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                       (int)n, (int)m, (int)k, &alpha, p + pairs, CUDA_R_16BF, (int)ldb, p,
+                                       CUDA_R_16BF, (int)lda, &beta, (void* const*)(p + 2 * pairs), ct, (int)ldc,
+                                       (int)pairs, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     return MST_OK;
 }
 
@@ -87,46 +116,36 @@ static mst_status check_dims(const mst_attn_args* a) {
 extern "C" mst_status mst_cuda_attn_forward(mst_ctx_t* ctx, const mst_attn_args* a) {
     MST_TRY(check_dims(a));
     const attn_dims d = dims_of(a);
-    const int64_t TT = d.T * d.T, NHTT = d.NH * TT;
+    const int64_t TT = d.T * d.T, NHTT = d.NH * TT, row = d.T * 3 * d.H;
     cudaStream_t s = mst_cuda(ctx)->stream;
-    for (int64_t b = 0; b < a->batch; b++) {
-        const uint16_t* q = a->qkv + b * d.T * 3 * d.H;
-        MST_TRY(gemm_heads(ctx, 0, 1, d.T, d.T, d.D, d.sc, q, 3 * d.H, d.D, q + d.H, 3 * d.H, d.D,
-                           a->probs + b * NHTT, CUDA_R_32F, d.T, TT, d.NH));
-    }
+    /* S = q k^T sc (fp32, into probs) */
+    MST_TRY(gemm_heads(ctx, a, 0, 1, d.T, d.T, d.D, d.sc, bh(a->qkv, 2, row, d.D), 3 * d.H,
+                       bh(a->qkv + d.H, 2, row, d.D), 3 * d.H, bh(a->probs, 4, NHTT, TT), CUDA_R_32F, d.T));
     attn_softmax_kernel<<<(unsigned)(a->batch * NHTT / d.T), ATTN_THREADS, 0, s>>>(a->probs, a->scratch16, d.T);
     MST_CUDA_LAUNCHED();
-    for (int64_t b = 0; b < a->batch; b++) {
-        const uint16_t* v = a->qkv + b * d.T * 3 * d.H + 2 * d.H;
-        MST_TRY(gemm_heads(ctx, 0, 0, d.T, d.D, d.T, 1.0f, a->scratch16 + b * NHTT, d.T, TT, v, 3 * d.H, d.D,
-                           a->out + b * d.T * d.H, CUDA_R_16BF, d.H, d.D, d.NH));
-    }
-    return MST_OK;
+    /* out = P v */
+    return gemm_heads(ctx, a, 0, 0, d.T, d.D, d.T, 1.0f, bh(a->scratch16, 2, NHTT, TT), d.T,
+                      bh(a->qkv + 2 * d.H, 2, row, d.D), 3 * d.H, bh(a->out, 2, d.T * d.H, d.D), CUDA_R_16BF, d.H);
 }
 
 extern "C" mst_status mst_cuda_attn_backward(mst_ctx_t* ctx, const mst_attn_args* a) {
     MST_TRY(check_dims(a));
     const attn_dims d = dims_of(a);
-    const int64_t TT = d.T * d.T, NHTT = d.NH * TT, n = a->batch * NHTT;
+    const int64_t TT = d.T * d.T, NHTT = d.NH * TT, n = a->batch * NHTT, row = d.T * 3 * d.H;
     cudaStream_t s = mst_cuda(ctx)->stream;
     attn_to_bf16_kernel<<<mst_blocks(n, 256), 256, 0, s>>>(a->probs, a->scratch16, n);
     MST_CUDA_LAUNCHED();
-    for (int64_t b = 0; b < a->batch; b++) { /* dv = P^T dout; dP = dout v^T */
-        const uint16_t *qkv = a->qkv + b * d.T * 3 * d.H, *g = a->dout + b * d.T * d.H;
-        MST_TRY(gemm_heads(ctx, 1, 0, d.T, d.D, d.T, 1.0f, a->scratch16 + b * NHTT, d.T, TT, g, d.H, d.D,
-                           a->dqkv + b * d.T * 3 * d.H + 2 * d.H, CUDA_R_16BF, 3 * d.H, d.D, d.NH));
-        MST_TRY(gemm_heads(ctx, 0, 1, d.T, d.T, d.D, 1.0f, g, d.H, d.D, qkv + 2 * d.H, 3 * d.H, d.D,
-                           a->scratch32 + b * NHTT, CUDA_R_32F, d.T, TT, d.NH));
-    }
+    const bh_operand P16 = bh(a->scratch16, 2, NHTT, TT), g = bh(a->dout, 2, d.T * d.H, d.D);
+    /* dv = P^T dout; dP = dout v^T (fp32, scratch32) */
+    MST_TRY(gemm_heads(ctx, a, 1, 0, d.T, d.D, d.T, 1.0f, P16, d.T, g, d.H, bh(a->dqkv + 2 * d.H, 2, row, d.D),
+                       CUDA_R_16BF, 3 * d.H));
+    MST_TRY(gemm_heads(ctx, a, 0, 1, d.T, d.T, d.D, 1.0f, g, d.H, bh(a->qkv + 2 * d.H, 2, row, d.D), 3 * d.H,
+                       bh(a->scratch32, 4, NHTT, TT), CUDA_R_32F, d.T));
     attn_dsoftmax_kernel<<<(unsigned)(n / d.T), ATTN_THREADS, 0, s>>>(a->probs, a->scratch32, a->scratch16, d.T, d.sc);
     MST_CUDA_LAUNCHED();
-    for (int64_t b = 0; b < a->batch; b++) { /* dq = dS k; dk = dS^T q */
-        const uint16_t* qkv = a->qkv + b * d.T * 3 * d.H;
-        uint16_t* dq = a->dqkv + b * d.T * 3 * d.H;
-        MST_TRY(gemm_heads(ctx, 0, 0, d.T, d.D, d.T, 1.0f, a->scratch16 + b * NHTT, d.T, TT, qkv + d.H, 3 * d.H,
-                           d.D, dq, CUDA_R_16BF, 3 * d.H, d.D, d.NH));
-        MST_TRY(gemm_heads(ctx, 1, 0, d.T, d.D, d.T, 1.0f, a->scratch16 + b * NHTT, d.T, TT, qkv, 3 * d.H, d.D,
-                           dq + d.H, CUDA_R_16BF, 3 * d.H, d.D, d.NH));
-    }
-    return MST_OK;
+    /* dq = dS k; dk = dS^T q (dS bf16 in scratch16) */
+    MST_TRY(gemm_heads(ctx, a, 0, 0, d.T, d.D, d.T, 1.0f, P16, d.T, bh(a->qkv + d.H, 2, row, d.D), 3 * d.H,
+                       bh(a->dqkv, 2, row, d.D), CUDA_R_16BF, 3 * d.H));
+    return gemm_heads(ctx, a, 1, 0, d.T, d.D, d.T, 1.0f, P16, d.T, bh(a->qkv, 2, row, d.D), 3 * d.H,
+                      bh(a->dqkv + d.H, 2, row, d.D), CUDA_R_16BF, 3 * d.H);
 }
