@@ -25,16 +25,17 @@ echo "== CPU tests under ASan+UBSan (build-asan/)"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 run_suite build-asan
 # ---- Python package (python/): pytest on the CPU backend ----------------------
 # PyTorch from PyPI into a venv kept between runs ($MST_TORCH_VENV; ~3 min the
-# first time on this machine, seconds after), the package from ./python, its
-# tests against build/libmoestash.so. pytest's tests count in the total.
+# first time on this machine, seconds after), the package from ./python with
+# build/libmoestash.so bundled in it, its tests. They count in the total.
 echo "== Python package tests (python/tests, CPU backend)"
 venv=${MST_TORCH_VENV:-$HOME/.cache/moestash/venv-torch}
 if ! "$venv/bin/python" -c 'import torch, pytest' 2>/dev/null; then
   python3 -m venv "$venv" && "$venv/bin/pip" install -q torch pytest
 fi
 log=$(mktemp)
-"$venv/bin/pip" install -q --no-deps --no-build-isolation --force-reinstall ./python >"$log" 2>&1 || cat "$log"
-MOESTASH_LIB="$PWD/build/libmoestash.so" "$venv/bin/python" -m pytest -q -p no:cacheprovider python/tests 2>&1 | tee "$log"
+MOESTASH_BUNDLE_LIB="$PWD/build/libmoestash.so" "$venv/bin/pip" install -q --no-deps --no-build-isolation \
+  --force-reinstall ./python >"$log" 2>&1 || cat "$log"
+(unset MOESTASH_LIB; "$venv/bin/python" -m pytest -q -p no:cacheprovider python/tests) 2>&1 | tee "$log"
 py_passed=$(grep -oE '[0-9]+ passed' "$log" | tail -n 1 | cut -d' ' -f1)
 py_failed=$(grep -oE '[0-9]+ (failed|error)' "$log" | awk '{n += $1} END {print n + 0}')
 [ -n "$py_passed" ] || py_failed=$((py_failed + 1))

@@ -102,6 +102,7 @@ _T = ctypes.POINTER(Tensor)
 _I, _I64, _S = ctypes.c_int, ctypes.c_int64, ctypes.c_size_t
 # name: (restype, argtypes); restype _I is an mst_status, checked by call().
 _PROTOS = {
+    "mst_version": (ctypes.c_char_p, []),
     "mst_status_str": (ctypes.c_char_p, [_I]),
     "mst_last_error": (ctypes.c_char_p, []),
     "mst_backend_available": (_I, [_I]),
@@ -143,8 +144,6 @@ _PROTOS = {
     "mst_stash_restore_return": (_I, [_P, _P]),
     "mst_stash_handle_pages": (_I, [_P, ctypes.POINTER(Pages)]),
 }
-# Present only in newer libraries: looked up when there, skipped otherwise.
-_OPTIONAL = {"mst_version": (ctypes.c_char_p, [])}
 
 
 def _candidates():
@@ -187,10 +186,6 @@ lib, path = _load()
 for _name, (_res, _args) in _PROTOS.items():
     _f = getattr(lib, _name)
     _f.restype, _f.argtypes = _res, _args
-for _name, (_res, _args) in _OPTIONAL.items():
-    if hasattr(lib, _name):
-        _f = getattr(lib, _name)
-        _f.restype, _f.argtypes = _res, _args
 
 
 def status_name(status):
@@ -215,10 +210,8 @@ def call(name, *args):
 
 
 def version():
-    """The library's version string (mst_version() where the library has it)."""
-    if hasattr(lib, "mst_version"):
-        return lib.mst_version().decode()
-    return "unknown"
+    """The library's version, "MAJOR.MINOR.PATCH" (mst_version())."""
+    return lib.mst_version().decode()
 
 
 def tensor(data, dtype, rows, cols, pages=None):

@@ -9,6 +9,7 @@ the checks the library cannot make itself (device, layout, a dtype it has no
 name for); dtype and shape are then checked by the library, whose message the
 raised exception carries.
 """
+import contextlib
 import ctypes
 import threading
 
@@ -16,6 +17,7 @@ import torch
 
 from .. import _lib
 
+_CUDA_STREAM_LEGACY = 1  # cudaStreamLegacy
 _DTYPES = {torch.bfloat16: _lib.DTYPE_BF16, torch.float32: _lib.DTYPE_FP32, torch.int32: _lib.DTYPE_INT32}
 
 
@@ -30,15 +32,23 @@ class Context:
         if kind == _lib.BACKEND_CUDA and not _lib.lib.mst_backend_available(kind):
             raise RuntimeError(f"moestash: {_lib.path} has no CUDA backend (built without it, or no device)")
         ptr = ctypes.c_void_p()
-        _lib.call("mst_ctx_create", kind, device.index or 0, ctypes.byref(ptr))
+        with device_guard(device):  # the CUDA backend sets the current device
+            _lib.call("mst_ctx_create", kind, device.index or 0, ctypes.byref(ptr))
         self.ptr = ptr
 
     def bind(self):
-        """Sets the context's stream to torch's current stream; returns the pointer."""
+        """Sets the context's stream to torch's current stream; returns the pointer.
+        torch's default stream is the legacy default stream (handle 0), which
+        the library reads as "my own stream": it is passed as cudaStreamLegacy."""
         if self.device.type == "cuda":
-            stream = torch.cuda.current_stream(self.device).cuda_stream
+            stream = torch.cuda.current_stream(self.device).cuda_stream or _CUDA_STREAM_LEGACY
             _lib.call("mst_ctx_set_stream", self.ptr, ctypes.c_void_p(stream))
         return self.ptr
+
+    def call(self, name, *args):
+        """lib.name(ctx, *args) on torch's current stream and device."""
+        with device_guard(self.device):
+            _lib.call(name, self.bind(), *args)
 
     def close(self):
         if self.ptr:
@@ -50,6 +60,12 @@ class Context:
             self.close()
         except Exception:  # interpreter shutdown: the library may be gone
             pass
+
+
+def device_guard(device):
+    """torch.cuda.device(device) for a CUDA device (the library launches on
+    the current device), nothing for the CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 _contexts = {}

@@ -16,24 +16,9 @@ from .. import _lib
 from ._core import as_mst, context
 
 
-def _guard(device):
-    return torch.cuda.device(device) if device.type == "cuda" else _NoGuard()
-
-
-class _NoGuard:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _call(ctx, name, *tensors_and_args):
-    """lib.name(ctx, ...): mst_tensor arguments passed by reference."""
-    args = [ctypes.byref(a) if isinstance(a, (_lib.Tensor, _lib.MlpConfig, _lib.MlpWeights, _lib.Saver))
-            else a for a in tensors_and_args]
-    with _guard(ctx.device):
-        _lib.call(name, ctx.bind(), *args)
+def _call(ctx, name, *args):
+    """lib.name(ctx, ...) through the context: library structs by reference."""
+    ctx.call(name, *[ctypes.byref(a) if isinstance(a, ctypes.Structure) else a for a in args])
 
 
 def linear_forward(x, weight, counts, bias, row_scale, y, ctx=None):
@@ -68,8 +53,7 @@ def linear_wgrad(dy, x, counts, main_grad_w, mode, row_scale=None, bias=None, ma
 
 def wgrad_flush(ctx):
     """Runs the DEFERRED wgrads recorded on ctx (moestash.torch._core.Context)."""
-    with _guard(ctx.device):
-        _lib.call("mst_wgrad_flush", ctx.bind())
+    ctx.call("mst_wgrad_flush")
 
 
 def mlp_config(n_groups, hidden, ffn, activation, clamp_limit, clamp_alpha):

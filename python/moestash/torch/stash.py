@@ -25,7 +25,7 @@ import math
 import torch
 
 from .. import _lib
-from ._core import context
+from ._core import as_mst, context, device_guard
 
 _WIDTH_DTYPE = {"probs": _lib.DTYPE_FP32}
 
@@ -38,19 +38,25 @@ class Pool:
             ctx, dtype, width, pages, page_rows, host)
         cfg = _lib.PoolConfig(page_rows, 0 if host else pages, pages if host else 0, 0)
         ptr = ctypes.c_void_p()
-        ctx.bind()
-        _lib.call("mst_pool_create", ctx.ptr, dtype, width, ctypes.byref(cfg), ctypes.byref(ptr))
+        ctx.call("mst_pool_create", dtype, width, ctypes.byref(cfg), ctypes.byref(ptr))
         self.ptr = ptr
         self.free = {}  # max_rows -> [handle]
         self.handles = []
         self.max_rows = 0  # the largest save asked for
+
+    def call(self, name, *args):
+        """lib.name(pool, *args) on torch's current stream and device (the
+        pool's operations run on its context's stream)."""
+        with device_guard(self.ctx.device):
+            self.ctx.bind()
+            _lib.call(name, self.ptr, *args)
 
     def take(self, max_rows):
         free = self.free.setdefault(max_rows, [])
         if free:
             return free.pop()
         h = ctypes.c_void_p()
-        _lib.call("mst_stash_handle_create", self.ptr, max_rows, ctypes.byref(h))
+        self.call("mst_stash_handle_create", max_rows, ctypes.byref(h))
         self.handles.append(h)
         return h
 
@@ -59,7 +65,7 @@ class Pool:
 
     def stats(self):
         s = _lib.PoolStats()
-        _lib.call("mst_pool_stats_get", self.ptr, ctypes.byref(s))
+        self.call("mst_pool_stats_get", ctypes.byref(s))
         return s
 
     def close(self):
@@ -95,8 +101,7 @@ class StashManager:
         return pool, pool.take(max_rows)
 
     def save(self, pool, handle, src, counts):
-        pool.ctx.bind()
-        _lib.call("mst_stash_save", pool.ptr, handle, src, counts)
+        pool.call("mst_stash_save", handle, src, counts)
 
     def pages(self, handle):
         pages = _lib.Pages()
@@ -104,22 +109,18 @@ class StashManager:
         return pages
 
     def restore(self, pool, handle, dst):
-        from ._core import as_mst
-        pool.ctx.bind()
         t = as_mst(dst, "restore buffer", dst.device)
-        _lib.call("mst_stash_restore", pool.ptr, handle, ctypes.byref(t))
+        pool.call("mst_stash_restore", handle, ctypes.byref(t))
 
     def give_back(self, pool, handle):
-        pool.ctx.bind()
-        _lib.call("mst_stash_restore_return", pool.ptr, handle)
+        pool.call("mst_stash_restore_return", handle)
 
     # ---- the training loop's side -------------------------------------------
 
     def step_begin(self):
         """Resets every pool (one kernel each, on torch's current stream)."""
         for pool in self.pools.values():
-            pool.ctx.bind()
-            _lib.call("mst_pool_reset", pool.ptr)
+            pool.call("mst_pool_reset")
 
     def overflowed(self, device):
         """int32 [n_pools] on `device`, nonzero where a pool overflowed this
@@ -129,9 +130,8 @@ class StashManager:
         pools = [p for k, p in self.pools.items() if k[0] == device]
         out = torch.zeros(max(len(pools), 1), dtype=torch.int32, device=device)
         for i, p in enumerate(pools):
-            p.ctx.bind()
-            _lib.call("mst_copy_b2b", p.ctx.ptr, ctypes.c_void_p(out.data_ptr() + 4 * i),
-                      _lib.lib.mst_pool_overflow_flag(p.ptr), 4)
+            p.ctx.call("mst_copy_b2b", ctypes.c_void_p(out.data_ptr() + 4 * i),
+                       _lib.lib.mst_pool_overflow_flag(p.ptr), 4)
         return out
 
     def step_check(self):
@@ -139,7 +139,8 @@ class StashManager:
         overflowed pool doubles (the step must be rerun: False)."""
         over = []
         for key, pool in self.pools.items():
-            st = _lib.lib.mst_pool_poll(pool.ptr)
+            with device_guard(pool.ctx.device):
+                st = _lib.lib.mst_pool_poll(pool.ptr)
             if st == _lib.ERR_OVERFLOW:
                 over.append(key)
             else:
