@@ -61,3 +61,22 @@ def test_grouped_mlp_module_backward_dw(device):
     m.backward_dw()
     assert all(not (q.main_grad == 0.5).all() for q in m.parameters())
     assert all(q.grad is None for q in m.parameters())
+
+
+def test_no_rows(device):
+    """An empty batch (an expert-parallel rank that got no token): empty
+    outputs, zero weight gradients, a main_grad left as it was."""
+    torch.manual_seed(0)
+    lin = mt.GroupedLinear(E, H, H, bias=True, device=device)
+    mlp = mt.GroupedMLP(E, H, F, bias=True, device=device)
+    mlp.w2.main_grad = torch.full(mlp.w2.shape, 0.5, device=device)
+    x = torch.empty(0, H, dtype=torch.bfloat16, device=device, requires_grad=True)
+    p = torch.empty(0, device=device, requires_grad=True)
+    c = torch.zeros(E, dtype=torch.int32, device=device)
+    y = mlp(lin(x, c, p), c, p)
+    assert y.shape == (0, H)
+    y.sum().backward()
+    assert x.grad.shape == (0, H) and p.grad.shape == (0,)
+    for q in (lin.weight, lin.bias, mlp.w1, mlp.b1, mlp.b2):
+        assert q.grad is not None and not q.grad.any()
+    assert mlp.w2.grad is None and (mlp.w2.main_grad == 0.5).all()

@@ -112,7 +112,8 @@ def _out_features(weight, counts):
 def _gl_fwd(x: Tensor, weight: Tensor, counts: Tensor, bias: Optional[Tensor], row_scale: Optional[Tensor],
             binding: int) -> Tensor:
     y = x.new_empty((x.shape[0], _out_features(weight, counts)))
-    Fm.linear_forward(x, weight, counts, bias, row_scale, y, Binding.registry[binding].ctx(x.device))
+    if x.shape[0]:  # the library takes no empty tensor; no rows, nothing to do
+        Fm.linear_forward(x, weight, counts, bias, row_scale, y, Binding.registry[binding].ctx(x.device))
     return y
 
 
@@ -127,20 +128,24 @@ def _gl_bwd(dy: Tensor, x: Tensor, weight: Tensor, counts: Tensor, bias: Optiona
             needs: List[bool], binding: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """needs: (dx, dweight, dbias, drow_scale). Returns them (empty when not needed)."""
     b = Binding.registry[binding]
-    ctx, d = b.ctx(dy.device), dy.device
+    ctx, d, rows = b.ctx(dy.device), dy.device, x.shape[0]
     dy = dy.contiguous()
     dx = x.new_empty(x.shape) if needs[0] else _empty(d)
-    if needs[0]:
+    if needs[0] and rows:
         Fm.linear_dgrad(dy, weight, counts, dx, ctx)
     want_w, want_b, want_s = needs[1], needs[2] and bias is not None, needs[3] and bias is not None
     dw, db, ds = _empty(d), _empty(d), _empty(d, torch.float32)
     if want_w or want_b or want_s:
+        main_grad_w = main_grad_w if want_w else None  # a weight without grad: into scratch
+        main_grad_b = main_grad_b if want_b else None
         mode = _wgrad_mode(b, main_grad_w is not None or main_grad_b is not None)
-        gw = _grad_buf(weight, main_grad_w, mode)
-        gb = _grad_buf(bias, main_grad_b, mode) if want_b else None
+        zeroed = mode if rows else _lib.WGRAD_ACCUMULATE  # no rows: zero gradients
+        gw = _grad_buf(weight, main_grad_w, zeroed)
+        gb = _grad_buf(bias, main_grad_b, zeroed) if want_b else None
         ds = torch.zeros_like(row_scale) if want_s else ds  # [R]: padding rows 0
-        Fm.linear_wgrad(dy, x, counts, gw, mode, row_scale, bias if want_s else None, gb,
-                        ds if want_s else None, ctx)
+        if rows:
+            Fm.linear_wgrad(dy, x, counts, gw, mode, row_scale, bias if want_s else None, gb,
+                            ds if want_s else None, ctx)
         if mode == _lib.WGRAD_DEFERRED:
             b.pending += [dy, x, row_scale, bias, ds]
         if want_w and main_grad_w is None:
@@ -212,9 +217,11 @@ def _mlp_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Option
     cfg = _mlp_cfg(x, w1, counts, activation, clamp_limit, clamp_alpha)
     y = x.new_empty((R, x.shape[1]))
     record = b.saver.forward(d, R)
-    Fm.mlp_forward(cfg, Fm.mlp_weights(d, w1, b1, w2, b2), x, probs, counts, b.saver, y, b.ctx(d))
-    h = b.saver.produced[ACT_INPUT] if b.saver.kept(ACT_INPUT) else _empty(d)
-    z = b.saver.produced[FC2_INPUT] if b.saver.kept(FC2_INPUT) else _empty(d)
+    hs, zs = _saved_shapes(binding, R, cfg.ffn)
+    if R:  # the library takes no empty tensor; no rows, nothing to do
+        Fm.mlp_forward(cfg, Fm.mlp_weights(d, w1, b1, w2, b2), x, probs, counts, b.saver, y, b.ctx(d))
+    h = b.saver.produced[ACT_INPUT] if R and b.saver.kept(ACT_INPUT) else x.new_empty(hs)
+    z = b.saver.produced[FC2_INPUT] if R and b.saver.kept(FC2_INPUT) else x.new_empty(zs)
     rid = -1
     if record.handles:
         rid = next(_record_ids)
@@ -247,12 +254,13 @@ def _mlp_bwd(dy: Tensor, x: Tensor, h: Tensor, z: Tensor, probs: Tensor, rid: Te
     mgs = (main_grad_w1, main_grad_b1, main_grad_w2, main_grad_b2)
     mode = _wgrad_mode(b, any(m is not None for m in mgs))
     params = (w1, b1, w2, b2)
-    grads = [_grad_buf(p, m, mode) for p, m in zip(params, mgs)]
+    grads = [_grad_buf(p, m, mode if R else _lib.WGRAD_ACCUMULATE) for p, m in zip(params, mgs)]  # no rows: 0
     record = _records.pop(int(rid[0]), None) if int(rid[0]) >= 0 else None
     saved = {FC1_INPUT: x, ACT_INPUT: h, FC2_INPUT: z, PROBS: probs, "rows": R, "ffn": cfg.ffn}
     b.saver.backward(d, record, saved, restore_all=mode == _lib.WGRAD_DEFERRED)
     dx, dprobs = dy.new_empty((R, cfg.hidden)), torch.zeros(R, dtype=torch.float32, device=d)  # padding 0
-    Fm.mlp_backward(cfg, Fm.mlp_weights(d, *params, *grads), dy, counts, b.saver, dx, dprobs, mode, b.ctx(d))
+    if R:
+        Fm.mlp_backward(cfg, Fm.mlp_weights(d, *params, *grads), dy, counts, b.saver, dx, dprobs, mode, b.ctx(d))
     if mode == _lib.WGRAD_DEFERRED:
         b.pending += [dy, x, z, probs] + b.saver.keepalive
     out = [g.to(p.dtype) if p is not None and m is None else _empty(d) for p, m, g in zip(params, mgs, grads)]
