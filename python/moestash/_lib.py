@@ -140,6 +140,7 @@ _PROTOS = {
     "mst_stash_handle_create": (_I, [_P, _I64, ctypes.POINTER(_P)]),
     "mst_stash_handle_destroy": (None, [_P]),
     "mst_stash_save": (_I, [_P, _P, _T, _T]),
+    "mst_stash_claim": (_I, [_P, _P, _I64, _T]),
     "mst_stash_restore": (_I, [_P, _P, _T]),
     "mst_stash_restore_return": (_I, [_P, _P]),
     "mst_stash_handle_pages": (_I, [_P, ctypes.POINTER(Pages)]),

@@ -216,7 +216,7 @@ def _mlp_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Option
     d, R = x.device, x.shape[0]
     cfg = _mlp_cfg(x, w1, counts, activation, clamp_limit, clamp_alpha)
     y = x.new_empty((R, x.shape[1]))
-    record = b.saver.forward(d, R)
+    record = b.saver.forward(d, R, cfg.ffn)
     hs, zs = _saved_shapes(binding, R, cfg.ffn)
     if R:  # the library takes no empty tensor; no rows, nothing to do
         Fm.mlp_forward(cfg, Fm.mlp_weights(d, w1, b1, w2, b2), x, probs, counts, b.saver, y, b.ctx(d))

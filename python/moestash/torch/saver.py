@@ -22,6 +22,7 @@ from ._core import as_mst
 
 FC1_INPUT, ACT_INPUT, FC2_INPUT, PROBS = range(4)
 _IN_PLACE = (FC1_INPUT, ACT_INPUT, FC2_INPUT)  # the library's readers take their pages
+_CLAIMABLE = (ACT_INPUT, FC2_INPUT)  # their producer (the activation) writes pages itself
 _TORCH_DTYPE = {_lib.DTYPE_BF16: torch.bfloat16, _lib.DTYPE_FP32: torch.float32}
 
 
@@ -47,7 +48,8 @@ class Record:
     """What one forward left for its backward: handles of paged names."""
 
     def __init__(self):
-        self.handles = {}  # name -> (pool, handle)
+        self.handles = {}  # name -> (pool, handle, max_rows)
+        self.claimed = set()  # names whose pages the producer wrote (no save)
 
 
 class Saver:
@@ -61,7 +63,8 @@ class Saver:
         self.error = None
         self._cb = (_lib.PRODUCE(self._guarded(self._produce)), _lib.COMMIT(self._guarded(self._commit)),
                     _lib.FETCH(self._guarded(self._fetch)), _lib.RELEASE(self._guarded(self._release)))
-        self.struct = _lib.Saver(None, *self._cb, _lib.CLAIM())
+        self._claim_cb = _lib.CLAIM(self._guarded(self._claim))
+        self.struct = _lib.Saver(None, *self._cb, self._claim_cb)
         self._begin(None, None, None)
 
     def kept(self, name):
@@ -72,14 +75,14 @@ class Saver:
 
     # ---- one call --------------------------------------------------------
 
-    def _begin(self, device, record, saved, restore=False, max_rows=0):
+    def _begin(self, device, record, saved, restore=False, max_rows=0, widths=None):
         self.device, self.record, self.saved = device, record, saved or {}
-        self.restore_all, self.max_rows = restore, max_rows
+        self.restore_all, self.max_rows, self.widths = restore, max_rows, widths
         self.produced, self.keepalive = {}, []
 
-    def forward(self, device, max_rows):
+    def forward(self, device, max_rows, ffn):
         """Arms the saver for one forward; returns its Record."""
-        self._begin(device, Record(), None, max_rows=max_rows)
+        self._begin(device, Record(), None, max_rows=max_rows, widths={ACT_INPUT: 2 * ffn, FC2_INPUT: ffn})
         return self.record
 
     def backward(self, device, record, saved, restore_all):
@@ -118,8 +121,20 @@ class Saver:
         self.produced[name] = t
         out[0] = as_mst(t, _lib.SAVED_NAMES[name], self.device)
 
+    def _claim(self, name, counts, out):
+        """Stashed act_input / fc2_input: pages taken now, written by the
+        activation (device pages only; offloaded names are saved by commit)."""
+        out[0] = _lib.Pages()  # table NULL: not claimed
+        if name not in _CLAIMABLE or self.policies[name] != "stash":
+            return
+        pool, handle = self.manager.take("stash", name, self.device, self.max_rows, self.widths[name])
+        self.record.handles[name] = (pool, handle, self.max_rows)
+        self.record.claimed.add(name)
+        self.manager.claim(pool, handle, self.max_rows, counts)
+        out[0] = self.manager.pages(handle)
+
     def _commit(self, name, src, counts):
-        if not self.paged(name):
+        if not self.paged(name) or name in self.record.claimed:
             return
         pool, handle = self.manager.take(self.policies[name], name, self.device, self.max_rows, src[0].cols)
         self.record.handles[name] = (pool, handle, self.max_rows)

@@ -103,6 +103,10 @@ class StashManager:
     def save(self, pool, handle, src, counts):
         pool.call("mst_stash_save", handle, src, counts)
 
+    def claim(self, pool, handle, rows, counts):
+        """Takes the pages of a save whose producer writes them itself."""
+        pool.call("mst_stash_claim", handle, rows, counts)
+
     def pages(self, handle):
         pages = _lib.Pages()
         _lib.call("mst_stash_handle_pages", handle, ctypes.byref(pages))
