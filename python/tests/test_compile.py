@@ -1,5 +1,6 @@
 """torch.compile(fullgraph=True) of modules using the ops: no graph break, and
 the compiled forward and backward give the eager bits."""
+import pytest
 import torch
 
 import moestash.torch as mt
@@ -11,19 +12,21 @@ E, R, H, F = 4, 64, 32, 16
 class Block(torch.nn.Module):
     """A little model around the ops: linear, MLP, linear with row scale."""
 
-    def __init__(self, device):
+    def __init__(self, device, policy="keep", manager=None):
         super().__init__()
         torch.manual_seed(0)
         self.inp = mt.GroupedLinear(E, H, H, bias=True, device=device)
-        self.mlp = mt.GroupedMLP(E, H, F, bias=True, device=device)
+        self.mlp = mt.GroupedMLP(E, H, F, bias=True, policy=policy, stash_manager=manager, device=device)
 
     def forward(self, x, counts, probs):
         h = self.inp(x, counts, probs)
         return self.mlp(torch.nn.functional.silu(h), counts, probs) + h
 
 
-def test_compile_fullgraph_matches_eager(device):
-    block = Block(device)
+@pytest.mark.parametrize("policy", ["keep", "fc1_input=stash,act_input=stash,fc2_input=recompute,probs=offload"])
+def test_compile_fullgraph_matches_eager(device, policy):
+    manager = mt.StashManager(page_rows=8)
+    block = Block(device, policy, manager)
     g = torch.Generator().manual_seed(1)
     counts = ref.make_counts(E, R, "ragged", g).to(device)
     x = ref.rand((R, H), g).to(device)
@@ -35,8 +38,10 @@ def test_compile_fullgraph_matches_eager(device):
     for fn in (block, compiled):
         xx, pp = x.clone().requires_grad_(), p.clone().requires_grad_()
         block.zero_grad(set_to_none=True)
+        manager.step_begin()
         y = fn(xx, counts, pp)
         y.float().square().sum().backward()
+        assert manager.step_check()
         outs.append([y.detach(), xx.grad, pp.grad] + [q.grad.clone() for q in block.parameters()])
     for a, b in zip(*outs):
         assert torch.equal(a, b)
