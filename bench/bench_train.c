@@ -245,7 +245,7 @@ static mst_status measure(mst_ctx_t* ctx, mst_train_config cfg, int64_t S, train
         f->eager_tok_s = median(r.tok_per_s + 2, S - 2);
         f->graph_tok_s = median(r.tok_per_s + S + 2, S - 2);
         f->peak = r.mem.peak;
-        f->saved = r.mem.run[MST_ROW_SAVED];
+        for (int k = MST_ROW_SAVED_ATTN; k <= MST_ROW_RECOMPUTE; k++) f->saved += r.mem.run[k];
         f->mlp = r.mem.run[MST_ROW_MLP_KEPT] + r.mem.run[MST_ROW_MLP_DEV_PAGES];
         f->captures = r.captures, f->replays = r.replays, f->reruns = r.reruns;
     }
@@ -256,7 +256,7 @@ static mst_status measure(mst_ctx_t* ctx, mst_train_config cfg, int64_t S, train
 static void print_fig(const train_fig* f, double dense) {
     const double te = f->flops / (f->tokens / f->eager_tok_s) / 1e12, tg = f->flops / (f->tokens / f->graph_tok_s) / 1e12;
     printf("  %-12s %-7s eager %9.0f tok/s %7.1f TFLOP/s (MFU %4.1f%%) | graph %9.0f tok/s %7.1f TFLOP/s (MFU %4.1f%%) "
-           "| graph/eager %.2fx | peak %.2f GiB, saved attn/norm/router %.2f GiB, grouped MLP %.2f GiB | "
+           "| graph/eager %.2fx | peak %.2f GiB, saved attn/norm/router/head/MTP + rerun %.2f GiB, grouped MLP %.2f GiB | "
            "%lld captures, %lld replays, %lld reruns\n",
            f->config, f->policy, f->eager_tok_s, te, 100 * te / dense, f->graph_tok_s, tg, 100 * tg / dense,
            f->graph_tok_s / f->eager_tok_s, f->peak / 1073741824.0, f->saved / 1073741824.0, f->mlp / 1073741824.0,

@@ -583,6 +583,11 @@ MST_API mst_status mst_memmgr_set_policy(mst_memmgr_t* m, int32_t layer, mst_sav
 /* The policies of a spec (mst_policy_spec_parse) for every layer and name. */
 MST_API mst_status mst_memmgr_set_policy_spec(mst_memmgr_t* m, const char* spec);
 MST_API mst_status mst_memmgr_set_recompute(mst_memmgr_t* m, const mst_recompute_config* rc);
+/* The same from an explicit plan: chunk_start [n_layers], each -1 (kept) or
+ * the first layer of l's chunk (chunks contiguous: chunk_start[l] is l or
+ * chunk_start[l - 1]); e.g. mst_recompute_plan's, with the last layer made a
+ * chunk of its own. Errors name the layer. */
+MST_API mst_status mst_memmgr_set_recompute_plan(mst_memmgr_t* m, const int32_t* chunk_start);
 /* chunk start of layer l's recompute chunk, or -1 (see mst_recompute_plan). */
 MST_API int32_t mst_memmgr_recompute_chunk(const mst_memmgr_t* m, int32_t layer);
 

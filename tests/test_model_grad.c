@@ -239,13 +239,16 @@ static double check_kind(ref* R, double* w, const float* grad, const pkind* k, m
     return den > 0 ? sqrt(num / den) : sqrt(num);
 }
 
-static void run(mst_ctx_t* ctx) {
+/* The gradients of one model under the memory configuration mem (NULL:
+ * every activation kept) against float64 finite differences. */
+static void check_model(mst_ctx_t* ctx, const mst_mem_config* mem, const char* label) {
+    printf("  %s\n", label);
     mst_model_config c = {.vocab = 256, .hidden = 16, .ffn = 8, .n_head = 2, .seq = 5, .batch = 2,
                           .layers = 2, .experts = 4, .top_k = 2, .ep = 2, .capacity_factor = 4.0f,
                           .mtp_weight = 0.3f, .aux_coef = 0.1f, .norm_eps = 1e-5f,
                           .init_std = 0.3f, .seed = 7};
     mst_model* m = NULL;
-    CHECK_OK(mst_model_create(ctx, &c, 1, NULL, &m));
+    CHECK_OK(mst_model_create(ctx, &c, 1, mem, &m));
     if (!m) return;
     mst_rng rng = {20240611};
     const int64_t W = c.seq + 2, H = c.hidden;
@@ -301,13 +304,26 @@ static void run(mst_ctx_t* ctx) {
     };
     for (size_t k = 0; k < sizeof kinds / sizeof *kinds; k++) {
         double err = check_kind(&R, w, grad, &kinds[k], &rng, k == 0 ? used : NULL, H);
-        printf("  %-22s rel err %.2e\n", kinds[k].name, err);
-        CHECK(err < 5e-2, "%s: gradient rel err %.3e vs float64 finite differences", kinds[k].name, err);
+        printf("    %-22s rel err %.2e\n", kinds[k].name, err);
+        CHECK(err < 5e-2, "%s, %s: gradient rel err %.3e vs float64 finite differences", label, kinds[k].name, err);
     }
     free(grad);
     free(w16);
     free(w);
     mst_model_destroy(m);
+}
+
+static void run(mst_ctx_t* ctx) {
+    check_model(ctx, NULL, "every activation kept");
+    mst_mem_config full = mst_mem_config_default();
+    full.recompute = (mst_recompute_config){MST_RECOMPUTE_UNIFORM, 2};
+    full.recompute_mtp = 1;
+    check_model(ctx, &full, "whole-layer recompute uniform:2 (MTP layer included)");
+    mst_mem_config block = mst_mem_config_default();
+    block.recompute = (mst_recompute_config){MST_RECOMPUTE_BLOCK, 1};
+    block.recompute_mtp = 1;
+    block.policy = "stash";
+    check_model(ctx, &block, "whole-layer recompute block:1 + --recompute-mtp, stash");
 }
 
 int main(int argc, char** argv) { return mst_test_main(argc, argv, run); }

@@ -86,12 +86,14 @@ static mst_status main_head(mst_model* m, int32_t mb) {
     return head_forward(m, u->xf, u->tok + n_tok(m), loss_scale(m), m->loss_main + mb * n_tok(m), u->dl_main);
 }
 
-/* MTP input: p = [norm_e(emb(next)) | norm_h(h)] Wproj^T. */
-static mst_status mtp_input(mst_model* m, int32_t mb) {
+/* MTP input: p = [norm_e(emb(next)) | norm_h(h)] Wproj^T; the embedding of
+ * the next tokens (e1) too when `embed_next` (not on a recompute: e1 and h,
+ * the module's two inputs, are kept). */
+static mst_status mtp_input(mst_model* m, int32_t mb, int embed_next) {
     mst_micro* u = &m->micro[mb];
     const int64_t N = n_tok(m), H = m->cfg.hidden;
     const float eps = m->cfg.norm_eps;
-    MST_TRY(embed(m, u->tok + N, u->e1));
+    if (embed_next) MST_TRY(embed(m, u->tok + N, u->e1));
     MST_TRY(mst_op_norm(m, N, H, eps, u->e1, m->w + m->ln_e, u->ne, u->rstd_e));
     MST_TRY(mst_op_norm(m, N, H, eps, u->acts[m->cfg.layers - 1].out, m->w + m->ln_h, u->nh, u->rstd_h));
     mst_mm_args pe = {.trans_b = 1, .m = N, .n = H, .k = H, .a = u->ne, .lda = H, .b = m->w + m->proj,
@@ -123,7 +125,7 @@ static mst_status forward_chunk(mst_model* m, int32_t chunk, int32_t mb) {
         const mst_saver* sv;
         MST_TRY(mst_memmgr_forward(m->mm, l, mb, &sv));
         if (l == 0) MST_TRY(embed(m, u->tok, u->x0));
-        if (l == L) MST_TRY(mtp_input(m, mb));
+        if (l == L) MST_TRY(mtp_input(m, mb, 1));
         MST_TRY(mst_layer_forward(m, l, &u->acts[l], layer_input(m, u, l), sv));
         MST_TRY(mst_copy_b2b(m->ctx, m->aux_sum + mb * (L + 1) + l, u->acts[l].aux, sizeof(float)));
         if (l == L - 1) MST_TRY(main_head(m, mb));
@@ -160,13 +162,19 @@ static mst_status main_head_backward(mst_model* m, int32_t mb) {
     return mst_op_add(m, N * H, u->dh, m->t1, u->dh);
 }
 
-/* Reruns the forward of recompute chunk [cs, last] from the kept inputs. */
+/* Reruns the forward of recompute chunk [cs, last] from the kept inputs;
+ * with whole-layer recompute, the MTP layer with its module (norms,
+ * projection before it; final norm and head after it: the head's loss is
+ * written again with the same bits). */
 static mst_status rerun(mst_model* m, int32_t cs, int32_t last, int32_t mb) {
     mst_micro* u = &m->micro[mb];
+    const int32_t L = m->cfg.layers;
     for (int32_t l = cs; l <= last; l++) {
         const mst_saver* sv;
         MST_TRY(mst_memmgr_recompute(m->mm, l, mb, &sv));
+        if (l == L && m->full) MST_TRY(mtp_input(m, mb, 0));
         MST_TRY(mst_layer_forward(m, l, &u->acts[l], layer_input(m, u, l), sv));
+        if (l == L && m->full) MST_TRY(mtp_head(m, mb));
     }
     return MST_OK;
 }

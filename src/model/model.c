@@ -34,7 +34,8 @@ mst_status mst_model_config_check(const mst_model_config* c) {
 }
 
 mst_mem_config mst_mem_config_default(void) {
-    mst_mem_config c = {.policy = "keep", .schedule = MST_SCHEDULE_PLAIN, .virtual_stages = 1, .pool_factor = 1.10};
+    mst_mem_config c = {.policy = "keep", .schedule = MST_SCHEDULE_PLAIN, .virtual_stages = 1, .pool_factor = 1.10,
+                        .recompute_full = 1};
     return c;
 }
 
@@ -176,50 +177,93 @@ static mst_status alloc_params(mst_model* m) {
     return st;
 }
 
-static mst_status alloc_layer(mst_model* m, mst_layer_acts* a) {
+/* One activation buffer: counted into the KEEP reference (as kept) when
+ * `ref`; allocated in category cat when `own`, else taken from `from`. */
+#define ACT(cat, dst, from, field, count, own, ref)                                \
+    do {                                                                           \
+        const size_t nb_ = sizeof(*(dst)->field) * (size_t)(count);                \
+        if (ref) m->mem_keep[cat] += nb_;                                          \
+        if (own) MST_TRY(buf(m, cat, nb_, &(dst)->field));                         \
+        else (dst)->field = (from)->field;                                         \
+    } while (0)
+
+/* A layer's activations: its own buffers (slot NULL), or the recompute
+ * slot's, but for the output when keep_out (the input of the next chunk).
+ * cats: attention, norms, router categories. ref: count as kept. */
+static mst_status alloc_layer(mst_model* m, mst_layer_acts* a, const mst_layer_acts* slot, int keep_out,
+                              const int cats[3], int ref) {
     const mst_model_config* c = &m->cfg;
     const int64_t N = c->batch * c->seq, H = c->hidden, E = c->experts, K = c->top_k;
-    const int cat = MST_MEM_SAVED;
-    BUF(cat, a->a, N * H);
-    BUF(cat, a->rstd1, N);
-    BUF(cat, a->qkv, N * 3 * H);
-    BUF(cat, a->attp, c->batch * c->n_head * c->seq * c->seq);
-    BUF(cat, a->att, N * H);
-    BUF(cat, a->x1, N * H);
-    BUF(cat, a->b, N * H);
-    BUF(cat, a->rstd2, N);
-    BUF(cat, a->rlogits, N * E);
-    BUF(cat, a->rprobs, N * E);
-    BUF(cat, a->topk_idx, N * K);
-    BUF(cat, a->topk_w, N * K);
-    BUF(cat, a->pos, N * K);
-    BUF(cat, a->counts, E);
-    BUF(cat, a->load, E);
-    BUF(cat, a->aux, 1);
-    BUF(cat, a->out, N * H);
+    const int own = slot == NULL, A = cats[0], R = cats[2], Nm = cats[1];
+    ACT(Nm, a, slot, a, N * H, own, ref);
+    ACT(Nm, a, slot, rstd1, N, own, ref);
+    ACT(A, a, slot, qkv, N * 3 * H, own, ref);
+    ACT(A, a, slot, attp, c->batch * c->n_head * c->seq * c->seq, own, ref);
+    ACT(A, a, slot, att, N * H, own, ref);
+    ACT(Nm, a, slot, x1, N * H, own, ref);
+    ACT(Nm, a, slot, b, N * H, own, ref);
+    ACT(Nm, a, slot, rstd2, N, own, ref);
+    ACT(R, a, slot, rlogits, N * E, own, ref);
+    ACT(R, a, slot, rprobs, N * E, own, ref);
+    ACT(R, a, slot, topk_idx, N * K, own, ref);
+    ACT(R, a, slot, topk_w, N * K, own, ref);
+    ACT(R, a, slot, pos, N * K, own, ref);
+    ACT(R, a, slot, counts, E, own, ref);
+    ACT(R, a, slot, load, E, own, ref);
+    ACT(R, a, slot, aux, 1, own, ref);
+    ACT(Nm, a, slot, out, N * H, own || keep_out, ref);
     return MST_OK;
+}
+
+/* The MTP module's activations besides its layer: e1 (the next tokens'
+ * embedding, one of its two inputs) its own; the rest its own, or the
+ * shared slot's when the module is recomputed. is_slot: u is that slot
+ * (no e1; category RECOMPUTE, not in the KEEP reference). */
+static mst_status alloc_mtp(mst_model* m, mst_micro* u, const mst_micro* slot, int is_slot) {
+    const mst_model_config* c = &m->cfg;
+    const int64_t N = c->batch * c->seq, H = c->hidden, V = c->vocab;
+    const int P = is_slot ? MST_MEM_RECOMPUTE : MST_MEM_SAVED_MTP, own = slot == NULL, ref = !is_slot;
+    if (!is_slot) ACT(MST_MEM_SAVED_MTP, u, u, e1, N * H, 1, 1);
+    ACT(P, u, slot, ne, N * H, own, ref);
+    ACT(P, u, slot, nh, N * H, own, ref);
+    ACT(P, u, slot, rstd_e, N, own, ref);
+    ACT(P, u, slot, rstd_h, N, own, ref);
+    ACT(P, u, slot, p, N * H, own, ref);
+    ACT(P, u, slot, mf, N * H, own, ref);
+    ACT(P, u, slot, rstd_mf, N, own, ref);
+    ACT(P, u, slot, dl_mtp, N * V, own, ref);
+    return MST_OK;
+}
+#undef ACT
+
+static int recomputed(const mst_model* m, int32_t l) { return m->full && m->chunk_start[l] >= 0; }
+
+/* Layer l's output is kept when it is the input of a later chunk or of the
+ * MTP module and heads (layer L-1); a recomputed MTP layer's output is rerun. */
+static int keeps_out(const mst_model* m, int32_t l) {
+    const int32_t L = m->cfg.layers;
+    return l < L && (l == L - 1 || m->chunk_start[l + 1] != m->chunk_start[l]);
 }
 
 static mst_status alloc_micro(mst_model* m, mst_micro* u) {
     const mst_model_config* c = &m->cfg;
     const int64_t N = c->batch * c->seq, H = c->hidden, V = c->vocab;
-    const int S = MST_MEM_SAVED;
-    u->acts = (mst_layer_acts*)calloc((size_t)c->layers + 1, sizeof *u->acts);
+    const int32_t L = c->layers;
+    u->acts = (mst_layer_acts*)calloc((size_t)L + 1, sizeof *u->acts);
     if (!u->acts) return mst_set_error(MST_ERR_OOM, "layer table");
-    for (int32_t l = 0; l <= c->layers; l++) MST_TRY(alloc_layer(m, &u->acts[l]));
+    for (int32_t l = 0; l <= L; l++) {
+        const int kinds[3] = {MST_MEM_SAVED_ATTN, MST_MEM_SAVED_NORM, MST_MEM_SAVED_ROUTER};
+        const int mtp[3] = {MST_MEM_SAVED_MTP, MST_MEM_SAVED_MTP, MST_MEM_SAVED_MTP};
+        const mst_layer_acts* slot = recomputed(m, l) ? &m->slots[l - m->chunk_start[l]] : NULL;
+        MST_TRY(alloc_layer(m, &u->acts[l], slot, slot && keeps_out(m, l), l == L ? mtp : kinds, 1));
+    }
+    const int S = MST_MEM_SAVED_HEAD;
     BUF(S, u->x0, N * H);
     BUF(S, u->xf, N * H);
     BUF(S, u->rstdf, N);
-    BUF(S, u->e1, N * H);
-    BUF(S, u->ne, N * H);
-    BUF(S, u->nh, N * H);
-    BUF(S, u->rstd_e, N);
-    BUF(S, u->rstd_h, N);
-    BUF(S, u->p, N * H);
-    BUF(S, u->mf, N * H);
-    BUF(S, u->rstd_mf, N);
     BUF(S, u->dl_main, N * V);
-    BUF(S, u->dl_mtp, N * V);
+    m->mem_keep[S] += sizeof(uint16_t) * (2 * N * H + N * V) + sizeof(float) * N;
+    MST_TRY(alloc_mtp(m, u, recomputed(m, L) ? &m->mtp_slot : NULL, 0));
     BUF(MST_MEM_COMPUTE, u->dh, N * H);
     return MST_OK;
 }
@@ -240,9 +284,32 @@ static mst_status alloc_inputs(mst_model* m) {
     return buf(m, MST_MEM_COMPUTE, sizeof(mst_step_record), &m->record);
 }
 
+/* The recompute plan of the L+1 layers (the memory manager's, which keeps
+ * chunks inside schedule chunks) and the shared slots recomputed layers run
+ * in: as many as the longest chunk, and one MTP module when layer L is
+ * recomputed. */
+static mst_status alloc_slots(mst_model* m) {
+    const int32_t L1 = m->cfg.layers + 1;
+    m->chunk_start = (int32_t*)malloc(sizeof(int32_t) * (size_t)L1);
+    if (!m->chunk_start) return mst_set_error(MST_ERR_OOM, "recompute plan");
+    m->full = m->mem_cfg.recompute_full;
+    m->n_slots = 0;
+    for (int32_t l = 0; l < L1; l++) {
+        m->chunk_start[l] = mst_memmgr_recompute_chunk(m->mm_static, l);
+        if (recomputed(m, l) && l - m->chunk_start[l] + 1 > m->n_slots) m->n_slots = l - m->chunk_start[l] + 1;
+    }
+    m->slots = (mst_layer_acts*)calloc((size_t)(m->n_slots > 0 ? m->n_slots : 1), sizeof *m->slots);
+    if (!m->slots) return mst_set_error(MST_ERR_OOM, "recompute slots");
+    const int rc[3] = {MST_MEM_RECOMPUTE, MST_MEM_RECOMPUTE, MST_MEM_RECOMPUTE};
+    for (int32_t k = 0; k < m->n_slots; k++) MST_TRY(alloc_layer(m, &m->slots[k], NULL, 0, rc, 0));
+    if (recomputed(m, L1 - 1)) MST_TRY(alloc_mtp(m, &m->mtp_slot, NULL, 1));
+    return MST_OK;
+}
+
 static mst_status alloc_acts(mst_model* m) {
     const mst_model_config* c = &m->cfg;
     const int64_t N = c->batch * c->seq, H = c->hidden, V = c->vocab, M = m->n_micro;
+    MST_TRY(alloc_slots(m));
     m->micro = (mst_micro*)calloc((size_t)M, sizeof *m->micro);
     if (!m->micro) return mst_set_error(MST_ERR_OOM, "microbatch table");
     for (int64_t mb = 0; mb < M; mb++) MST_TRY(alloc_micro(m, &m->micro[mb]));
@@ -285,6 +352,20 @@ static mst_status make_schedule(mst_model* m) {
     return mst_schedule_make(&sc, m->sched, m->n_sched);
 }
 
+/* The recompute plan of the L+1 layers: --recompute's over every layer (the
+ * MTP layer L counts as the stage's last), and layer L a chunk of its own
+ * under --recompute-mtp when the plan leaves it kept. */
+static mst_status set_plan(mst_model* m, mst_memmgr_t* mm) {
+    const int32_t L1 = m->cfg.layers + 1;
+    int32_t* plan = (int32_t*)malloc(sizeof(int32_t) * (size_t)L1);
+    if (!plan) return mst_set_error(MST_ERR_OOM, "recompute plan");
+    mst_status st = mst_recompute_plan(&m->mem_cfg.recompute, L1, plan);
+    if (st == MST_OK && m->mem_cfg.recompute_mtp && plan[L1 - 1] < 0) plan[L1 - 1] = L1 - 1;
+    if (st == MST_OK) st = mst_memmgr_set_recompute_plan(mm, plan);
+    free(plan);
+    return st;
+}
+
 /* A manager for rows of R per group (G R in all), with the run's policies. */
 static mst_status make_memmgr(mst_model* m, int64_t R, mst_memmgr_t** out) {
     const mst_model_config* c = &m->cfg;
@@ -297,9 +378,9 @@ static mst_status make_memmgr(mst_model* m, int64_t R, mst_memmgr_t** out) {
     const char* spec = m->mem_cfg.policy ? m->mem_cfg.policy : "keep";
     const char* flag = "--policy";
     mst_status st = mst_memmgr_set_policy_spec(*out, spec);
-    if (st == MST_OK && m->mem_cfg.recompute.method != MST_RECOMPUTE_NONE) {
+    if (st == MST_OK && (m->mem_cfg.recompute.method != MST_RECOMPUTE_NONE || m->mem_cfg.recompute_mtp)) {
         flag = "--recompute";
-        st = mst_memmgr_set_recompute(*out, &m->mem_cfg.recompute);
+        st = set_plan(m, *out);
     }
     if (st != MST_OK) {
         char why[512];
@@ -308,7 +389,8 @@ static mst_status make_memmgr(mst_model* m, int64_t R, mst_memmgr_t** out) {
         *out = NULL;
         const mst_recompute_config* rc = &m->mem_cfg.recompute;
         char value[64];
-        snprintf(value, sizeof value, "%s:%d", rc->method == MST_RECOMPUTE_UNIFORM ? "uniform" : "block", rc->num_layers);
+        if (rc->method == MST_RECOMPUTE_NONE) snprintf(value, sizeof value, "none");
+        else snprintf(value, sizeof value, "%s:%d", rc->method == MST_RECOMPUTE_UNIFORM ? "uniform" : "block", rc->num_layers);
         return mst_set_error(st, "%s '%s': %s", flag, flag[2] == 'p' ? spec : value, why);
     }
     return MST_OK;
@@ -360,6 +442,10 @@ mst_status mst_model_create(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t
     m->cfg = *cfg;
     m->n_micro = n_micro;
     m->mem_cfg = mem ? *mem : mst_mem_config_default();
+    if (m->mem_cfg.recompute_mtp && !(cfg->mtp_weight > 0.0f)) {
+        free(m);
+        return BAD("--recompute-mtp: the model has no MTP module (--mtp-weight %g)", (double)cfg->mtp_weight);
+    }
     m->static_rows = mst_model_max_rows(cfg);
     m->lp = (mst_layer_params*)calloc((size_t)cfg->layers + 1, sizeof *m->lp);
     mst_status st = m->lp ? MST_OK : mst_set_error(MST_ERR_OOM, "layer parameter table");
@@ -368,8 +454,8 @@ mst_status mst_model_create(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t
         layout(m);
         st = alloc_params(m);
     }
+    if (st == MST_OK) st = mst_model_set_max_rows(m, m->static_rows); /* the manager: the recompute plan */
     if (st == MST_OK) st = alloc_acts(m);
-    if (st == MST_OK) st = mst_model_set_max_rows(m, m->static_rows);
     if (st != MST_OK) {
         mst_model_destroy(m);
         return st;
@@ -391,6 +477,8 @@ void mst_model_destroy(mst_model* m) {
     free(m->micro);
     free(m->sched);
     free(m->lp);
+    free(m->chunk_start);
+    free(m->slots);
     free(m);
 }
 

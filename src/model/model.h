@@ -44,12 +44,21 @@ typedef struct mst_mem_config {
     const char* policy;             /* "keep" | "stash" | "offload" | "recompute" |
                                        "fc1_input=stash,..." (NULL: keep)        */
     mst_recompute_config recompute; /* layer recompute (method NONE: off)        */
+    int32_t recompute_full;         /* 1 (full): a recomputed layer keeps only its
+                                       input; norms, attention, router and the
+                                       grouped MLP are rerun. 0 (moe): only the
+                                       grouped MLP's tensors are not kept         */
+    int32_t recompute_mtp;          /* 1: the MTP layer is recomputed too (a
+                                       chunk of its own when the plan has none),
+                                       with its module's norms and projection
+                                       (full): it keeps its two inputs           */
     mst_schedule_kind schedule;     /* order of forward/backward over microbatches */
     int32_t virtual_stages;         /* chunks of layers (interleaved: >= 2)      */
     double pool_factor;             /* stash pages over the measured peak (1.10) */
 } mst_mem_config;
 
-/* keep, plain schedule, no layer recompute, pool factor 1.10. */
+/* keep, plain schedule, no layer recompute (granularity full when one is
+ * set), pool factor 1.10. */
 mst_mem_config mst_mem_config_default(void);
 
 /* Checks sizes (each failure names the flag and its value). */
@@ -107,8 +116,17 @@ typedef struct mst_micro {
     mst_layer_acts* acts;    /* [L+1]                                         */
 } mst_micro;
 
-/* Memory by category, bytes (backend memory the model allocated itself). */
-enum { MST_MEM_WEIGHTS = 0, MST_MEM_GRADS, MST_MEM_OPTIM, MST_MEM_SAVED, MST_MEM_COMPUTE, MST_N_MEM };
+/* Memory by category, bytes (backend memory the model allocated itself).
+ * Saved activations by kind: a layer's attention (qkv, probabilities,
+ * output), norms and residuals (norm outputs, rstd, x1, the layer output),
+ * router (logits, probs, top-k, positions, counts); the main path's
+ * embedding and head (tokens, x0, final norm, d logits); the MTP module
+ * (its norms, projection, head and its transformer layer, whatever kind).
+ * RECOMPUTE: the shared activations that recomputed layers run in. */
+enum {
+    MST_MEM_WEIGHTS = 0, MST_MEM_GRADS, MST_MEM_OPTIM, MST_MEM_SAVED_ATTN, MST_MEM_SAVED_NORM,
+    MST_MEM_SAVED_ROUTER, MST_MEM_SAVED_HEAD, MST_MEM_SAVED_MTP, MST_MEM_RECOMPUTE, MST_MEM_COMPUTE, MST_N_MEM
+};
 
 typedef struct mst_model {
     mst_ctx_t* ctx;
@@ -162,6 +180,14 @@ typedef struct mst_model {
     uint16_t* att16;         /* [B, NH, T, T] attention scratch (ops->attn_scratch) */
     uint16_t *dm, *t1, *t2, *t3; /* [N, H] gradient and scratch               */
     size_t mem[MST_N_MEM];   /* bytes allocated by category                   */
+    size_t mem_keep[MST_N_MEM]; /* the same with every layer keeping its
+                                   activations (no recompute): the reference   */
+    int32_t* chunk_start;    /* [L+1] recompute chunk of each layer, -1: kept  */
+    int32_t full;            /* layers in chunks recompute whole (full)       */
+    mst_layer_acts* slots;   /* [n_slots] activations recomputed layers run in:
+                                layer l in slot l - chunk_start[l]             */
+    int32_t n_slots;
+    mst_micro mtp_slot;      /* the MTP module's activations when recomputed  */
     void** owned;            /* [n_owned] backend buffers freed by destroy    */
     int n_owned, cap_owned;
 } mst_model;

@@ -111,8 +111,9 @@ static mst_status one_step(mst_model* m, mst_data* d, const mst_train_config* cf
 /* ---- memory report ------------------------------------------------------------ */
 
 static const char* const row_names[MST_N_ROWS] = {
-    "weights (bf16)", "gradients (fp32 main_grad)", "optimizer (master, m, v)",
-    "saved: attention, norms, router", "saved: grouped MLP, kept", "saved: grouped MLP, stash pages",
+    "weights (bf16)", "gradients (fp32 main_grad)", "optimizer (master, m, v)", "saved: attention",
+    "saved: norms, residuals", "saved: router", "saved: embedding, head", "saved: MTP module",
+    "recompute: shared rerun buffers", "saved: grouped MLP, kept", "saved: grouped MLP, stash pages",
     "saved: grouped MLP, offload (host)", "compute buffers", "op workspaces, context"};
 const char* mst_mem_row_str(int row) { return row >= 0 && row < MST_N_ROWS ? row_names[row] : "?"; }
 
@@ -167,8 +168,17 @@ static mst_status memory_table(mst_model* m, mst_train_result* res) {
     mst_mem_table* t = &res->mem;
     const mst_mem_report_t* r = &t->manager;
     const size_t rows_compute = (size_t)(G * R) * compute_row_bytes(c);
-    const int cats[] = {MST_MEM_WEIGHTS, MST_MEM_GRADS, MST_MEM_OPTIM, MST_MEM_SAVED};
-    for (int k = 0; k < 4; k++) t->run[k] = t->keep[k] = t->exact[k] = m->mem[cats[k]];
+    /* the model's own buffers: this run's, and with every layer keeping its
+     * activations (KEEP; exact shapes alike: they do not depend on routing) */
+    static const int rows[][2] = {{MST_ROW_WEIGHTS, MST_MEM_WEIGHTS}, {MST_ROW_GRADS, MST_MEM_GRADS},
+                                  {MST_ROW_OPTIM, MST_MEM_OPTIM}, {MST_ROW_SAVED_ATTN, MST_MEM_SAVED_ATTN},
+                                  {MST_ROW_SAVED_NORM, MST_MEM_SAVED_NORM}, {MST_ROW_SAVED_ROUTER, MST_MEM_SAVED_ROUTER},
+                                  {MST_ROW_SAVED_HEAD, MST_MEM_SAVED_HEAD}, {MST_ROW_SAVED_MTP, MST_MEM_SAVED_MTP},
+                                  {MST_ROW_RECOMPUTE, MST_MEM_RECOMPUTE}};
+    for (size_t k = 0; k < sizeof rows / sizeof rows[0]; k++) {
+        t->run[rows[k][0]] = m->mem[rows[k][1]];
+        t->keep[rows[k][0]] = t->exact[rows[k][0]] = k < 3 ? m->mem[rows[k][1]] : m->mem_keep[rows[k][1]];
+    }
     t->run[MST_ROW_MLP_KEPT] = r->kept_bytes;
     t->keep[MST_ROW_MLP_KEPT] = (size_t)(L1 * M * G * R) * saved_row_bytes(c);
     t->exact[MST_ROW_MLP_KEPT] = exact_saved;

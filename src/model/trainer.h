@@ -31,7 +31,8 @@ typedef struct mst_train_config {
  * KEEP (static max_rows buffers) and exact shapes (rows really routed: each
  * group at its peak over the run). Bytes. */
 enum {
-    MST_ROW_WEIGHTS = 0, MST_ROW_GRADS, MST_ROW_OPTIM, MST_ROW_SAVED, MST_ROW_MLP_KEPT,
+    MST_ROW_WEIGHTS = 0, MST_ROW_GRADS, MST_ROW_OPTIM, MST_ROW_SAVED_ATTN, MST_ROW_SAVED_NORM,
+    MST_ROW_SAVED_ROUTER, MST_ROW_SAVED_HEAD, MST_ROW_SAVED_MTP, MST_ROW_RECOMPUTE, MST_ROW_MLP_KEPT,
     MST_ROW_MLP_DEV_PAGES, MST_ROW_MLP_HOST_PAGES, MST_ROW_COMPUTE, MST_ROW_OTHER, MST_N_ROWS
 };
 typedef struct mst_mem_table {

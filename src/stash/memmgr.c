@@ -168,15 +168,29 @@ mst_status mst_memmgr_set_policy_spec(mst_memmgr_t* m, const char* spec) {
     return MST_OK;
 }
 
-mst_status mst_memmgr_set_recompute(mst_memmgr_t* m, const mst_recompute_config* rc) {
-    if (!m) return mst_set_error(MST_ERR_INVALID, "m is NULL");
+mst_status mst_memmgr_set_recompute_plan(mst_memmgr_t* m, const int32_t* chunk_start) {
+    if (!m || !chunk_start) return mst_set_error(MST_ERR_INVALID, "m or chunk_start is NULL");
     if (m->sized || m->in_step) return mst_set_error(MST_ERR_STATE, "layer recompute is set before the first step");
-    MST_TRY(mst_recompute_plan(rc, m->cfg.n_layers, m->chunk_start));
+    for (int32_t l = 0; l < m->cfg.n_layers; l++) {
+        const int32_t c = chunk_start[l];
+        if (c < -1 || c > l || (c >= 0 && c != l && (l == 0 || chunk_start[l - 1] != c)))
+            return mst_set_error(MST_ERR_INVALID, "recompute plan: layer %d starts its chunk at %d", l, c);
+    }
     for (int32_t l = 0; l < m->cfg.n_layers; l++) { /* chunks stay inside a model chunk */
-        int32_t first = chunk_of(m, l) * m->layers_per_chunk;
-        if (m->chunk_start[l] >= 0 && m->chunk_start[l] < first) m->chunk_start[l] = first;
+        const int32_t first = chunk_of(m, l) * m->layers_per_chunk;
+        m->chunk_start[l] = chunk_start[l] >= 0 && chunk_start[l] < first ? first : chunk_start[l];
     }
     return MST_OK;
+}
+
+mst_status mst_memmgr_set_recompute(mst_memmgr_t* m, const mst_recompute_config* rc) {
+    if (!m) return mst_set_error(MST_ERR_INVALID, "m is NULL");
+    int32_t* plan = (int32_t*)malloc(sizeof(int32_t) * (size_t)m->cfg.n_layers);
+    if (!plan) return mst_set_error(MST_ERR_OOM, "recompute plan");
+    mst_status st = mst_recompute_plan(rc, m->cfg.n_layers, plan);
+    if (st == MST_OK) st = mst_memmgr_set_recompute_plan(m, plan);
+    free(plan);
+    return st;
 }
 
 int32_t mst_memmgr_recompute_chunk(const mst_memmgr_t* m, int32_t layer) {
