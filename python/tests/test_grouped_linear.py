@@ -98,3 +98,12 @@ def test_delayed_wgrad_needs_main_grad(device):
     y = mt.grouped_linear(t["x"], w, t["c"], binding=mt.Binding(delay_wgrad=True))
     with pytest.raises(ValueError, match="main_grad"):
         y.sum().backward()
+
+
+def test_delayed_wgrad_needs_main_grad_on_the_bias_too(device):
+    t, c = problem(device, "ragged", 19)
+    w, b = t["w"].clone().requires_grad_(), t["b"].clone().requires_grad_()
+    w.main_grad = torch.zeros(w.shape, device=device)
+    y = mt.grouped_linear(t["x"], w, t["c"], b, binding=mt.Binding(delay_wgrad=True))
+    with pytest.raises(ValueError, match="every weight and bias"):
+        y.sum().backward()

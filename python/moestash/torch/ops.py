@@ -73,12 +73,17 @@ _records = {}
 _record_ids = itertools.count()
 
 
-def _wgrad_mode(binding, any_main_grad):
+def _wgrad_mode(binding, params, main_grads):
+    """The wgrad mode of a call whose gradient-taking parameters (None:
+    absent) have these main_grads (None: none). Deferred wgrads add into
+    main_grad later, so then every such parameter needs one."""
+    taken = [m for p, m in zip(params, main_grads) if p is not None]
     if binding.delay_wgrad:
-        if not any_main_grad:
-            raise ValueError("delay_wgrad_compute needs main_grad on the weights (the deferred wgrads add into it)")
+        if any(m is None for m in taken):
+            raise ValueError("delay_wgrad_compute needs main_grad on every weight and bias that takes a "
+                             "gradient (the deferred wgrads add into it at backward_dw())")
         return _lib.WGRAD_DEFERRED
-    return _lib.WGRAD_ACCUMULATE if any_main_grad else _lib.WGRAD_OVERWRITE
+    return _lib.WGRAD_ACCUMULATE if any(m is not None for m in taken) else _lib.WGRAD_OVERWRITE
 
 
 def _grad_buf(param, main_grad, mode):
@@ -138,7 +143,10 @@ def _gl_bwd(dy: Tensor, x: Tensor, weight: Tensor, counts: Tensor, bias: Optiona
     if want_w or want_b or want_s:
         main_grad_w = main_grad_w if want_w else None  # a weight without grad: into scratch
         main_grad_b = main_grad_b if want_b else None
-        mode = _wgrad_mode(b, main_grad_w is not None or main_grad_b is not None)
+        mode = _wgrad_mode(b, (weight if want_w else None, bias if want_b else None), (main_grad_w, main_grad_b))
+        if mode == _lib.WGRAD_DEFERRED and want_s:
+            raise ValueError("delay_wgrad_compute: the row_scale gradient comes from the wgrad GEMM, "
+                             "which is deferred; give row_scale no gradient or do not delay the wgrad")
         zeroed = mode if rows else _lib.WGRAD_ACCUMULATE  # no rows: zero gradients
         gw = _grad_buf(weight, main_grad_w, zeroed)
         gb = _grad_buf(bias, main_grad_b, zeroed) if want_b else None
@@ -147,7 +155,7 @@ def _gl_bwd(dy: Tensor, x: Tensor, weight: Tensor, counts: Tensor, bias: Optiona
             Fm.linear_wgrad(dy, x, counts, gw, mode, row_scale, bias if want_s else None, gb,
                             ds if want_s else None, ctx)
         if mode == _lib.WGRAD_DEFERRED:
-            b.pending += [dy, x, row_scale, bias, ds]
+            b.pending += [dy, x, row_scale, gw, gb]  # what the deferred wgrad reads and writes
         if want_w and main_grad_w is None:
             dw = gw.to(weight.dtype)
         if want_b and main_grad_b is None:
@@ -252,8 +260,8 @@ def _mlp_bwd(dy: Tensor, x: Tensor, h: Tensor, z: Tensor, probs: Tensor, rid: Te
     dy = dy.contiguous()
     cfg = _mlp_cfg(dy, w1, counts, activation, clamp_limit, clamp_alpha)
     mgs = (main_grad_w1, main_grad_b1, main_grad_w2, main_grad_b2)
-    mode = _wgrad_mode(b, any(m is not None for m in mgs))
     params = (w1, b1, w2, b2)
+    mode = _wgrad_mode(b, params, mgs)
     grads = [_grad_buf(p, m, mode if R else _lib.WGRAD_ACCUMULATE) for p, m in zip(params, mgs)]  # no rows: 0
     record = _records.pop(int(rid[0]), None) if int(rid[0]) >= 0 else None
     saved = {FC1_INPUT: x, ACT_INPUT: h, FC2_INPUT: z, PROBS: probs, "rows": R, "ffn": cfg.ffn}
