@@ -5,7 +5,9 @@
  * budget, are rerun with exact shapes and give bit-identical losses; a
  * forced stash-pool overflow, and pools sized below their measured peak, are
  * rerun as measuring steps with bit-identical losses; two microbatches under
- * each schedule; --check-policies; --graph on against off, bit for bit,
+ * each schedule; every policy of --check-policies run here and compared bit
+ * for bit, then --check-policies itself (hashes, verdicts, and a run that
+ * differs); --graph on against off, bit for bit,
  * under every policy, schedule and layer recompute, with forced reruns
  * (captures counted). Then every bad-input case of
  * `moestash train` (the built program next to this test): exit code 2 and
@@ -48,6 +50,8 @@ static void same_losses(const mst_train_result* a, const mst_train_result* b, co
           "%s: losses differ from the plain run (step 1: %.9g vs %.9g, last: %.9g vs %.9g)", what,
           a->loss[0], b->loss[0], a->loss[a->steps - 1], b->loss[b->steps - 1]);
 }
+
+static void check_policies(mst_ctx_t* ctx);
 
 static void training(mst_ctx_t* ctx) {
     mst_train_config cfg = tiny();
@@ -112,20 +116,73 @@ static void training(mst_ctx_t* ctx) {
     mst_train_result* all[] = {&base, &again, &forced, &small};
     for (int i = 0; i < 4; i++) mst_train_result_free(all[i]);
 
-    cfg = tiny();
+    check_policies(ctx);
+}
+
+/* The policies of --check-policies, run here one by one: losses, MTP losses
+ * and weights bit for bit those of KEEP. Then --check-policies itself: each
+ * line's weights hash is the one found here, and its verdict is right; and
+ * its comparison sees a run that differs (a doubled learning rate). */
+static void check_policies(mst_ctx_t* ctx) {
+    static const char* const runs[][2] = {
+        {"keep", "none"}, {"stash", "none"}, {"offload", "none"}, {"recompute", "none"},
+        {"fc1_input=stash,act_input=offload,fc2_input=recompute,probs=keep", "none"},
+        {"keep", "uniform:1"}, {"stash", "block:1"},
+    };
+    enum { N = sizeof runs / sizeof *runs };
+    mst_train_config cfg = tiny();
     cfg.steps = 4;
     cfg.microbatches = 2;
     cfg.mem.schedule = MST_SCHEDULE_1F1B;
-    FILE* out = tmpfile();
-    CHECK_OK(mst_train_check_policies(ctx, &cfg, out ? out : stdout));
-    if (out) {
-        rewind(out);
-        char line[512];
-        int n = 0, identical = 0;
-        while (fgets(line, sizeof line, out)) n++, identical += strstr(line, "bit-identical") != NULL;
-        CHECK(n == 7 && identical == 6, "--check-policies: %d lines, %d bit-identical (expected 7, 6)", n, identical);
-        fclose(out);
+    mst_train_result res[N];
+    memset(res, 0, sizeof res);
+    for (int i = 0; i < N; i++) {
+        mst_train_config c = cfg;
+        c.mem.policy = runs[i][0];
+        CHECK_OK(mst_recompute_parse(runs[i][1], &c.mem.recompute));
+        CHECK_OK(mst_train_run(ctx, &c, NULL, &res[i]));
+        if (!res[i].loss || !res[0].loss || i == 0) continue;
+        char what[160];
+        snprintf(what, sizeof what, "--policy %s --recompute %s", runs[i][0], runs[i][1]);
+        same_losses(&res[0], &res[i], what);
+        CHECK(res[i].weights_hash == res[0].weights_hash, "%s: final weights %016llx, KEEP's %016llx", what,
+              (unsigned long long)res[i].weights_hash, (unsigned long long)res[0].weights_hash);
     }
+    FILE* out = tmpfile();
+    if (!out) {
+        CHECK(0, "no temporary file");
+        return;
+    }
+    CHECK_OK(mst_train_check_policies(ctx, &cfg, out));
+    rewind(out);
+    char line[512];
+    int n = 0;
+    while (fgets(line, sizeof line, out) && n < N) {
+        const char* w = strstr(line, "weights ");
+        unsigned long long hash = 0;
+        CHECK(w && sscanf(w, "weights %llx", &hash) == 1 && hash == res[n].weights_hash,
+              "--check-policies line %d names weights %016llx, the run here gave %016llx: %s", n, hash,
+              (unsigned long long)res[n].weights_hash, line);
+        const char* verdict = n == 0 ? "reference" : res[n].weights_hash == res[0].weights_hash ? "bit-identical" : "DIFFERS";
+        CHECK(strstr(line, verdict), "--check-policies line %d: expected the verdict '%s': %s", n, verdict, line);
+        n++;
+    }
+    CHECK(n == N && !fgets(line, sizeof line, out), "--check-policies printed %d lines or more, expected %d", n, N);
+    fclose(out);
+    for (int i = 0; i < N; i++) mst_train_result_free(&res[i]);
+
+    mst_train_config two[2] = {cfg, cfg};
+    two[1].optim.lr *= 2;
+    const char* labels[2] = {"lr 1e-2", "lr 2e-2"};
+    out = tmpfile();
+    if (!out) return;
+    CHECK_STATUS(mst_train_compare(ctx, two, labels, 2, out), MST_ERR_STATE);
+    rewind(out);
+    char l0[512] = "", l1[512] = "";
+    CHECK(fgets(l0, sizeof l0, out) && fgets(l1, sizeof l1, out) && strstr(l0, "lr 1e-2") && strstr(l0, "reference") &&
+              strstr(l1, "lr 2e-2") && strstr(l1, "DIFFERS"),
+          "compare runs of another learning rate: expected 'reference' then 'DIFFERS': %s%s", l0, l1);
+    fclose(out);
 }
 
 /* --graph on against --graph off: bit-identical losses and final weights

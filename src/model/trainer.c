@@ -273,25 +273,16 @@ void mst_train_result_free(mst_train_result* res) {
 
 /* ---- --check-policies ------------------------------------------------------------ */
 
-mst_status mst_train_check_policies(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* out) {
-    static const struct { const char* policy; const char* recompute; } runs[] = {
-        {"keep", "none"}, {"stash", "none"}, {"offload", "none"}, {"recompute", "none"},
-        {"fc1_input=stash,act_input=offload,fc2_input=recompute,probs=keep", "none"},
-        {"keep", "uniform:1"}, {"stash", "block:1"},
-    };
-    const int n = (int)(sizeof runs / sizeof *runs);
+mst_status mst_train_compare(mst_ctx_t* ctx, const mst_train_config* runs, const char* const* labels, int n,
+                             FILE* out) {
     mst_train_result base = {0};
     int bad = 0;
     mst_status st = MST_OK;
     for (int i = 0; i < n && st == MST_OK; i++) {
-        mst_train_config c = *cfg;
-        c.mem.policy = runs[i].policy;
-        st = mst_recompute_parse(runs[i].recompute, &c.mem.recompute);
         mst_train_result r = {0};
-        if (st == MST_OK) st = mst_train_run(ctx, &c, NULL, &r);
+        st = mst_train_run(ctx, &runs[i], NULL, &r);
         if (st != MST_OK) {
-            fprintf(out, "check-policies: %-66s --recompute %-9s FAILED: %s\n", runs[i].policy, runs[i].recompute,
-                    mst_last_error());
+            fprintf(out, "check-policies: %s FAILED: %s\n", labels[i], mst_last_error());
             mst_train_result_free(&r);
             break;
         }
@@ -299,15 +290,36 @@ mst_status mst_train_check_policies(mst_ctx_t* ctx, const mst_train_config* cfg,
                               memcmp(r.loss, base.loss, sizeof(double) * (size_t)r.steps) == 0 &&
                               memcmp(r.mtp_loss, base.mtp_loss, sizeof(double) * (size_t)r.steps) == 0);
         bad |= !same;
-        fprintf(out, "check-policies: %-66s --recompute %-9s loss %.6f, weights %016llx, reruns %lld: %s\n",
-                runs[i].policy, runs[i].recompute, r.loss[r.steps - 1], (unsigned long long)r.weights_hash,
-                (long long)r.reruns, i == 0 ? "reference" : same ? "bit-identical" : "DIFFERS");
+        fprintf(out, "check-policies: %s loss %.6f, weights %016llx, reruns %lld: %s\n", labels[i],
+                r.loss[r.steps - 1], (unsigned long long)r.weights_hash, (long long)r.reruns,
+                i == 0 ? "reference" : same ? "bit-identical" : "DIFFERS");
         if (i == 0) base = r;
         else mst_train_result_free(&r);
     }
     mst_train_result_free(&base);
     if (st != MST_OK) return st;
-    return bad ? mst_set_error(MST_ERR_STATE, "a policy changed the losses or the final weights") : MST_OK;
+    return bad ? mst_set_error(MST_ERR_STATE, "a run changed the losses or the final weights") : MST_OK;
+}
+
+mst_status mst_train_check_policies(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* out) {
+    static const struct { const char* policy; const char* recompute; } runs[] = {
+        {"keep", "none"}, {"stash", "none"}, {"offload", "none"}, {"recompute", "none"},
+        {"fc1_input=stash,act_input=offload,fc2_input=recompute,probs=keep", "none"},
+        {"keep", "uniform:1"}, {"stash", "block:1"},
+    };
+    enum { N = sizeof runs / sizeof *runs };
+    mst_train_config c[N];
+    char label[N][96];
+    const char* labels[N];
+    for (int i = 0; i < N; i++) {
+        c[i] = *cfg;
+        c[i].mem.policy = runs[i].policy;
+        MST_TRY(mst_recompute_parse(runs[i].recompute, &c[i].mem.recompute));
+        snprintf(label[i], sizeof label[i], "%-66s --recompute %-9s", runs[i].policy, runs[i].recompute);
+        labels[i] = label[i];
+    }
+    mst_status st = mst_train_compare(ctx, c, labels, N, out);
+    return st == MST_ERR_STATE ? mst_set_error(st, "a policy changed the losses or the final weights") : st;
 }
 
 /* ---- output -------------------------------------------------------------------- */

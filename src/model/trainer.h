@@ -74,5 +74,11 @@ mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
  * recompute; one line each to `out`; MST_ERR_STATE when any run's losses or
  * final weights differ in a bit from the keep run's. */
 mst_status mst_train_check_policies(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* out);
+/* The runs of --check-policies: trains runs[0 .. n), one line each to `out`
+ * (labels[i], last loss, weights hash, verdict against runs[0]);
+ * MST_ERR_STATE when any run's losses, MTP losses or final weights differ
+ * in a bit from runs[0]'s. */
+mst_status mst_train_compare(mst_ctx_t* ctx, const mst_train_config* runs, const char* const* labels, int n,
+                             FILE* out);
 
 #endif

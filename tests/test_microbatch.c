@@ -1,0 +1,146 @@
+/*
+ * test_microbatch.c — a step is the mean over its microbatches.
+ * One step of a model over M = 2 microbatches that are two copies of the
+ * same tokens against M = 1 over one copy: per-token losses and
+ * load-balancing losses of each microbatch bit for bit, and main_grad of
+ * every parameter within fp32 tolerance (the loss gradient and the
+ * load-balancing term divided by M; the router weights, where the
+ * load-balancing term lands, checked on their own).
+ * The trainer's first step on a corpus of exactly seq + 2 bytes (one
+ * window, so every microbatch is the same): with M = 2 the reported loss,
+ * MTP loss and load-balancing loss are those of M = 1 (means over
+ * microbatches, summed in another order: within 1e-12).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+#include "model/trainer.h"
+
+static mst_train_config tiny(const char* data) {
+    mst_train_config t = {0};
+    mst_model_config m = {.vocab = 256, .hidden = 32, .ffn = 32, .n_head = 2, .seq = 16, .batch = 3,
+                          .layers = 1, .experts = 4, .top_k = 2, .ep = 2, .capacity_factor = 2.0f,
+                          .mtp_weight = 0.3f, .aux_coef = 0.05f, .norm_eps = 1e-5f, .init_std = 0.02f,
+                          .seed = 11};
+    mst_optim_config o = {.lr = 1e-2f, .min_lr_frac = 0.1f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f,
+                          .weight_decay = 0.1f, .clip = 1.0f, .warmup = 2, .steps = 1};
+    t.model = m;
+    t.optim = o;
+    t.mem = mst_mem_config_default();
+    t.microbatches = 1;
+    t.steps = 1;
+    t.data_path = data;
+    return t;
+}
+
+static int close_to(double a, double b) { return fabs(a - b) <= 1e-12 * fabs(b); }
+
+static void compare(const mst_train_result* one, const mst_train_result* r, int M) {
+    for (int64_t i = 0; i < one->steps; i++) {
+        CHECK(close_to(r->loss[i], one->loss[i]) && close_to(r->mtp_loss[i], one->mtp_loss[i]),
+              "M = %d, step %lld: loss %.12g, mtp %.12g; M = 1: %.12g, %.12g", M, (long long)i + 1, r->loss[i],
+              r->mtp_loss[i], one->loss[i], one->mtp_loss[i]);
+        CHECK(close_to(r->aux_loss[i], one->aux_loss[i]), "M = %d, step %lld: load-balancing loss %.12g; M = 1: %.12g",
+              M, (long long)i + 1, r->aux_loss[i], one->aux_loss[i]);
+    }
+}
+
+/* Relative norm error of got against want over n elements. */
+static double rel_err(const float* got, const float* want, int64_t n) {
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double d = (double)got[i] - want[i];
+        num += d * d;
+        den += (double)want[i] * want[i];
+    }
+    return isnan(num) ? INFINITY : sqrt(num / den);
+}
+
+/* One model of M microbatches stepped over M copies of tok; its main_grad,
+ * per-token losses [M, N] and load-balancing losses [M, L+1] to host. */
+static mst_model* step_copies(mst_ctx_t* ctx, const mst_model_config* c, int32_t M, const int32_t* tok, float** grad,
+                              float** loss, float** aux) {
+    mst_model* m = NULL;
+    CHECK_OK(mst_model_create(ctx, c, M, NULL, &m));
+    if (!m) return NULL;
+    const int64_t per = c->batch * (c->seq + 2), N = c->batch * c->seq, L1 = c->layers + 1;
+    int32_t* all = (int32_t*)malloc(sizeof(int32_t) * (size_t)(per * M));
+    for (int32_t mb = 0; mb < M; mb++) memcpy(all + mb * per, tok, sizeof(int32_t) * (size_t)per);
+    float hyper[MST_N_HYPER] = {0};
+    CHECK_OK(mst_model_stage(m, 0, all, hyper));
+    CHECK_OK(mst_model_upload(m, 0));
+    CHECK_OK(mst_model_step(m, 1));
+    CHECK_OK(mst_ctx_check(ctx));
+    *grad = (float*)malloc(sizeof(float) * (size_t)m->n_params);
+    *loss = (float*)malloc(sizeof(float) * (size_t)(M * N));
+    *aux = (float*)malloc(sizeof(float) * (size_t)(M * L1));
+    CHECK_OK(mst_copy_b2h(ctx, *grad, m->grad, sizeof(float) * (size_t)m->n_params));
+    CHECK_OK(mst_copy_b2h(ctx, *loss, m->loss_main, sizeof(float) * (size_t)(M * N)));
+    CHECK_OK(mst_copy_b2h(ctx, *aux, m->aux_sum, sizeof(float) * (size_t)(M * L1)));
+    free(all);
+    return m;
+}
+
+static void model_step(mst_ctx_t* ctx) {
+    const mst_model_config c = tiny(NULL).model;
+    const int64_t per = c.batch * (c.seq + 2), N = c.batch * c.seq, L1 = c.layers + 1;
+    int32_t* tok = (int32_t*)malloc(sizeof(int32_t) * (size_t)per);
+    mst_rng r = {29};
+    for (int64_t i = 0; i < per; i++) tok[i] = (int32_t)mst_rng_int(&r, 0, c.vocab - 1);
+    float *g1 = NULL, *l1 = NULL, *a1 = NULL, *g2 = NULL, *l2 = NULL, *a2 = NULL;
+    mst_model* one = step_copies(ctx, &c, 1, tok, &g1, &l1, &a1);
+    mst_model* two = step_copies(ctx, &c, 2, tok, &g2, &l2, &a2);
+    if (one && two) {
+        for (int mb = 0; mb < 2; mb++) {
+            CHECK(mst_first_diff(l2 + mb * N, l1, sizeof(float) * (size_t)N) < 0,
+                  "M = 2, microbatch %d: per-token losses differ from M = 1's", mb);
+            CHECK(mst_first_diff(a2 + mb * L1, a1, sizeof(float) * (size_t)L1) < 0,
+                  "M = 2, microbatch %d: load-balancing losses differ from M = 1's", mb);
+        }
+        CHECK(a1[0] > 1e-3, "load-balancing loss %.3g: expected well above 0", (double)a1[0]);
+        double e = rel_err(g2, g1, one->n_params);
+        CHECK(e < 1e-5, "M = 2 over two copies: main_grad rel err %.3e against M = 1", e);
+        for (int32_t l = 0; l < L1; l++) {
+            const int64_t o = one->lp[l].wr, n = (int64_t)c.experts * c.hidden;
+            e = rel_err(g2 + o, g1 + o, n);
+            CHECK(e < 1e-5, "M = 2 over two copies: router weights of layer %d: main_grad rel err %.3e", l, e);
+        }
+    }
+    mst_model_destroy(one);
+    mst_model_destroy(two);
+    free(tok), free(g1), free(l1), free(a1), free(g2), free(l2), free(a2);
+}
+
+static void run(mst_ctx_t* ctx) {
+    model_step(ctx);
+    const char* path = "test_microbatch_window.txt";
+    mst_train_config cfg = tiny(path);
+    FILE* f = fopen(path, "w");
+    if (!f) {
+        CHECK(0, "cannot write %s", path);
+        return;
+    }
+    mst_rng r = {23};
+    for (int64_t b = 0; b < cfg.model.seq + 2; b++) fputc((int)mst_rng_int(&r, 32, 126), f);
+    fclose(f);
+    mst_train_result one = {0};
+    CHECK_OK(mst_train_run(ctx, &cfg, NULL, &one));
+    if (one.loss) {
+        CHECK(one.aux_loss[0] > 1e-3 && one.loss[0] > 1, "M = 1: loss %.4g, load-balancing loss %.4g: expected both "
+              "well above 0 so that their scale shows", one.loss[0], one.aux_loss[0]);
+        for (int k = 0; k < 2; k++) { /* M = 2 under two schedules */
+            mst_train_result res = {0};
+            cfg.microbatches = 2;
+            cfg.mem.schedule = k == 0 ? MST_SCHEDULE_PLAIN : MST_SCHEDULE_1F1B;
+            CHECK_OK(mst_train_run(ctx, &cfg, NULL, &res));
+            if (res.loss) compare(&one, &res, 2);
+            mst_train_result_free(&res);
+        }
+    }
+    mst_train_result_free(&one);
+    remove(path);
+}
+
+int main(int argc, char** argv) { return mst_test_main(argc, argv, run); }
