@@ -621,6 +621,108 @@ MST_API mst_status mst_mem_report(const mst_memmgr_t* m, mst_mem_report_t* out);
  * held (nothing leaked). */
 MST_API mst_status mst_memmgr_check(mst_memmgr_t* m);
 
+/* ---- expert parallelism (EP) --------------------------------------------- *
+ * Experts spread over W ranks (one context each): global expert g lives on
+ * rank g / El, El = E / W, as local expert g % El. Every rank of a
+ * communicator calls the same functions in the same order (collectives) with
+ * the same mst_ep_config.
+ *
+ * dispatch: token rows x [N, H] with their top-k expert ids [N, k] (and
+ *   probs [N, k]) -> this rank's expert-major rows [R, H]: the rows of local
+ *   expert e are [off_e, off_e + counts[e]), off = exclusive prefix of
+ *   counts, ordered by source rank, then token, then slot; counts [El]
+ *   stay in backend memory (never read by the host). Rows past sum(counts)
+ *   are not written.
+ * combine: expert outputs [R, H] -> y[t] = sum over s = 0..k-1, in that
+ *   order, in fp32, of w[t][s] * out[row of (t, s)]; w = probs, or 1 when
+ *   probs is NULL (experts that applied the probs themselves). One rounding.
+ * Backward of each: dispatch's is a combine-like unweighted sum of row
+ *   gradients (and the row-prob gradients back to their slots); combine's a
+ *   dispatch-like scatter of dy (times the prob) plus dprobs[t][s] =
+ *   dy[t] . out[row of (t, s)], fp32.
+ * Deterministic: the same inputs give the same bits (no float atomics).
+ * Budgets: a rank sends at most C = pair_rows rows to one rank and receives
+ *   at most R = max_rows rows. Past either, the context's device flag is
+ *   raised (mst_ctx_check returns MST_ERR_COUNTS): a sender skips the rows
+ *   of that destination, a receiver writes no row and zero counts; nothing is
+ *   written out of bounds, the outputs of that step are meaningless and the
+ *   step is rerun with larger budgets.
+ * Graph-safe (CUDA): every size that reaches the host is static; the NCCL
+ *   send/recv path moves fixed-capacity blocks (C rows per rank pair).
+ * Routing metadata lives in a handle (one per layer and microbatch, kept
+ *   from dispatch to the backward of both). */
+
+typedef struct mst_ep mst_ep_t;
+typedef struct mst_ep_handle mst_ep_handle_t;
+typedef struct mst_ep_group mst_ep_group_t;
+
+typedef struct mst_ep_config {
+    int32_t n_experts;  /* E over all ranks, a multiple of the world size W  */
+    int32_t top_k;      /* k, 1 <= k <= E                                     */
+    int64_t hidden;     /* H, a multiple of 8 (rows of 16-byte multiples)     */
+    int64_t max_tokens; /* N: most tokens of one dispatch on this rank        */
+    int64_t max_rows;   /* R: most rows this rank's experts receive           */
+    int64_t pair_rows;  /* C: most rows one rank sends to one rank (0: N k,
+                           which no routing can pass)                         */
+} mst_ep_config;
+
+/* An NCCL unique id: rank 0 makes it, every rank gets a copy (e.g. through
+ * a TCP rendezvous) and passes it to mst_ep_create. */
+typedef struct mst_ep_id {
+    char bytes[128];
+} mst_ep_id;
+
+mst_status mst_ep_id_create(mst_ep_id* out);
+/* A communicator of `world` ranks over NCCL on a CUDA context; this is rank
+ * `rank`. MST_ERR_UNSUPPORTED when the library was built without NCCL or the
+ * context is not CUDA. */
+mst_status mst_ep_create(mst_ctx_t* ctx, const mst_ep_config* cfg, const mst_ep_id* id, int rank,
+                         int world, mst_ep_t** out);
+/* The same over an existing ncclComm_t (passed as void*, e.g. a PyTorch
+ * process group's), not owned: it must outlive the communicator. */
+mst_status mst_ep_create_nccl(mst_ctx_t* ctx, const mst_ep_config* cfg, void* nccl_comm,
+                              mst_ep_t** out);
+/* The CPU twin: ranks as threads of one process, each with its own CPU
+ * context, exchanging through shared memory. A group of `world` ranks; each
+ * thread joins it with mst_ep_create_local. Destroy the group after every
+ * communicator of it. */
+mst_status mst_ep_group_create(int world, mst_ep_group_t** out);
+void mst_ep_group_destroy(mst_ep_group_t* g);
+mst_status mst_ep_create_local(mst_ctx_t* ctx, const mst_ep_config* cfg, mst_ep_group_t* group,
+                               int rank, mst_ep_t** out);
+void mst_ep_destroy(mst_ep_t* ep);
+int mst_ep_rank(const mst_ep_t* ep);
+int mst_ep_world(const mst_ep_t* ep);
+/* Which exchange runs: "local threads (CPU twin)" or
+ * "nccl send/recv, fixed-capacity blocks". */
+const char* mst_ep_path(const mst_ep_t* ep);
+
+mst_status mst_ep_handle_create(mst_ep_t* ep, mst_ep_handle_t** out);
+void mst_ep_handle_destroy(mst_ep_handle_t* h);
+
+/* x [N, H] bf16 (N <= max_tokens); topk_idx [N, k] int32 global expert ids;
+ * rows [R, H] bf16; counts [El, 1] int32; probs [N, k] fp32 and row_probs
+ * [R, 1] fp32, both or neither: each row gets the prob of its slot. An id
+ * outside [0, E) raises the flag and its slot is skipped. */
+mst_status mst_ep_dispatch(mst_ep_t* ep, mst_ep_handle_t* h, const mst_tensor* x,
+                           const mst_tensor* topk_idx, const mst_tensor* probs, mst_tensor* rows,
+                           mst_tensor* row_probs, mst_tensor* counts);
+/* d_rows [R, H] bf16; d_row_probs [R, 1] fp32 and dprobs [N, k] fp32: both
+ * or neither; dx [N, H] bf16 = sum over slots of d_rows[row of (t, s)];
+ * dprobs[t][s] = d_row_probs[row of (t, s)] (0 for a skipped slot). */
+mst_status mst_ep_dispatch_backward(mst_ep_t* ep, mst_ep_handle_t* h, const mst_tensor* d_rows,
+                                    const mst_tensor* d_row_probs, mst_tensor* dx,
+                                    mst_tensor* dprobs);
+/* out_rows [R, H] bf16; probs [N, k] fp32 or NULL; y [N, H] bf16. */
+mst_status mst_ep_combine(mst_ep_t* ep, mst_ep_handle_t* h, const mst_tensor* out_rows,
+                          const mst_tensor* probs, mst_tensor* y);
+/* dy [N, H] bf16 -> d_rows [R, H] bf16 (dy[t] * probs[t][s], or dy[t]).
+ * With probs: out_rows [R, H] (those combine read) and dprobs [N, k] fp32
+ * are required; without, both NULL. */
+mst_status mst_ep_combine_backward(mst_ep_t* ep, mst_ep_handle_t* h, const mst_tensor* dy,
+                                   const mst_tensor* probs, const mst_tensor* out_rows,
+                                   mst_tensor* d_rows, mst_tensor* dprobs);
+
 #ifdef __cplusplus
 }
 #endif

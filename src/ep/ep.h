@@ -1,0 +1,65 @@
+/*
+ * ep.h — the private layout of an expert-parallel communicator: its exchange
+ * buffers, the transport that moves them between ranks, and the routing
+ * handle (ep.c runs dispatch and combine; transports in transport_*.c).
+ */
+#ifndef MST_EP_H
+#define MST_EP_H
+
+#include "../backend/ep_ops.h"
+#include "../core/context.h"
+
+/* One buffer to exchange: send block d (block_bytes at send + d *
+ * block_bytes) goes to rank d, which receives it as its block `rank`. */
+typedef struct mst_ep_plane {
+    const void* send; /* [W, block_bytes] backend memory */
+    void* recv;       /* [W, block_bytes] backend memory */
+    size_t block_bytes;
+} mst_ep_plane;
+
+/* How the ranks' buffers move. Every rank calls exchange with the same
+ * planes (sizes), in the same order; the exchange is ordered after the work
+ * already enqueued on the context and before the work enqueued after it. */
+typedef struct mst_ep_transport {
+    const char* name; /* mst_ep_path() */
+    mst_status (*exchange)(mst_ep_t* ep, const mst_ep_plane* planes, int n_planes);
+    void (*destroy)(mst_ep_t* ep); /* frees ep->comm */
+} mst_ep_transport;
+
+struct mst_ep {
+    mst_ctx_t* ctx;
+    const mst_ep_ops* ops;       /* the context's backend's local halves          */
+    const mst_ep_transport* tr;
+    void* comm;                  /* the transport's state                         */
+    mst_ep_config cfg;           /* pair_rows resolved (never 0)                  */
+    int32_t rank, world;         /* this rank, W                                  */
+    int32_t n_local;             /* El = E / W                                    */
+    uint16_t* send;              /* [W, C, H] bf16 exchange buffers               */
+    uint16_t* recv;              /* [W, C, H] bf16                                */
+    float* send_p;               /* [W, C] fp32                                   */
+    float* recv_p;               /* [W, C] fp32                                   */
+    int32_t* scratch;            /* [ceil(N k / MST_EP_CHUNK), E] route scratch    */
+};
+
+struct mst_ep_handle {
+    mst_ep_t* ep;
+    int64_t n_tok;          /* N of the last dispatch (0: none yet)         */
+    int32_t* send_pos;      /* [N, k] backend memory: row in the [W, C] blocks */
+    int32_t* send_counts;   /* [W, El]                                      */
+    int32_t* recv_counts;   /* [W, El]                                      */
+    int32_t* row_base;      /* [W, El]                                      */
+    int32_t* block_off;     /* [W, El + 1]                                  */
+};
+
+/* Sets up ep (cfg checked, buffers allocated) once the transport knows rank
+ * and world; on failure the caller destroys ep. */
+mst_status mst_ep_init(mst_ep_t* ep, mst_ctx_t* ctx, const mst_ep_config* cfg, int rank, int world);
+/* Allocates an ep struct (zeroed). */
+mst_status mst_ep_alloc(mst_ep_t** out);
+
+#ifdef MST_HAVE_NCCL
+extern const mst_ep_transport mst_ep_transport_nccl;
+#endif
+extern const mst_ep_transport mst_ep_transport_local;
+
+#endif /* MST_EP_H */

@@ -1,0 +1,132 @@
+/*
+ * transport_local.c — the CPU twin of the NCCL exchange: ranks are threads
+ * of one process, each with its own CPU context, and a group in shared
+ * memory. An exchange publishes this rank's planes, waits for every rank,
+ * copies block `rank` of each peer's send plane into its own receive plane
+ * (block = peer), and waits again so that no rank reuses its send buffers
+ * before every peer has read them. Moves the same fixed-size blocks as the
+ * NCCL send/recv path, so dispatch and combine run the same logic.
+ */
+#include <pthread.h>
+#include <string.h>
+
+#include "ep.h"
+
+enum { MAX_PLANES = 4 };
+
+struct mst_ep_group {
+    int world;                    /* W                                         */
+    pthread_barrier_t barrier;    /* all W ranks                               */
+    const mst_ep_plane** planes;  /* [W] each rank's planes while it exchanges */
+    int* n_planes;                /* [W]                                       */
+    int* joined;                  /* [W] 1 once a communicator took the rank   */
+    pthread_mutex_t mu;           /* guards joined                             */
+};
+
+typedef struct local_comm {
+    mst_ep_group_t* group;
+} local_comm;
+
+mst_status mst_ep_group_create(int world, mst_ep_group_t** out) {
+    if (!out) return mst_set_error(MST_ERR_INVALID, "out is NULL");
+    *out = NULL;
+    if (world < 1 || world > 1024) return mst_set_error(MST_ERR_INVALID, "world = %d: must be in [1, 1024]", world);
+    mst_ep_group_t* g = (mst_ep_group_t*)calloc(1, sizeof *g);
+    if (!g) return mst_set_error(MST_ERR_OOM, "ep group");
+    g->world = world;
+    g->planes = (const mst_ep_plane**)calloc((size_t)world, sizeof *g->planes);
+    g->n_planes = (int*)calloc((size_t)world, sizeof *g->n_planes);
+    g->joined = (int*)calloc((size_t)world, sizeof *g->joined);
+    if (!g->planes || !g->n_planes || !g->joined) {
+        free(g->planes), free(g->n_planes), free(g->joined), free(g);
+        return mst_set_error(MST_ERR_OOM, "ep group");
+    }
+    pthread_barrier_init(&g->barrier, NULL, (unsigned)world);
+    pthread_mutex_init(&g->mu, NULL);
+    *out = g;
+    return MST_OK;
+}
+
+void mst_ep_group_destroy(mst_ep_group_t* g) {
+    if (!g) return;
+    pthread_barrier_destroy(&g->barrier);
+    pthread_mutex_destroy(&g->mu);
+    free(g->planes), free(g->n_planes), free(g->joined), free(g);
+}
+
+static mst_status local_exchange(mst_ep_t* ep, const mst_ep_plane* pl, int n) {
+    mst_ep_group_t* g = ((local_comm*)ep->comm)->group;
+    const int me = ep->rank;
+    MST_ASSERT(n <= MAX_PLANES);
+    g->planes[me] = pl;
+    g->n_planes[me] = n;
+    pthread_barrier_wait(&g->barrier);
+    for (int j = 0; j < g->world; j++) {
+        MST_ASSERT(g->n_planes[j] == n); /* every rank exchanges the same planes */
+        for (int p = 0; p < n; p++) {
+            const mst_ep_plane* src = &g->planes[j][p];
+            MST_ASSERT(src->block_bytes == pl[p].block_bytes);
+            memcpy((char*)pl[p].recv + (size_t)j * pl[p].block_bytes,
+                   (const char*)src->send + (size_t)me * src->block_bytes, pl[p].block_bytes);
+        }
+    }
+    pthread_barrier_wait(&g->barrier);
+    return MST_OK;
+}
+
+static void local_destroy(mst_ep_t* ep) {
+    local_comm* lc = (local_comm*)ep->comm;
+    if (!lc) return;
+    pthread_mutex_lock(&lc->group->mu);
+    lc->group->joined[ep->rank] = 0;
+    pthread_mutex_unlock(&lc->group->mu);
+    free(lc);
+    ep->comm = NULL;
+}
+
+const mst_ep_transport mst_ep_transport_local = {
+    .name = "local threads (CPU twin)",
+    .exchange = local_exchange,
+    .destroy = local_destroy,
+};
+
+/* Takes `rank` of the group for ep; MST_ERR_INVALID when it is taken. */
+static mst_status join(mst_ep_t* ep, mst_ep_group_t* g, int rank) {
+    local_comm* lc = (local_comm*)calloc(1, sizeof *lc);
+    if (!lc) return mst_set_error(MST_ERR_OOM, "ep local comm");
+    pthread_mutex_lock(&g->mu);
+    const int taken = g->joined[rank];
+    g->joined[rank] = 1;
+    pthread_mutex_unlock(&g->mu);
+    if (taken) {
+        free(lc);
+        return mst_set_error(MST_ERR_INVALID, "rank = %d: already taken in this group", rank);
+    }
+    lc->group = g;
+    ep->comm = lc;
+    ep->tr = &mst_ep_transport_local;
+    return MST_OK;
+}
+
+mst_status mst_ep_create_local(mst_ctx_t* ctx, const mst_ep_config* cfg, mst_ep_group_t* group,
+                               int rank, mst_ep_t** out) {
+    MST_TRY(mst_check_ctx(ctx));
+    if (!out) return mst_set_error(MST_ERR_INVALID, "out is NULL");
+    *out = NULL;
+    if (!group) return mst_set_error(MST_ERR_INVALID, "group is NULL");
+    if (ctx->kind != MST_BACKEND_CPU)
+        return mst_set_error(MST_ERR_UNSUPPORTED, "mst_ep_create_local: the CPU twin needs a CPU context (got %s); "
+                             "CUDA contexts exchange through NCCL (mst_ep_create)", ctx->be->name);
+    if (rank < 0 || rank >= group->world)
+        return mst_set_error(MST_ERR_INVALID, "rank = %d: must be in [0, %d)", rank, group->world);
+    mst_ep_t* ep;
+    MST_TRY(mst_ep_alloc(&ep));
+    mst_status st = mst_ep_init(ep, ctx, cfg, rank, group->world);
+    if (st == MST_OK) st = join(ep, group, rank);
+    if (st != MST_OK) {
+        mst_ep_destroy(ep);
+        return st;
+    }
+    *out = ep;
+    return MST_OK;
+}
