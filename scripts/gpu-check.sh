@@ -4,7 +4,9 @@
 # and JSON go under $OUT (or out/ when unset), packed into one
 # gpu-check-<what>.tar.gz when $OUT is set (the device tool returns at most 8
 # files); a short table is printed last.
-# usage: scripts/gpu-check.sh [tests|bench|python|all] [bench names...]   (default: all)
+# usage: scripts/gpu-check.sh [tests|bench|python|all|ep] [bench names...]   (default: all)
+#   ep: expert parallelism on this machine's GPUs (needs >= 2): the EP tests
+#   over NCCL and `bench ep` (see the ep section below).
 # MST_SANITIZE_GPU="test_a test_b" runs compute-sanitizer memcheck over those
 # GPU tests (MST_SANITIZE_GPU=1: every one).
 set -uo pipefail
@@ -16,12 +18,22 @@ shift || true
 benches=${*:-gemm stash mlp step}
 summary=()
 
+# NVLink multicast stays off in every environment this script starts.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# NCCL: the toolkit's when it has one, else PyTorch's nvidia-nccl-cu13 package
+# (built against and loaded from the same directory).
+nccl_root=
+if [ ! -e /usr/local/cuda/include/nccl.h ]; then
+  nccl_root=$(python3 -m pip show -f nvidia-nccl-cu13 2>/dev/null | awk '
+    /^Location: / { loc = $2 } /\/include\/nccl\.h$/ { sub("/include/nccl.h", "", $1); print loc "/" $1 }')
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -G Ninja >"$out/configure.log" 2>&1 \
-  || cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release >"$out/configure.log" 2>&1 \
+cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release ${nccl_root:+-DMST_NCCL_ROOT="$nccl_root"} -G Ninja >"$out/configure.log" 2>&1 \
+  || cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release ${nccl_root:+-DMST_NCCL_ROOT="$nccl_root"} >"$out/configure.log" 2>&1 \
   || { tail -30 "$out/configure.log"; exit 1; }
 cmake --build build-gpu -j"$(nproc)" >"$out/build.log" 2>&1 || { grep -E 'error' "$out/build.log" | head -30; tail -20 "$out/build.log"; exit 1; }
 summary+=("build: ok")
+summary+=("nccl: $(grep -oE 'NCCL [0-9.]+: [^ ]+|NCCL not found' "$out/configure.log" | head -1)")
 
 if [ "$what" = all ] || [ "$what" = tests ]; then
   (cd build-gpu && ctest -L gpu --output-on-failure --timeout 300) >"$out/gpu-tests.log" 2>&1
@@ -84,6 +96,30 @@ if [ "$what" = all ] || [ "$what" = python ]; then
   tail -20 "$out/py-bench.log"
 fi
 # ---- end of the Python package section -----------------------------------------
+
+# ---- expert parallelism (several GPUs of one host) -------------------------
+# test_ep --backend cuda runs one thread per GPU, NCCL send/recv between them,
+# against the single-process reference (skips scenarios of more ranks than
+# GPUs, exits 77 below 2 GPUs); then compute-sanitizer memcheck over it and
+# `bench ep` when the program has it.
+if [ "$what" = ep ]; then
+  n_gpu=$(nvidia-smi -L | wc -l)
+  summary+=("gpus: $n_gpu")
+  NCCL_DEBUG=WARN ./build-gpu/test_ep --backend cuda >"$out/ep-test.log" 2>&1
+  rc=$?
+  tail -14 "$out/ep-test.log"
+  summary+=("test_ep cuda: $(case $rc in 0) echo ok;; 77) echo "SKIPPED (fewer than 2 GPUs)";; *) echo "FAILED rc $rc (see ep-test.log)";; esac) $(tail -1 "$out/ep-test.log")")
+  if [ $rc = 0 ]; then
+    compute-sanitizer --tool memcheck --error-exitcode 1 ./build-gpu/test_ep --backend cuda >"$out/ep-memcheck.log" 2>&1
+    summary+=("test_ep memcheck: $([ $? = 0 ] && echo clean || echo "ERRORS (see ep-memcheck.log)")")
+  fi
+  if ./build-gpu/moestash bench ep --help >/dev/null 2>&1; then
+    ./build-gpu/moestash bench ep --json "$out/bench-ep.json" >"$out/bench-ep.log" 2>&1
+    summary+=("bench ep: $([ $? = 0 ] && echo ok || echo 'FAILED (see bench-ep.log)')")
+    tail -25 "$out/bench-ep.log"
+  fi
+fi
+# ---- end of the expert parallelism section ---------------------------------
 
 echo "== summary"
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"

@@ -28,6 +28,7 @@ int mst_bench_step(int argc, char** argv); /* bench/bench_step.c */
 int mst_bench_stash(int argc, char** argv); /* bench/bench_stash.c */
 int mst_bench_gemm(int argc, char** argv); /* bench/bench_gemm.c */
 int mst_bench_train(int argc, char** argv); /* bench/bench_train.c */
+int mst_bench_ep(int argc, char** argv); /* bench/bench_ep.c */
 
 /* Parses --backend cpu|cuda (default: cuda when available); exit code 2 and a
  * one-line message naming the value otherwise. */
