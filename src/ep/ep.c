@@ -210,6 +210,21 @@ static mst_status exchange_rows(mst_ep_t* ep, int with_rows, int with_p) {
     return ep->tr->exchange(ep, pl, n);
 }
 
+typedef mst_status (*ep_op)(mst_ctx_t* ctx, const mst_ep_args* a);
+
+/* Every move of rows but dispatch's: `fill` writes the send blocks, the
+ * exchange moves them (and the probs when with_p), `read` reads the
+ * received blocks. */
+static mst_status move_rows(mst_ep_t* ep, mst_ep_args* a, int with_p, ep_op fill, ep_op read) {
+    a->blk = ep->send;
+    a->blk_p = with_p ? ep->send_p : NULL;
+    MST_TRY(fill(ep->ctx, a));
+    MST_TRY(exchange_rows(ep, 1, with_p));
+    a->blk = ep->recv;
+    a->blk_p = with_p ? ep->recv_p : NULL;
+    return read(ep->ctx, a);
+}
+
 /* ---- dispatch ------------------------------------------------------------ */
 
 mst_status mst_ep_dispatch(mst_ep_t* ep, mst_ep_handle_t* h, const mst_tensor* x,
@@ -274,15 +289,9 @@ mst_status mst_ep_dispatch_backward(mst_ep_t* ep, mst_ep_handle_t* h, const mst_
     mst_ep_args a = args_of(ep, h);
     a.rows_in = (const uint16_t*)d_rows->data;
     a.rows_p_in = with_p ? (const float*)d_row_probs->data : NULL;
-    a.blk = ep->send;
-    a.blk_p = with_p ? ep->send_p : NULL;
-    MST_TRY(ep->ops->repack(ep->ctx, &a));
-    MST_TRY(exchange_rows(ep, 1, with_p));
-    a.blk = ep->recv;
-    a.blk_p = with_p ? ep->recv_p : NULL;
     a.tok_out = (uint16_t*)dx->data;
     a.tok_p_out = with_p ? (float*)dprobs->data : NULL;
-    return ep->ops->gather(ep->ctx, &a);
+    return move_rows(ep, &a, with_p, ep->ops->repack, ep->ops->gather);
 }
 
 /* ---- combine ------------------------------------------------------------- */
@@ -296,13 +305,9 @@ mst_status mst_ep_combine(mst_ep_t* ep, mst_ep_handle_t* h, const mst_tensor* ou
     MST_TRY(check(y, "y", MST_DTYPE_BF16, h->n_tok, c->hidden));
     mst_ep_args a = args_of(ep, h);
     a.rows_in = (const uint16_t*)out_rows->data;
-    a.blk = ep->send;
-    MST_TRY(ep->ops->repack(ep->ctx, &a));
-    MST_TRY(exchange_rows(ep, 1, 0));
-    a.blk = ep->recv;
     a.tok_p = given(probs) ? (const float*)probs->data : NULL;
     a.tok_out = (uint16_t*)y->data;
-    return ep->ops->gather(ep->ctx, &a);
+    return move_rows(ep, &a, 0, ep->ops->repack, ep->ops->gather);
 }
 
 mst_status mst_ep_combine_backward(mst_ep_t* ep, mst_ep_handle_t* h, const mst_tensor* dy,
@@ -323,17 +328,11 @@ mst_status mst_ep_combine_backward(mst_ep_t* ep, mst_ep_handle_t* h, const mst_t
     mst_ep_args a = args_of(ep, h);
     a.tok = (const uint16_t*)dy->data;
     a.tok_p = with_p ? (const float*)probs->data : NULL;
-    a.blk = ep->send;
-    a.blk_p = with_p ? ep->send_p : NULL;
-    MST_TRY(ep->ops->pack(ep->ctx, &a));
-    MST_TRY(exchange_rows(ep, 1, with_p));
-    a.blk = ep->recv;
-    a.blk_p = with_p ? ep->recv_p : NULL;
     a.rows = (uint16_t*)d_rows->data;
     a.scale = with_p;
     a.dot_src = with_p ? (const uint16_t*)out_rows->data : NULL;
-    a.dot_out = with_p ? ep->send_p : NULL;
-    MST_TRY(ep->ops->unpack(ep->ctx, &a));
+    a.dot_out = with_p ? ep->send_p : NULL; /* free once the rows moved */
+    MST_TRY(move_rows(ep, &a, with_p, ep->ops->pack, ep->ops->unpack));
     if (!with_p) return MST_OK;
     MST_TRY(exchange_rows(ep, 0, 1));
     mst_ep_args g = args_of(ep, h);

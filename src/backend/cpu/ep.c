@@ -86,40 +86,46 @@ static mst_status cpu_ep_plan(mst_ctx_t* ctx, const mst_ep_args* a) {
     return MST_OK;
 }
 
-static mst_status cpu_ep_unpack(mst_ctx_t* ctx, const mst_ep_args* a) {
-    (void)ctx;
-    const int64_t H = a->cols;
+/* Calls fn(a, slot, r) for every received slot (j C + i) and its expert
+ * row r, blocks in order. */
+static void each_slot(const mst_ep_args* a, void (*fn)(const mst_ep_args* a, int64_t slot, int64_t r)) {
     for (int32_t j = 0; j < a->world; j++)
         for (int64_t i = 0; i < a->pair_rows; i++) {
             const int64_t r = mst_ep_slot_row(a, j, i);
             if (r < 0) break;
-            const uint16_t* src = blk_row(a, a->blk, (int64_t)j * a->pair_rows + i);
-            const float p = a->blk_p ? a->blk_p[(int64_t)j * a->pair_rows + i] : 1.0f;
-            if (a->rows && a->scale)
-                for (int64_t c = 0; c < H; c++)
-                    a->rows[r * H + c] = mst_fp32_to_bf16(p * mst_bf16_to_fp32(src[c]));
-            else if (a->rows)
-                memcpy(a->rows + r * H, src, (size_t)H * 2);
-            if (a->rows_p) a->rows_p[r] = p;
-            if (!a->dot_src) continue;
-            float dot = 0.0f;
-            for (int64_t c = 0; c < H; c++)
-                dot += mst_bf16_to_fp32(src[c]) * mst_bf16_to_fp32(a->dot_src[r * H + c]);
-            a->dot_out[(int64_t)j * a->pair_rows + i] = dot;
+            fn(a, (int64_t)j * a->pair_rows + i, r);
         }
+}
+
+static void unpack_slot(const mst_ep_args* a, int64_t slot, int64_t r) {
+    const int64_t H = a->cols;
+    const uint16_t* src = blk_row(a, a->blk, slot);
+    const float p = a->blk_p ? a->blk_p[slot] : 1.0f;
+    if (a->rows && a->scale)
+        for (int64_t c = 0; c < H; c++) a->rows[r * H + c] = mst_fp32_to_bf16(p * mst_bf16_to_fp32(src[c]));
+    else if (a->rows)
+        memcpy(a->rows + r * H, src, (size_t)H * 2);
+    if (a->rows_p) a->rows_p[r] = p;
+    if (!a->dot_src) return;
+    float dot = 0.0f;
+    for (int64_t c = 0; c < H; c++) dot += mst_bf16_to_fp32(src[c]) * mst_bf16_to_fp32(a->dot_src[r * H + c]);
+    a->dot_out[slot] = dot;
+}
+
+static void repack_slot(const mst_ep_args* a, int64_t slot, int64_t r) {
+    memcpy(blk_row(a, a->blk, slot), a->rows_in + r * a->cols, (size_t)a->cols * 2);
+    if (a->blk_p) a->blk_p[slot] = a->rows_p_in[r];
+}
+
+static mst_status cpu_ep_unpack(mst_ctx_t* ctx, const mst_ep_args* a) {
+    (void)ctx;
+    each_slot(a, unpack_slot);
     return MST_OK;
 }
 
 static mst_status cpu_ep_repack(mst_ctx_t* ctx, const mst_ep_args* a) {
     (void)ctx;
-    const int64_t H = a->cols;
-    for (int32_t j = 0; j < a->world; j++)
-        for (int64_t i = 0; i < a->pair_rows; i++) {
-            const int64_t r = mst_ep_slot_row(a, j, i);
-            if (r < 0) break;
-            memcpy(blk_row(a, a->blk, (int64_t)j * a->pair_rows + i), a->rows_in + r * H, (size_t)H * 2);
-            if (a->blk_p) a->blk_p[(int64_t)j * a->pair_rows + i] = a->rows_p_in[r];
-        }
+    each_slot(a, repack_slot);
     return MST_OK;
 }
 
