@@ -672,56 +672,56 @@ typedef struct mst_ep_id {
     char bytes[128];
 } mst_ep_id;
 
-mst_status mst_ep_id_create(mst_ep_id* out);
+MST_API mst_status mst_ep_id_create(mst_ep_id* out);
 /* A communicator of `world` ranks over NCCL on a CUDA context; this is rank
  * `rank`. MST_ERR_UNSUPPORTED when the library was built without NCCL or the
  * context is not CUDA. */
-mst_status mst_ep_create(mst_ctx_t* ctx, const mst_ep_config* cfg, const mst_ep_id* id, int rank,
-                         int world, mst_ep_t** out);
+MST_API mst_status mst_ep_create(mst_ctx_t* ctx, const mst_ep_config* cfg, const mst_ep_id* id, int rank,
+                                 int world, mst_ep_t** out);
 /* The same over an existing ncclComm_t (passed as void*, e.g. a PyTorch
  * process group's), not owned: it must outlive the communicator. */
-mst_status mst_ep_create_nccl(mst_ctx_t* ctx, const mst_ep_config* cfg, void* nccl_comm,
-                              mst_ep_t** out);
+MST_API mst_status mst_ep_create_nccl(mst_ctx_t* ctx, const mst_ep_config* cfg, void* nccl_comm,
+                                      mst_ep_t** out);
 /* The CPU twin: ranks as threads of one process, each with its own CPU
  * context, exchanging through shared memory. A group of `world` ranks; each
  * thread joins it with mst_ep_create_local. Destroy the group after every
  * communicator of it. */
-mst_status mst_ep_group_create(int world, mst_ep_group_t** out);
-void mst_ep_group_destroy(mst_ep_group_t* g);
-mst_status mst_ep_create_local(mst_ctx_t* ctx, const mst_ep_config* cfg, mst_ep_group_t* group,
-                               int rank, mst_ep_t** out);
-void mst_ep_destroy(mst_ep_t* ep);
-int mst_ep_rank(const mst_ep_t* ep);
-int mst_ep_world(const mst_ep_t* ep);
+MST_API mst_status mst_ep_group_create(int world, mst_ep_group_t** out);
+MST_API void mst_ep_group_destroy(mst_ep_group_t* g);
+MST_API mst_status mst_ep_create_local(mst_ctx_t* ctx, const mst_ep_config* cfg, mst_ep_group_t* group,
+                                       int rank, mst_ep_t** out);
+MST_API void mst_ep_destroy(mst_ep_t* ep);
+MST_API int mst_ep_rank(const mst_ep_t* ep);
+MST_API int mst_ep_world(const mst_ep_t* ep);
 /* Which exchange runs: "local threads (CPU twin)" or
  * "nccl send/recv, fixed-capacity blocks". */
-const char* mst_ep_path(const mst_ep_t* ep);
+MST_API const char* mst_ep_path(const mst_ep_t* ep);
 
-mst_status mst_ep_handle_create(mst_ep_t* ep, mst_ep_handle_t** out);
-void mst_ep_handle_destroy(mst_ep_handle_t* h);
+MST_API mst_status mst_ep_handle_create(mst_ep_t* ep, mst_ep_handle_t** out);
+MST_API void mst_ep_handle_destroy(mst_ep_handle_t* h);
 
 /* x [N, H] bf16 (N <= max_tokens); topk_idx [N, k] int32 global expert ids;
  * rows [R, H] bf16; counts [El, 1] int32; probs [N, k] fp32 and row_probs
  * [R, 1] fp32, both or neither: each row gets the prob of its slot. An id
  * outside [0, E) raises the flag and its slot is skipped. */
-mst_status mst_ep_dispatch(mst_ep_t* ep, mst_ep_handle_t* h, const mst_tensor* x,
-                           const mst_tensor* topk_idx, const mst_tensor* probs, mst_tensor* rows,
-                           mst_tensor* row_probs, mst_tensor* counts);
+MST_API mst_status mst_ep_dispatch(mst_ep_t* ep, mst_ep_handle_t* h, const mst_tensor* x,
+                                   const mst_tensor* topk_idx, const mst_tensor* probs, mst_tensor* rows,
+                                   mst_tensor* row_probs, mst_tensor* counts);
 /* d_rows [R, H] bf16; d_row_probs [R, 1] fp32 and dprobs [N, k] fp32: both
  * or neither; dx [N, H] bf16 = sum over slots of d_rows[row of (t, s)];
  * dprobs[t][s] = d_row_probs[row of (t, s)] (0 for a skipped slot). */
-mst_status mst_ep_dispatch_backward(mst_ep_t* ep, mst_ep_handle_t* h, const mst_tensor* d_rows,
-                                    const mst_tensor* d_row_probs, mst_tensor* dx,
-                                    mst_tensor* dprobs);
+MST_API mst_status mst_ep_dispatch_backward(mst_ep_t* ep, mst_ep_handle_t* h, const mst_tensor* d_rows,
+                                            const mst_tensor* d_row_probs, mst_tensor* dx,
+                                            mst_tensor* dprobs);
 /* out_rows [R, H] bf16; probs [N, k] fp32 or NULL; y [N, H] bf16. */
-mst_status mst_ep_combine(mst_ep_t* ep, mst_ep_handle_t* h, const mst_tensor* out_rows,
-                          const mst_tensor* probs, mst_tensor* y);
+MST_API mst_status mst_ep_combine(mst_ep_t* ep, mst_ep_handle_t* h, const mst_tensor* out_rows,
+                                  const mst_tensor* probs, mst_tensor* y);
 /* dy [N, H] bf16 -> d_rows [R, H] bf16 (dy[t] * probs[t][s], or dy[t]).
  * With probs: out_rows [R, H] (those combine read) and dprobs [N, k] fp32
  * are required; without, both NULL. */
-mst_status mst_ep_combine_backward(mst_ep_t* ep, mst_ep_handle_t* h, const mst_tensor* dy,
-                                   const mst_tensor* probs, const mst_tensor* out_rows,
-                                   mst_tensor* d_rows, mst_tensor* dprobs);
+MST_API mst_status mst_ep_combine_backward(mst_ep_t* ep, mst_ep_handle_t* h, const mst_tensor* dy,
+                                           const mst_tensor* probs, const mst_tensor* out_rows,
+                                           mst_tensor* d_rows, mst_tensor* dprobs);
 
 #ifdef __cplusplus
 }
