@@ -290,8 +290,10 @@ static const field fields[] = {
     FLD("optim.weight_decay", F_F32, optim.weight_decay), FLD("optim.clip", F_F32, optim.clip),
     FLD("optim.warmup", F_I64, optim.warmup), FLD("optim.steps", F_I64, optim.steps),
     FLD("mem.recompute_layers", F_I32, mem.recompute.num_layers), FLD("mem.virtual_stages", F_I32, mem.virtual_stages),
-    FLD("mem.pool_factor", F_F64, mem.pool_factor), FLD("microbatches", F_I32, microbatches),
-    FLD("steps", F_I64, steps),
+    FLD("mem.pool_factor", F_F64, mem.pool_factor), FLD("mem.recompute_full", F_I32, mem.recompute_full),
+    FLD("mem.recompute_mtp", F_I32, mem.recompute_mtp), FLD("microbatches", F_I32, microbatches),
+    FLD("steps", F_I64, steps), FLD("eval_fraction", F_F64, eval_fraction), FLD("eval_every", F_I64, eval_every),
+    FLD("eval_batches", F_I32, eval_batches),
 };
 #undef FLD
 #define N_FIELDS (int)(sizeof fields / sizeof fields[0])
@@ -349,6 +351,7 @@ static mst_status write_meta(const char* path, const mst_train_config* c, int64_
                              uint64_t h_model, uint64_t h_optim) {
     MST_TRY(plain_string("--policy", c->mem.policy ? c->mem.policy : ""));
     MST_TRY(plain_string("--data", c->data_path ? c->data_path : ""));
+    MST_TRY(plain_string("--eval-data", c->eval_path ? c->eval_path : ""));
     FILE* f = fopen(path, "w");
     if (!f) return mst_set_error(MST_ERR_IO, "checkpoint '%s': %s", path, strerror(errno));
     fprintf(f, "{\n  \"format\": \"moestash-checkpoint\",\n  \"version\": %d,\n  \"library\": \"%s\",\n", MST_CKPT_VERSION,
@@ -360,6 +363,7 @@ static mst_status write_meta(const char* path, const mst_train_config* c, int64_
     fprintf(f, "  \"config.mem.policy\": \"%s\",\n", c->mem.policy ? c->mem.policy : "");
     fprintf(f, "  \"config.mem.recompute\": \"%s\",\n", recompute_names[c->mem.recompute.method]);
     fprintf(f, "  \"config.mem.schedule\": \"%s\",\n", mst_schedule_kind_str(c->mem.schedule));
+    fprintf(f, "  \"config.eval_data\": \"%s\",\n", c->eval_path ? c->eval_path : "");
     fprintf(f, "  \"config.data\": \"%s\"\n}\n", c->data_path ? c->data_path : "");
     int bad = ferror(f);
     bad |= fclose(f) != 0;
@@ -405,6 +409,7 @@ static mst_status parse_meta(const char* path, const mst_json* j, mst_ckpt_meta*
     if (mst_json_i64(j, mst_json_get(j, 0, "step"), &o->step) || read_hex(j, "data_rng", &o->data_rng) ||
         mst_json_str(j, mst_json_get(j, 0, "config.mem.policy"), o->policy, sizeof o->policy) ||
         mst_json_str(j, mst_json_get(j, 0, "config.data"), o->data_path, sizeof o->data_path) ||
+        mst_json_str(j, mst_json_get(j, 0, "config.eval_data"), o->eval_path, sizeof o->eval_path) ||
         mst_json_str(j, mst_json_get(j, 0, "config.mem.recompute"), rec, sizeof rec) ||
         mst_json_str(j, mst_json_get(j, 0, "config.mem.schedule"), sched, sizeof sched))
         return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': step, data_rng, policy, data, recompute or schedule missing", path);
@@ -414,6 +419,7 @@ static mst_status parse_meta(const char* path, const mst_json* j, mst_ckpt_meta*
     MST_TRY(mst_schedule_kind_parse(sched, &o->cfg.mem.schedule));
     o->cfg.mem.policy = o->policy[0] ? o->policy : NULL;
     o->cfg.data_path = o->data_path[0] ? o->data_path : NULL;
+    o->cfg.eval_path = o->eval_path[0] ? o->eval_path : NULL;
     if (o->step < 0 || o->step > o->cfg.steps)
         return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': step %lld outside the run's %lld steps", path,
                              (long long)o->step, (long long)o->cfg.steps);

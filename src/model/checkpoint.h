@@ -36,6 +36,7 @@ typedef struct mst_ckpt_meta {
     uint64_t data_rng;        /* mst_data.rng after `step` steps           */
     char policy[512];         /* cfg.mem.policy ("" when NULL)             */
     char data_path[4096];     /* cfg.data_path ("" when synthetic)         */
+    char eval_path[4096];     /* cfg.eval_path ("" when none)              */
 } mst_ckpt_meta;
 
 /* Writes the checkpoint of m after `step` steps into dir (created, with its

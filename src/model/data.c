@@ -87,3 +87,20 @@ void mst_data_free(mst_data* d) {
     d->bytes = NULL;
     d->n = 0;
 }
+
+mst_status mst_data_split(mst_data* d, double fraction, int64_t w, mst_data* eval) {
+    memset(eval, 0, sizeof *eval);
+    if (!(fraction > 0 && fraction < 1))
+        return mst_set_error(MST_ERR_INVALID, "--eval-fraction %g: expected a number between 0 and 1", fraction);
+    const int64_t tail = (int64_t)((double)d->n * fraction), head = d->n - tail;
+    if (tail < w || head < w)
+        return mst_set_error(MST_ERR_INVALID, "--eval-fraction %g: %lld of %lld bytes held out, each side needs %lld",
+                             fraction, (long long)tail, (long long)d->n, (long long)w);
+    eval->bytes = (uint8_t*)malloc((size_t)tail);
+    if (!eval->bytes) return mst_set_error(MST_ERR_OOM, "eval text of %lld bytes", (long long)tail);
+    memcpy(eval->bytes, d->bytes + head, (size_t)tail);
+    eval->n = tail;
+    eval->rng = d->rng ^ 0xE7A1E7A1E7A1E7A1ull;
+    d->n = head;
+    return MST_OK;
+}

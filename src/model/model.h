@@ -256,6 +256,10 @@ mst_status mst_step_run(mst_model* m, const mst_optim_config* o, int measuring);
 mst_status mst_step_replay(mst_model* m, const mst_optim_config* o, int* captured);
 /* The record of the last step (waits for it). */
 mst_status mst_step_read(mst_model* m, mst_step_record* r);
+/* Forward and backward of the staged inputs without the optimizer (held-out
+ * evaluation): the record's losses; the weights and optimizer state do not
+ * change. Eager. measuring: a measuring step (drops the step graph). */
+mst_status mst_step_eval(mst_model* m, int measuring);
 /* Forgets the captured graph (buffers it points at change). */
 void mst_step_drop_graph(mst_model* m);
 
@@ -271,5 +275,9 @@ mst_status mst_data_file(mst_data* d, const char* path, int64_t min_bytes, uint6
 /* Fills tok [B, T+2] with B random windows. */
 void mst_data_batch(mst_data* d, int64_t batch, int64_t seq, int32_t* tok);
 void mst_data_free(mst_data* d);
+/* Holds out the last `fraction` of d's bytes (0 < fraction < 1) as eval:
+ * d keeps the head (its windows never reach the tail), eval gets a copy of
+ * the tail with its own sampler. Both need room for one window of w bytes. */
+mst_status mst_data_split(mst_data* d, double fraction, int64_t w, mst_data* eval);
 
 #endif

@@ -30,6 +30,12 @@ static mst_status whole_step(mst_model* m, const mst_optim_config* o, int measur
     return record(m);
 }
 
+mst_status mst_step_eval(mst_model* m, int measuring) {
+    if (measuring) mst_step_drop_graph(m);
+    MST_TRY(mst_model_step(m, measuring));
+    return record(m);
+}
+
 void mst_step_drop_graph(mst_model* m) {
     if (m->graph) m->ctx->be->graph_destroy(m->ctx, m->graph);
     m->graph = NULL;

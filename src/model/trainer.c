@@ -16,6 +16,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "checkpoint.h"
+#include "plot.h"
 #include "trainer.h"
 
 static double now_s(void) {
@@ -43,7 +45,8 @@ static mst_status launch_step(mst_model* m, const mst_train_config* cfg, int64_t
     int32_t inject = step == cfg->force_over_budget ? MST_FLAG_COUNTS : 0;
     inject |= step == cfg->force_overflow ? MST_FLAG_OVERFLOW : 0;
     if (inject) MST_TRY(mst_copy_h2b(m->ctx, m->ctx->err_flag, &inject, sizeof inject));
-    if (step == 1 || !cfg->graph_from || step < cfg->graph_from) return mst_step_run(m, &cfg->optim, step == 1);
+    const int first = step == res->first_step; /* the measuring step: this run's first */
+    if (first || !cfg->graph_from || step < cfg->graph_from) return mst_step_run(m, &cfg->optim, first);
     int captured = 0;
     MST_TRY(mst_step_replay(m, &cfg->optim, &captured));
     res->captures += captured;
@@ -59,7 +62,8 @@ static mst_status launch_step(mst_model* m, const mst_train_config* cfg, int64_t
  * more layer); the last attempt sizes groups for every token copy (N k
  * rows). A step whose stash pool overflowed is rerun as a measuring step,
  * which resizes the pools. The static buffers come back afterwards. */
-static mst_status rerun(mst_model* m, const mst_train_config* cfg, mst_train_result* res, mst_step_record* r) {
+static mst_status rerun(mst_model* m, const mst_train_config* cfg, mst_train_result* res, mst_step_record* r,
+                        int eval) {
     mst_status st = mst_memmgr_step_check(m->mm);
     const int64_t all = m->cfg.batch * m->cfg.seq * m->cfg.top_k;
     for (int32_t attempt = 0; (st == MST_ERR_COUNTS || st == MST_ERR_OVERFLOW) && attempt <= m->cfg.layers + 1;
@@ -73,7 +77,7 @@ static mst_status rerun(mst_model* m, const mst_train_config* cfg, mst_train_res
              * manager of its own, one row larger */
             MST_TRY(mst_model_set_max_rows(m, exact > m->max_rows ? exact : m->max_rows + 1));
         }
-        MST_TRY(mst_step_run(m, &cfg->optim, 1));
+        MST_TRY(eval ? mst_step_eval(m, 1) : mst_step_run(m, &cfg->optim, 1));
         st = mst_memmgr_step_check(m->mm);
     }
     if (st != MST_OK) return st;
@@ -100,12 +104,69 @@ static mst_status one_step(mst_model* m, mst_data* d, const mst_train_config* cf
     if (step < cfg->steps) MST_TRY(stage_next(m, d, cfg, tok, step + 1));
     mst_step_record r;
     MST_TRY(mst_step_read(m, &r));
-    if (r.flag) MST_TRY(rerun(m, cfg, res, &r));
+    if (r.flag) MST_TRY(rerun(m, cfg, res, &r, 0));
     const double MN = (double)(m->n_micro * m->cfg.batch * m->cfg.seq);
     res->loss[step - 1] = r.loss_main / MN;
     res->mtp_loss[step - 1] = r.loss_mtp / MN;
     res->aux_loss[step - 1] = r.aux / (double)m->n_micro;
     return MST_OK;
+}
+
+/* Held-out loss after `step`: eval_batches batches of the eval text (the
+ * same windows every time), each a step's microbatches through forward and
+ * backward without the optimizer, staged in the slot `step` used (free: the
+ * next step's inputs wait in the other). Mean main loss per token. */
+static mst_status evaluate(mst_model* m, mst_data* e, const mst_train_config* cfg, int32_t* tok, int64_t step,
+                           mst_train_result* res, double* out) {
+    const int64_t per = cfg->model.batch * (cfg->model.seq + 2);
+    const int32_t nb = cfg->eval_batches > 0 ? cfg->eval_batches : 8;
+    const uint64_t rng = e->rng;
+    const int slot = (int)((step - 1) & 1);
+    float hyper[MST_N_HYPER];
+    mst_optim_hyper(&cfg->optim, step, hyper);
+    double sum = 0;
+    for (int32_t b = 0; b < nb; b++) {
+        for (int32_t mb = 0; mb < cfg->microbatches; mb++)
+            mst_data_batch(e, cfg->model.batch, cfg->model.seq, tok + mb * per);
+        MST_TRY(mst_model_stage(m, slot, tok, hyper));
+        MST_TRY(mst_model_upload(m, slot));
+        MST_TRY(mst_step_eval(m, 0));
+        mst_step_record r;
+        MST_TRY(mst_step_read(m, &r));
+        if (r.flag) MST_TRY(rerun(m, cfg, res, &r, 1));
+        sum += r.loss_main;
+    }
+    e->rng = rng;
+    *out = sum / ((double)nb * (double)(m->n_micro * m->cfg.batch * m->cfg.seq));
+    return MST_OK;
+}
+
+/* DIR/step-N (or DIR/final) of the run after `step`; rng: the sampler's
+ * state before the next step's batches were drawn. */
+static mst_status save(mst_model* m, const mst_train_config* cfg, int64_t step, uint64_t rng, int final) {
+    char dir[4200];
+    if (final) snprintf(dir, sizeof dir, "%s/final", cfg->save_dir);
+    else snprintf(dir, sizeof dir, "%s/step-%lld", cfg->save_dir, (long long)step);
+    return mst_ckpt_save(m, cfg, step, rng, dir);
+}
+
+/* --plot: the train loss every step, the eval loss where evaluated. */
+static mst_status plot(const mst_train_config* cfg, const mst_train_result* r) {
+    const int64_t n = r->steps - r->first_step + 1;
+    double* x = (double*)malloc(sizeof(double) * (size_t)n * 3);
+    if (!x) return mst_set_error(MST_ERR_OOM, "--plot");
+    double *ex = x + n, *ey = x + 2 * n;
+    int64_t ne = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t s = r->first_step + i;
+        x[i] = (double)s;
+        if (isfinite(r->eval_loss[s - 1])) ex[ne] = (double)s, ey[ne++] = r->eval_loss[s - 1];
+    }
+    mst_plot_series ser[] = {{"train loss", x, r->loss + r->first_step - 1, n}, {"eval loss (held out)", ex, ey, ne}};
+    const mst_plot p = {"moestash train: next-byte loss", "step", "loss (nats per byte)", ser, ne ? 2 : 1, NULL, 0};
+    mst_status st = mst_plot_lines(cfg->plot_path, &p);
+    free(x);
+    return st;
 }
 
 /* ---- memory report ------------------------------------------------------------ */
@@ -210,16 +271,19 @@ static mst_status load_data(const mst_train_config* cfg, mst_data* d) {
 static mst_status alloc_result(mst_train_result* res, int64_t steps) {
     memset(res, 0, sizeof *res);
     res->steps = steps;
+    res->first_step = 1;
+    res->eval_loss = (double*)malloc(sizeof(double) * (size_t)steps);
+    for (int64_t i = 0; res->eval_loss && i < steps; i++) res->eval_loss[i] = NAN;
     res->loss = (double*)calloc((size_t)steps, sizeof(double));
     res->mtp_loss = (double*)calloc((size_t)steps, sizeof(double));
     res->aux_loss = (double*)calloc((size_t)steps, sizeof(double));
     res->tok_per_s = (double*)calloc((size_t)steps, sizeof(double));
-    if (!res->loss || !res->mtp_loss || !res->aux_loss || !res->tok_per_s)
+    if (!res->loss || !res->mtp_loss || !res->aux_loss || !res->tok_per_s || !res->eval_loss)
         return mst_set_error(MST_ERR_OOM, "result arrays for %lld steps", (long long)steps);
     return MST_OK;
 }
 
-static mst_status train_loop(mst_model* m, mst_data* d, const mst_train_config* cfg, FILE* progress,
+static mst_status train_loop(mst_model* m, mst_data* d, mst_data* e, const mst_train_config* cfg, FILE* progress,
                              mst_train_result* res) {
     const int64_t per = cfg->model.batch * (cfg->model.seq + 2);
     const double tokens = (double)(cfg->model.batch * cfg->model.seq * cfg->microbatches);
@@ -227,24 +291,56 @@ static mst_status train_loop(mst_model* m, mst_data* d, const mst_train_config* 
     int32_t* tok = (int32_t*)malloc(sizeof(int32_t) * (size_t)(per * cfg->microbatches));
     if (!tok) return mst_set_error(MST_ERR_OOM, "token batch");
     const double t0 = now_s();
-    mst_status st = stage_next(m, d, cfg, tok, 1);
-    for (int64_t i = 0; i < cfg->steps && st == MST_OK; i++) {
+    mst_status st = stage_next(m, d, cfg, tok, res->first_step);
+    uint64_t rng = d->rng; /* the sampler before the next step's batches */
+    for (int64_t i = res->first_step - 1; i < cfg->steps && st == MST_OK; i++) {
         double ts = now_s();
+        rng = d->rng;
         st = one_step(m, d, cfg, tok, i + 1, res);
         if (st != MST_OK) break;
         res->tok_per_s[i] = tokens / (now_s() - ts);
+        if (e && ((cfg->eval_every > 0 && (i + 1) % cfg->eval_every == 0) || i + 1 == cfg->steps))
+            st = evaluate(m, e, cfg, tok, i + 1, res, &res->eval_loss[i]);
+        if (st == MST_OK && cfg->save_dir && cfg->save_every > 0 && (i + 1) % cfg->save_every == 0)
+            st = save(m, cfg, i + 1, rng, 0);
         size_t in_use = 0;
         mst_ctx_mem(m->ctx, &in_use, NULL);
-        if (progress && ((i + 1) % every == 0 || i + 1 == cfg->steps))
-            fprintf(progress, "step %5lld | loss %.4f | mtp %.4f | aux %.4f | lr %.2e | %8.0f tok/s | mem %.1f MiB | reruns %lld | graph %lld\n",
+        if (st == MST_OK && progress && ((i + 1) % every == 0 || i + 1 == cfg->steps || isfinite(res->eval_loss[i]))) {
+            fprintf(progress, "step %5lld | loss %.4f | mtp %.4f | aux %.4f | lr %.2e | %8.0f tok/s | mem %.1f MiB | reruns %lld | graph %lld",
                     (long long)(i + 1), res->loss[i], res->mtp_loss[i], res->aux_loss[i],
                     (double)mst_optim_lr(&cfg->optim, i + 1), res->tok_per_s[i],
                     (double)in_use / (1 << 20), (long long)res->reruns, (long long)res->captures);
+            if (isfinite(res->eval_loss[i]))
+                fprintf(progress, " | eval %.4f (%.3f bits/byte)", res->eval_loss[i], res->eval_loss[i] / log(2.0));
+            fprintf(progress, "\n");
+            fflush(progress);
+        }
     }
     res->seconds = now_s() - t0;
     free(tok);
+    if (st == MST_OK && cfg->save_dir) st = save(m, cfg, cfg->steps, rng, 1);
+    if (st == MST_OK && cfg->plot_path) st = plot(cfg, res);
     if (st == MST_OK) st = mst_memmgr_check(m->mm);
     return st == MST_OK ? memory_table(m, res) : st;
+}
+
+/* --resume: the checkpoint must be of this run's configuration; its
+ * tensors go into m, its sampler state into d, and the run goes on after
+ * its step. */
+static mst_status resume(mst_model* m, const mst_train_config* cfg, mst_data* d, mst_train_result* res) {
+    mst_ckpt_meta meta;
+    MST_TRY(mst_ckpt_read_meta(cfg->resume_dir, &meta));
+    if (memcmp(&meta.cfg.model, &cfg->model, sizeof cfg->model) != 0 || meta.cfg.microbatches != cfg->microbatches ||
+        meta.cfg.eval_fraction != cfg->eval_fraction)
+        return mst_set_error(MST_ERR_INVALID, "--resume '%s': the checkpoint is of another configuration (model, "
+                             "microbatches or held-out fraction)", cfg->resume_dir);
+    if (meta.step >= cfg->steps)
+        return mst_set_error(MST_ERR_INVALID, "--resume '%s': the checkpoint is at step %lld, --steps %lld leaves "
+                             "nothing to do", cfg->resume_dir, (long long)meta.step, (long long)cfg->steps);
+    MST_TRY(mst_ckpt_load(m, cfg->resume_dir));
+    d->rng = meta.data_rng;
+    res->first_step = meta.step + 1;
+    return MST_OK;
 }
 
 mst_status mst_train_run(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* progress,
@@ -252,13 +348,18 @@ mst_status mst_train_run(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* prog
     if (cfg->steps < 1) return mst_set_error(MST_ERR_INVALID, "--steps %lld: expected >= 1", (long long)cfg->steps);
     MST_TRY(mst_model_config_check(&cfg->model));
     MST_TRY(alloc_result(res, cfg->steps));
-    mst_data d;
+    mst_data d, e = {0};
     MST_TRY(load_data(cfg, &d));
+    mst_status st = MST_OK;
+    if (cfg->eval_path) st = mst_data_file(&e, cfg->eval_path, cfg->model.seq + 2, cfg->model.seed ^ 0xE7A1ull);
+    else if (cfg->eval_fraction > 0) st = mst_data_split(&d, cfg->eval_fraction, cfg->model.seq + 2, &e);
     mst_model* m = NULL;
-    mst_status st = mst_model_create(ctx, &cfg->model, cfg->microbatches, &cfg->mem, &m);
-    if (st == MST_OK) st = train_loop(m, &d, cfg, progress, res);
+    if (st == MST_OK) st = mst_model_create(ctx, &cfg->model, cfg->microbatches, &cfg->mem, &m);
+    if (st == MST_OK && cfg->resume_dir) st = resume(m, cfg, &d, res);
+    if (st == MST_OK) st = train_loop(m, &d, e.bytes ? &e : NULL, cfg, progress, res);
     mst_model_destroy(m);
     mst_data_free(&d);
+    mst_data_free(&e);
     return st;
 }
 
@@ -267,6 +368,7 @@ void mst_train_result_free(mst_train_result* res) {
     free(res->mtp_loss);
     free(res->aux_loss);
     free(res->tok_per_s);
+    free(res->eval_loss);
     free(res->peak_rows);
     memset(res, 0, sizeof *res);
 }
@@ -353,9 +455,14 @@ void mst_train_print_memory(FILE* f, const mst_train_result* r) {
             (long long)(r->reruns - r->over_budget), (long long)r->captures, (long long)r->replays);
 }
 
-static void json_array(FILE* f, const char* name, const double* v, int64_t n) {
+/* Values of the steps this run made (from its first); null where not finite. */
+static void json_array(FILE* f, const char* name, const double* v, int64_t first, int64_t n) {
     fprintf(f, "  \"%s\": [", name);
-    for (int64_t i = 0; i < n; i++) fprintf(f, "%s%.9g", i ? ", " : "", v[i]);
+    for (int64_t i = first - 1; i < n; i++) {
+        fprintf(f, i >= first ? ", " : "");
+        if (isfinite(v[i])) fprintf(f, "%.9g", v[i]);
+        else fprintf(f, "null");
+    }
     fprintf(f, "],\n");
 }
 
@@ -382,10 +489,15 @@ mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
             (int)cfg->mem.recompute.method, cfg->mem.recompute.num_layers, (double)c->mtp_weight,
             (long long)cfg->steps, (double)cfg->optim.lr, (unsigned long long)c->seed,
             cfg->data_path ? "file" : "synthetic");
-    json_array(f, "loss", r->loss, r->steps);
-    json_array(f, "mtp_loss", r->mtp_loss, r->steps);
-    json_array(f, "aux_loss", r->aux_loss, r->steps);
-    json_array(f, "tokens_per_s", r->tok_per_s, r->steps);
+    fprintf(f, "  \"first_step\": %lld,\n", (long long)r->first_step);
+    json_array(f, "loss", r->loss, r->first_step, r->steps);
+    json_array(f, "mtp_loss", r->mtp_loss, r->first_step, r->steps);
+    json_array(f, "aux_loss", r->aux_loss, r->first_step, r->steps);
+    json_array(f, "tokens_per_s", r->tok_per_s, r->first_step, r->steps);
+    json_array(f, "eval_loss", r->eval_loss, r->first_step, r->steps);
+    const double last_eval = r->eval_loss[r->steps - 1];
+    if (isfinite(last_eval))
+        fprintf(f, "  \"eval\": {\"loss\": %.9g, \"bits_per_byte\": %.9g},\n", last_eval, last_eval / log(2.0));
     fprintf(f, "  \"graph_from_step\": %lld,\n  \"captures\": %lld,\n  \"replays\": %lld,\n", (long long)cfg->graph_from,
             (long long)r->captures, (long long)r->replays);
     fprintf(f, "  \"reruns\": %lld,\n  \"over_budget_reruns\": %lld,\n  \"seconds\": %.3f,\n  \"max_rows\": %lld,\n"

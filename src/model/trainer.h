@@ -25,6 +25,18 @@ typedef struct mst_train_config {
                                   captured step graph (backends that capture;
                                   others run eagerly); 0: never                 */
     int64_t log_every;         /* a progress line every N steps (0: every step)  */
+    const char* save_dir;      /* checkpoints (checkpoint.h): DIR/step-N every
+                                  save_every steps and DIR/final; NULL: none     */
+    int64_t save_every;        /* 0: DIR/final only                              */
+    const char* resume_dir;    /* a checkpoint of this configuration: its weights,
+                                  optimizer state, sampler; the run continues
+                                  after its step (NULL: from the start)         */
+    const char* eval_path;     /* held-out text (NULL: eval_fraction of the
+                                  training text, or no evaluation)             */
+    double eval_fraction;      /* the tail of the training text held out       */
+    int64_t eval_every;        /* evaluate every N steps (0: at the end only)  */
+    int32_t eval_batches;      /* batches of B windows per evaluation (0: 8)   */
+    const char* plot_path;     /* SVG of the train and eval losses (NULL: none) */
 } mst_train_config;
 
 /* Memory of the run by row of the table, with the same routing's needs under
@@ -50,7 +62,10 @@ typedef struct mst_train_result {
     double* mtp_loss;         /* [steps] MTP loss (unweighted mean)            */
     double* aux_loss;         /* [steps] load-balancing loss (sum over layers) */
     double* tok_per_s;        /* [steps]                                       */
+    double* eval_loss;        /* [steps] held-out main loss after the step (NaN:
+                                 not evaluated); bits per byte = loss / ln 2    */
     int64_t steps;
+    int64_t first_step;       /* 1, or the step after the resumed checkpoint's */
     int64_t reruns;           /* step reruns: over budget or overflow          */
     int64_t over_budget;      /* of which over budget                          */
     int64_t captures;         /* graph captures of the step (again after reruns) */
