@@ -10,6 +10,7 @@
 int mst_cmd_info(int argc, char** argv);
 int mst_cmd_selfcheck(int argc, char** argv);
 int mst_cmd_train(int argc, char** argv); /* train.c */
+int mst_cmd_sample(int argc, char** argv); /* sample.c */
 /* train.c: the configuration of `moestash train` on a backend, and --preset
  * NAME applied to it (exit code 2 and one line for an unknown name). */
 struct mst_train_config;

@@ -23,6 +23,7 @@ static int usage(FILE* f) {
             "  info         backends, devices and build options\n"
             "  selfcheck    grouped linear on each backend against a float64 reference\n"
             "  train        train the MoE transformer (moestash train --help)\n"
+            "  sample       text from a checkpoint of train --save (moestash sample --help)\n"
             "  bench NAME   benchmarks:");
     for (const mst_bench_entry* b = benches; b->name; b++) fprintf(f, " %s", b->name);
     fprintf(f, "\n  help         this text\n");
@@ -64,6 +65,7 @@ int main(int argc, char** argv) {
     if (strcmp(cmd, "info") == 0) return mst_cmd_info(argc - 2, argv + 2);
     if (strcmp(cmd, "selfcheck") == 0) return mst_cmd_selfcheck(argc - 2, argv + 2);
     if (strcmp(cmd, "train") == 0) return mst_cmd_train(argc - 2, argv + 2);
+    if (strcmp(cmd, "sample") == 0) return mst_cmd_sample(argc - 2, argv + 2);
     if (strcmp(cmd, "bench") == 0) return cmd_bench(argc - 2, argv + 2);
     if (strcmp(cmd, "help") == 0 || strcmp(cmd, "--help") == 0) return usage(stdout);
     fprintf(stderr, "moestash: unknown command '%s'\n", cmd);

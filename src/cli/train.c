@@ -10,7 +10,7 @@
 #include <string.h>
 
 #include "cli.h"
-#include "model/trainer.h"
+#include "model/checkpoint.h"
 
 /* Defaults: small on the CPU (200 steps in well under 3 minutes on 2 cores),
  * larger on a GPU so the KEEP vs exact-shapes difference shows. */
@@ -54,7 +54,11 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            "  --schedule S              plain | 1f1b | interleaved (2 chunks of layers; --layers + 1 even) (plain)\n"
            "  --policy P                saved grouped-MLP activations: keep | stash | offload | recompute,\n"
            "                            or per tensor: fc1_input=stash,act_input=offload,fc2_input=recompute,probs=keep (keep)\n"
-           "  --recompute R             layer recompute: none | uniform:N | block:N (none)\n"
+           "  --recompute R             layer recompute: none | uniform:N | block:N (none); the MTP layer counts\n"
+           "                            as the stage's last layer\n"
+           "  --recompute-granularity G full: a recomputed layer keeps only its input (norms, attention,\n"
+           "                            router, grouped MLP rerun) | moe: only the grouped MLP's tensors (full)\n"
+           "  --recompute-mtp           recompute the MTP layer and its module from its two inputs\n"
            "  --check-policies          train --steps under every policy and layer recompute; check losses and\n"
            "                            final weights are bit-identical; one line each, exit 1 if not\n"
            "  --pool-factor X           stash pool pages over the measured peak (1.1; below 1 forces overflows)\n"
@@ -69,6 +73,16 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            "  --preset h100             H 2048, 16 heads, 8 layers, 64 experts top-4, F 1024, T 2048, B 2, ep 1\n"
            "                            (flags given after it override it)\n"
            "  --json FILE               write losses, timings and the memory table as JSON\n"
+           "  --save DIR                checkpoints: DIR/step-N every --save-every N steps and DIR/final\n"
+           "                            (model.safetensors bf16, optimizer.safetensors fp32, trainer.json)\n"
+           "  --save-every N            0: DIR/final only (0)\n"
+           "  --resume DIR              continue the run of checkpoint DIR with its stored configuration\n"
+           "                            (--steps, --save, --json, --plot, --graph, --log-every, --quiet may be given)\n"
+           "  --eval-data FILE          held-out text for evaluation\n"
+           "  --eval-fraction F         hold out the last F of --data instead (0 < F < 1)\n"
+           "  --eval-every N            evaluate every N steps and at the end (0: at the end)\n"
+           "  --eval-batches N          batches per evaluation (8)\n"
+           "  --plot FILE.svg           draw the train and eval losses\n"
            "  --force-over-budget STEP  flag STEP over budget once to exercise the rerun (0: off)\n"
            "  --force-overflow STEP     flag STEP as a stash-pool overflow once (0: off)\n"
            "  --quiet                   no progress lines\n",
@@ -181,6 +195,9 @@ static int parse_flag(train_cli* t, const char* f, const char* v) {
     INT_FLAG("--force-over-budget", 0, INT64_MAX, t->cfg.force_over_budget);
     INT_FLAG("--force-overflow", 0, INT64_MAX, t->cfg.force_overflow);
     INT_FLAG("--log-every", 1, INT64_MAX, t->cfg.log_every);
+    INT_FLAG("--save-every", 0, INT64_MAX, t->cfg.save_every);
+    INT_FLAG("--eval-every", 0, INT64_MAX, t->cfg.eval_every);
+    INT_FLAG("--eval-batches", 1, 1 << 20, t->cfg.eval_batches);
 #undef INT_FLAG
     if (strcmp(f, "--capacity-factor") == 0) return parse_f32(f, v, 1e-6, 1024, &m->capacity_factor);
     if (strcmp(f, "--mtp-weight") == 0) return parse_f32(f, v, 0, 100, &m->mtp_weight);
@@ -199,6 +216,22 @@ static int parse_flag(train_cli* t, const char* f, const char* v) {
         return bad(f, v, "expected on or off");
     }
     if (strcmp(f, "--json") == 0) return v && *v ? (t->json = v, 0) : bad(f, v, "expected a file name");
+    if (strcmp(f, "--save") == 0) return v && *v ? (t->cfg.save_dir = v, 0) : bad(f, v, "expected a directory");
+    if (strcmp(f, "--resume") == 0) return v && *v ? (t->cfg.resume_dir = v, 0) : bad(f, v, "expected a checkpoint directory");
+    if (strcmp(f, "--eval-data") == 0) return v && *v ? (t->cfg.eval_path = v, 0) : bad(f, v, "expected a file name");
+    if (strcmp(f, "--plot") == 0) return v && *v ? (t->cfg.plot_path = v, 0) : bad(f, v, "expected a file name");
+    if (strcmp(f, "--eval-fraction") == 0) {
+        float x = 0;
+        if ((rc = parse_f32(f, v, 0, 1, &x))) return rc;
+        if (!(x > 0 && x < 1)) return bad(f, v, "expected a number between 0 and 1");
+        t->cfg.eval_fraction = x;
+        return 0;
+    }
+    if (strcmp(f, "--recompute-granularity") == 0) {
+        if (v && strcmp(v, "full") == 0) return (t->cfg.mem.recompute_full = 1, 0);
+        if (v && strcmp(v, "moe") == 0) return (t->cfg.mem.recompute_full = 0, 0);
+        return bad(f, v, "expected full or moe");
+    }
     if (strcmp(f, "--data") == 0) return v && *v ? (t->cfg.data_path = v, 0) : bad(f, v, "expected a file name");
     if (strcmp(f, "--schedule") == 0) {
         if (mst_schedule_kind_parse(v, &t->cfg.mem.schedule) != MST_OK)
@@ -216,13 +249,14 @@ static int parse_flag(train_cli* t, const char* f, const char* v) {
 
 static int is_switch(const char* f) {
     return strcmp(f, "--quiet") == 0 || strcmp(f, "--check-policies") == 0 || strcmp(f, "--help") == 0 ||
-           strcmp(f, "-h") == 0;
+           strcmp(f, "-h") == 0 || strcmp(f, "--recompute-mtp") == 0;
 }
 
 static int parse(int argc, char** argv, train_cli* t) {
     for (int i = 0; i < argc; i++) {
         if (strcmp(argv[i], "--quiet") == 0) t->quiet = 1;
         if (strcmp(argv[i], "--check-policies") == 0) t->check_policies = 1;
+        if (strcmp(argv[i], "--recompute-mtp") == 0) t->cfg.mem.recompute_mtp = 1;
         if (is_switch(argv[i])) continue;
         if (strncmp(argv[i], "--", 2) != 0) return bad("argument", argv[i], "not a flag");
         if (i + 1 >= argc) return bad(argv[i], "", "missing value");
@@ -230,6 +264,50 @@ static int parse(int argc, char** argv, train_cli* t) {
         if (rc) return rc;
         i++;
     }
+    return 0;
+}
+
+/* --resume: the run's configuration is the checkpoint's; only flags that do
+ * not change its results may be given beside it (--steps extends or cuts
+ * the run; the learning-rate schedule stays the stored one). */
+static int resumed(int argc, char** argv, train_cli* t, mst_ckpt_meta* meta) {
+    static const char* const ok[] = {"--resume", "--steps", "--backend", "--save", "--save-every", "--json", "--plot",
+                                     "--graph", "--log-every", "--quiet", "--eval-every", "--eval-batches"};
+    for (int i = 0; i < argc; i++) {
+        if (strncmp(argv[i], "--", 2) != 0) continue;
+        int fine = 0;
+        for (size_t k = 0; k < sizeof ok / sizeof ok[0]; k++) fine |= strcmp(argv[i], ok[k]) == 0;
+        if (!fine)
+            return bad(argv[i], is_switch(argv[i]) || i + 1 >= argc ? "" : argv[i + 1],
+                       "not with --resume: the configuration comes from the checkpoint");
+    }
+    if (mst_ckpt_read_meta(t->cfg.resume_dir, meta) != MST_OK) return bad("--resume", t->cfg.resume_dir, mst_last_error());
+    mst_train_config c = meta->cfg;
+    for (int i = 0; i + 1 < argc; i++)
+        if (strcmp(argv[i], "--steps") == 0) c.steps = t->cfg.steps;
+    c.resume_dir = t->cfg.resume_dir, c.save_dir = t->cfg.save_dir, c.save_every = t->cfg.save_every;
+    c.plot_path = t->cfg.plot_path, c.log_every = t->cfg.log_every;
+    if (t->cfg.eval_every) c.eval_every = t->cfg.eval_every;
+    if (t->cfg.eval_batches) c.eval_batches = t->cfg.eval_batches;
+    t->cfg = c;
+    t->policy = c.mem.policy;
+    return 0;
+}
+
+/* Flags that need another: exit 2 naming the one given. */
+static int consistent(const train_cli* t) {
+    char v[32];
+    const mst_train_config* c = &t->cfg;
+    if (c->save_every && !c->save_dir) {
+        snprintf(v, sizeof v, "%lld", (long long)c->save_every);
+        return bad("--save-every", v, "needs --save DIR");
+    }
+    if (c->eval_path && c->eval_fraction > 0) return bad("--eval-data", c->eval_path, "contradicts --eval-fraction");
+    if (c->eval_every && !c->eval_path && !(c->eval_fraction > 0)) {
+        snprintf(v, sizeof v, "%lld", (long long)c->eval_every);
+        return bad("--eval-every", v, "needs --eval-data FILE or --eval-fraction F");
+    }
+    if (c->eval_fraction > 0 && !c->data_path) return bad("--eval-fraction", "", "needs --data FILE");
     return 0;
 }
 
@@ -255,6 +333,9 @@ int mst_cmd_train(int argc, char** argv) {
     mst_train_defaults(&t.cfg, kind);
     if (parse(argc, argv, &t)) return 2;
     t.cfg.optim.steps = t.cfg.steps;
+    static mst_ckpt_meta meta; /* the strings of a resumed configuration live here */
+    if (t.cfg.resume_dir && resumed(argc, argv, &t, &meta)) return 2;
+    if (consistent(&t)) return 2;
     if (t.cfg.model.capacity_factor == 0.0f) t.cfg.model.capacity_factor = (float)t.cfg.model.ep;
     if (mst_model_config_check(&t.cfg.model) != MST_OK) {
         fprintf(stderr, "moestash train: %s\n", mst_last_error());
@@ -305,9 +386,13 @@ int mst_cmd_train(int argc, char** argv) {
     }
     if (st == MST_OK && !t.check_policies) {
         if (!t.quiet) mst_train_print_memory(stdout, &res);
-        printf("loss %.4f -> %.4f (mtp %.4f -> %.4f) in %lld steps, %.1f s, %lld reruns\n", res.loss[0],
-               res.loss[res.steps - 1], res.mtp_loss[0], res.mtp_loss[res.steps - 1], (long long)res.steps,
+        const int64_t f = res.first_step - 1;
+        printf("loss %.4f -> %.4f (mtp %.4f -> %.4f) in %lld steps, %.1f s, %lld reruns\n", res.loss[f],
+               res.loss[res.steps - 1], res.mtp_loss[f], res.mtp_loss[res.steps - 1], (long long)(res.steps - f),
                res.seconds, (long long)res.reruns);
+        if (isfinite(res.eval_loss[res.steps - 1]))
+            printf("eval loss %.4f (%.3f bits per byte) on held-out text\n", res.eval_loss[res.steps - 1],
+                   res.eval_loss[res.steps - 1] / log(2.0));
         if (t.json) st = mst_train_write_json(t.json, &t.cfg, &res, mst_ctx_describe(ctx));
     }
     if (st != MST_OK) {
