@@ -120,14 +120,16 @@ __global__ void embed_forward_kernel(mst_embed_args a) {
 
 /* Buckets token ids by vocabulary entry, in token order, without atomics:
  * order[v] = first slot of entry v (order[V] = N), order[V + 1 + slot] = t.
- * One block; thread v counts, then places, its entry's tokens from
- * shared-memory tiles of the token ids. */
+ * One block; warp w counts, then places, the tokens of entries w, w +
+ * warps, ... from shared-memory tiles of the token ids, 32 tokens a ballot
+ * (each hit's place among them by popc: token order within an entry). */
 enum { EMB_TILE = 4096 };
 
 __global__ void embed_bucket_kernel(mst_embed_args a) {
     __shared__ int32_t tile[EMB_TILE];
     int32_t* start = a.order;
     int32_t* list = a.order + a.vocab + 1;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
     for (int pass = 0; pass < 2; pass++) {
         for (int64_t v = threadIdx.x; v < a.vocab; v += blockDim.x) /* pass 0: counts */
             if (pass == 0) start[v] = 0;
@@ -136,14 +138,17 @@ __global__ void embed_bucket_kernel(mst_embed_args a) {
             __syncthreads();
             for (int64_t i = threadIdx.x; i < n; i += blockDim.x) tile[i] = a.tokens[base + i];
             __syncthreads();
-            for (int64_t v = threadIdx.x; v < a.vocab; v += blockDim.x) {
+            for (int64_t v = warp; v < a.vocab; v += n_warps) {
                 int32_t c = start[v];
-                for (int64_t i = 0; i < n; i++)
-                    if (tile[i] == v) {
-                        if (pass == 1) list[c] = (int32_t)(base + i);
-                        c++;
-                    }
-                start[v] = c;
+                for (int64_t i0 = 0; i0 < n; i0 += 32) {
+                    const int64_t i = i0 + lane;
+                    const int hit = i < n && tile[i] == v;
+                    const unsigned mask = __ballot_sync(0xffffffffu, hit);
+                    if (pass == 1 && hit) list[c + __popc(mask & ((1u << lane) - 1u))] = (int32_t)(base + i);
+                    c += __popc(mask);
+                }
+                __syncwarp();
+                if (lane == 0) start[v] = c;
             }
         }
         __syncthreads();
@@ -244,25 +249,59 @@ extern "C" mst_status mst_cuda_sumsq(mst_ctx_t* ctx, const mst_sumsq_args* a) {
 
 /* ---- AdamW -------------------------------------------------------------------- */
 
-__global__ void adamw_kernel(mst_adamw_args a) {
-    if (*a.flag != 0) return; /* the step's results are invalid: no update */
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= a.n) return;
-    const float lr = a.hyper[MST_HYPER_LR], bc1 = a.hyper[MST_HYPER_BC1], bc2 = a.hyper[MST_HYPER_BC2];
-    const float norm = sqrtf(*a.grad_sumsq);
-    const float g = a.grad[i] * (norm > a.clip ? a.clip / norm : 1.0f);
-    const float m = a.beta1 * a.m[i] + (1.0f - a.beta1) * g;
-    const float v = a.beta2 * a.v[i] + (1.0f - a.beta2) * g * g;
-    a.m[i] = m;
-    a.v[i] = v;
-    float p = a.master[i] * (1.0f - lr * a.weight_decay);
+/* One parameter's update (the same arithmetic for every V below). */
+__device__ __forceinline__ void adamw_one(const mst_adamw_args& a, float lr, float bc1, float bc2, float gs, float g,
+                                          float& m, float& v, float& p) {
+    g *= gs;
+    m = a.beta1 * m + (1.0f - a.beta1) * g;
+    v = a.beta2 * v + (1.0f - a.beta2) * g * g;
+    p *= 1.0f - lr * a.weight_decay;
     p -= lr * (m / bc1) / (sqrtf(v / bc2) + a.eps);
-    a.master[i] = p;
-    a.w[i] = mst_to_bf(p);
 }
 
+/* V parameters a thread: V = 4 with 16-byte loads and stores (8 for the
+ * bf16 weights) when the buffers allow, else 1. */
+template <int V>
+__global__ void adamw_kernel(mst_adamw_args a) {
+    if (*a.flag != 0) return; /* the step's results are invalid: no update */
+    const int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * V;
+    if (i >= a.n) return;
+    const float lr = a.hyper[MST_HYPER_LR], bc1 = a.hyper[MST_HYPER_BC1], bc2 = a.hyper[MST_HYPER_BC2];
+    const float norm = sqrtf(*a.grad_sumsq), gs = norm > a.clip ? a.clip / norm : 1.0f;
+    if (V == 4 && i + 4 <= a.n) {
+        const float4 g = *(const float4*)(a.grad + i);
+        float4 m = *(const float4*)(a.m + i), v = *(const float4*)(a.v + i), p = *(const float4*)(a.master + i);
+        adamw_one(a, lr, bc1, bc2, gs, g.x, m.x, v.x, p.x);
+        adamw_one(a, lr, bc1, bc2, gs, g.y, m.y, v.y, p.y);
+        adamw_one(a, lr, bc1, bc2, gs, g.z, m.z, v.z, p.z);
+        adamw_one(a, lr, bc1, bc2, gs, g.w, m.w, v.w, p.w);
+        *(float4*)(a.m + i) = m;
+        *(float4*)(a.v + i) = v;
+        *(float4*)(a.master + i) = p;
+        uint2 w;
+        w.x = (uint32_t)mst_to_bf(p.x) | (uint32_t)mst_to_bf(p.y) << 16;
+        w.y = (uint32_t)mst_to_bf(p.z) | (uint32_t)mst_to_bf(p.w) << 16;
+        *(uint2*)(a.w + i) = w;
+        return;
+    }
+    for (int64_t j = i; j < i + V && j < a.n; j++) {
+        float m = a.m[j], v = a.v[j], p = a.master[j];
+        adamw_one(a, lr, bc1, bc2, gs, a.grad[j], m, v, p);
+        a.m[j] = m;
+        a.v[j] = v;
+        a.master[j] = p;
+        a.w[j] = mst_to_bf(p);
+    }
+}
+
+static int aligned(const void* p, uintptr_t n) { return ((uintptr_t)p & (n - 1)) == 0; }
+
 extern "C" mst_status mst_cuda_adamw(mst_ctx_t* ctx, const mst_adamw_args* a) {
-    adamw_kernel<<<mst_blocks(a->n, 256), 256, 0, mst_cuda(ctx)->stream>>>(*a);
+    cudaStream_t s = mst_cuda(ctx)->stream;
+    if (aligned(a->grad, 16) && aligned(a->m, 16) && aligned(a->v, 16) && aligned(a->master, 16) && aligned(a->w, 8))
+        adamw_kernel<4><<<mst_blocks((a->n + 3) / 4, 256), 256, 0, s>>>(*a);
+    else
+        adamw_kernel<1><<<mst_blocks(a->n, 256), 256, 0, s>>>(*a);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }

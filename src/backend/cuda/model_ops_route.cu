@@ -3,11 +3,12 @@
  * CUDA (the CPU reference is model_ops_route.c). Counts stay on the device:
  *   route_token_kernel: softmax over experts and top-k, one thread per token;
  *   route_plan_kernel (one block): per-expert loads counted in entry order
- *     from shared-memory tiles of the top-k ids, per-group totals, the
+ *     from shared-memory tiles of the top-k ids (a warp per expert, 32
+ *     entries a ballot), per-group totals, the
  *     over-budget flag and peak rows, each entry's row (groups packed in
  *     order; expert, then token, then slot order within), and the
  *     load-balancing loss. Deterministic: each
- *     expert's thread walks the entries in order; no atomics but the flag's
+ *     expert's warp walks the entries in order; no atomics but the flag's
  *     atomicOr.
  *   route_backward_kernel: d(router logits), one thread per token.
  *   rows gather / sum: dispatch and combine, one thread per element.
@@ -22,24 +23,33 @@ __global__ void route_token_kernel(mst_route_args a) {
     if (t < a.n_tok) mst_route_token(&a, t);
 }
 
-/* Walks the N k entries in tiles; thread e (and e + blockDim, ...) visits
- * the entries of its experts in order. assign = 0: count; 1: write rows. */
+/* Walks the N k entries in tiles; warp w takes experts w, w + warps, ...
+ * and visits each one's entries in entry order, 32 at a time: a ballot of
+ * the lanes whose entry chose the expert, each such entry's place among
+ * them by popc (the places one thread walking the entries would give).
+ * assign = 0: count; 1: write rows (none, -1, for an over-budget group). */
 __device__ void plan_walk(const mst_route_args& a, int32_t* tile, int32_t* next, int32_t* load, int assign) {
     const int64_t NK = a.n_tok * a.top_k;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
     for (int64_t base = 0; base < NK; base += PLAN_TILE) {
         const int64_t n = min((int64_t)PLAN_TILE, NK - base);
         __syncthreads();
         for (int64_t i = threadIdx.x; i < n; i += blockDim.x) tile[i] = a.topk_idx[base + i];
         __syncthreads();
-        for (int32_t e = threadIdx.x; e < a.n_experts; e += blockDim.x) {
+        for (int32_t e = warp; e < a.n_experts; e += n_warps) {
             int32_t c = assign ? next[e] : load[e];
-            for (int64_t i = 0; i < n; i++) {
-                if (tile[i] != e) continue;
-                if (assign) a.pos[base + i] = c < 0 ? -1 : c++;
-                else c++;
+            for (int64_t i0 = 0; i0 < n; i0 += 32) {
+                const int64_t i = i0 + lane;
+                const int hit = i < n && tile[i] == e;
+                const unsigned mask = __ballot_sync(0xffffffffu, hit);
+                if (assign && hit) a.pos[base + i] = c < 0 ? -1 : c + __popc(mask & ((1u << lane) - 1u));
+                if (!assign || c >= 0) c += __popc(mask);
             }
-            if (assign) next[e] = c;
-            else load[e] = c;
+            __syncwarp();
+            if (lane == 0) {
+                if (assign) next[e] = c;
+                else load[e] = c;
+            }
         }
     }
 }
