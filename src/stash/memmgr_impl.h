@@ -4,6 +4,8 @@
  *   memmgr.c          the step protocol: create, policies, expect / advance,
  *                     prefetch, step begin / end / check, report
  *   memmgr_streams.c  stream and event plumbing (the table of event edges)
+ *   memmgr_host_streams.c  the same modelled on the host, for a backend
+ *                     without streams (the CPU)
  *   memmgr_buffers.c  KEEP, compute, restore and rerun buffers; pool sizing
  *   memmgr_saver.c    the saver: produce, claim, commit, fetch, release,
  *                     restore

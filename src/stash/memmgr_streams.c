@@ -1,7 +1,8 @@
 /*
  * memmgr_streams.c — the memory manager's streams and events.
  *
- * Streams (mst_stream_sel; CUDA: the CPU runs everything in program order):
+ * Streams (mst_stream_sel; on CUDA; a backend without streams runs them as
+ * host queues, memmgr_host_streams.c):
  *   main  the context's current stream: the ops, and every buffer the caller
  *         and the ops write
  *   ring  every save, claim and page return of every pool, in host order
@@ -26,7 +27,7 @@
  *                     (sv_commit)                (sv_produce)
  *   inputs_read       ring, after a save of an   main, at the next layer    the caller writes its input
  *                     op input (fc1_input,       call: forward, backward,   buffers again only after
- *                     probs) (sv_commit)         recompute (inputs_free)    their stash read them
+ *                     probs) (sv_commit)         recompute                  their stash read them
  *   saved_ev[slot]    ring, after the save or    copy, before its restore   a restore reads pages the
  *                     claim of the slot          copy (issue_restore)       save has written
  *                     (sv_commit, sv_claim)      main, after a claim        the producer writes pages the
@@ -40,18 +41,19 @@
  *   restore_free[n][k] main, at the release of   copy, before the next      the copy overwrites a restore
  *                     a tensor restored into k   restore into k             buffer after its last reader
  *                     (sv_release)               (issue_restore)            (*)
+ *   ev_side           ring and copy (those used) main (step end:            the next step (pool reset on
+ *                     at step end                mst_mm_join_side)          main, host reads) after this
+ *                                                                           step's side work; a captured
+ *                                                                           graph rejoins its streams
  *
  * (*) implied today by other edges, kept for savers that call in other
  * orders: the in-place read of an op input by inputs_read (waited at every
  * layer call), of a produced tensor by its claim; the page return after a
  * fetched restore by restore_done -> main then ev_main; restore_free by
  * ev_main (a restore into k is issued after the release of k's last reader).
- * Removing one of these changes no result of the tests; removing any other
- * edge does (tests/mutants/stash.txt).
- *   ev_side           ring and copy (those used) main (step end:            the next step (pool reset on
- *                     at step end                mst_mm_join_side)          main, host reads) after this
- *                                                                           step's side work; a captured
- *                                                                           graph rejoins its streams
+ * Removing one of these changes no result of the tests. Removing any other
+ * edge does: on the CPU each side -> main and side -> side edge
+ * (tests/mutants/stash.txt), on CUDA ev_main too (main slowed down).
  *
  * Tests slow a stream down (mst_memmgr_debug_slow): on CUDA a spin before
  * each operation of a side stream, or at each layer call on main; on the CPU
