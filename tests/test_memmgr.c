@@ -24,6 +24,10 @@
 
 enum { L = 4, M = 4, E = 4, H = 32, F = 24, R = 200, PAGE = 16 };
 
+/* Bytes of one row of each saved tensor: x [H] bf16, h [2F] bf16, z [F]
+ * bf16, p fp32 (the test's own table, not the library's). */
+static const size_t saved_row_bytes[MST_N_SAVED] = {H * 2, 2 * F * 2, F * 2, 4};
+
 typedef struct setup {
     const char* name;
     mst_schedule_config sched;
@@ -199,7 +203,8 @@ static void policies_and_schedules(mst_ctx_t* ctx, const mst_mlp_config* mlp, ms
                      * the host pages at the peak hold exactly the offloaded rows,
                      * rounded up to pages, of every name */
                     size_t want = 0;
-                    const size_t row_bytes = H * 2 + 2 * F * 2 + F * 2 + 4;
+                    size_t row_bytes = 0;
+                    for (int nm = 0; nm < MST_N_SAVED; nm++) row_bytes += saved_row_bytes[nm];
                     for (int mb = 0; mb < M; mb++) {
                         int64_t n = 0;
                         for (int g = 0; g < E; g++) n += a[(int64_t)mb * E + g];
@@ -358,7 +363,6 @@ static void pool_sizing(mst_ctx_t* ctx, const mst_mlp_config* mlp, mst_rng* rng)
         rows[mb] = 0;
         for (int g = 0; g < E; g++) rows[mb] += a[(int64_t)mb * E + g]; /* layer 0; every layer alike */
     }
-    const size_t row_bytes[MST_N_SAVED] = {H * 2, 2 * F * 2, F * 2, 4};
     const mst_schedule_config scheds[] = {
         {MST_SCHEDULE_1F1B, 4, 3, M, 1},        /* last stage: one microbatch in flight */
         {MST_SCHEDULE_1F1B, 4, 2, M, 1},        /* two */
@@ -379,7 +383,7 @@ static void pool_sizing(mst_ctx_t* ctx, const mst_mlp_config* mlp, mst_rng* rng)
         CHECK(!ov, "schedule %zu overflowed on the counts it was sized with", si);
         size_t want_cap = 0, want_peak = 0, all_saves = 0;
         for (int n = 0; n < MST_N_SAVED; n++) {
-            const size_t page_bytes = (size_t)PAGE * row_bytes[n];
+            const size_t page_bytes = (size_t)PAGE * saved_row_bytes[n];
             want_cap += (size_t)ceil((double)peak[n] * 1.10) * page_bytes;
             want_peak += (size_t)peak[n] * page_bytes;
             all_saves += (size_t)sum[n] * page_bytes;
