@@ -81,14 +81,21 @@ static void cuda_free(mst_ctx_t* ctx, void* ptr) {
     cudaFree(ptr);
 }
 
-static mst_status cuda_copy(mst_ctx_t* ctx, void* dst, const void* src, size_t n_bytes,
-                            mst_copy_dir dir) {
-    mst_cuda_impl* c = mst_cuda(ctx);
+/* Enqueues a copy on the context's stream, not waited for (host memory:
+ * pinned, from host_alloc). */
+static mst_status cuda_copy_async(mst_ctx_t* ctx, void* dst, const void* src, size_t n_bytes,
+                                  mst_copy_dir dir) {
     cudaMemcpyKind kind = dir == MST_COPY_H2B   ? cudaMemcpyHostToDevice
                           : dir == MST_COPY_B2H ? cudaMemcpyDeviceToHost
                                                 : cudaMemcpyDeviceToDevice;
-    MST_CUDA_TRY(cudaMemcpyAsync(dst, src, n_bytes, kind, c->stream));
-    if (dir != MST_COPY_B2B) MST_CUDA_TRY(cudaStreamSynchronize(c->stream));
+    MST_CUDA_TRY(cudaMemcpyAsync(dst, src, n_bytes, kind, mst_cuda(ctx)->stream));
+    return MST_OK;
+}
+
+/* The same, waited for when host memory is involved. */
+static mst_status cuda_copy(mst_ctx_t* ctx, void* dst, const void* src, size_t n_bytes, mst_copy_dir dir) {
+    MST_TRY(cuda_copy_async(ctx, dst, src, n_bytes, dir));
+    if (dir != MST_COPY_B2B) MST_CUDA_TRY(cudaStreamSynchronize(mst_cuda(ctx)->stream));
     return MST_OK;
 }
 
@@ -101,16 +108,6 @@ static mst_status cuda_sync(mst_ctx_t* ctx) {
     mst_cuda_impl* c = mst_cuda(ctx);
     for (int i = MST_STREAM_RING; i < MST_N_STREAMS; i++) MST_CUDA_TRY(cudaStreamSynchronize(c->side[i]));
     MST_CUDA_TRY(cudaStreamSynchronize(c->stream));
-    return MST_OK;
-}
-
-/* Copies between backend memory and pinned host memory, not waited for. */
-static mst_status cuda_copy_async(mst_ctx_t* ctx, void* dst, const void* src, size_t n_bytes,
-                                  mst_copy_dir dir) {
-    cudaMemcpyKind kind = dir == MST_COPY_H2B   ? cudaMemcpyHostToDevice
-                          : dir == MST_COPY_B2H ? cudaMemcpyDeviceToHost
-                                                : cudaMemcpyDeviceToDevice;
-    MST_CUDA_TRY(cudaMemcpyAsync(dst, src, n_bytes, kind, mst_cuda(ctx)->stream));
     return MST_OK;
 }
 

@@ -225,10 +225,16 @@ extern "C" mst_status mst_cuda_xent(mst_ctx_t* ctx, const mst_xent_args* a) {
 __global__ void sumsq_chunks_kernel(mst_sumsq_args a, int64_t chunk) {
     __shared__ float shm[32];
     const int64_t b = (int64_t)blockIdx.x * chunk, e = min(b + chunk, a.n);
-    float s = 0.0f;
-    for (int64_t i = b + threadIdx.x; i < e; i += blockDim.x) s += a.x[i] * a.x[i];
-    s = mst_block_sum(s, shm);
-    if (threadIdx.x == 0) a.partial[blockIdx.x] = s;
+    /* four running sums a thread (four loads in flight), added in order */
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const int64_t step = blockDim.x;
+    int64_t i = b + threadIdx.x;
+    for (; i + 3 * step < e; i += 4 * step)
+#pragma unroll
+        for (int k = 0; k < 4; k++) s[k] += a.x[i + k * step] * a.x[i + k * step];
+    for (int k = 0; i < e; i += step, k++) s[k] += a.x[i] * a.x[i];
+    const float t = mst_block_sum(((s[0] + s[1]) + s[2]) + s[3], shm);
+    if (threadIdx.x == 0) a.partial[blockIdx.x] = t;
 }
 
 __global__ void sumsq_total_kernel(mst_sumsq_args a) {
