@@ -566,6 +566,8 @@ typedef struct mst_mem_report {
     size_t dev_pages_peak_bytes;  /* device pages in use at peak (last sized step)    */
     size_t host_pages_bytes;      /* pinned host page blocks allocated                */
     size_t host_pages_peak_bytes; /* host pages in use at peak                        */
+    size_t dev_pages_used_bytes;  /* device pages in live handles now                 */
+    size_t host_pages_used_bytes; /* host pages in live handles now                   */
     size_t recompute_bytes;       /* what RECOMPUTE and layer recompute did not save  */
     size_t static_keep_bytes;     /* all-KEEP with static max_rows buffers            */
     size_t exact_bytes;           /* peak of saved activations with exact shapes      */

@@ -5,7 +5,8 @@
  * graph on where the backend captures: CUDA); a resume with another
  * configuration or past the run's steps is refused; held-out evaluation
  * (--eval-fraction) takes its windows from the tail only and does not change
- * the training losses; the final checkpoint and the loss plot are written.
+ * the training losses; the final checkpoint, the loss plot and the memory
+ * timeline (this run and KEEP) are written.
  */
 #define _POSIX_C_SOURCE 200809L /* mkdtemp */
 #include <math.h>
@@ -134,7 +135,17 @@ static void eval(mst_ctx_t* ctx, const char* dir) {
     cfg.eval_batches = 2;
     snprintf(plot, sizeof plot, "%s/loss.svg", dir);
     cfg.plot_path = plot;
+    char tl[600], tlk[600];
+    snprintf(tl, sizeof tl, "%s/memory.svg", dir);
+    snprintf(tlk, sizeof tlk, "%s/memory-keep.svg", dir);
+    cfg.timeline_path = tl;
     CHECK_OK(mst_train_run(ctx, &cfg, NULL, &b));
+    FILE* f2 = fopen(tl, "r");
+    char svg[1 << 16] = "";
+    if (f2) svg[fread(svg, 1, sizeof svg - 1, f2)] = 0, fclose(f2);
+    CHECK(strstr(svg, "data-series=\"saved: grouped MLP, pages in use\"") && strstr(svg, ">B1<"),
+          "timeline %s lacks the pages series or the marks", tl);
+    CHECK(access(tlk, R_OK) == 0, "no KEEP timeline at %s", tlk);
     if (!a.loss || !b.loss) return;
     CHECK(mst_first_diff(a.loss, b.loss, sizeof(double) * STEPS) < 0 && a.weights_hash == b.weights_hash,
           "evaluation changed the training");

@@ -83,6 +83,7 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            "  --eval-every N            evaluate every N steps and at the end (0: at the end)\n"
            "  --eval-batches N          batches per evaluation (8)\n"
            "  --plot FILE.svg           draw the train and eval losses\n"
+           "  --timeline FILE.svg       draw the backend memory of one step by category (and FILE-keep.svg: KEEP)\n"
            "  --force-over-budget STEP  flag STEP over budget once to exercise the rerun (0: off)\n"
            "  --force-overflow STEP     flag STEP as a stash-pool overflow once (0: off)\n"
            "  --quiet                   no progress lines\n",
@@ -220,6 +221,7 @@ static int parse_flag(train_cli* t, const char* f, const char* v) {
     if (strcmp(f, "--resume") == 0) return v && *v ? (t->cfg.resume_dir = v, 0) : bad(f, v, "expected a checkpoint directory");
     if (strcmp(f, "--eval-data") == 0) return v && *v ? (t->cfg.eval_path = v, 0) : bad(f, v, "expected a file name");
     if (strcmp(f, "--plot") == 0) return v && *v ? (t->cfg.plot_path = v, 0) : bad(f, v, "expected a file name");
+    if (strcmp(f, "--timeline") == 0) return v && *v ? (t->cfg.timeline_path = v, 0) : bad(f, v, "expected a file name");
     if (strcmp(f, "--eval-fraction") == 0) {
         float x = 0;
         if ((rc = parse_f32(f, v, 0, 1, &x))) return rc;
@@ -272,7 +274,7 @@ static int parse(int argc, char** argv, train_cli* t) {
  * the run; the learning-rate schedule stays the stored one). */
 static int resumed(int argc, char** argv, train_cli* t, mst_ckpt_meta* meta) {
     static const char* const ok[] = {"--resume", "--steps", "--backend", "--save", "--save-every", "--json", "--plot",
-                                     "--graph", "--log-every", "--quiet", "--eval-every", "--eval-batches"};
+                                     "--graph", "--log-every", "--quiet", "--eval-every", "--eval-batches", "--timeline"};
     for (int i = 0; i < argc; i++) {
         if (strncmp(argv[i], "--", 2) != 0) continue;
         int fine = 0;
@@ -286,7 +288,7 @@ static int resumed(int argc, char** argv, train_cli* t, mst_ckpt_meta* meta) {
     for (int i = 0; i + 1 < argc; i++)
         if (strcmp(argv[i], "--steps") == 0) c.steps = t->cfg.steps;
     c.resume_dir = t->cfg.resume_dir, c.save_dir = t->cfg.save_dir, c.save_every = t->cfg.save_every;
-    c.plot_path = t->cfg.plot_path, c.log_every = t->cfg.log_every;
+    c.plot_path = t->cfg.plot_path, c.log_every = t->cfg.log_every, c.timeline_path = t->cfg.timeline_path;
     if (t->cfg.eval_every) c.eval_every = t->cfg.eval_every;
     if (t->cfg.eval_batches) c.eval_batches = t->cfg.eval_batches;
     t->cfg = c;

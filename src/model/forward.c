@@ -204,6 +204,7 @@ mst_status mst_model_step(mst_model* m, int measuring) {
     for (int32_t i = 0; i < m->n_sched; i++) {
         const mst_sched_entry e = m->sched[i];
         MST_TRY(e.backward ? backward_chunk(m, e.chunk, e.microbatch) : forward_chunk(m, e.chunk, e.microbatch));
+        if (m->after_entry) MST_TRY(m->after_entry(m, i, m->after_entry_user));
     }
     return mst_memmgr_step_end(m->mm);
 }

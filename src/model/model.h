@@ -133,6 +133,10 @@ typedef struct mst_model {
     const mst_model_backend* ops; /* ctx's model ops (mst_model_backend_of)     */
     mst_model_config cfg;
     mst_mem_config mem_cfg;
+    /* (optional) called after each schedule entry of a step, eagerly (the
+     * memory picture of --timeline); NULL in every other step */
+    mst_status (*after_entry)(struct mst_model* m, int32_t entry, void* user);
+    void* after_entry_user;
     int64_t max_rows;        /* R in use now (static, or exact on a rerun)     */
     int64_t static_rows;     /* R from the capacity factor                    */
     int32_t n_micro;         /* M                                             */

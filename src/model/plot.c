@@ -11,10 +11,11 @@
 
 #include "../core/context.h"
 
-enum { W = 900, HGT = 520, L = 80, R = 220, TOP = 50, BOT = 60 }; /* canvas and margins, px */
+enum { W = 1000, HGT = 520, L = 80, R = 300, TOP = 50, BOT = 60 }; /* canvas and margins, px */
 
 static const char* const colors[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
-                                     "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#637939"};
+                                     "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#637939",
+                                     "#8c6d31", "#843c39", "#7b4173", "#3182bd"};
 #define N_COLORS (int)(sizeof colors / sizeof colors[0])
 
 typedef struct frame {

@@ -37,6 +37,8 @@ typedef struct mst_train_config {
     int64_t eval_every;        /* evaluate every N steps (0: at the end only)  */
     int32_t eval_batches;      /* batches of B windows per evaluation (0: 8)   */
     const char* plot_path;     /* SVG of the train and eval losses (NULL: none) */
+    const char* timeline_path; /* SVG of the backend memory over one step by
+                                  category (this run; FILE-keep.svg: KEEP)     */
 } mst_train_config;
 
 /* Memory of the run by row of the table, with the same routing's needs under

@@ -372,6 +372,8 @@ mst_status mst_mem_report(const mst_memmgr_t* m, mst_mem_report_t* out) {
             out->dev_pages_peak_bytes += (size_t)(st.dev_peak * st.page_bytes);
             out->host_pages_bytes += (size_t)(st.n_host_pages * st.page_bytes);
             out->host_pages_peak_bytes += (size_t)(st.host_peak * st.page_bytes);
+            out->dev_pages_used_bytes += (size_t)(st.dev_used * st.page_bytes);
+            out->host_pages_used_bytes += (size_t)(st.host_used * st.page_bytes);
         }
     return MST_OK;
 }
