@@ -1,12 +1,15 @@
 /*
  * harness.c — the shared test harness (see harness.h).
  */
+#define _XOPEN_SOURCE 700 /* mkdtemp, nftw */
 #include "harness.h"
 
+#include <ftw.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 int mst_test_checks;
 int mst_test_failures;
@@ -203,3 +206,17 @@ void mst_guarded_free(mst_ctx_t* ctx, mst_guarded* g) {
     mst_free(ctx, g->base);
     g->base = g->data = NULL;
 }
+
+/* ---- files ---- */
+
+int mst_test_tmpdir(char* buf, size_t cap, const char* stem) {
+    if (snprintf(buf, cap, "/tmp/%s_XXXXXX", stem) >= (int)cap) return 0;
+    return mkdtemp(buf) != NULL;
+}
+
+static int rm_entry(const char* path, const struct stat* st, int flag, struct FTW* ftw) {
+    (void)st, (void)flag, (void)ftw;
+    return remove(path);
+}
+
+void mst_test_rmtree(const char* dir) { nftw(dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS); }

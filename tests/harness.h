@@ -86,4 +86,10 @@ void mst_guarded_fill_fp32(mst_ctx_t* ctx, mst_guarded* g, float v);
 int mst_guarded_intact(mst_ctx_t* ctx, const mst_guarded* g);
 void mst_guarded_free(mst_ctx_t* ctx, mst_guarded* g);
 
+/* ---- files ---- */
+/* A fresh directory under /tmp (its path in buf [cap]); 0 on failure. */
+int mst_test_tmpdir(char* buf, size_t cap, const char* stem);
+/* Removes dir and everything below it (the test's own scratch only). */
+void mst_test_rmtree(const char* dir);
+
 #endif

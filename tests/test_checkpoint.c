@@ -11,6 +11,7 @@
 #define _POSIX_C_SOURCE 200809L /* mkdtemp, truncate */
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "harness.h"
@@ -61,15 +62,6 @@ static void random_bytes(unsigned char* h, size_t n, uint64_t seed) {
     for (size_t i = 0; i < n; i++) h[i] = (unsigned char)(mst_rng_next(&r) >> 56);
 }
 
-static void rm_dir(const char* dir) {
-    static const char* const files[] = {"model.safetensors", "optimizer.safetensors", "trainer.json"};
-    char p[512];
-    for (int i = 0; i < 3; i++) {
-        snprintf(p, sizeof p, "%s/%s", dir, files[i]);
-        remove(p);
-    }
-    rmdir(dir);
-}
 
 static void check_message(const char* want) {
     CHECK(strstr(mst_last_error(), want) != NULL, "message '%s' does not say '%s'", mst_last_error(), want);
@@ -201,21 +193,21 @@ static void refused(mst_ctx_t* ctx, const char* dir, const char* file, long cut,
     CHECK(st == status, "%s damaged: %s, expected %s (%s)", file, mst_status_str(st), mst_status_str(status), mst_last_error());
     check_message(want);
     mst_model_destroy(a);
-    rm_dir(dir);
+    mst_test_rmtree(dir);
+    mkdir(dir, 0700);
 }
 
 static void run(mst_ctx_t* ctx) {
-    char dir[] = "/tmp/mst_ckpt_XXXXXX";
-    if (!mkdtemp(dir)) {
-        CHECK(0, "mkdtemp");
+    char dir[128];
+    if (!mst_test_tmpdir(dir, sizeof dir, "mst_ckpt")) {
+        CHECK(0, "no temporary directory");
         return;
     }
-    char sub[64];
+    char sub[256];
     snprintf(sub, sizeof sub, "%s/run/step-5", dir); /* parents made by save */
     round_trip(ctx, sub);
-    rm_dir(sub);
     snprintf(sub, sizeof sub, "%s/run", dir);
-    rmdir(sub);
+    mst_test_rmtree(sub);
     refused(ctx, dir, "optimizer.safetensors", 1, 0, NULL, NULL, MST_ERR_INVALID, "truncated");
     refused(ctx, dir, "model.safetensors", 0, 3, NULL, NULL, MST_ERR_INVALID, "hash");
     refused(ctx, dir, "trainer.json", 0, 0, "\"version\": 1", "\"version\": 2", MST_ERR_INVALID, "version 2");
@@ -226,7 +218,7 @@ static void run(mst_ctx_t* ctx) {
     mst_ckpt_meta meta;
     CHECK_STATUS(mst_ckpt_read_meta("/nonexistent/moestash/ckpt", &meta), MST_ERR_IO);
     check_message("/nonexistent/moestash/ckpt/trainer.json");
-    rmdir(dir);
+    mst_test_rmtree(dir);
 }
 
 int main(int argc, char** argv) { return mst_test_main(argc, argv, run); }

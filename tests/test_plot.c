@@ -68,8 +68,11 @@ static void python_parses(const char* path, const char* tag, int n) {
 
 static void run(mst_ctx_t* ctx) {
     (void)ctx;
-    char dir[] = "/tmp/mst_plot_XXXXXX", path[128];
-    if (!mkdtemp(dir)) return;
+    char dir[128], path[160];
+    if (!mst_test_tmpdir(dir, sizeof dir, "mst_plot")) {
+        CHECK(0, "no temporary directory");
+        return;
+    }
     double x[50], a[50], b[50], c[50];
     for (int i = 0; i < 50; i++) {
         x[i] = i + 1;

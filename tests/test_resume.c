@@ -38,11 +38,6 @@ static mst_train_config tiny(const char* data) {
     return t;
 }
 
-static void rm_tree(const char* dir) {
-    char cmd[600];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-    CHECK(system(cmd) == 0, "%s", cmd);
-}
 
 static void resume(mst_ctx_t* ctx, const char* dir) {
     mst_train_config cfg = tiny(NULL);
@@ -157,12 +152,15 @@ static void eval(mst_ctx_t* ctx, const char* dir) {
 }
 
 static void run(mst_ctx_t* ctx) {
-    char dir[] = "/tmp/mst_resume_XXXXXX";
-    if (!mkdtemp(dir)) return;
+    char dir[128];
+    if (!mst_test_tmpdir(dir, sizeof dir, "mst_resume")) {
+        CHECK(0, "no temporary directory");
+        return;
+    }
     resume(ctx, dir);
     split();
     eval(ctx, dir);
-    rm_tree(dir);
+    mst_test_rmtree(dir);
 }
 
 int main(int argc, char** argv) { return mst_test_main(argc, argv, run); }

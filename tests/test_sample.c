@@ -31,15 +31,6 @@ static mst_train_config tiny(void) {
     return t;
 }
 
-static void rm_ckpt(const char* dir) {
-    static const char* const files[] = {"model.safetensors", "optimizer.safetensors", "trainer.json"};
-    char p[512];
-    for (int i = 0; i < 3; i++) {
-        snprintf(p, sizeof p, "%s/%s", dir, files[i]);
-        remove(p);
-    }
-    rmdir(dir);
-}
 
 /* Per-token loss from logits [V]: logsumexp - logit[target], in double. */
 static double token_loss(const float* lg, int64_t V, int32_t target) {
@@ -136,15 +127,15 @@ static void picker(void) {
 }
 
 static void run(mst_ctx_t* ctx) {
-    char dir[] = "/tmp/mst_sample_XXXXXX";
-    if (!mkdtemp(dir)) {
-        CHECK(0, "mkdtemp");
+    char dir[128];
+    if (!mst_test_tmpdir(dir, sizeof dir, "mst_sample")) {
+        CHECK(0, "no temporary directory");
         return;
     }
     against_trainer(ctx, dir);
     determinism(dir);
     picker();
-    rm_ckpt(dir);
+    mst_test_rmtree(dir);
 }
 
 int main(int argc, char** argv) { return mst_test_main(argc, argv, run); }
