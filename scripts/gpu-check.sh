@@ -36,7 +36,7 @@ summary+=("build: ok")
 summary+=("nccl: $(grep -oE 'NCCL [0-9.]+: [^ ]+|NCCL not found' "$out/configure.log" | head -1)")
 
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  (cd build-gpu && ctest -L gpu --output-on-failure --timeout 300) >"$out/gpu-tests.log" 2>&1
+  (cd build-gpu && MST_TEST_REQUIRE_GPU=1 ctest -L gpu --output-on-failure --timeout 300) >"$out/gpu-tests.log" 2>&1
   rc=$?
   grep -E 'Passed|Failed|\*\*\*' "$out/gpu-tests.log" | tail -40
   [ $rc = 0 ] || grep -E '^FAIL' "$out/gpu-tests.log" | head -30

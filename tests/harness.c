@@ -37,6 +37,10 @@ int mst_test_main(int argc, char** argv, void (*run)(mst_ctx_t* ctx)) {
             }
         }
     }
+    if (!mst_backend_available(kind) && !getenv("MST_TEST_REQUIRE_GPU")) {
+        printf("%s: skipped: backend %s not available here\n", argv[0], kind == MST_BACKEND_CUDA ? "cuda" : "cpu");
+        return MST_TEST_SKIP;
+    }
     mst_ctx_t* ctx = NULL;
     if (mst_ctx_create(kind, 0, &ctx) != MST_OK) {
         fprintf(stderr, "%s: no context: %s\n", argv[0], mst_last_error());

@@ -40,7 +40,11 @@ void mst_test_fail(const char* file, int line, const char* fmt, ...);
 #define CHECK_OK(expr) CHECK_STATUS(expr, MST_OK)
 
 /* Runs `run` on a context of the backend named on the command line and prints
- * "<prog>: N passed, N failed"; returns the exit code. */
+ * "<prog>: N passed, N failed"; returns the exit code. A backend that is not
+ * available (a CPU-only host) returns MST_TEST_SKIP, CTest's SKIP_RETURN_CODE,
+ * unless MST_TEST_REQUIRE_GPU is set (the GPU machine: scripts/gpu-check.sh),
+ * where it fails. */
+#define MST_TEST_SKIP 77
 int mst_test_main(int argc, char** argv, void (*run)(mst_ctx_t* ctx));
 
 /* ---- random inputs ---- */

@@ -8,14 +8,20 @@
 #include "cuda_common.cuh"
 #include "cuda_ops.h"
 
-extern "C" int mst_cuda_device_count(void) {
+/* CUDA devices present; 0 when the runtime cannot tell, with *why (when
+ * given) its error text (no driver, driver too old, no device). */
+static int device_count(const char** why) {
     int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
         cudaGetLastError(); /* clear the sticky "no device" error */
+        if (why) *why = cudaGetErrorString(e);
         return 0;
     }
     return n;
 }
+
+extern "C" int mst_cuda_device_count(void) { return device_count(NULL); }
 
 /* cuBLAS's workspace: 32 MiB, what NVIDIA advises for Hopper. */
 enum { BLAS_WORKSPACE = 32 << 20 };
@@ -29,10 +35,11 @@ static mst_status bind_blas(mst_cuda_impl* c) {
 }
 
 static mst_status cuda_init(mst_ctx_t* ctx, int device) {
-    int n = mst_cuda_device_count();
+    const char* why = NULL;
+    int n = device_count(&why);
     if (device < 0 || device >= n)
-        return mst_set_error(MST_ERR_INVALID, "device = %d, but %d CUDA devices are present",
-                             device, n);
+        return mst_set_error(MST_ERR_INVALID, "device = %d, but %d CUDA devices are present%s%s",
+                             device, n, why ? ": cudaGetDeviceCount: " : "", why ? why : "");
     mst_cuda_impl* c = (mst_cuda_impl*)calloc(1, sizeof *c);
     if (!c) return mst_set_error(MST_ERR_OOM, "cuda context state");
     ctx->impl = c;
