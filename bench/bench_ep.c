@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cli/args.h"
 #include "cli/cli.h"
 #include "moestash.h"
 
@@ -328,31 +329,33 @@ static int run_case(bench_world* w, const ep_case* c, ep_result* out) {
 
 int mst_bench_ep(int argc, char** argv) {
     bench_world w = {.world = 0, .iters = 20, .capacity = 1.2};
+    static const char* const case_names[] = {"a", "b", NULL};
     const char *json = NULL, *only = NULL;
-    for (int i = 0; i < argc; i++) {
-        if (!strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
-        else if (!strcmp(argv[i], "--gpus") && i + 1 < argc) w.world = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--iters") && i + 1 < argc) w.iters = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--capacity") && i + 1 < argc) w.capacity = atof(argv[++i]);
-        else if (!strcmp(argv[i], "--case") && i + 1 < argc) only = argv[++i];
-        else {
-            fprintf(stderr, "usage: moestash bench ep [--gpus N] [--iters N] [--capacity F] [--case a|b] [--json FILE]\n");
-            return !strcmp(argv[i], "--help") ? 0 : 2;
-        }
+    mst_args a;
+    mst_args_init(&a, "moestash bench ep", argc, argv);
+    while (mst_args_next(&a)) {
+        int rc, k = 0;
+        float cap = 0;
+        if (mst_args_is(&a, "--json")) rc = mst_args_out_file(&a, &json);
+        else if (mst_args_is(&a, "--gpus")) rc = mst_args_int32(&a, 0, 1024, &w.world); /* 0: every device */
+        else if (mst_args_is(&a, "--iters")) rc = mst_args_int32(&a, 1, 1000000, &w.iters);
+        else if (mst_args_is(&a, "--capacity")) {
+            rc = mst_args_float(&a, 1.0, 1024, &cap);
+            w.capacity = cap;
+        } else if (mst_args_is(&a, "--case")) {
+            rc = mst_args_choice(&a, case_names, &k);
+            only = case_names[k];
+        } else if (mst_args_is(&a, "--help") || mst_args_is(&a, "-h")) {
+            printf("usage: moestash bench ep [--gpus N] [--iters N] [--capacity F] [--case a|b] [--json FILE]\n");
+            return 0;
+        } else rc = mst_args_unknown(&a);
+        if (rc) return rc;
     }
     int n_dev = 0;
     if (cudaGetDeviceCount(&n_dev) != cudaSuccess) n_dev = 0;
     if (w.world == 0) w.world = n_dev;
     if (w.world < 1 || w.world > n_dev) {
         fprintf(stderr, "moestash bench ep: --gpus %d: %d CUDA devices present\n", w.world, n_dev);
-        return 2;
-    }
-    if (w.iters < 1 || !(w.capacity >= 1.0)) {
-        fprintf(stderr, "moestash bench ep: --iters %d / --capacity %g: need >= 1 and >= 1.0\n", w.iters, w.capacity);
-        return 2;
-    }
-    if (only && strcmp(only, "a") && strcmp(only, "b")) {
-        fprintf(stderr, "moestash bench ep: --case '%s': expected a or b\n", only);
         return 2;
     }
     ep_result res[2];
@@ -373,13 +376,10 @@ int mst_bench_ep(int argc, char** argv) {
     for (int i = 0; i < n; i++)
         if (res[i].ok) print_result(&w, &res[i]);
     if (json) {
-        FILE* f = fopen(json, "w");
-        if (!f) {
-            fprintf(stderr, "moestash bench ep: cannot write %s\n", json);
-            return 1;
-        }
+        FILE* f = mst_out_open("moestash bench ep", json);
+        if (!f) return 1;
         write_json(f, device, &w, res, n);
-        fclose(f);
+        if (mst_out_close("moestash bench ep", json, f)) return 1;
     }
     return ok ? 0 : 1;
 }

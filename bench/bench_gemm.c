@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cli/args.h"
 #include "cli/cli.h"
 #include "moestash.h"
 #include "roof.h"
@@ -54,7 +55,7 @@ static const gemm_shape shapes[] = {
 #define N_SHAPES (int)(sizeof shapes / sizeof shapes[0])
 
 enum { OP_FWD, OP_DGRAD, OP_WGRAD, N_OPS };
-static const char* op_names[N_OPS] = {"forward", "dgrad", "wgrad"};
+static const char* const op_names[N_OPS + 1] = {"forward", "dgrad", "wgrad", NULL};
 /* ours: the default kernel (TMA + wgmma on Hopper); ours_mma: the mma.sync
  * kernel; ours_regs: the wgmma kernel with forward / dgrad stored from
  * registers (wgrad is the same as ours); forced through MST_GG_KERNEL, for
@@ -500,30 +501,25 @@ static const char* tf_str(char* buf, const gemm_shape* s, double ms) {
     return buf;
 }
 
-/* The index of op name s, or -1. */
-static int op_index(const char* s) {
-    for (int op = 0; op < N_OPS; op++)
-        if (strcmp(s, op_names[op]) == 0) return op;
-    return -1;
-}
-
 int mst_bench_gemm(int argc, char** argv) {
     const char* json = NULL;
-    int reps = 20, only = -1, only_shape = -1;
-    for (int i = 0; i < argc; i++) {
-        if (strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
-        else if (strcmp(argv[i], "--reps") == 0 && i + 1 < argc) reps = atoi(argv[++i]);
-        else if (strcmp(argv[i], "--op") == 0 && i + 1 < argc && (only = op_index(argv[++i])) >= 0) continue;
-        else if (strcmp(argv[i], "--shape") == 0 && i + 1 < argc && (only_shape = atoi(argv[++i])) >= 0 &&
-                 only_shape < N_SHAPES)
-            continue;
-        else {
-            fprintf(stderr, "bench gemm: bad argument '%s' (--json FILE, --reps N, --op forward|dgrad|wgrad, "
-                    "--shape 0..%d)\n", argv[i], N_SHAPES - 1);
-            return 2;
-        }
+    int32_t reps = 20, only_shape = -1;
+    int only = -1;
+    mst_args a;
+    mst_args_init(&a, "moestash bench gemm", argc, argv);
+    while (mst_args_next(&a)) {
+        int rc;
+        if (mst_args_is(&a, "--json")) rc = mst_args_out_file(&a, &json);
+        else if (mst_args_is(&a, "--reps")) rc = mst_args_int32(&a, 3, 1000000, &reps);
+        else if (mst_args_is(&a, "--op")) rc = mst_args_choice(&a, op_names, &only);
+        else if (mst_args_is(&a, "--shape")) rc = mst_args_int32(&a, 0, N_SHAPES - 1, &only_shape);
+        else if (mst_args_is(&a, "--help") || mst_args_is(&a, "-h")) {
+            printf("usage: moestash bench gemm [--json FILE] [--reps N (>= 3, 20)] [--op forward|dgrad|wgrad] "
+                   "[--shape 0..%d]\n", N_SHAPES - 1);
+            return 0;
+        } else rc = mst_args_unknown(&a);
+        if (rc) return rc;
     }
-    if (reps < 3) reps = 3;
     if (!mst_backend_available(MST_BACKEND_CUDA)) {
         fprintf(stderr, "bench gemm: needs the CUDA backend and a device\n");
         return 2;
@@ -588,9 +584,9 @@ int mst_bench_gemm(int argc, char** argv) {
         bufs_free(ctx, &b);
     }
     if (json) {
-        FILE* f = fopen(json, "w");
-        if (!f) fprintf(stderr, "bench gemm: cannot write %s\n", json), fails++;
-        else write_json(f, mst_ctx_describe(ctx), roofs.copy_gbps, fig), fclose(f);
+        FILE* f = mst_out_open("moestash bench gemm", json);
+        if (f) write_json(f, mst_ctx_describe(ctx), roofs.copy_gbps, fig);
+        if (!f || mst_out_close("moestash bench gemm", json, f)) fails++;
     }
     printf("\n%-24s %-8s | %-30s | %-30s | %-30s\n", "shape (T x I -> O, E)", "counts", "forward /roof /line (TF)",
            "dgrad /roof /line (TF)", "wgrad acc /roof /line (TF)");

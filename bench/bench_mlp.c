@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cli/args.h"
 #include "cli/cli.h"
 #include "core/context.h"
 #include "roof.h"
@@ -405,20 +406,19 @@ static void write_json(FILE* f, const char* device, const mst_bench_roofs* roofs
 
 int mst_bench_mlp(int argc, char** argv) {
     const char* json = NULL;
-    int iters = 20, only = -1;
-    for (int i = 0; i < argc; i++) {
-        if (strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
-        else if (strcmp(argv[i], "--iters") == 0 && i + 1 < argc) iters = atoi(argv[++i]);
-        else if (strcmp(argv[i], "--shape") == 0 && i + 1 < argc) only = atoi(argv[++i]);
-        else {
-            fprintf(stderr, "bench mlp: unknown argument '%s' (--json FILE, --iters N, --shape 0..%d)\n",
-                    argv[i], N_SHAPES - 1);
-            return 2;
-        }
-    }
-    if (iters < 1 || only >= N_SHAPES) {
-        fprintf(stderr, "bench mlp: --iters %d / --shape %d out of range\n", iters, only);
-        return 2;
+    int32_t iters = 20, only = -1;
+    mst_args a;
+    mst_args_init(&a, "moestash bench mlp", argc, argv);
+    while (mst_args_next(&a)) {
+        int rc;
+        if (mst_args_is(&a, "--json")) rc = mst_args_out_file(&a, &json);
+        else if (mst_args_is(&a, "--iters")) rc = mst_args_int32(&a, 1, 1000000, &iters);
+        else if (mst_args_is(&a, "--shape")) rc = mst_args_int32(&a, 0, N_SHAPES - 1, &only);
+        else if (mst_args_is(&a, "--help") || mst_args_is(&a, "-h")) {
+            printf("usage: moestash bench mlp [--json FILE] [--iters N (20)] [--shape 0..%d]\n", N_SHAPES - 1);
+            return 0;
+        } else rc = mst_args_unknown(&a);
+        if (rc) return rc;
     }
     if (!mst_backend_available(MST_BACKEND_CUDA)) {
         fprintf(stderr, "bench mlp: needs the cuda backend (no device or not built in)\n");
@@ -473,13 +473,10 @@ int mst_bench_mlp(int argc, char** argv) {
     }
     printf("(act: the activation kernels alone, as run inside each pass; PyTorch ratio: bench/torch/mlp.py)\n");
     if (json) {
-        FILE* f = fopen(json, "w");
-        if (!f) {
-            fprintf(stderr, "bench mlp: cannot write %s\n", json);
-            goto out;
-        }
+        FILE* f = mst_out_open("moestash bench mlp", json);
+        if (!f) goto out;
         write_json(f, mst_ctx_describe(ctx), &roofs, which, n_which, counts, res);
-        fclose(f);
+        if (mst_out_close("moestash bench mlp", json, f)) goto out;
     }
     rc = 0;
 out:

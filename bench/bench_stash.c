@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cli/args.h"
 #include "cli/cli.h"
 #include "moestash.h"
 
@@ -277,20 +278,20 @@ static void bench_bufs_close(bench_bufs* b) {
 
 int mst_bench_stash(int argc, char** argv) {
     const char* json = NULL;
-    int iters = 20;
+    int32_t iters = 20;
     int64_t only_width = 0; /* 0: every width */
-    for (int i = 0; i < argc; i++) {
-        if (strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
-        else if (strcmp(argv[i], "--iters") == 0 && i + 1 < argc) iters = atoi(argv[++i]);
-        else if (strcmp(argv[i], "--width") == 0 && i + 1 < argc) only_width = atoll(argv[++i]);
-        else {
-            fprintf(stderr, "usage: moestash bench stash [--json FILE] [--iters N] [--width W]\n");
-            return 2;
-        }
-    }
-    if (iters < 1) {
-        fprintf(stderr, "moestash bench stash: --iters %d: expected >= 1\n", iters);
-        return 2;
+    mst_args a;
+    mst_args_init(&a, "moestash bench stash", argc, argv);
+    while (mst_args_next(&a)) {
+        int rc;
+        if (mst_args_is(&a, "--json")) rc = mst_args_out_file(&a, &json);
+        else if (mst_args_is(&a, "--iters")) rc = mst_args_int32(&a, 1, 1000000, &iters);
+        else if (mst_args_is(&a, "--width")) rc = mst_args_int(&a, 1, INT32_MAX, &only_width);
+        else if (mst_args_is(&a, "--help") || mst_args_is(&a, "-h")) {
+            printf("usage: moestash bench stash [--json FILE] [--iters N (20)] [--width W (every width)]\n");
+            return 0;
+        } else rc = mst_args_unknown(&a);
+        if (rc) return rc;
     }
     if (!mst_backend_available(MST_BACKEND_CUDA)) {
         fprintf(stderr, "moestash bench stash: needs a CUDA device\n");
@@ -328,14 +329,9 @@ int mst_bench_stash(int argc, char** argv) {
         fflush(stdout);
     }
     if (json) {
-        FILE* f = fopen(json, "w");
-        if (f) {
-            write_json(f, mst_ctx_describe(ctx), res, n_done);
-            fclose(f);
-        } else {
-            fprintf(stderr, "moestash bench stash: cannot write %s\n", json);
-            all_ok = 0;
-        }
+        FILE* f = mst_out_open("moestash bench stash", json);
+        if (f) write_json(f, mst_ctx_describe(ctx), res, n_done);
+        if (!f || mst_out_close("moestash bench stash", json, f)) all_ok = 0;
     }
     print_table(res, n_done);
     bench_bufs_close(&b);

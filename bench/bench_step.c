@@ -24,6 +24,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "cli/args.h"
 #include "cli/cli.h"
 #include "core/context.h"
 #include "mlp_stack.h"
@@ -263,13 +264,11 @@ static void pinned_roof(mst_ctx_t* ctx, double* d2h, double* h2d) {
 
 static double gib(size_t b) { return (double)b / (1 << 30); }
 
-static void write_json(const char* path, const step_shape* sh, const step_result* r, int n,
-                       double d2h, double h2d, const char* device) {
-    FILE* f = fopen(path, "w");
-    if (!f) {
-        fprintf(stderr, "bench step: cannot write %s\n", path);
-        return;
-    }
+/* 0, or 1 after a line when the file could not be written. */
+static int write_json(const char* path, const step_shape* sh, const step_result* r, int n,
+                      double d2h, double h2d, const char* device) {
+    FILE* f = mst_out_open("moestash bench step", path);
+    if (!f) return 1;
     fprintf(f, "{\"bench\": \"step\", \"device\": \"%s\", \"layers\": %d, \"microbatches\": %d, \"rows\": %lld, "
                "\"hidden\": %lld, \"ffn\": %lld, \"experts\": %d, \"schedule\": \"1f1b S=%d rank 0\", "
                "\"pinned_d2h_gbs\": %.2f, \"pinned_h2d_gbs\": %.2f, \"policies\": [",
@@ -286,23 +285,27 @@ static void write_json(const char* path, const step_shape* sh, const step_result
                 r[i].rep.host_pages_bytes, r[i].rep.host_pages_peak_bytes, r[i].rep.exact_bytes,
                 r[i].rep.static_keep_bytes, r[i].hash == r[0].hash ? "true" : "false");
     fprintf(f, "]}\n");
-    fclose(f);
+    return mst_out_close("moestash bench step", path, f);
 }
 
 int mst_bench_step(int argc, char** argv) {
     const char* json = NULL;
-    const char* backend = NULL;
     const char* only = NULL; /* NULL: every case */
+    mst_backend_kind kind = mst_default_backend();
     int use_small = 0;
-    for (int i = 0; i < argc; i++) {
-        if (strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
-        else if (strcmp(argv[i], "--backend") == 0 && i + 1 < argc) backend = argv[++i];
-        else if (strcmp(argv[i], "--small") == 0) use_small = 1;
-        else if (strcmp(argv[i], "--only") == 0 && i + 1 < argc) only = argv[++i];
-        else {
-            fprintf(stderr, "moestash bench step: unknown argument '%s' (--json FILE, --backend B, --small, --only LABEL)\n", argv[i]);
-            return 2;
-        }
+    mst_args a;
+    mst_args_init(&a, "moestash bench step", argc, argv);
+    while (mst_args_next(&a)) {
+        int rc;
+        if (mst_args_is(&a, "--json")) rc = mst_args_out_file(&a, &json);
+        else if (mst_args_is(&a, "--backend")) rc = mst_args_backend(&a, &kind);
+        else if (mst_args_is(&a, "--small")) rc = mst_args_switch(&a, &use_small);
+        else if (mst_args_is(&a, "--only")) rc = mst_args_str(&a, &only);
+        else if (mst_args_is(&a, "--help") || mst_args_is(&a, "-h")) {
+            printf("usage: moestash bench step [--json FILE] [--backend cpu|cuda] [--small] [--only LABEL]\n");
+            return 0;
+        } else rc = mst_args_unknown(&a);
+        if (rc) return rc;
     }
     int run[N_CASES], n_run = 0; /* cases to run: KEEP always */
     for (int i = 0; i < N_CASES; i++) n_run += run[i] = i == CASE_KEEP || !only || strcmp(only, cases[i].label) == 0;
@@ -310,8 +313,6 @@ int mst_bench_step(int argc, char** argv) {
         fprintf(stderr, "moestash bench step: --only '%s': no case has that label\n", only);
         return 2;
     }
-    mst_backend_kind kind;
-    if (mst_cli_backend(backend, &kind)) return 2;
     const step_shape* sh = kind == MST_BACKEND_CUDA && !use_small ? &full : &small;
     mst_ctx_t* ctx;
     if (mst_ctx_create(kind, 0, &ctx) != MST_OK) {
@@ -398,9 +399,9 @@ int mst_bench_step(int argc, char** argv) {
                "step <= 1.05x keep (%.3fx)\n", cases[i].dev_factor, cases[i].host_factor,
                (double)r[i].act_bytes / exact, (double)r[i].act_bytes / r[0].act_bytes, r[i].step_ms / r[i].keep_ms);
     printf("all policies bit-identical to keep: %s\n", same ? "yes" : "NO");
-    if (json) write_json(json, sh, r, NP, d2h, h2d, mst_ctx_describe(ctx));
+    const int json_failed = json && write_json(json, sh, r, NP, d2h, h2d, mst_ctx_describe(ctx));
     mst_stack_destroy(&s);
     mst_ctx_destroy(ctx);
     free(counts);
-    return same ? 0 : 1;
+    return same && !json_failed ? 0 : 1;
 }

@@ -29,6 +29,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "cli/args.h"
 #include "cli/cli.h"
 #include "core/context.h"
 #include "backend/model_backend.h"
@@ -263,12 +264,10 @@ static void print_fig(const train_fig* f, double dense) {
            (long long)f->captures, (long long)f->replays, (long long)f->reruns);
 }
 
-static void write_json(const char* path, const char* device, double dense, const train_fig* f, int n) {
-    FILE* j = fopen(path, "w");
-    if (!j) {
-        fprintf(stderr, "moestash bench train: --json '%s': cannot open for writing\n", path);
-        return;
-    }
+/* 0, or 1 after a line when the file could not be written. */
+static int write_json(const char* path, const char* device, double dense, const train_fig* f, int n) {
+    FILE* j = mst_out_open("moestash bench train", path);
+    if (!j) return 1;
     fprintf(j, "{\n  \"device\": \"%s\",\n  \"dense_cublas_bf16_tflops\": %.1f,\n  \"flops\": \"6 x active params x tokens "
                "+ 6 T^2 H per layer and sequence (causal attention)\",\n  \"runs\": [\n", device, dense);
     for (int i = 0; i < n; i++) {
@@ -284,30 +283,33 @@ static void write_json(const char* path, const char* device, double dense, const
                 (long long)f[i].replays, (long long)f[i].reruns, i + 1 < n ? "," : "");
     }
     fprintf(j, "  ]\n}\n");
-    fclose(j);
+    return mst_out_close("moestash bench train", path, j);
 }
 
 int mst_bench_train(int argc, char** argv) {
     const char *json = NULL, *preset = NULL, *policies = "keep,stash";
     int64_t S = 20;
     int ops = 0;
-    for (int i = 0; i < argc; i++) {
-        if (strcmp(argv[i], "--json") == 0 && i + 1 < argc) json = argv[++i];
-        else if (strcmp(argv[i], "--preset") == 0 && i + 1 < argc) preset = argv[++i];
-        else if (strcmp(argv[i], "--policies") == 0 && i + 1 < argc) policies = argv[++i];
-        else if (strcmp(argv[i], "--ops") == 0) ops = 1;
-        else if (strcmp(argv[i], "--steps") == 0 && i + 1 < argc && (S = atoll(argv[++i])) >= 5 && S <= 100000) continue;
-        else {
-            fprintf(stderr, "moestash bench train: argument '%s': expected --steps S (5 ..), --preset NAME, "
-                            "--policies P,Q, --ops, --json FILE\n", argv[i]);
-            return 2;
-        }
-    }
     mst_train_config base, pre;
     mst_train_defaults(&base, MST_BACKEND_CUDA);
     base.model.capacity_factor = (float)base.model.ep;
     pre = base;
-    if (preset && mst_train_preset(&pre, preset)) return 2;
+    mst_args a;
+    mst_args_init(&a, "moestash bench train", argc, argv);
+    while (mst_args_next(&a)) {
+        int rc;
+        if (mst_args_is(&a, "--json")) rc = mst_args_out_file(&a, &json);
+        else if (mst_args_is(&a, "--preset")) rc = mst_train_preset(&a, &pre, &preset);
+        else if (mst_args_is(&a, "--policies")) rc = mst_args_str(&a, &policies);
+        else if (mst_args_is(&a, "--ops")) rc = mst_args_switch(&a, &ops);
+        else if (mst_args_is(&a, "--steps")) rc = mst_args_int(&a, 5, 100000, &S);
+        else if (mst_args_is(&a, "--help") || mst_args_is(&a, "-h")) {
+            printf("usage: moestash bench train [--steps S (5 .. 100000, 20)] [--preset h100] "
+                   "[--policies P,Q (keep,stash)] [--ops] [--json FILE]\n");
+            return 0;
+        } else rc = mst_args_unknown(&a);
+        if (rc) return rc;
+    }
     pre.model.capacity_factor = (float)pre.model.ep;
     if (!mst_backend_available(MST_BACKEND_CUDA)) {
         fprintf(stderr, "moestash bench train: needs a CUDA device\n");
@@ -346,7 +348,7 @@ int mst_bench_train(int argc, char** argv) {
             }
         }
     if (st != MST_OK) fprintf(stderr, "moestash bench train: %s\n", mst_last_error());
-    if (json && n) write_json(json, mst_ctx_describe(ctx), dense, figs, n);
+    if (json && n && write_json(json, mst_ctx_describe(ctx), dense, figs, n)) st = MST_ERR_IO;
     mst_ctx_destroy(ctx);
     return st == MST_OK ? 0 : 1;
 }

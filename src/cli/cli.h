@@ -11,11 +11,14 @@ int mst_cmd_info(int argc, char** argv);
 int mst_cmd_selfcheck(int argc, char** argv);
 int mst_cmd_train(int argc, char** argv); /* train.c */
 int mst_cmd_sample(int argc, char** argv); /* sample.c */
-/* train.c: the configuration of `moestash train` on a backend, and --preset
- * NAME applied to it (exit code 2 and one line for an unknown name). */
+/* train.c: the configuration of `moestash train` on a backend, the value of
+ * the current flag a (--preset NAME) applied to it, *name set (exit code 2
+ * and one line for an unknown name), and `moestash train --help`. */
 struct mst_train_config;
+struct mst_args;
 void mst_train_defaults(struct mst_train_config* t, mst_backend_kind kind);
-int mst_train_preset(struct mst_train_config* t, const char* name);
+int mst_train_preset(struct mst_args* a, struct mst_train_config* t, const char** name);
+void mst_train_help(void);
 
 /* Benchmarks (bench/): `moestash bench NAME [--json FILE] ...` */
 typedef struct mst_bench_entry {
@@ -30,9 +33,5 @@ int mst_bench_stash(int argc, char** argv); /* bench/bench_stash.c */
 int mst_bench_gemm(int argc, char** argv); /* bench/bench_gemm.c */
 int mst_bench_train(int argc, char** argv); /* bench/bench_train.c */
 int mst_bench_ep(int argc, char** argv); /* bench/bench_ep.c */
-
-/* Parses --backend cpu|cuda (default: cuda when available); exit code 2 and a
- * one-line message naming the value otherwise. */
-int mst_cli_backend(const char* value, mst_backend_kind* out);
 
 #endif

@@ -7,25 +7,41 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "args.h"
 #include "cli.h"
 
+/* --help only; returns -1 to go on, else the exit code. */
+static int no_flags(const char* cmd, const char* usage, int argc, char** argv) {
+    mst_args a;
+    mst_args_init(&a, cmd, argc, argv);
+    if (!mst_args_next(&a)) return -1;
+    if (!mst_args_is(&a, "--help") && !mst_args_is(&a, "-h")) return mst_args_unknown(&a);
+    printf("%s", usage);
+    return 0;
+}
+
+static const char* kind_name(mst_backend_kind k) { return k == MST_BACKEND_CUDA ? "cuda" : "cpu"; }
+
 int mst_cmd_info(int argc, char** argv) {
-    (void)argc;
-    (void)argv;
-    printf("moestash %d.%d\n", MST_VERSION_MAJOR, MST_VERSION_MINOR);
+    int rc = no_flags("moestash info", "usage: moestash info\nThe version, the build options and each backend "
+                      "(its device, or why it is not available).\n", argc, argv);
+    if (rc >= 0) return rc;
+    printf("moestash %s (library %s)\n", MST_PROGRAM_VERSION, mst_version());
 #ifdef MST_HAVE_CUDA
-    printf("build: CUDA backend built in (sm_90a)\n");
+    printf("build: CUDA backend built in (%s)\n", MST_CUDA_ARCH);
 #else
-    printf("build: CPU backend only (no nvcc at configure time)\n");
+    printf("build: CPU backend only (no nvcc at configure time, or MST_CUDA=OFF)\n");
 #endif
     const mst_backend_kind kinds[] = {MST_BACKEND_CPU, MST_BACKEND_CUDA};
     for (int i = 0; i < 2; i++) {
         mst_ctx_t* ctx = NULL;
-        if (!mst_backend_available(kinds[i]) || mst_ctx_create(kinds[i], 0, &ctx) != MST_OK) {
-            printf("backend %-4s: not available\n", i ? "cuda" : "cpu");
+        const char* why = mst_backend_unavailable_why(kinds[i]);
+        if (!*why && mst_ctx_create(kinds[i], 0, &ctx) != MST_OK) why = mst_last_error();
+        if (*why) {
+            printf("backend %-4s: not available: %s\n", kind_name(kinds[i]), why);
             continue;
         }
-        printf("backend %-4s: %s\n", i ? "cuda" : "cpu", mst_ctx_describe(ctx));
+        printf("backend %-4s: %s\n", kind_name(kinds[i]), mst_ctx_describe(ctx));
         mst_ctx_destroy(ctx);
     }
     return 0;
@@ -67,16 +83,32 @@ static double selfcheck_one(mst_ctx_t* ctx, mst_status* st) {
     return sqrt(num / den);
 }
 
+static const char selfcheck_usage[] =
+    "usage: moestash selfcheck [--backend cpu|cuda]\n"
+    "A small grouped linear forward on each available backend (or the one named) against a float64\n"
+    "reference; exit 1 when one fails.\n";
+
 int mst_cmd_selfcheck(int argc, char** argv) {
-    (void)argc;
-    (void)argv;
+    mst_args a;
+    mst_args_init(&a, "moestash selfcheck", argc, argv);
+    int only = -1; /* a backend kind, or -1: every available one */
+    while (mst_args_next(&a)) {
+        mst_backend_kind k;
+        if (mst_args_is(&a, "--help") || mst_args_is(&a, "-h")) {
+            printf("%s", selfcheck_usage);
+            return 0;
+        }
+        if (!mst_args_is(&a, "--backend")) return mst_args_unknown(&a);
+        if (mst_args_backend(&a, &k)) return 2;
+        only = (int)k;
+    }
     int failed = 0;
     const mst_backend_kind kinds[] = {MST_BACKEND_CPU, MST_BACKEND_CUDA};
     for (int i = 0; i < 2; i++) {
         mst_ctx_t* ctx = NULL;
-        if (!mst_backend_available(kinds[i])) continue;
+        if (only >= 0 ? (int)kinds[i] != only : !mst_backend_available(kinds[i])) continue;
         if (mst_ctx_create(kinds[i], 0, &ctx) != MST_OK) {
-            printf("selfcheck %-4s: no context: %s\n", i ? "cuda" : "cpu", mst_last_error());
+            printf("selfcheck %-4s: no context: %s\n", kind_name(kinds[i]), mst_last_error());
             failed = 1;
             continue;
         }
@@ -84,7 +116,7 @@ int mst_cmd_selfcheck(int argc, char** argv) {
         double err = selfcheck_one(ctx, &st);
         int ok = st == MST_OK && err < 1e-2;
         printf("selfcheck %-4s: grouped linear forward, rel err %.2e vs float64: %s%s%s\n",
-               i ? "cuda" : "cpu", err, ok ? "ok" : "FAILED", st ? " — " : "", st ? mst_last_error() : "");
+               kind_name(kinds[i]), err, ok ? "ok" : "FAILED", st ? " — " : "", st ? mst_last_error() : "");
         failed |= !ok;
         mst_ctx_destroy(ctx);
     }

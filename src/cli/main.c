@@ -1,9 +1,11 @@
 /*
- * main.c — the `moestash` program: dispatch to its subcommands.
+ * main.c — the `moestash` program: dispatch to its subcommands, `--version`,
+ * and `help [COMMAND]` (the same text as `COMMAND --help`).
  */
 #include <stdio.h>
 #include <string.h>
 
+#include "args.h"
 #include "cli.h"
 
 static const mst_bench_entry benches[] = {
@@ -18,56 +20,83 @@ static const mst_bench_entry benches[] = {
 
 static int usage(FILE* f) {
     fprintf(f,
-            "usage: moestash COMMAND [ARGS]\n"
+            "usage: moestash COMMAND [ARGS]   (flags: --flag value or --flag=value)\n"
             "commands:\n"
-            "  info         backends, devices and build options\n"
-            "  selfcheck    grouped linear on each backend against a float64 reference\n"
-            "  train        train the MoE transformer (moestash train --help)\n"
-            "  sample       text from a checkpoint of train --save (moestash sample --help)\n"
-            "  bench NAME   benchmarks:");
+            "  info             backends, devices and build options\n"
+            "  selfcheck        grouped linear on each backend against a float64 reference\n"
+            "  train            train the MoE transformer\n"
+            "  sample           text from a checkpoint of train --save\n"
+            "  bench NAME       benchmarks:");
     for (const mst_bench_entry* b = benches; b->name; b++) fprintf(f, " %s", b->name);
-    fprintf(f, "\n  help         this text\n");
+    fprintf(f,
+            "\n  help [COMMAND]   this text, or the flags of COMMAND (same as COMMAND --help)\n"
+            "  --version        the program's and the library's version\n");
+    return f == stderr ? 2 : 0;
+}
+
+static int bench_usage(FILE* f) {
+    fprintf(f, "usage: moestash bench NAME [FLAGS]   (moestash bench NAME --help: its flags)\n");
+    for (const mst_bench_entry* b = benches; b->name; b++) fprintf(f, "  %-6s %s\n", b->name, b->help);
     return f == stderr ? 2 : 0;
 }
 
 static int cmd_bench(int argc, char** argv) {
     if (argc < 1) {
-        fprintf(stderr, "moestash bench: name a benchmark\n");
+        fprintf(stderr, "moestash bench: name a benchmark (moestash bench --help)\n");
         return 2;
     }
+    if (strcmp(argv[0], "--help") == 0 || strcmp(argv[0], "-h") == 0) return bench_usage(stdout);
     for (const mst_bench_entry* b = benches; b->name; b++)
         if (strcmp(argv[0], b->name) == 0) return b->run(argc - 1, argv + 1);
-    fprintf(stderr, "moestash bench: unknown benchmark '%s'\n", argv[0]);
+    fprintf(stderr, "moestash bench: '%s': unknown benchmark (moestash bench --help)\n", argv[0]);
     return 2;
 }
 
-int mst_cli_backend(const char* value, mst_backend_kind* out) {
-    if (!value) {
-        *out = mst_backend_available(MST_BACKEND_CUDA) ? MST_BACKEND_CUDA : MST_BACKEND_CPU;
-        return 0;
-    }
-    if (strcmp(value, "cpu") == 0) *out = MST_BACKEND_CPU;
-    else if (strcmp(value, "cuda") == 0) *out = MST_BACKEND_CUDA;
-    else {
-        fprintf(stderr, "moestash: --backend '%s': expected cpu or cuda\n", value);
+typedef struct command {
+    const char* name;
+    int (*run)(int argc, char** argv);
+} command;
+
+static const command commands[] = {
+    {"info", mst_cmd_info}, {"selfcheck", mst_cmd_selfcheck}, {"train", mst_cmd_train}, {"sample", mst_cmd_sample},
+    {"bench", cmd_bench}, {NULL, NULL},
+};
+
+static const command* find(const char* name) {
+    for (const command* c = commands; c->name; c++)
+        if (strcmp(c->name, name) == 0) return c;
+    return NULL;
+}
+
+/* help [COMMAND [NAME]]: COMMAND --help (bench NAME --help). */
+static int cmd_help(int argc, char** argv) {
+    if (argc == 0) return usage(stdout);
+    const command* c = find(argv[0]);
+    if (!c) {
+        fprintf(stderr, "moestash help: '%s': no such command (moestash help)\n", argv[0]);
         return 2;
     }
-    if (!mst_backend_available(*out)) {
-        fprintf(stderr, "moestash: --backend '%s': not available (no device or not built in)\n", value);
+    if (argc > (c->run == cmd_bench ? 2 : 1)) {
+        fprintf(stderr, "moestash help: '%s': unexpected argument\n", argv[argc - 1]);
         return 2;
     }
-    return 0;
+    char help[] = "--help";
+    char* args[2] = {argc == 2 ? argv[1] : help, help};
+    return c->run(argc, args);
 }
 
 int main(int argc, char** argv) {
+    setvbuf(stdout, NULL, _IOLBF, 0); /* progress lines show as printed, piped too */
     if (argc < 2) return usage(stderr);
     const char* cmd = argv[1];
-    if (strcmp(cmd, "info") == 0) return mst_cmd_info(argc - 2, argv + 2);
-    if (strcmp(cmd, "selfcheck") == 0) return mst_cmd_selfcheck(argc - 2, argv + 2);
-    if (strcmp(cmd, "train") == 0) return mst_cmd_train(argc - 2, argv + 2);
-    if (strcmp(cmd, "sample") == 0) return mst_cmd_sample(argc - 2, argv + 2);
-    if (strcmp(cmd, "bench") == 0) return cmd_bench(argc - 2, argv + 2);
-    if (strcmp(cmd, "help") == 0 || strcmp(cmd, "--help") == 0) return usage(stdout);
-    fprintf(stderr, "moestash: unknown command '%s'\n", cmd);
-    return usage(stderr);
+    if (strcmp(cmd, "--version") == 0 && argc == 2) {
+        printf("moestash %s (library %s)\n", MST_PROGRAM_VERSION, mst_version());
+        return 0;
+    }
+    if (strcmp(cmd, "help") == 0) return cmd_help(argc - 2, argv + 2);
+    if (strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0) return argc == 2 ? usage(stdout) : usage(stderr);
+    const command* c = find(cmd);
+    if (c) return c->run(argc - 2, argv + 2);
+    fprintf(stderr, "moestash: '%s': unknown command (moestash help)\n", cmd);
+    return 2;
 }

@@ -6,19 +6,13 @@
  * printed, then the sampled bytes as they come. The same seed gives the same
  * text. Bad input: exit 2 and one line naming the flag, before any work.
  */
-#include <errno.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "args.h"
 #include "cli.h"
 #include "model/sample.h"
-
-static int bad(const char* flag, const char* value, const char* why) {
-    fprintf(stderr, "moestash sample: %s '%s': %s\n", flag, value ? value : "", why);
-    return 2;
-}
 
 static void help(void) {
     printf("usage: moestash sample --checkpoint DIR --prompt TEXT [FLAGS]\n"
@@ -33,63 +27,50 @@ static void help(void) {
 
 typedef struct sample_cli {
     const char *dir, *prompt;
-    int64_t tokens, top_k;
-    uint64_t seed;
+    int64_t tokens, top_k, seed;
     double temperature;
 } sample_cli;
 
-static int num(const char* flag, const char* v, double lo, double hi, double* out) {
-    char* end = NULL;
-    errno = 0;
-    double x = v ? strtod(v, &end) : 0;
-    if (!v || !*v || *end || errno || !isfinite(x) || x < lo || x > hi) {
-        char why[80];
-        snprintf(why, sizeof why, "expected a number in %g .. %g", lo, hi);
-        return bad(flag, v, why);
-    }
-    *out = x;
-    return 0;
-}
-
 static int parse(int argc, char** argv, sample_cli* s) {
-    for (int i = 0; i < argc; i++) {
-        const char* f = argv[i];
-        if (strncmp(f, "--", 2) != 0) return bad("argument", f, "not a flag (see moestash sample --help)");
-        if (i + 1 >= argc) return bad(f, "", "missing value");
-        const char* v = argv[++i];
-        double x = 0;
-        int rc = 0;
-        if (strcmp(f, "--checkpoint") == 0) s->dir = v;
-        else if (strcmp(f, "--prompt") == 0) s->prompt = v;
-        else if (strcmp(f, "--tokens") == 0) rc = num(f, v, 1, 1 << 20, &x), s->tokens = (int64_t)x;
-        else if (strcmp(f, "--top-k") == 0) rc = num(f, v, 0, 1 << 20, &x), s->top_k = (int64_t)x;
-        else if (strcmp(f, "--seed") == 0) rc = num(f, v, 0, 9007199254740992.0, &x), s->seed = (uint64_t)x;
-        else if (strcmp(f, "--temperature") == 0) rc = num(f, v, 0, 100, &s->temperature);
-        else return bad(f, v, "unknown flag (see moestash sample --help)");
+    mst_args a;
+    mst_args_init(&a, "moestash sample", argc, argv);
+    while (mst_args_next(&a)) {
+        int rc;
+        float t = 0;
+        if (mst_args_is(&a, "--checkpoint")) rc = mst_args_str(&a, &s->dir);
+        else if (mst_args_is(&a, "--prompt")) rc = mst_args_str(&a, &s->prompt);
+        else if (mst_args_is(&a, "--tokens")) rc = mst_args_int(&a, 1, 1 << 20, &s->tokens);
+        else if (mst_args_is(&a, "--top-k")) rc = mst_args_int(&a, 0, 1 << 20, &s->top_k);
+        else if (mst_args_is(&a, "--seed")) rc = mst_args_int(&a, 0, INT64_MAX, &s->seed);
+        else if (mst_args_is(&a, "--temperature")) {
+            rc = mst_args_float(&a, 0, 100, &t);
+            s->temperature = t;
+        } else rc = mst_args_unknown(&a);
         if (rc) return rc;
-        if ((strcmp(f, "--tokens") == 0 || strcmp(f, "--top-k") == 0 || strcmp(f, "--seed") == 0) && x != floor(x))
-            return bad(f, v, "expected an integer");
     }
-    if (!s->dir) return bad("--checkpoint", "", "required");
-    if (!s->prompt || !*s->prompt) return bad("--prompt", s->prompt ? s->prompt : "", "required, at least one byte");
+    if (!s->dir) return mst_cli_bad("moestash sample", "--checkpoint", "", "required");
+    if (!s->prompt) return mst_cli_bad("moestash sample", "--prompt", "", "required, at least one byte");
     return 0;
 }
 
 int mst_cmd_sample(int argc, char** argv) {
     for (int i = 0; i < argc; i++)
-        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) return help(), 0;
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            help();
+            return 0;
+        }
     sample_cli s = {NULL, NULL, 100, 40, 1, 0.8};
     if (parse(argc, argv, &s)) return 2;
     const int64_t n_prompt = (int64_t)strlen(s.prompt);
     mst_sampler* sm = NULL;
-    if (mst_sampler_create(s.dir, n_prompt + s.tokens, &sm) != MST_OK) return bad("--checkpoint", s.dir, mst_last_error());
+    if (mst_sampler_create(s.dir, n_prompt + s.tokens, &sm) != MST_OK) return mst_cli_bad("moestash sample", "--checkpoint", s.dir, mst_last_error());
     const int64_t V = mst_sampler_config(sm)->vocab;
     float* logits = (float*)malloc(sizeof(float) * (size_t)V);
     mst_status st = logits ? MST_OK : mst_set_error(MST_ERR_OOM, "logits");
     for (int64_t i = 0; i < n_prompt && st == MST_OK; i++)
         st = mst_sampler_feed(sm, (unsigned char)s.prompt[i], i + 1 == n_prompt ? logits : NULL);
     fputs(s.prompt, stdout);
-    uint64_t rng = s.seed;
+    uint64_t rng = (uint64_t)s.seed;
     for (int64_t i = 0; i < s.tokens && st == MST_OK; i++) {
         const int32_t t = mst_sampler_pick(logits, V, (float)s.temperature, (int32_t)s.top_k, &rng);
         fputc(t, stdout);

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "args.h"
 #include "cli.h"
 #include "model/checkpoint.h"
 
@@ -97,47 +98,17 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            (unsigned long long)c->model.seed);
 }
 
-static int bad(const char* flag, const char* value, const char* why) {
-    fprintf(stderr, "moestash train: %s '%s': %s\n", flag, value ? value : "", why);
-    return 2;
-}
-
-static int parse_i64(const char* flag, const char* v, int64_t lo, int64_t hi, int64_t* out) {
-    char* end = NULL;
-    errno = 0;
-    long long x = v ? strtoll(v, &end, 10) : 0;
-    if (!v || !*v || *end || errno) return bad(flag, v, "expected an integer");
-    if (x < lo || x > hi) {
-        char why[96];
-        snprintf(why, sizeof why, "expected %lld .. %lld", (long long)lo, (long long)hi);
-        return bad(flag, v, why);
-    }
-    *out = x;
-    return 0;
-}
-
-static int parse_f32(const char* flag, const char* v, double lo, double hi, float* out) {
-    char* end = NULL;
-    errno = 0;
-    double x = v ? strtod(v, &end) : 0;
-    if (!v || !*v || *end || errno || !isfinite(x)) return bad(flag, v, "expected a number");
-    if (x < lo || x > hi) {
-        char why[96];
-        snprintf(why, sizeof why, "expected %g .. %g", lo, hi);
-        return bad(flag, v, why);
-    }
-    *out = (float)x;
-    return 0;
-}
-
 /* --preset h100: the model of the whole-step benchmark, sized for one
  * 80 GB card: H 2048, 16 heads, 8 layers, 64 experts top-4 of F 1024,
  * T 2048. Its 3.8 G parameters take 68 GB with their gradients and AdamW
  * state (18 bytes each), which leaves room for B 2 with one group (ep 1,
  * capacity factor 1: dropless and never over budget). The other flags
  * still override it. */
-int mst_train_preset(mst_train_config* t, const char* v) {
-    if (!v || strcmp(v, "h100") != 0) return bad("--preset", v, "expected h100");
+int mst_train_preset(mst_args* a, mst_train_config* t, const char** name) {
+    static const char* const presets[] = {"h100", NULL};
+    int which = 0, rc = mst_args_choice(a, presets, &which);
+    if (rc) return rc;
+    *name = presets[which];
     mst_model_config* m = &t->model;
     m->hidden = 2048, m->n_head = 16, m->layers = 8, m->experts = 64, m->top_k = 4, m->ffn = 1024;
     m->seq = 2048, m->batch = 2, m->ep = 1;
@@ -146,7 +117,7 @@ int mst_train_preset(mst_train_config* t, const char* v) {
 
 typedef struct train_cli {
     mst_train_config cfg;
-    const char* backend;   /* NULL: default */
+    mst_backend_kind kind; /* --backend, else cuda when available */
     const char* json;
     const char* graph;     /* --graph as given (NULL: the backend's default) */
     const char* policy;    /* --policy as given (NULL: not given) */
@@ -154,32 +125,15 @@ typedef struct train_cli {
     int quiet, check_policies;
 } train_cli;
 
-/* keep | stash | offload | recompute, or NAME=POLICY,... (syntax only: the
- * memory manager checks what it accepts). */
-static int check_policy_spec(const char* v) {
-    char buf[512];
-    if (!v || !*v || strlen(v) >= sizeof buf) return bad("--policy", v, "expected keep, stash, offload, recompute or NAME=POLICY,...");
-    mst_policy p;
-    if (!strchr(v, '=')) return mst_policy_parse(v, &p) == MST_OK ? 0 : bad("--policy", v, mst_last_error());
-    snprintf(buf, sizeof buf, "%s", v);
-    for (char* item = strtok(buf, ","); item; item = strtok(NULL, ",")) {
-        char* eq = strchr(item, '=');
-        mst_saved_name n;
-        if (!eq) return bad("--policy", v, "expected NAME=POLICY items separated by commas");
-        *eq = 0;
-        if (mst_saved_name_parse(item, &n) != MST_OK || mst_policy_parse(eq + 1, &p) != MST_OK)
-            return bad("--policy", v, mst_last_error());
-    }
-    return 0;
-}
-
-/* One flag with its value; returns 0 or the exit code 2. */
-static int parse_flag(train_cli* t, const char* f, const char* v) {
+/* The current flag with its value; returns 0 or the exit code 2. */
+static int parse_flag(train_cli* t, mst_args* a) {
+    static const char* const on_off[] = {"off", "on", NULL}, *const granularity[] = {"moe", "full", NULL};
     mst_model_config* m = &t->cfg.model;
     int64_t x = 0;
-    int rc = 0;
+    int rc = 0, i = 0;
+    const char* v = NULL;
 #define INT_FLAG(name, lo, hi, dst) \
-    if (strcmp(f, name) == 0) return (rc = parse_i64(f, v, lo, hi, &x)) ? rc : ((dst) = x, 0)
+    if (mst_args_is(a, name)) return (rc = mst_args_int(a, lo, hi, &x)) ? rc : ((dst) = x, 0)
     INT_FLAG("--steps", 1, 100000000, t->cfg.steps);
     INT_FLAG("--seq", 2, 8192, m->seq);
     INT_FLAG("--batch", 1, 65536, m->batch);
@@ -200,71 +154,65 @@ static int parse_flag(train_cli* t, const char* f, const char* v) {
     INT_FLAG("--eval-every", 0, INT64_MAX, t->cfg.eval_every);
     INT_FLAG("--eval-batches", 1, 1 << 20, t->cfg.eval_batches);
 #undef INT_FLAG
-    if (strcmp(f, "--capacity-factor") == 0) return parse_f32(f, v, 1e-6, 1024, &m->capacity_factor);
-    if (strcmp(f, "--mtp-weight") == 0) return parse_f32(f, v, 0, 100, &m->mtp_weight);
-    if (strcmp(f, "--aux-weight") == 0) return parse_f32(f, v, 0, 100, &m->aux_coef);
-    if (strcmp(f, "--lr") == 0) return parse_f32(f, v, 0, 10, &t->cfg.optim.lr);
-    if (strcmp(f, "--pool-factor") == 0) {
-        float x = 0;
-        rc = parse_f32(f, v, 0.01, 100, &x);
-        t->cfg.mem.pool_factor = x;
+    if (mst_args_is(a, "--capacity-factor")) return mst_args_float(a, 1e-6, 1024, &m->capacity_factor);
+    if (mst_args_is(a, "--mtp-weight")) return mst_args_float(a, 0, 100, &m->mtp_weight);
+    if (mst_args_is(a, "--aux-weight")) return mst_args_float(a, 0, 100, &m->aux_coef);
+    if (mst_args_is(a, "--lr")) return mst_args_float(a, 0, 10, &t->cfg.optim.lr);
+    if (mst_args_is(a, "--pool-factor")) {
+        float f = 0;
+        rc = mst_args_float(a, 0.01, 100, &f);
+        t->cfg.mem.pool_factor = f;
         return rc;
     }
-    if (strcmp(f, "--backend") == 0) return (t->backend = v, 0);
-    if (strcmp(f, "--preset") == 0) return mst_train_preset(&t->cfg, v);
-    if (strcmp(f, "--graph") == 0) {
-        if (v && (strcmp(v, "on") == 0 || strcmp(v, "off") == 0)) return (t->graph = v, 0);
-        return bad(f, v, "expected on or off");
-    }
-    if (strcmp(f, "--json") == 0) return v && *v ? (t->json = v, 0) : bad(f, v, "expected a file name");
-    if (strcmp(f, "--save") == 0) return v && *v ? (t->cfg.save_dir = v, 0) : bad(f, v, "expected a directory");
-    if (strcmp(f, "--resume") == 0) return v && *v ? (t->cfg.resume_dir = v, 0) : bad(f, v, "expected a checkpoint directory");
-    if (strcmp(f, "--eval-data") == 0) return v && *v ? (t->cfg.eval_path = v, 0) : bad(f, v, "expected a file name");
-    if (strcmp(f, "--plot") == 0) return v && *v ? (t->cfg.plot_path = v, 0) : bad(f, v, "expected a file name");
-    if (strcmp(f, "--timeline") == 0) return v && *v ? (t->cfg.timeline_path = v, 0) : bad(f, v, "expected a file name");
-    if (strcmp(f, "--eval-fraction") == 0) {
-        float x = 0;
-        if ((rc = parse_f32(f, v, 0, 1, &x))) return rc;
-        if (!(x > 0 && x < 1)) return bad(f, v, "expected a number between 0 and 1");
-        t->cfg.eval_fraction = x;
+    if (mst_args_is(a, "--eval-fraction")) {
+        float f = 0;
+        if ((rc = mst_args_float(a, 0, 1, &f))) return rc;
+        if (!(f > 0 && f < 1)) return mst_args_bad(a, a->value, "expected a number between 0 and 1");
+        t->cfg.eval_fraction = f;
         return 0;
     }
-    if (strcmp(f, "--recompute-granularity") == 0) {
-        if (v && strcmp(v, "full") == 0) return (t->cfg.mem.recompute_full = 1, 0);
-        if (v && strcmp(v, "moe") == 0) return (t->cfg.mem.recompute_full = 0, 0);
-        return bad(f, v, "expected full or moe");
-    }
-    if (strcmp(f, "--data") == 0) return v && *v ? (t->cfg.data_path = v, 0) : bad(f, v, "expected a file name");
-    if (strcmp(f, "--schedule") == 0) {
+    if (mst_args_is(a, "--backend")) return mst_args_backend(a, &t->kind);
+    if (mst_args_is(a, "--preset")) return mst_train_preset(a, &t->cfg, &v);
+    if (mst_args_is(a, "--graph")) return (rc = mst_args_choice(a, on_off, &i)) ? rc : (t->graph = on_off[i], 0);
+    if (mst_args_is(a, "--recompute-granularity"))
+        return (rc = mst_args_choice(a, granularity, &i)) ? rc : (t->cfg.mem.recompute_full = i, 0);
+    if (mst_args_is(a, "--json")) return mst_args_out_file(a, &t->json);
+    if (mst_args_is(a, "--plot")) return mst_args_out_file(a, &t->cfg.plot_path);
+    if (mst_args_is(a, "--timeline")) return mst_args_out_file(a, &t->cfg.timeline_path);
+    if (mst_args_is(a, "--data")) return mst_args_in_file(a, &t->cfg.data_path);
+    if (mst_args_is(a, "--eval-data")) return mst_args_in_file(a, &t->cfg.eval_path);
+    if (mst_args_is(a, "--save")) return mst_args_str(a, &t->cfg.save_dir);
+    if (mst_args_is(a, "--resume")) return mst_args_str(a, &t->cfg.resume_dir);
+    if (mst_args_is(a, "--schedule")) {
+        if ((rc = mst_args_str(a, &v))) return rc;
         if (mst_schedule_kind_parse(v, &t->cfg.mem.schedule) != MST_OK)
-            return bad(f, v, "expected plain, 1f1b or interleaved");
+            return mst_args_bad(a, v, "expected plain, 1f1b or interleaved");
         t->cfg.mem.virtual_stages = t->cfg.mem.schedule == MST_SCHEDULE_INTERLEAVED ? 2 : 1;
         return 0;
     }
-    if (strcmp(f, "--policy") == 0) return (t->policy = v, t->cfg.mem.policy = v, check_policy_spec(v));
-    if (strcmp(f, "--recompute") == 0) {
-        t->recompute = v;
-        return mst_recompute_parse(v, &t->cfg.mem.recompute) == MST_OK ? 0 : bad(f, v, "expected none, uniform:N or block:N");
+    if (mst_args_is(a, "--policy")) {
+        mst_policy pol[MST_N_SAVED];
+        if ((rc = mst_args_str(a, &v))) return rc;
+        t->policy = t->cfg.mem.policy = v;
+        return mst_policy_spec_parse(v, pol) == MST_OK ? 0 : mst_args_bad(a, v, mst_last_error());
     }
-    return bad(f, v, "unknown flag (see moestash train --help)");
-}
-
-static int is_switch(const char* f) {
-    return strcmp(f, "--quiet") == 0 || strcmp(f, "--check-policies") == 0 || strcmp(f, "--help") == 0 ||
-           strcmp(f, "-h") == 0 || strcmp(f, "--recompute-mtp") == 0;
+    if (mst_args_is(a, "--recompute")) {
+        if ((rc = mst_args_str(a, &t->recompute))) return rc;
+        return mst_recompute_parse(t->recompute, &t->cfg.mem.recompute) == MST_OK
+                   ? 0 : mst_args_bad(a, t->recompute, "expected none, uniform:N or block:N");
+    }
+    if (mst_args_is(a, "--quiet")) return mst_args_switch(a, &t->quiet);
+    if (mst_args_is(a, "--check-policies")) return mst_args_switch(a, &t->check_policies);
+    if (mst_args_is(a, "--recompute-mtp")) return mst_args_switch(a, &t->cfg.mem.recompute_mtp);
+    return mst_args_unknown(a);
 }
 
 static int parse(int argc, char** argv, train_cli* t) {
-    for (int i = 0; i < argc; i++) {
-        if (strcmp(argv[i], "--quiet") == 0) t->quiet = 1;
-        if (strcmp(argv[i], "--check-policies") == 0) t->check_policies = 1;
-        if (strcmp(argv[i], "--recompute-mtp") == 0) t->cfg.mem.recompute_mtp = 1;
-        if (is_switch(argv[i])) continue;
-        if (strncmp(argv[i], "--", 2) != 0) return bad("argument", argv[i], "not a flag");
-        if (i + 1 >= argc) return bad(argv[i], "", "missing value");
-        int rc = parse_flag(t, argv[i], argv[i + 1]);
+    mst_args a;
+    mst_args_init(&a, "moestash train", argc, argv);
+    while (mst_args_next(&a)) {
+        int rc = parse_flag(t, &a);
         if (rc) return rc;
-        i++;
     }
     return 0;
 }
@@ -275,18 +223,18 @@ static int parse(int argc, char** argv, train_cli* t) {
 static int resumed(int argc, char** argv, train_cli* t, mst_ckpt_meta* meta) {
     static const char* const ok[] = {"--resume", "--steps", "--backend", "--save", "--save-every", "--json", "--plot",
                                      "--graph", "--log-every", "--quiet", "--eval-every", "--eval-batches", "--timeline"};
-    for (int i = 0; i < argc; i++) {
-        if (strncmp(argv[i], "--", 2) != 0) continue;
+    mst_args a;
+    mst_args_init(&a, "moestash train", argc, argv);
+    while (mst_args_next(&a)) {
+        if (strncmp(a.arg, "--", 2) != 0) continue; /* a value */
         int fine = 0;
-        for (size_t k = 0; k < sizeof ok / sizeof ok[0]; k++) fine |= strcmp(argv[i], ok[k]) == 0;
-        if (!fine)
-            return bad(argv[i], is_switch(argv[i]) || i + 1 >= argc ? "" : argv[i + 1],
-                       "not with --resume: the configuration comes from the checkpoint");
+        for (size_t k = 0; k < sizeof ok / sizeof ok[0]; k++) fine |= mst_args_is(&a, ok[k]);
+        if (!fine) return mst_args_bad(&a, mst_args_peek(&a), "not with --resume: the configuration comes from the checkpoint");
     }
-    if (mst_ckpt_read_meta(t->cfg.resume_dir, meta) != MST_OK) return bad("--resume", t->cfg.resume_dir, mst_last_error());
+    if (mst_ckpt_read_meta(t->cfg.resume_dir, meta) != MST_OK)
+        return mst_cli_bad("moestash train", "--resume", t->cfg.resume_dir, mst_last_error());
     mst_train_config c = meta->cfg;
-    for (int i = 0; i + 1 < argc; i++)
-        if (strcmp(argv[i], "--steps") == 0) c.steps = t->cfg.steps;
+    if (mst_args_find(argc, argv, "--steps")) c.steps = t->cfg.steps;
     c.resume_dir = t->cfg.resume_dir, c.save_dir = t->cfg.save_dir, c.save_every = t->cfg.save_every;
     c.plot_path = t->cfg.plot_path, c.log_every = t->cfg.log_every, c.timeline_path = t->cfg.timeline_path;
     if (t->cfg.eval_every) c.eval_every = t->cfg.eval_every;
@@ -296,68 +244,64 @@ static int resumed(int argc, char** argv, train_cli* t, mst_ckpt_meta* meta) {
     return 0;
 }
 
-/* Flags that need another: exit 2 naming the one given. */
-static int consistent(const train_cli* t) {
+static int bad_value(const char* flag, int64_t value, const char* why) {
     char v[32];
+    snprintf(v, sizeof v, "%lld", (long long)value);
+    return mst_cli_bad("moestash train", flag, v, why);
+}
+
+/* Flags that need another, or contradict one: exit 2 naming the one given. */
+static int consistent(const train_cli* t) {
     const mst_train_config* c = &t->cfg;
-    if (c->save_every && !c->save_dir) {
-        snprintf(v, sizeof v, "%lld", (long long)c->save_every);
-        return bad("--save-every", v, "needs --save DIR");
-    }
-    if (c->eval_path && c->eval_fraction > 0) return bad("--eval-data", c->eval_path, "contradicts --eval-fraction");
-    if (c->eval_every && !c->eval_path && !(c->eval_fraction > 0)) {
-        snprintf(v, sizeof v, "%lld", (long long)c->eval_every);
-        return bad("--eval-every", v, "needs --eval-data FILE or --eval-fraction F");
-    }
-    if (c->eval_fraction > 0 && !c->data_path) return bad("--eval-fraction", "", "needs --data FILE");
+    if (c->save_every && !c->save_dir) return bad_value("--save-every", c->save_every, "needs --save DIR");
+    if (c->eval_path && c->eval_fraction > 0)
+        return mst_cli_bad("moestash train", "--eval-data", c->eval_path, "contradicts --eval-fraction");
+    if (c->eval_every && !c->eval_path && !(c->eval_fraction > 0))
+        return bad_value("--eval-every", c->eval_every, "needs --eval-data FILE or --eval-fraction F");
+    if (c->eval_fraction > 0 && !c->data_path) return mst_cli_bad("moestash train", "--eval-fraction", "", "needs --data FILE");
+    if (t->cfg.graph_from && t->kind != MST_BACKEND_CUDA)
+        return mst_cli_bad("moestash train", "--graph", t->graph, "step capture needs --backend cuda");
+    if (t->check_policies && (t->policy || t->recompute))
+        return mst_cli_bad("moestash train", t->policy ? "--policy" : "--recompute", t->policy ? t->policy : t->recompute,
+                           "contradicts --check-policies (which runs every policy itself)");
+    if (t->cfg.force_overflow > t->cfg.steps)
+        return bad_value("--force-overflow", t->cfg.force_overflow, "after the last step (--steps)");
+    if (t->cfg.force_over_budget > t->cfg.steps)
+        return bad_value("--force-over-budget", t->cfg.force_over_budget, "after the last step (--steps)");
     return 0;
 }
 
-/* --backend first: it picks the defaults the other flags override. */
-static const char* find_backend(int argc, char** argv) {
-    for (int i = 0; i + 1 < argc; i++)
-        if (strcmp(argv[i], "--backend") == 0) return argv[i + 1];
-    return NULL;
+void mst_train_help(void) {
+    mst_train_config c, g;
+    mst_train_defaults(&c, MST_BACKEND_CPU);
+    mst_train_defaults(&g, MST_BACKEND_CUDA);
+    help(&c, &g);
 }
 
 int mst_cmd_train(int argc, char** argv) {
     for (int i = 0; i < argc; i++)
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
-            mst_train_config c, g;
-            mst_train_defaults(&c, MST_BACKEND_CPU);
-            mst_train_defaults(&g, MST_BACKEND_CUDA);
-            help(&c, &g);
+            mst_train_help();
             return 0;
         }
-    mst_backend_kind kind;
-    if (mst_cli_backend(find_backend(argc, argv), &kind)) return 2;
     train_cli t = {0};
-    mst_train_defaults(&t.cfg, kind);
+    /* --backend first: it picks the defaults the other flags override (and
+     * parse() checks its value) */
+    const char* backend = mst_args_find(argc, argv, "--backend");
+    t.kind = !backend ? mst_default_backend() : strcmp(backend, "cuda") == 0 ? MST_BACKEND_CUDA : MST_BACKEND_CPU;
+    mst_train_defaults(&t.cfg, t.kind);
     if (parse(argc, argv, &t)) return 2;
     t.cfg.optim.steps = t.cfg.steps;
     static mst_ckpt_meta meta; /* the strings of a resumed configuration live here */
     if (t.cfg.resume_dir && resumed(argc, argv, &t, &meta)) return 2;
+    if (t.graph) t.cfg.graph_from = strcmp(t.graph, "on") == 0;
     if (consistent(&t)) return 2;
     if (t.cfg.model.capacity_factor == 0.0f) t.cfg.model.capacity_factor = (float)t.cfg.model.ep;
     if (mst_model_config_check(&t.cfg.model) != MST_OK) {
         fprintf(stderr, "moestash train: %s\n", mst_last_error());
         return 2;
     }
-    if (t.graph) t.cfg.graph_from = strcmp(t.graph, "on") == 0;
-    if (t.cfg.graph_from && kind != MST_BACKEND_CUDA) return bad("--graph", t.graph, "step capture needs --backend cuda");
-    if (t.check_policies && (t.policy || t.recompute))
-        return bad(t.policy ? "--policy" : "--recompute", t.policy ? t.policy : t.recompute,
-                   "contradicts --check-policies (which runs every policy itself)");
-    if (t.cfg.force_overflow > t.cfg.steps) {
-        char v[32];
-        snprintf(v, sizeof v, "%lld", (long long)t.cfg.force_overflow);
-        return bad("--force-overflow", v, "after the last step (--steps)");
-    }
-    if (t.cfg.force_over_budget > t.cfg.steps) {
-        char v[32];
-        snprintf(v, sizeof v, "%lld", (long long)t.cfg.force_over_budget);
-        return bad("--force-over-budget", v, "after the last step (--steps)");
-    }
+    const mst_backend_kind kind = t.kind;
     mst_ctx_t* ctx = NULL;
     if (mst_ctx_create(kind, 0, &ctx) != MST_OK) {
         fprintf(stderr, "moestash train: --backend '%s': %s\n", kind == MST_BACKEND_CUDA ? "cuda" : "cpu", mst_last_error());

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# The CLI test (CTest `cli`, CPU): every bad input of `moestash` gets exit
+# code 2, exactly one line on stderr naming the flag (or argument) and its
+# value, and nothing on stdout (no work started); then the conventions:
+# --flag=value, --version, help COMMAND, bench --help, a --json written.
+# usage: test_cli.sh MOESTASH
+set -uo pipefail
+bin=$1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+mkfifo "$tmp/fifo"
+failed=0 passed=0
+
+# bad ARGS... : exit 2, one stderr line containing $want, empty stdout
+bad() {
+  local want=$1; shift
+  timeout 20 "$bin" "$@" >"$tmp/out" 2>"$tmp/err"
+  local rc=$? lines; lines=$(wc -l <"$tmp/err")
+  if [ $rc = 2 ] && [ "$lines" = 1 ] && grep -qF -- "$want" "$tmp/err" && [ ! -s "$tmp/out" ]; then
+    passed=$((passed + 1))
+  else
+    failed=$((failed + 1))
+    echo "FAIL: moestash $* -> exit $rc, $lines stderr lines (want exit 2, 1 line naming '$want', no stdout)"
+    sed 's/^/  stderr: /' "$tmp/err" | head -5
+    sed 's/^/  stdout: /' "$tmp/out" | head -5
+  fi
+}
+# good WANT_STDOUT ARGS... : exit 0, stdout contains WANT_STDOUT
+good() {
+  local want=$1; shift
+  timeout 120 "$bin" "$@" >"$tmp/out" 2>"$tmp/err"
+  local rc=$?
+  if [ $rc = 0 ] && grep -qF -- "$want" "$tmp/out"; then
+    passed=$((passed + 1))
+  else
+    failed=$((failed + 1))
+    echo "FAIL: moestash $* -> exit $rc (want 0 and '$want' on stdout)"
+    sed 's/^/  /' "$tmp/err" | head -5
+  fi
+}
+
+# train: files
+bad "--data '$tmp'" train --data "$tmp"
+bad "--data '$tmp/fifo'" train --data "$tmp/fifo"
+bad "--data '$tmp/missing'" train --data "$tmp/missing"
+bad "--json '$tmp/no/such/dir.json'" train --json "$tmp/no/such/dir.json"
+bad "--json '$tmp'" train --json "$tmp"
+bad "--json '$tmp/fifo'" train --json="$tmp/fifo"
+if [ "$(id -u)" != 0 ]; then # root reads and writes past the mode bits
+  : >"$tmp/unreadable" && chmod 000 "$tmp/unreadable"
+  bad "--data '$tmp/unreadable': cannot read: Permission denied" train --data "$tmp/unreadable"
+fi
+# train: values
+bad "--steps 'abc'" train --steps=abc
+bad "--steps '0'" train --steps 0
+bad "--steps ''" train --steps
+bad "--lr 'nan'" train --lr nan
+bad "--quiet '1'" train --quiet=1
+bad "--bogus" train --bogus 1
+bad "'stray'" train stray
+bad "--backend 'tpu'" train --backend tpu
+bad "--schedule 'zigzag'" train --schedule zigzag
+bad "--policy 'sometimes'" train --policy sometimes
+bad "--recompute 'all'" train --recompute all
+bad "--graph 'on'" train --graph on --backend cpu
+bad "--force-overflow '5'" train --force-overflow 5 --steps 2
+bad "--preset 'a100'" train --preset a100
+bad "--eval-fraction '1'" train --eval-fraction=1
+bad "--plot '$tmp'" train --plot "$tmp"
+bad "--eval-data '$tmp'" train --eval-data "$tmp"
+bad "--recompute-granularity 'half'" train --recompute-granularity half
+bad "--save-every '3'" train --save-every 3
+# the other commands
+bad "--checkpoint" sample --prompt hi
+bad "--tokens 'x'" sample --tokens=x
+bad "--bogus" sample --bogus
+bad "--bogus" info --bogus
+bad "'extra'" info extra
+bad "--bogus" selfcheck --bogus
+bad "--backend 'tpu'" selfcheck --backend tpu
+if "$bin" info | grep -q "^backend cuda: not available"; then
+  bad "--backend 'cuda': not available" selfcheck --backend cuda
+fi
+bad "'nope'" bench nope
+bad "--bogus" bench step --bogus
+bad "--json '$tmp'" bench step --json "$tmp"
+bad "--backend 'tpu'" bench step --backend=tpu
+bad "'nope'" help nope
+bad "'frob'" frob
+
+# conventions
+good "moestash $("$bin" --version | sed -n 's/^moestash \([0-9.]*\).*/\1/p')" --version
+good "usage: moestash train" help train
+good "usage: moestash train" train --help
+good "step" bench --help
+good "usage: moestash bench step" help bench step
+good "selfcheck cpu : grouped linear forward" selfcheck --backend=cpu
+good "loss" train --backend=cpu --steps=2 --seq=8 --batch=2 --layers=1 --quiet --json="$tmp/run.json"
+if [ -s "$tmp/run.json" ]; then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL: --json=FILE wrote nothing"; fi
+# progress lines reach a pipe as they are printed: the header shows while
+# the run (no step lines before its end) still goes on
+"$bin" train --backend cpu --steps 100000 --seq 8 --batch 2 --layers 1 --log-every 100000 >"$tmp/fifo" 2>/dev/null &
+pid=$!
+exec 3<"$tmp/fifo"
+if read -r -t 20 line <&3 && [[ $line == "moestash train on"* ]] && kill -0 $pid 2>/dev/null; then
+  passed=$((passed + 1))
+else
+  failed=$((failed + 1)); echo "FAIL: no progress line through a pipe while the run goes on"
+fi
+kill $pid 2>/dev/null; wait $pid 2>/dev/null
+exec 3<&-
+
+echo "test_cli: $passed passed, $failed failed"
+[ $failed = 0 ]
