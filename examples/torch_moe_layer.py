@@ -172,6 +172,11 @@ class Trainer:
             for p, m in zip(self.params, self.masters):
                 p.copy_(m)
 
+    def close(self):
+        """Gives the stash pools back: the next run's library memory starts without them."""
+        if self.manager:
+            self.manager.close()
+
     def step(self):
         while True:
             if self.manager:
@@ -186,7 +191,9 @@ def run(kind, args, device, data):
     """Every step eager."""
     t = Trainer(kind, args, device, data)
     t.step()  # step 1 sizes the stash pools and the library's workspaces
-    return timed(t, args, device, [t.loss.item()], t.step)
+    out = timed(t, args, device, [t.loss.item()], t.step)
+    t.close()
+    return out
 
 
 def capture(t):
@@ -219,7 +226,10 @@ def run_graphed(kind, args, device, data):
             return
         t.optim()
 
-    return timed(t, args, device, [t.loss.item()], step)
+    out = timed(t, args, device, [t.loss.item()], step)
+    del state["graph"]
+    t.close()
+    return out
 
 
 def timed(t, args, device, losses, step):

@@ -48,7 +48,8 @@ def test_replay_with_new_counts(cuda, policy):
             for q in params + [xx, pp]:
                 q.grad = None
         n = int(c.sum())
-        return [y[:n].clone(), xx.grad[:n].clone(), pp.grad[:n].clone()] + [q.grad.clone() for q in params]
+        # detached: a kept graph would keep its AccumulateGrad nodes (on the default stream) into the capture
+        return [y[:n].detach().clone(), xx.grad[:n].clone(), pp.grad[:n].clone()] + [q.grad.clone() for q in params]
 
     want = [eager(*pr) for pr in problems]  # also sizes the pools on the largest
 

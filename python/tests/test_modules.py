@@ -1,6 +1,8 @@
 """The modules: parameters laid out as the ops take them, a policy given as a
 dict or a string, delayed wgrad through backward_dw(), the same bits as the
 ops they wrap."""
+import weakref
+
 import pytest
 import torch
 
@@ -21,7 +23,7 @@ def test_grouped_linear_module(device):
     m = mt.GroupedLinear(E, H, 2 * H, bias=True, device=device)
     assert m.weight.shape == (E, 2 * H, H) and m.bias.shape == (E, 2 * H) and m.weight.dtype == torch.bfloat16
     with torch.no_grad():
-        m.bias.normal_()
+        m.bias.copy_(ref.rand(m.bias.shape, torch.Generator().manual_seed(4)))
     x, c, s = inputs(device, 1)
     assert torch.equal(m(x, c, s), mt.grouped_linear(x, m.weight, c, m.bias, s))
 
@@ -35,7 +37,7 @@ def test_grouped_mlp_module_policies(device, policy):
     torch.manual_seed(0)
     paged = mt.GroupedMLP(E, H, F, bias=True, policy=policy, stash_manager=manager, device=device)
     x, c, p = inputs(device, 2)
-    dy = torch.randn(R, H, device=device).bfloat16()
+    dy = ref.rand((R, H), torch.Generator().manual_seed(5)).to(device)
     n = int(c.sum())
     outs = []
     for m in (keep, paged):
@@ -80,3 +82,46 @@ def test_no_rows(device):
     for q in (lin.weight, lin.bias, mlp.w1, mlp.b1, mlp.b2):
         assert q.grad is not None and not q.grad.any()
     assert mlp.w2.grad is None and (mlp.w2.main_grad == 0.5).all()
+
+
+class _Probe:
+    """Lives as long as the AccumulateGrad node it hangs on (weakref-able)."""
+
+
+def _probe_accumulator(param):
+    """A weakref that dies with the AccumulateGrad node autograd uses for
+    `param` now (the node of the graph alive at the call)."""
+    probe = _Probe()
+    acc = param.expand_as(param).grad_fn.next_functions[0][0]
+    acc.register_prehook(lambda *_, _probe=probe: None)
+    return weakref.ref(probe)
+
+
+@pytest.mark.parametrize("policy,delay", [("keep", False), ("fc1_input=stash,act_input=offload,"
+                                                            "fc2_input=recompute,probs=stash", False),
+                                          ("keep", True)])
+def test_step_graph_dies_with_its_outputs(device, policy, delay):
+    """Once a step's outputs are gone, nothing the ops hold keeps its autograd
+    graph alive: a kept graph keeps the weights' AccumulateGrad nodes, made on
+    that step's stream, into the next step, and a backward captured on a side
+    stream (torch.cuda.graph) then syncs with the default stream and fails."""
+    torch.manual_seed(0)
+    manager = mt.StashManager(page_rows=8)
+    lin = mt.GroupedLinear(E, H, H, bias=True, delay_wgrad_compute=delay, device=device)
+    mlp = mt.GroupedMLP(E, H, F, bias=True, policy=policy, stash_manager=manager, delay_wgrad_compute=delay,
+                        device=device)
+    if delay:
+        for q in list(lin.parameters()) + list(mlp.parameters()):
+            q.main_grad = torch.zeros(q.shape, device=device)
+    x, c, p = inputs(device, 6)
+    xx, pp = x.clone().requires_grad_(), p.clone().requires_grad_()
+    manager.step_begin()
+    y = mlp(lin(xx, c), c, pp)  # (a deferred wgrad takes no row_scale gradient)
+    probes = [_probe_accumulator(q) for q in (lin.weight, mlp.w1, mlp.w2)]
+    y.backward(ref.rand((R, H), torch.Generator().manual_seed(7)).to(device))
+    assert manager.step_check()
+    del y  # no gc.collect(): a graph kept by a reference cycle lives into the next step too
+    assert all(r() is None for r in probes), "a weight's AccumulateGrad node outlived its step's outputs"
+    if delay:
+        lin.backward_dw()
+        mlp.backward_dw()

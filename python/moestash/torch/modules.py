@@ -21,11 +21,14 @@ from .ops import Binding, grouped_linear, grouped_mlp
 
 
 def _experts_param(E, out_f, in_f, device, dtype):
-    """[E, out_f, in_f], each expert as nn.Linear initializes its weight."""
-    w = torch.empty(E, out_f, in_f, device=device, dtype=torch.float32)
+    """[E, out_f, in_f], each expert as nn.Linear initializes its weight,
+    drawn on the CPU from torch's default generator, then moved: the same
+    weights on every device for one torch.manual_seed, and no use of a CUDA
+    generator (whose state a failed graph capture leaves broken)."""
+    w = torch.empty(E, out_f, in_f, dtype=torch.float32)
     bound = 1 / math.sqrt(in_f)
     torch.nn.init.uniform_(w, -bound, bound)
-    return torch.nn.Parameter(w.to(dtype))
+    return torch.nn.Parameter(w.to(device=device, dtype=dtype))
 
 
 def _bias_param(E, out_f, device, dtype):

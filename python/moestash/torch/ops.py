@@ -61,6 +61,12 @@ class Binding:
             self.own_ctx[device] = Context(device)
         return self.own_ctx[device]
 
+    def hold(self, *objs):
+        """Keeps what a deferred wgrad reads or writes alive until
+        backward_dw(): tensors detached (their storage, not their autograd
+        graph, which would keep the step's AccumulateGrad nodes alive)."""
+        self.pending += [o.detach() if isinstance(o, torch.Tensor) else o for o in objs if o is not None]
+
     def backward_dw(self):
         """Runs the deferred wgrads (into the weights' main_grad), in order."""
         for ctx in self.own_ctx.values():
@@ -155,7 +161,7 @@ def _gl_bwd(dy: Tensor, x: Tensor, weight: Tensor, counts: Tensor, bias: Optiona
             Fm.linear_wgrad(dy, x, counts, gw, mode, row_scale, bias if want_s else None, gb,
                             ds if want_s else None, ctx)
         if mode == _lib.WGRAD_DEFERRED:
-            b.pending += [dy, x, row_scale, gw, gb]  # what the deferred wgrad reads and writes
+            b.hold(dy, x, row_scale, gw, gb)  # what the deferred wgrad reads and writes
         if want_w and main_grad_w is None:
             dw = gw.to(weight.dtype)
         if want_b and main_grad_b is None:
@@ -226,10 +232,13 @@ def _mlp_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Option
     y = x.new_empty((R, x.shape[1]))
     record = b.saver.forward(d, R, cfg.ffn)
     hs, zs = _saved_shapes(binding, R, cfg.ffn)
-    if R:  # the library takes no empty tensor; no rows, nothing to do
-        Fm.mlp_forward(cfg, Fm.mlp_weights(d, w1, b1, w2, b2), x, probs, counts, b.saver, y, b.ctx(d))
-    h = b.saver.produced[ACT_INPUT] if R and b.saver.kept(ACT_INPUT) else x.new_empty(hs)
-    z = b.saver.produced[FC2_INPUT] if R and b.saver.kept(FC2_INPUT) else x.new_empty(zs)
+    try:
+        if R:  # the library takes no empty tensor; no rows, nothing to do
+            Fm.mlp_forward(cfg, Fm.mlp_weights(d, w1, b1, w2, b2), x, probs, counts, b.saver, y, b.ctx(d))
+    finally:
+        produced, _ = b.saver.end()
+    h = produced[ACT_INPUT] if R and b.saver.kept(ACT_INPUT) else x.new_empty(hs)
+    z = produced[FC2_INPUT] if R and b.saver.kept(FC2_INPUT) else x.new_empty(zs)
     rid = -1
     if record.handles:
         rid = next(_record_ids)
@@ -267,10 +276,14 @@ def _mlp_bwd(dy: Tensor, x: Tensor, h: Tensor, z: Tensor, probs: Tensor, rid: Te
     saved = {FC1_INPUT: x, ACT_INPUT: h, FC2_INPUT: z, PROBS: probs, "rows": R, "ffn": cfg.ffn}
     b.saver.backward(d, record, saved, restore_all=mode == _lib.WGRAD_DEFERRED)
     dx, dprobs = dy.new_empty((R, cfg.hidden)), torch.zeros(R, dtype=torch.float32, device=d)  # padding 0
-    if R:
-        Fm.mlp_backward(cfg, Fm.mlp_weights(d, *params, *grads), dy, counts, b.saver, dx, dprobs, mode, b.ctx(d))
+    try:
+        if R:
+            Fm.mlp_backward(cfg, Fm.mlp_weights(d, *params, *grads), dy, counts, b.saver, dx, dprobs, mode,
+                            b.ctx(d))
+    finally:
+        _, keepalive = b.saver.end()
     if mode == _lib.WGRAD_DEFERRED:
-        b.pending += [dy, x, z, probs] + b.saver.keepalive
+        b.hold(dy, x, z, probs, *keepalive)
     out = [g.to(p.dtype) if p is not None and m is None else _empty(d) for p, m, g in zip(params, mgs, grads)]
     return (dx, dprobs, *out)
 

@@ -91,6 +91,17 @@ class Saver:
         buffers (deferred wgrads read them after the op)."""
         self._begin(device, record, saved, restore=restore_all)
 
+    def end(self):
+        """Ends the call: returns (produced, keepalive), the tensors the
+        forward produced and what the library still reads after the call, and
+        holds no tensor of it any more. (A saved output the saver kept would
+        keep its autograd graph alive into the next step, and with it the
+        AccumulateGrad nodes of that step's stream: a backward captured on
+        another stream would then sync with the default stream.)"""
+        out = (self.produced, self.keepalive)
+        self._begin(None, None, None)
+        return out
+
     @contextlib.contextmanager
     def calling(self):
         """Around the library call: re-raises what a callback raised."""

@@ -19,6 +19,7 @@ are sized to ceil(peak pages * factor) (as the C memory manager sizes them
 from its measuring step). A growth replaces the pools: a CUDA graph captured
 with the old ones must be captured again (rerun the step eagerly first).
 """
+import contextlib
 import ctypes
 import math
 
@@ -44,12 +45,24 @@ class Pool:
         self.handles = []
         self.max_rows = 0  # the largest save asked for
 
-    def call(self, name, *args):
-        """lib.name(pool, *args) on torch's current stream and device (the
-        pool's operations run on its context's stream)."""
+    @contextlib.contextmanager
+    def on_current_stream(self):
+        """The pool's operations run on its context's stream: torch's current
+        stream and device."""
         with device_guard(self.ctx.device):
             self.ctx.bind()
+            yield
+
+    def call(self, name, *args):
+        """lib.name(pool, *args) on torch's current stream and device."""
+        with self.on_current_stream():
             _lib.call(name, self.ptr, *args)
+
+    def poll(self):
+        """mst_pool_poll after the work on torch's current stream: its status
+        (MST_ERR_OVERFLOW when the pool overflowed since its reset)."""
+        with self.on_current_stream():
+            return _lib.lib.mst_pool_poll(self.ptr)
 
     def take(self, max_rows):
         free = self.free.setdefault(max_rows, [])
@@ -70,9 +83,10 @@ class Pool:
 
     def close(self):
         if self.ptr:
-            for h in self.handles:
-                _lib.lib.mst_stash_handle_destroy(h)
-            _lib.lib.mst_pool_destroy(self.ptr)
+            with self.on_current_stream():  # the library waits for that stream before it frees
+                for h in self.handles:
+                    _lib.lib.mst_stash_handle_destroy(h)
+                _lib.lib.mst_pool_destroy(self.ptr)
             self.ptr, self.handles, self.free = None, [], {}
 
 
@@ -143,8 +157,7 @@ class StashManager:
         overflowed pool doubles (the step must be rerun: False)."""
         over = []
         for key, pool in self.pools.items():
-            with device_guard(pool.ctx.device):
-                st = _lib.lib.mst_pool_poll(pool.ptr)
+            st = pool.poll()
             if st == _lib.ERR_OVERFLOW:
                 over.append(key)
             else:
