@@ -12,10 +12,12 @@ AdamW; the experts' gradients reach the fp32 main_grad directly from the
 library's wgrad GEMM (the TransformerEngine contract), PyTorch's through
 autograd.
 
-Printed: the losses of both (checked: within 2e-2 relative at every step;
-step 1 agrees to bf16 rounding, later steps drift apart as training
-amplifies the two sides' different roundings, e.g. torch rounds silu(a) * b
-to bf16 op by op, the library once),
+Printed: the losses of both, checked against torch._grouped_mm's: step 1
+(the same weights) within 1e-3 relative, bf16 rounding; every step within
+5e-2 relative, the drift of training (AdamW turns the two sides' different
+roundings, e.g. torch rounds silu(a) * b to bf16 op by op and the library
+once, into different updates; torch's own static-capacity version of this
+layer drifts from torch._grouped_mm as far: 4.7e-2 by step 50 on an H100);
 step time and torch.cuda.max_memory_allocated side by side, eager and under
 torch.cuda.graph, for PyTorch (torch._grouped_mm, and a static-capacity
 layer: [E, C, H] buffers and batched matmuls, capacity factor 2, whose
@@ -41,6 +43,8 @@ import moestash.torch as mt
 
 
 CAPACITY_FACTOR = 2.0  # of the static-capacity PyTorch layer
+FIRST_STEP_RTOL = 1e-3  # loss of step 1 vs torch: the same weights, only roundings differ
+DRIFT_RTOL = 5e-2  # loss of any step vs torch: roundings turned into different updates (see above)
 # the memory policies of the moestash layers' saved tensors
 POLICY = {"keep": "keep", "stash": "fc1_input=offload,act_input=stash,fc2_input=recompute,probs=stash"}
 
@@ -191,7 +195,7 @@ def run(kind, args, device, data):
     """Every step eager."""
     t = Trainer(kind, args, device, data)
     t.step()  # step 1 sizes the stash pools and the library's workspaces
-    out = timed(t, args, device, [t.loss.item()], t.step)
+    out = timed(t, args, device, t.step)
     t.close()
     return out
 
@@ -216,7 +220,7 @@ def run_graphed(kind, args, device, data):
     overflow (the pools grew) reruns that step eagerly and recaptures."""
     t = Trainer(kind, args, device, data)
     t.step()
-    state = {"graph": capture(t)}
+    state = {}
 
     def step():
         state["graph"].replay()
@@ -226,21 +230,27 @@ def run_graphed(kind, args, device, data):
             return
         t.optim()
 
-    out = timed(t, args, device, [t.loss.item()], step)
+    out = timed(t, args, device, step, prepare=lambda: state.update(graph=capture(t)))
     del state["graph"]
     t.close()
     return out
 
 
-def timed(t, args, device, losses, step):
-    """Steps 2..N: mean step time, peak memory, and the peak above what was
-    allocated before them (the persistent weights, optimizer state and data),
-    both with the library's own device memory (workspaces, pages) added."""
+def timed(t, args, device, step, prepare=None):
+    """The losses of step 1 (done) and steps 2..N; their mean step time; the
+    peak memory from step 2 on, and that peak above what was allocated before
+    it (the persistent weights, optimizer state and data), both with the
+    library's own device memory (workspaces, pages) added. prepare (the
+    capture) runs first: it counts in the memory (a graph's private pool),
+    not in the time."""
+    losses = [t.loss.item()]
     base = 0
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+    if prepare:
+        prepare()
     t0 = time.perf_counter()
     for _ in range(args.steps - 1):
         step()
@@ -282,19 +292,21 @@ def main():
                                         "step_peak_mib": step_peak / 2 ** 20}
     ok = True
     print(f"{'mode':>6} {'layer':>14} | {'step ms':>8} | {'peak MiB':>9} | {'step MiB':>9} | "
-          f"loss first -> last | max rel. diff vs torch")
+          f"loss first -> last | rel. diff vs torch: step 1, max")
     for (kind, graphed), r in results.items():
         base = results[("torch", graphed)]["losses"]
-        diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], base))
-        ok &= diff < 2e-2 or kind == "torch_capacity"  # it may drop rows: not the same layer
-        r["max_rel_loss_diff_vs_torch"] = diff
+        diffs = [abs(a - b) / abs(b) for a, b in zip(r["losses"], base)]
+        # the static-capacity layer may drop rows: not the same layer, its drift is shown, not checked
+        ok &= kind == "torch_capacity" or (diffs[0] < FIRST_STEP_RTOL and max(diffs) < DRIFT_RTOL)
+        r["rel_loss_diff_vs_torch_step1"], r["max_rel_loss_diff_vs_torch"] = diffs[0], max(diffs)
         name = {"torch": "torch", "torch_capacity": f"torch cap {CAPACITY_FACTOR:g}"}.get(kind, f"moestash {kind}")
         print(f"{'graph' if graphed else 'eager':>6} {name:>14} | {r['step_ms']:>8.2f} | {r['peak_mib']:>9.1f} | "
               f"{r['step_peak_mib']:>9.1f} | "
-              f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} | {diff:.2e}")
+              f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} | {diffs[0]:.2e}, {max(diffs):.2e}")
     print("peak MiB: torch.cuda.max_memory_allocated + the library's own; step MiB: that peak above the memory "
-          "held before the timed steps (weights, optimizer state, data)")
-    print("losses agree within bf16 tolerance (2e-2 relative): " + ("yes" if ok else "NO"))
+          "held before step 2 (weights, optimizer state, data), the graph's pool included")
+    print(f"losses agree with torch (step 1 within {FIRST_STEP_RTOL:g}, every step within {DRIFT_RTOL:g} relative): "
+          + ("yes" if ok else "NO"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(device), "shape": vars(args),

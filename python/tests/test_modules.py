@@ -125,3 +125,22 @@ def test_step_graph_dies_with_its_outputs(device, policy, delay):
     if delay:
         lin.backward_dw()
         mlp.backward_dw()
+
+
+def test_library_memory(device):
+    """The library's own memory (workspaces, stash pages), which torch's
+    allocator does not see, is reported for the device however it is named."""
+    torch.manual_seed(0)
+    manager = mt.StashManager(page_rows=8)
+    mlp = mt.GroupedMLP(E, H, F, policy="stash", stash_manager=manager, device=device)
+    x, c, p = inputs(device, 8)
+    manager.step_begin()
+    mlp(x.clone().requires_grad_(), c, p).float().sum().backward()
+    assert manager.step_check()
+    names = [device, str(device)]  # cuda: "cuda" and cuda:<current> name one device
+    if device.type == "cuda":
+        names.append(torch.device("cuda", torch.cuda.current_device()))
+    in_use, peak = mt.library_memory(device)
+    pool_bytes = sum(r["pages"] * r["page_bytes"] for r in manager.report())
+    assert peak >= in_use >= pool_bytes > 0
+    assert all(mt.library_memory(n) == (in_use, peak) for n in names)

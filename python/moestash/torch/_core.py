@@ -72,11 +72,17 @@ _contexts = {}
 _lock = threading.Lock()
 
 
-def context(device):
-    """The shared context of a torch device, created on first use."""
+def _canonical(device):
+    """torch.device(device), cuda with its index (cuda -> cuda:<current>)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def context(device):
+    """The shared context of a torch device, created on first use."""
+    device = _canonical(device)
     with _lock:
         ctx = _contexts.get(device)
         if ctx is None:
@@ -88,7 +94,7 @@ def library_memory(device):
     """(in use, peak) bytes the library allocated itself on `device` (its
     workspaces, stash pages): memory torch.cuda.max_memory_allocated does
     not see."""
-    ctx = _contexts.get(torch.device(device))
+    ctx = _contexts.get(_canonical(device))
     if ctx is None:
         return 0, 0
     in_use, peak = ctypes.c_size_t(), ctypes.c_size_t()
