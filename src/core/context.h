@@ -78,9 +78,9 @@ mst_status mst_check_pages(const mst_pages* pg, const char* name);
 /* Scratch of at least n_bytes in *ws, grown (never shrunk) on demand. */
 mst_status mst_workspace(mst_ctx_t* ctx, mst_ws* ws, size_t n_bytes, void** out);
 
-/* Exclusive prefix sum of host-readable counts into off [E+1]. Returns
- * MST_ERR_COUNTS (message naming the group) when a count is negative or the
- * sum passes max_rows. */
+/* The counts contract (backend/counts.h) on host-readable counts: the
+ * offsets into off [E+1], or MST_ERR_COUNTS (message naming the group) when
+ * a count is negative or the sum passes max_rows. */
 mst_status mst_counts_offsets(const int32_t* counts, int32_t n_groups, int64_t max_rows,
                               int64_t* off);
 

@@ -5,6 +5,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 
+#include "../backend/counts.h"
 #include "context.h"
 
 static _Thread_local char last_error[512];
@@ -72,15 +73,15 @@ mst_status mst_check_pages(const mst_pages* pg, const char* name) {
 
 mst_status mst_counts_offsets(const int32_t* counts, int32_t n_groups, int64_t max_rows,
                               int64_t* off) {
-    off[0] = 0;
-    for (int32_t g = 0; g < n_groups; g++) {
+    if (mst_counts_total(counts, n_groups, max_rows, off) != MST_COUNTS_BAD) return MST_OK;
+    for (int32_t g = 0; g < n_groups; g++) { /* the message names the first culprit */
         if (counts[g] < 0)
             return mst_set_error(MST_ERR_COUNTS, "counts[%d] = %d is negative", g, counts[g]);
-        off[g + 1] = off[g] + counts[g];
         if (off[g + 1] > max_rows)
             return mst_set_error(MST_ERR_COUNTS,
                                  "counts sum to %lld by group %d, past max_rows = %lld",
                                  (long long)off[g + 1], g, (long long)max_rows);
     }
-    return MST_OK;
+    MST_ASSERT(!"mst_counts_total and its explanation disagree");
+    return MST_ERR_COUNTS;
 }

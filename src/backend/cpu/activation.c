@@ -12,22 +12,12 @@
 #include "../activation_math.h"
 #include "cpu_ops.h"
 
-/* off [E+1] from the counts; bad counts raise the context's flag. */
-static mst_status act_offsets(mst_ctx_t* ctx, const mst_act_args* a, int64_t** off) {
-    *off = (int64_t*)malloc(sizeof(int64_t) * ((size_t)a->n_groups + 1));
-    if (!*off) return mst_set_error(MST_ERR_OOM, "cpu scratch (offsets)");
-    mst_status st = mst_counts_offsets(a->counts, a->n_groups, a->max_rows, *off);
-    if (st == MST_ERR_COUNTS) *ctx->err_flag |= MST_FLAG_COUNTS;
-    if (st != MST_OK) free(*off);
-    return st;
-}
-
 /* Element c of an h row (NULL: zeros). */
 static float h_value(const uint16_t* h, int64_t c) { return h ? mst_bf16_to_fp32(h[c]) : 0.0f; }
 
 mst_status mst_cpu_act_forward(mst_ctx_t* ctx, const mst_act_args* a) {
     int64_t* off;
-    MST_TRY(act_offsets(ctx, a, &off));
+    MST_TRY(mst_cpu_offsets(ctx, a->counts, a->n_groups, a->max_rows, &off));
     const int64_t F = a->ffn, n = off[a->n_groups];
     const mst_act_param q = mst_act_param_make(a->act, a->limit, a->alpha);
     for (int64_t r = 0; r < n; r++) {
@@ -57,7 +47,7 @@ static float bias_term(const mst_act_args* a, int64_t r, int32_t g) {
 
 mst_status mst_cpu_act_backward(mst_ctx_t* ctx, const mst_act_args* a) {
     int64_t* off;
-    MST_TRY(act_offsets(ctx, a, &off));
+    MST_TRY(mst_cpu_offsets(ctx, a->counts, a->n_groups, a->max_rows, &off));
     const int64_t F = a->ffn;
     const mst_act_param q = mst_act_param_make(a->act, a->limit, a->alpha);
     for (int32_t g = 0; g < a->n_groups; g++) {

@@ -23,8 +23,9 @@ mst_status mst_cpu_stash_restore(mst_ctx_t* ctx, const mst_stash_args* a);
 mst_status mst_cpu_host_alloc(mst_ctx_t* ctx, size_t n_bytes, void** out);
 void mst_cpu_host_free(mst_ctx_t* ctx, void* ptr);
 
-/* Sets the context's error flag and returns MST_ERR_COUNTS when counts are
- * bad; fills off [E+1] otherwise. */
-mst_status mst_cpu_offsets(mst_ctx_t* ctx, const mst_gl_args* a, int64_t* off);
+/* The offsets [E+1] of counts [E] in *off (malloc'd: the caller frees it),
+ * or, for bad counts, MST_ERR_COUNTS with the context's flag raised. */
+mst_status mst_cpu_offsets(mst_ctx_t* ctx, const int32_t* counts, int32_t n_groups, int64_t max_rows,
+                           int64_t** off);
 
 #endif

@@ -11,9 +11,16 @@
 #include "../../core/context.h"
 #include "cpu_ops.h"
 
-mst_status mst_cpu_offsets(mst_ctx_t* ctx, const mst_gl_args* a, int64_t* off) {
-    mst_status st = mst_counts_offsets(a->counts, a->n_groups, a->max_rows, off);
+mst_status mst_cpu_offsets(mst_ctx_t* ctx, const int32_t* counts, int32_t n_groups, int64_t max_rows,
+                           int64_t** off) {
+    *off = (int64_t*)malloc(sizeof(int64_t) * ((size_t)n_groups + 1));
+    if (!*off) return mst_set_error(MST_ERR_OOM, "cpu scratch (offsets)");
+    mst_status st = mst_counts_offsets(counts, n_groups, max_rows, *off);
     if (st == MST_ERR_COUNTS) *ctx->err_flag |= MST_FLAG_COUNTS;
+    if (st != MST_OK) {
+        free(*off);
+        *off = NULL;
+    }
     return st;
 }
 
@@ -34,13 +41,7 @@ static void scratch_free(gl_scratch* s) {
 
 static mst_status scratch_make(mst_ctx_t* ctx, const mst_gl_args* a, gl_scratch* s) {
     memset(s, 0, sizeof *s);
-    s->off = (int64_t*)malloc(sizeof(int64_t) * ((size_t)a->n_groups + 1));
-    if (!s->off) return mst_set_error(MST_ERR_OOM, "cpu scratch (offsets)");
-    mst_status st = mst_cpu_offsets(ctx, a, s->off);
-    if (st != MST_OK) {
-        scratch_free(s);
-        return st;
-    }
+    MST_TRY(mst_cpu_offsets(ctx, a->counts, a->n_groups, a->max_rows, &s->off));
     int64_t n = s->off[a->n_groups] > 0 ? s->off[a->n_groups] : 1;
     size_t width = (size_t)(a->in > a->out ? a->in : a->out);
     s->rows_a = (float*)malloc(sizeof(float) * (size_t)n * width);

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "../../core/context.h"
+#include "../counts.h"
 #include "cpu_ops.h"
 
 mst_status mst_cpu_host_alloc(mst_ctx_t* ctx, size_t n_bytes, void** out) {
@@ -29,16 +30,6 @@ mst_status mst_cpu_stash_reset(mst_ctx_t* ctx, const mst_stash_args* a) {
     return MST_OK;
 }
 
-/* sum(counts), or -1 when a count is negative or the sum passes src_rows. */
-static int64_t counts_sum(const mst_stash_args* a) {
-    int64_t n = 0;
-    for (int32_t g = 0; g < a->n_groups; g++) {
-        if (a->counts[g] < 0) return -1;
-        n += a->counts[g];
-    }
-    return n <= a->src_rows ? n : -1;
-}
-
 /* Rows [0, n) between the contiguous buffer `rows` and the handle's pages. */
 static void copy_pages(const mst_stash_args* a, char* rows, int64_t n, int to_pages) {
     const uint32_t* table = a->table;
@@ -58,7 +49,8 @@ static mst_status bad_state(const mst_stash_args* a, const char* what) {
 
 mst_status mst_cpu_stash_save(mst_ctx_t* ctx, const mst_stash_args* a) {
     mst_plan p;
-    mst_reserve_plan(a->st, a->hs, a->cap, a->page_rows, a->max_rows, counts_sum(a), &p);
+    mst_reserve_plan(a->st, a->hs, a->cap, a->page_rows, a->max_rows,
+                     mst_counts_total(a->counts, a->n_groups, a->src_rows, NULL), &p);
     if (p.outcome == MST_RESERVE_TAKEN) mst_ring_move(a->ring, a->cap, p.pos, p.take, a->table, 0, 0, 1);
     mst_table_void(&p, a->table, a->max_pages, 0, 1);
     mst_reserve_commit(a->st, a->hs, a->cap, &p, a->handle_id);

@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "../activation_math.h"
+#include "counts.cuh"
 #include "cuda_common.cuh"
 #include "cuda_ops.h"
 
@@ -23,48 +24,17 @@
 #define ACT_WARPS (ACT_THREADS / 32)
 #define ACT_MAX_E 2048 /* offsets in shared memory: 16 KiB */
 
-/* off [E+1] of the counts into s_off; returns n = off[E], or -1 (flag raised
- * by block 0) when a count is negative or the sum passes R. */
+/* off [E+1] of the counts into s_off (mst_block_counts); returns n = off[E],
+ * or -1 (flag raised by block 0) when a count is negative or the sum passes R. */
 __device__ int64_t act_block_offsets(const int32_t* __restrict__ counts, int E, int64_t R,
                                      int64_t* s_off, int32_t* flag) {
-    __shared__ int64_t s_part[ACT_WARPS];
-    __shared__ int s_bad;
-    const int t = threadIdx.x, lane = t & 31, w = t >> 5;
-    if (t == 0) s_bad = 0;
-    const int per = (E + ACT_THREADS - 1) / ACT_THREADS;
-    const int g0 = min(t * per, E), g1 = min(g0 + per, E);
-    int64_t local = 0;
-    int bad = 0;
-    for (int g = g0; g < g1; g++) {
-        int32_t c = counts[g];
-        bad |= c < 0;
-        local += c;
-    }
-    int64_t incl = local; /* inclusive scan over the warp */
-    for (int o = 1; o < 32; o <<= 1) {
-        int64_t v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-    }
-    if (lane == 31) s_part[w] = incl;
-    __syncthreads();
-    if (bad) s_bad = 1;
-    int64_t base = 0;
-    for (int i = 0; i < w; i++) base += s_part[i];
-    int64_t run = base + incl - local;
-    for (int g = g0; g < g1; g++) {
-        s_off[g] = run;
-        run += counts[g];
-    }
-    if (t == ACT_THREADS - 1) s_off[E] = base + incl;
-    __syncthreads();
-    const int64_t n = s_off[E];
-    if (s_bad || n > R) {
-        if (blockIdx.x == 0 && t == 0) mst_dev_flag(flag, MST_FLAG_COUNTS);
+    const int64_t n = mst_block_counts(counts, E, R, s_off);
+    if (n == MST_COUNTS_BAD) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) mst_dev_flag(flag, MST_FLAG_COUNTS);
         return -1;
     }
     return n;
 }
-
 
 /* V consecutive bf16 <-> fp32; V = 8 is one 16-byte access. */
 template <int V>

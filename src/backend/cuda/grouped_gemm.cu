@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "counts.cuh"
 #include "cuda_ops.h"
 #include "grouped_gemm.cuh"
 
@@ -53,24 +54,21 @@ __device__ __forceinline__ int32_t group_tiles(int32_t count, int32_t rows_tile,
     return count > 0 || include_empty ? tiles_fixed : 0;
 }
 
-/* One block: validate counts, offsets, order groups by rows (largest first,
- * ties by index: deterministic), tile offsets, reset the tile counter. */
+/* One block: validate counts (mst_block_counts), offsets, order groups by
+ * rows (largest first, ties by index: deterministic), tile offsets, reset
+ * the tile counter. */
 __global__ void schedule_kernel(const int32_t* counts, int32_t n_groups, int64_t max_rows,
                                 int32_t rows_tile, int32_t tiles_fixed, int include_empty,
                                 gg_sched s, int32_t* err_flag) {
     extern __shared__ int32_t sh[]; /* cnt [E], work [E] */
     int32_t* cnt = sh;
     int32_t* work = sh + n_groups;
-    __shared__ int bad;
-    if (threadIdx.x == 0) bad = 0;
-    __syncthreads();
     for (int g = threadIdx.x; g < n_groups; g += blockDim.x) {
         int32_t c = counts[g];
         cnt[g] = c;
         work[g] = group_tiles(c, rows_tile, tiles_fixed, include_empty);
-        if (c < 0) bad = 1;
     }
-    __syncthreads();
+    const int ok = mst_block_counts(counts, n_groups, max_rows, NULL) != MST_COUNTS_BAD; /* syncs the block */
     for (int g = threadIdx.x; g < n_groups; g += blockDim.x) {
         int rank = 0;
         for (int h = 0; h < n_groups; h++) /* by rows: the tile count or the K length */
@@ -79,11 +77,10 @@ __global__ void schedule_kernel(const int32_t* counts, int32_t n_groups, int64_t
     }
     __syncthreads(); /* order visible to warp 0 (global writes of this block) */
     if (threadIdx.x < 32) {
-        int64_t total = warp_prefix(n_groups, [&](int g) { return (int64_t)cnt[g]; }, s.off);
+        warp_prefix(n_groups, [&](int g) { return (int64_t)cnt[g]; }, s.off);
         int32_t tiles = (int32_t)warp_prefix(
             n_groups, [&](int i) { return (int64_t)work[s.order[i]]; }, s.tile_off);
         if (threadIdx.x == 0) {
-            int ok = !bad && total <= max_rows;
             if (!ok) mst_dev_flag(err_flag, MST_FLAG_COUNTS);
             s.hdr[GG_H_TILES] = ok ? tiles : 0;
             s.hdr[GG_H_NEXT] = s.hdr[GG_H_NEXT + 1] = 0;

@@ -9,6 +9,7 @@
  * (grouped_gemm_wgmma.cu) takes over the large ones.
  */
 #include "grouped_gemm.cuh"
+#include "ptx.cuh"
 
 namespace {
 
@@ -31,18 +32,6 @@ struct smem_tile {
 template <bool KMAJOR, int MN>
 using op_tile = smem_tile<KMAJOR ? MN : BK, KMAJOR ? BK : MN>;
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
-                 "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
 /* Loads rows [r0, r0 + ROWS) x cols [c0, c0 + COLS) of a row-major bf16
  * matrix (pitch ld) into a padded smem tile; elements with row >= r_lim or
  * col >= c_lim become zero and are not read. vec: rows and base are 16-byte
@@ -63,7 +52,7 @@ __device__ __forceinline__ void load_tile(uint16_t* dst, const uint16_t* src, in
         const uint16_t* s = src + (int64_t)(row_in ? gr : 0) * ld + gc;
         if (vec) {
             bool in = row_in && gc < c_lim;
-            cp_async16(d, in ? s : src, in ? 16 : 0);
+            mst_cp_async16(d, in ? s : src, in ? 16 : 0);
         } else {
 #pragma unroll
             for (int j = 0; j < 8; j++) d[j] = row_in && gc + j < c_lim ? s[j] : (uint16_t)0;
@@ -74,12 +63,12 @@ __device__ __forceinline__ void load_tile(uint16_t* dst, const uint16_t* src, in
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const uint16_t* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(p)));
+                 : "r"(mst_smem_u32(p)));
 }
 __device__ __forceinline__ void ldmatrix_x4_t(uint32_t (&r)[4], const uint16_t* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(p)));
+                 : "r"(mst_smem_u32(p)));
 }
 
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
@@ -167,16 +156,16 @@ __global__ void __launch_bounds__(THREADS) mma_kernel(const gg_problem p, const 
 #pragma unroll
         for (int st = 0; st < GG_STAGES - 1; st++) {
             if (st < nk) load_stage<OP>(p, t, a, b, sa + st * A_ELEMS, sb + st * B_ELEMS, st * BK);
-            cp_async_commit();
+            mst_cp_async_commit();
         }
         for (int kt = 0; kt < nk; kt++) {
-            cp_async_wait<GG_STAGES - 2>();
+            mst_cp_async_wait<GG_STAGES - 2>();
             __syncthreads(); /* stage kt landed; stage kt-1 is free */
             int ld = kt + GG_STAGES - 1;
             if (ld < nk)
                 load_stage<OP>(p, t, a, b, sa + (ld % GG_STAGES) * A_ELEMS,
                                sb + (ld % GG_STAGES) * B_ELEMS, ld * BK);
-            cp_async_commit();
+            mst_cp_async_commit();
             const uint16_t* ta = sa + (kt % GG_STAGES) * A_ELEMS;
             const uint16_t* tb = sb + (kt % GG_STAGES) * B_ELEMS;
 #pragma unroll
@@ -193,7 +182,7 @@ __global__ void __launch_bounds__(THREADS) mma_kernel(const gg_problem p, const 
                         mma_bf16(acc[i][j], fa[i], fb[j / 2][(j & 1) * 2], fb[j / 2][(j & 1) * 2 + 1]);
             }
         }
-        cp_async_wait<0>();
+        mst_cp_async_wait<0>();
 
         const int m = t.m0 + wm + (lane >> 2), n = t.n0 + wn + (lane & 3) * 2;
         if (OP == GG_WGRAD && p.accumulate) { /* all old main_grad values first */

@@ -30,6 +30,7 @@
 #include <cuda.h>
 
 #include "grouped_gemm.cuh"
+#include "ptx.cuh"
 
 namespace {
 
@@ -50,68 +51,6 @@ struct layout {
     static constexpr int A_MN = OP == GG_WGRAD; /* A is M-major (transposed) */
     static constexpr int B_MN = OP != GG_FWD;   /* B is N-major (transposed) */
 };
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-/* ---- mbarriers ---- */
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-    asm volatile(
-        "{\n.reg .pred done;\nwait_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra wait_%=;\n}\n" ::"r"(smem_u32(bar)),
-        "r"(parity)
-        : "memory");
-}
-
-/* ---- TMA ---- */
-__device__ __forceinline__ void tma_2d(void* dst, const CUtensorMap* map, int c0, int c1, uint64_t* bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
-            smem_u32(dst)),
-        "l"(map), "r"(c0), "r"(c1), "r"(smem_u32(bar))
-        : "memory");
-}
-__device__ __forceinline__ void tma_3d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, uint64_t* bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(
-            smem_u32(dst)),
-        "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
-        : "memory");
-}
-
-/* Shared chunk -> the box of C at (col c0, row c1, group c2): store, or
- * reduce-add; completion tracked by this thread's bulk groups. */
-__device__ __forceinline__ void tma_out(const CUtensorMap* map, const void* src, int c0, int c1, int c2, int add) {
-    if (add)
-        asm volatile(
-            "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(map),
-            "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(src))
-            : "memory");
-    else
-        asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(map),
-                     "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(src))
-                     : "memory");
-    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-}
-/* Waits until at most N of this thread's bulk groups still read shared memory. */
-template <int N>
-__device__ __forceinline__ void bulk_wait_read() {
-    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
-}
-/* Waits until all of this thread's bulk groups are complete (writes done). */
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 /* ---- wgmma ---- */
 /* Shared-memory matrix descriptor, 128-byte swizzle: lbo / sbo in bytes. */
@@ -185,7 +124,7 @@ __device__ __forceinline__ void load_paged(uint8_t* sb, const CUtensorMap* mbd, 
     const int row = (int)((uint32_t)r0 & ((1u << pg.page_shift) - 1));
     const CUtensorMap* m = host ? mbh : mbd;
 #pragma unroll
-    for (int j = 0; j < BN / 64; j++) tma_3d(sb + j * BOX_BYTES, m, n0 + 64 * j, row, page, full);
+    for (int j = 0; j < BN / 64; j++) mst_tma_3d(sb + j * BOX_BYTES, m, n0 + 64 * j, row, page, full);
 }
 
 /* The producer's loads of k-block k0 of tile t into one stage. */
@@ -193,15 +132,15 @@ template <int OP>
 __device__ __forceinline__ void load_stage(const CUtensorMap* ma, const CUtensorMap* mb, const CUtensorMap* mbh,
                                            const gg_paged& pg, uint32_t page, const gg_tile& t, int k0,
                                            uint8_t* sa, uint8_t* sb, uint64_t* full) {
-    mbar_expect_tx(full, A_BYTES + B_BYTES);
+    mst_mbar_expect_tx(full, A_BYTES + B_BYTES);
     if (OP == GG_WGRAD) { /* A: dy rows [row0 + k0, +BK) x cols [m0, m0 + BM), two boxes */
-        tma_2d(sa, ma, t.m0, t.row0 + k0, full);
-        tma_2d(sa + BOX_BYTES, ma, t.m0 + 64, t.row0 + k0, full);
+        mst_tma_2d(sa, ma, t.m0, t.row0 + k0, full);
+        mst_tma_2d(sa + BOX_BYTES, ma, t.m0 + 64, t.row0 + k0, full);
     } else { /* A: rows [row0 + m0, +BM) x K [k0, +BK), one box */
-        tma_2d(sa, ma, k0, t.row0 + t.m0, full);
+        mst_tma_2d(sa, ma, k0, t.row0 + t.m0, full);
     }
     if (OP == GG_FWD) { /* B: W[g] rows [n0, +BN) x K [k0, +BK), one box */
-        tma_3d(sb, mb, k0, t.n0, t.g, full);
+        mst_tma_3d(sb, mb, k0, t.n0, t.g, full);
     } else {
         if (OP == GG_WGRAD && pg.table) { /* x rows from pages: the k-block lies in one page */
             load_paged(sb, mb, mbh, pg, page, t.row0 + k0, t.n0, full);
@@ -209,8 +148,8 @@ __device__ __forceinline__ void load_stage(const CUtensorMap* ma, const CUtensor
         }
 #pragma unroll
         for (int j = 0; j < BN / 64; j++) {
-            if (OP == GG_DGRAD) tma_3d(sb + j * BOX_BYTES, mb, t.n0 + 64 * j, k0, t.g, full); /* W[g] [O][I] */
-            else tma_2d(sb + j * BOX_BYTES, mb, t.n0 + 64 * j, t.row0 + k0, full);          /* x rows */
+            if (OP == GG_DGRAD) mst_tma_3d(sb + j * BOX_BYTES, mb, t.n0 + 64 * j, k0, t.g, full); /* W[g] [O][I] */
+            else mst_tma_2d(sb + j * BOX_BYTES, mb, t.n0 + 64 * j, t.row0 + k0, full);          /* x rows */
         }
     }
 }
@@ -226,7 +165,7 @@ __device__ __forceinline__ void zero_rows(uint8_t* sa, uint8_t* sb, int lo, int 
         uint8_t* base = box < 2 ? sa + box * BOX_BYTES : sb + (box - 2) * BOX_BYTES;
         *(uint4*)(base + (row < lo ? row : hi + row - lo) * ROW_BYTES + (rem % 8) * 16) = make_uint4(0, 0, 0, 0);
     }
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    mst_fence_proxy_async();
     asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory");
 }
 
@@ -237,7 +176,7 @@ __device__ __forceinline__ void zero_rows(uint8_t* sa, uint8_t* sb, int lo, int 
 __device__ __forceinline__ void zero_head(uint8_t* sa, int lo, int cw, int wt) {
     for (int i = wt; i < lo * (int)(ROW_BYTES / 16); i += 128)
         *(uint4*)(sa + cw * BOX_BYTES + (i / 8) * ROW_BYTES + (i % 8) * 16) = make_uint4(0, 0, 0, 0);
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    mst_fence_proxy_async();
     asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
 }
 
@@ -325,15 +264,15 @@ struct out_ring {
     int n, cw, wt;
 };
 __device__ __forceinline__ uint8_t* chunk_begin(out_ring& o) {
-    if (o.wt == 0) bulk_wait_read<C_BUFS - 1>();
+    if (o.wt == 0) mst_bulk_wait_read<C_BUFS - 1>();
     asm volatile("bar.sync %0, 128;\n" ::"r"(2 + o.cw) : "memory");
     return o.buf + (o.n % C_BUFS) * C_BYTES;
 }
 __device__ __forceinline__ void chunk_end(out_ring& o, const CUtensorMap* map, const uint8_t* chunk, int c0, int c1,
                                           int c2, int add) {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    mst_fence_proxy_async();
     asm volatile("bar.sync %0, 128;\n" ::"r"(2 + o.cw) : "memory");
-    if (o.wt == 0) tma_out(map, chunk, c0, c1, c2, add);
+    if (o.wt == 0) mst_tma_out_3d(map, chunk, c0, c1, c2, add);
     o.n++;
 }
 
@@ -397,14 +336,14 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         for (int i = 0; i < STAGES; i++) {
-            mbar_init(&full[i], 1);
-            mbar_init(&empty[i], CONSUMERS / 32); /* one arrival per consumer warp */
+            mst_mbar_init(&full[i], 1);
+            mst_mbar_init(&empty[i], CONSUMERS / 32); /* one arrival per consumer warp */
         }
         for (int i = 0; i < TSLOTS; i++) {
-            mbar_init(&tp.full[i], 1);
-            mbar_init(&tp.empty[i], CONSUMERS / 32);
+            mst_mbar_init(&tp.full[i], 1);
+            mst_mbar_init(&tp.empty[i], CONSUMERS / 32);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        mst_mbar_init_fence();
     }
     __syncthreads();
     const int32_t n_tiles = s.hdr[GG_H_TILES];
@@ -417,16 +356,16 @@ __global__ void __launch_bounds__(THREADS, 1)
         uint32_t ph = 0, tph = 0;
         for (;;) {
             const int32_t ti = gg_next_tile(s, n_tiles, from_back);
-            mbar_wait(&tp.empty[ts], tph ^ 1);
+            mst_mbar_wait(&tp.empty[ts], tph ^ 1);
             tp.id[ts] = ti;
-            mbar_arrive(&tp.full[ts]);
+            mst_mbar_arrive(&tp.full[ts]);
             if (++ts == TSLOTS) ts = 0, tph ^= 1;
             if (ti < 0) break;
             gg_tile t = gg_decode(p, s, ti, BM, BN);
             if (OP == GG_WGRAD) gg_align_k(t);
             for (int k0 = 0; k0 < t.k_len; k0 += BK) {
                 const uint32_t page = OP == GG_WGRAD && pg.table ? lookup_page(pg, t.row0 + k0) : 0;
-                mbar_wait(&empty[st], ph ^ 1);
+                mst_mbar_wait(&empty[st], ph ^ 1);
                 load_stage<OP>(&map_a, &map_b, &map_bh, pg, page, t, k0, sa + st * A_BYTES, sb + st * B_BYTES,
                                &full[st]);
                 if (++st == STAGES) st = 0, ph ^= 1;
@@ -444,10 +383,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     int st = 0, ts = 0;
     uint32_t ph = 0, tph = 0;
     for (;;) {
-        mbar_wait(&tp.full[ts], tph);
+        mst_mbar_wait(&tp.full[ts], tph);
         const int32_t ti = tp.id[ts];
         __syncwarp();
-        if (lane == 0) mbar_arrive(&tp.empty[ts]);
+        if (lane == 0) mst_mbar_arrive(&tp.empty[ts]);
         if (++ts == TSLOTS) ts = 0, tph ^= 1;
         if (ti < 0) break;
         gg_tile t = gg_decode(p, s, ti, BM, BN);
@@ -459,31 +398,31 @@ __global__ void __launch_bounds__(THREADS, 1)
         fence_acc(acc);
         int prev = -1;
         for (int kb = 0; kb < nk; kb++) {
-            mbar_wait(&full[st], ph);
+            mst_mbar_wait(&full[st], ph);
             uint8_t* a = sa + st * A_BYTES;
             uint8_t* b = sb + st * B_BYTES;
             const int lo = kb ? 0 : head, hi = min(t.k_len - kb * BK, BK);
             if (OP == GG_WGRAD && hi < BK) zero_rows(a, b, lo, hi, ct);
             else if (OP == GG_WGRAD && lo > 0) zero_head(a, lo, cw, ct & 127);
             wgmma_fence();
-            mma_block<OP>(acc, smem_u32(a), smem_u32(b), cw);
+            mma_block<OP>(acc, mst_smem_u32(a), mst_smem_u32(b), cw);
             wgmma_commit();
             wgmma_wait<1>(); /* the previous stage's MMAs are done: hand it back */
             fence_acc(acc);
-            if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+            if (prev >= 0 && lane == 0) mst_mbar_arrive(&empty[prev]);
             prev = st;
             if (++st == STAGES) st = 0, ph ^= 1;
         }
         wgmma_wait<0>();
         fence_acc(acc);
-        if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+        if (prev >= 0 && lane == 0) mst_mbar_arrive(&empty[prev]);
         /* forward / dgrad rows past the group's count must not be written:
          * a warpgroup with such rows stores from registers, masked */
         const int staged = OP == GG_WGRAD || (p.staged_out && t.m0 + 64 * (cw + 1) <= t.m_lim);
         if (staged) epilogue_tma<OP>(p, &map_c, t, acc, fb, out);
         else epilogue<OP>(p, t, acc, fb, cw, ct & 127);
     }
-    if ((ct & 127) == 0) bulk_wait_all(); /* staging buffers read, C written */
+    if ((ct & 127) == 0) mst_bulk_wait_all(); /* staging buffers read, C written */
 }
 
 /* ---- host ---- */

@@ -34,8 +34,10 @@
  * (page_table.h). Host pages are pinned, mapped host memory that the
  * copy kernels write and read over PCIe.
  */
+#include "counts.cuh"
 #include "cuda_common.cuh"
 #include "cuda_ops.h"
+#include "ptx.cuh"
 
 namespace {
 
@@ -54,40 +56,14 @@ constexpr int kStages = 12;        /* bulk copies in flight per block:
                                       192 KiB of shared memory, one block
                                       per SM                               */
 
-/* Sum of counts [E]; *bad = a negative count was seen. Block-wide result. */
-__device__ int64_t block_counts_sum(const int32_t* counts, int32_t n_groups, int* bad) {
-    __shared__ unsigned long long s_sum;
-    __shared__ int s_bad;
-    if (threadIdx.x == 0) s_sum = 0, s_bad = 0;
-    __syncthreads();
-    long long part = 0;
-    int neg = 0;
-    for (int32_t g = threadIdx.x; g < n_groups; g += blockDim.x) {
-        const int32_t c = counts[g];
-        neg |= c < 0;
-        part += c;
-    }
-    for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-    neg = __any_sync(0xffffffffu, neg);
-    if ((threadIdx.x & 31) == 0) {
-        atomicAdd(&s_sum, (unsigned long long)part);
-        if (neg) s_bad = 1;
-    }
-    __syncthreads();
-    *bad = s_bad;
-    return (int64_t)s_sum;
-}
-
 /* Every thread of a save's block: the plan, computed by thread 0 on copies
  * of the state loaded while the block sums the counts. */
 __device__ void block_plan(const mst_stash_args& a, mst_plan* s_plan) {
     mst_pool_state st;
     mst_handle_state hs;
     if (threadIdx.x == 0) st = *a.st, hs = *a.hs;
-    int bad = 0;
-    const int64_t sum = block_counts_sum(a.counts, a.n_groups, &bad);
-    if (threadIdx.x == 0)
-        mst_reserve_plan(&st, &hs, a.cap, a.page_rows, a.max_rows, bad || sum > a.src_rows ? -1 : sum, s_plan);
+    const int64_t sum = mst_block_counts(a.counts, a.n_groups, a.src_rows, NULL); /* MST_COUNTS_BAD: -1 */
+    if (threadIdx.x == 0) mst_reserve_plan(&st, &hs, a.cap, a.page_rows, a.max_rows, sum, s_plan);
     __syncthreads();
 }
 
@@ -263,8 +239,6 @@ __global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
 /* ---- bulk copy: the copy engine of each SM (cp.async.bulk) moves chunks of
  * kChunk bytes through kStages slots of shared memory; lane 0 drives it. */
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
 typedef struct bulk_pipe {
     char* slot;    /* [kStages, kChunk] shared memory              */
     uint64_t* bar; /* [kStages] shared: slot i % kStages is loaded */
@@ -273,24 +247,17 @@ typedef struct bulk_pipe {
 /* Lane 0: chunk i of this block (global bytes `from`, `bytes` a multiple of
  * 16) into slot i % kStages. */
 __device__ void bulk_load(const bulk_pipe& q, uint32_t i, const char* from, uint32_t bytes) {
-    const uint32_t bar = smem_addr(&q.bar[i % kStages]);
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(smem_addr(q.slot + (size_t)(i % kStages) * kChunk)), "l"(from), "r"(bytes), "r"(bar)
-                 : "memory");
+    uint64_t* bar = &q.bar[i % kStages];
+    mst_mbar_expect_tx(bar, bytes);
+    mst_bulk_g2s(q.slot + (size_t)(i % kStages) * kChunk, from, bytes, bar);
 }
 
 /* Lane 0: until chunk i's load has landed (the (i / kStages)-th use of its slot). */
-__device__ void bulk_wait(const bulk_pipe& q, uint32_t i) {
-    asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}\n"
-                 ::"r"(smem_addr(&q.bar[i % kStages])), "r"((i / kStages) & 1u) : "memory");
-}
+__device__ void bulk_wait(const bulk_pipe& q, uint32_t i) { mst_mbar_wait(&q.bar[i % kStages], (i / kStages) & 1u); }
 
 /* Lane 0: chunk i from its slot to global bytes `to`, as one bulk group. */
 __device__ void bulk_store(const bulk_pipe& q, uint32_t i, char* to, uint32_t bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                 ::"l"(to), "r"(smem_addr(q.slot + (size_t)(i % kStages) * kChunk)), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    mst_bulk_s2g(to, q.slot + (size_t)(i % kStages) * kChunk, bytes);
 }
 
 /* Chunk c (bytes [c * kChunk, ...) of the rows) inside its page: a save
@@ -331,12 +298,12 @@ __device__ void bulk_run(const mst_stash_args& a, const bulk_pipe& q, const mst_
         bulk_store(q, i, RESTORE ? row_of(i) : page_of(i), chunk_bytes(i, bytes));
         const uint32_t next = i - 1 + kStages;
         if (i >= 1 && next < my) {
-            asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+            mst_bulk_wait_read<1>();
             bulk_load(q, next, RESTORE ? page_of(next) : row_of(next), chunk_bytes(next, bytes));
         }
     }
     for (uint32_t i = my; i < loaded; i++) bulk_wait(q, i); /* a save's first loads past its rows */
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    mst_bulk_wait_all();
 }
 
 /* The copy of copy_kernel by bulk copies, for 16-byte aligned rows whose
@@ -355,8 +322,8 @@ __global__ void __launch_bounds__(kWarpThreads, 1) bulk_kernel(mst_stash_args a)
     char* rows = RESTORE ? a.dst : (char*)a.src;
     const bool lead = threadIdx.x == 0, claim = !RESTORE && !a.src; /* a claim copies nothing */
     if (lead) {
-        for (int i = 0; i < kStages; i++) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[i])));
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        for (int i = 0; i < kStages; i++) mst_mbar_init(&bars[i], 1);
+        mst_fence_proxy_async();
     }
     uint32_t ticket = 0, loaded = 0;
     int64_t n;
