@@ -25,12 +25,15 @@
 
 #include "cli/args.h"
 #include "cli/cli.h"
+#include "core/rng.h"
 #include "moestash.h"
 #include "roof.h"
 
 #ifdef MST_HAVE_CUDA
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+
+#include "backend/cuda/cuda_ops.h" /* mst_cuda_gg_kernel */
 
 typedef struct gemm_shape {
     int64_t rows, in, out; /* T, I, O */
@@ -58,7 +61,7 @@ enum { OP_FWD, OP_DGRAD, OP_WGRAD, N_OPS };
 static const char* const op_names[N_OPS + 1] = {"forward", "dgrad", "wgrad", NULL};
 /* ours: the default kernel (TMA + wgmma on Hopper); ours_mma: the mma.sync
  * kernel; ours_regs: the wgmma kernel with forward / dgrad stored from
- * registers (wgrad is the same as ours); forced through MST_GG_KERNEL, for
+ * registers (wgrad is the same as ours); forced through mst_cuda_gg_kernel, for
  * the perf notes; ours_paged: wgrad only, x read in place from the pages of
  * a stash (64 rows per page), as the memory manager's STASH backward does. */
 enum { V_OURS, V_OURS_MMA, V_OURS_REGS, V_OURS_PAGED, V_LOOP, V_GROUPED, V_ROOF, N_VARIANTS };
@@ -93,17 +96,9 @@ typedef struct gemm_fig {
 
 /* ---- inputs --------------------------------------------------------------- */
 
-static uint64_t rng_next(uint64_t* s) { /* splitmix64 */
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-static double rng_unit(uint64_t* s) { return (double)(rng_next(s) >> 11) * 0x1.0p-53; }
-
 static uint16_t* random_block(uint64_t seed, double scale) {
     uint16_t* b = (uint16_t*)malloc(sizeof(uint16_t) * BLK);
-    for (int i = 0; i < BLK; i++) b[i] = mst_fp32_to_bf16((float)((2 * rng_unit(&seed) - 1) * scale));
+    for (int i = 0; i < BLK; i++) b[i] = mst_fp32_to_bf16((float)((2 * mst_splitmix_unit(&seed) - 1) * scale));
     return b;
 }
 
@@ -126,14 +121,14 @@ static void make_counts(int32_t* c, int E, int64_t T, int skewed, uint64_t seed)
     double* wt = (double*)malloc(sizeof(double) * E);
     double sum = 0;
     for (int g = 0; g < E; g++) {
-        wt[g] = skewed ? 1.0 / pow(g + 1.0, 1.2) : 0.95 + 0.1 * rng_unit(&seed);
+        wt[g] = skewed ? 1.0 / pow(g + 1.0, 1.2) : 0.95 + 0.1 * mst_splitmix_unit(&seed);
         sum += wt[g];
     }
     int64_t given = 0;
     for (int g = 0; g < E; g++) given += c[g] = (int32_t)floor((double)T * wt[g] / sum);
     for (int g = 0; given < T; g = (g + 1) % E, given++) c[g]++;
     for (int g = E - 1; g > 0; g--) {
-        int j = (int)(rng_next(&seed) % (uint64_t)(g + 1));
+        int j = (int)(mst_splitmix64(&seed) % (uint64_t)(g + 1));
         int32_t t = c[g];
         c[g] = c[j], c[j] = t;
     }
@@ -238,14 +233,13 @@ static int enqueue(bench_run* br) {
     if (is_ours(br->variant)) {
         mst_status st;
         if (br->variant == V_OURS_PAGED && br->op != OP_WGRAD) return 1; /* wgrad only */
-        if (variant_kernel[br->variant]) setenv("MST_GG_KERNEL", variant_kernel[br->variant], 1);
-        else unsetenv("MST_GG_KERNEL");
+        mst_cuda_gg_kernel(br->ctx, variant_kernel[br->variant]);
         if (br->op == OP_FWD) st = mst_grouped_linear_forward(br->ctx, &b->x, &b->w, NULL, NULL, &b->counts, &b->y);
         else if (br->op == OP_DGRAD) st = mst_grouped_linear_dgrad(br->ctx, &b->dy, &b->w, &b->counts, &b->dx);
         else
             st = mst_grouped_linear_wgrad(br->ctx, &b->dy, wgrad_x(br), NULL, NULL, &b->counts, &b->mg, NULL, NULL,
                                           MST_WGRAD_ACCUMULATE);
-        unsetenv("MST_GG_KERNEL");
+        mst_cuda_gg_kernel(br->ctx, NULL);
         if (st != MST_OK) fprintf(stderr, "bench gemm: ours %s: %s\n", op_names[br->op], mst_last_error());
         return st != MST_OK;
     }
@@ -343,10 +337,10 @@ static double check_variant(bench_run* br, uint64_t seed) {
     if (br->op == OP_WGRAD) {
         mst_fill(br->ctx, b->mg.data, is_ours(br->variant) ? 0xFF : 0, mst_tensor_bytes(&b->mg));
         if (is_ours(br->variant)) {
-            if (variant_kernel[br->variant]) setenv("MST_GG_KERNEL", variant_kernel[br->variant], 1);
+            mst_cuda_gg_kernel(br->ctx, variant_kernel[br->variant]);
             mst_status st = mst_grouped_linear_wgrad(br->ctx, &b->dy, wgrad_x(br), NULL, NULL, &b->counts, &b->mg,
                                                      NULL, NULL, MST_WGRAD_OVERWRITE);
-            unsetenv("MST_GG_KERNEL");
+            mst_cuda_gg_kernel(br->ctx, NULL);
             if (st != MST_OK) return INFINITY;
         } else if (enqueue(br))
             return INFINITY;
@@ -360,17 +354,17 @@ static double check_variant(bench_run* br, uint64_t seed) {
     for (int q = 0; q < 256; q++) {
         double ref = 0, got;
         if (br->op == OP_WGRAD) {
-            int g = (int)(rng_next(&seed) % (uint64_t)b->E);
-            int64_t o = (int64_t)(rng_next(&seed) % (uint64_t)b->O), i = (int64_t)(rng_next(&seed) % (uint64_t)b->I);
+            int g = (int)(mst_splitmix64(&seed) % (uint64_t)b->E);
+            int64_t o = (int64_t)(mst_splitmix64(&seed) % (uint64_t)b->O), i = (int64_t)(mst_splitmix64(&seed) % (uint64_t)b->I);
             for (int64_t r = b->off_h[g]; r < b->off_h[g + 1]; r++) ref += dyv(b, r, o) * xv(b, r, i);
             float v;
             mst_copy_b2h(br->ctx, &v, (float*)b->mg.data + ((int64_t)g * b->O + o) * b->I + i, 4);
             got = v;
         } else {
-            int64_t r = (int64_t)(rng_next(&seed) % (uint64_t)T);
+            int64_t r = (int64_t)(mst_splitmix64(&seed) % (uint64_t)T);
             int g = row_group(b, r);
             int64_t n = br->op == OP_FWD ? b->O : b->I;
-            int64_t c = (int64_t)(rng_next(&seed) % (uint64_t)n);
+            int64_t c = (int64_t)(mst_splitmix64(&seed) % (uint64_t)n);
             if (br->op == OP_FWD)
                 for (int64_t i = 0; i < b->I; i++) ref += xv(b, r, i) * wv(b, g, c, i);
             else

@@ -23,6 +23,7 @@
 #include "cli/args.h"
 #include "cli/cli.h"
 #include "core/context.h"
+#include "core/rng.h"
 #include "roof.h"
 
 #ifdef MST_HAVE_CUDA
@@ -63,13 +64,8 @@ typedef struct mlp_result {
 
 /* ---- small helpers ------------------------------------------------------- */
 
-static uint64_t lcg(uint64_t* s) {
-    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
-    return *s >> 33;
-}
-
 static double unit_normal(uint64_t* s) {
-    double u = ((double)lcg(s) + 1.0) / 2147483649.0, v = (double)lcg(s) / 2147483648.0;
+    double u = 1.0 - mst_splitmix_unit(s), v = mst_splitmix_unit(s); /* u in (0, 1] */
     return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
 }
 
@@ -84,10 +80,10 @@ static void make_counts(int32_t* counts, int E, int64_t rows, int skewed, uint64
     memset(counts, 0, sizeof(int32_t) * (size_t)E);
     for (int64_t i = 0; i < rows; i++) {
         if (!skewed) {
-            counts[lcg(&seed) % (uint64_t)E]++;
+            counts[mst_splitmix64(&seed) % (uint64_t)E]++;
             continue;
         }
-        const double u = (double)lcg(&seed) / 2147483648.0 * sum;
+        const double u = mst_splitmix_unit(&seed) * sum;
         int e = 0;
         while (e + 1 < E && cdf[e] <= u) e++;
         counts[e]++;
@@ -103,7 +99,7 @@ static mst_status fill_random(mst_ctx_t* ctx, void* dst, size_t n_bytes, double 
     unsigned char* h = (unsigned char*)malloc(CHUNK);
     if (!h) return mst_set_error(MST_ERR_OOM, "bench host pattern");
     for (size_t i = 0; i < CHUNK / 4; i++) {
-        if (fp32) ((float*)h)[i] = (float)(0.05 + 0.95 * (double)lcg(&seed) / 2147483648.0);
+        if (fp32) ((float*)h)[i] = (float)(0.05 + 0.95 * mst_splitmix_unit(&seed));
         else {
             ((uint16_t*)h)[2 * i] = mst_fp32_to_bf16((float)(unit_normal(&seed) * scale));
             ((uint16_t*)h)[2 * i + 1] = mst_fp32_to_bf16((float)(unit_normal(&seed) * scale));

@@ -23,6 +23,7 @@
 
 #include "cli/args.h"
 #include "cli/cli.h"
+#include "core/rng.h"
 #include "moestash.h"
 
 #ifdef MST_HAVE_CUDA
@@ -56,13 +57,6 @@ typedef struct bench_bufs {
     cudaEvent_t ev[3];
     int iters;
 } bench_bufs;
-
-static uint64_t splitmix(uint64_t* s) {
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
 
 static int cmp_double(const void* a, const void* b) {
     double x = *(const double*)a, y = *(const double*)b;
@@ -133,7 +127,7 @@ static int run_case(bench_bufs* b, const stash_case* c, stash_result* r) {
     int32_t counts[N_GROUPS];
     uint64_t seed = (uint64_t)c->rows * 31 + (uint64_t)c->width;
     memset(counts, 0, sizeof counts);
-    for (int64_t i = 0; i < c->rows; i++) counts[splitmix(&seed) % N_GROUPS]++;
+    for (int64_t i = 0; i < c->rows; i++) counts[mst_splitmix64(&seed) % N_GROUPS]++;
     const int64_t pages = (c->rows + MST_POOL_PAGE_ROWS - 1) / MST_POOL_PAGE_ROWS;
     mst_pool_config cfg = {MST_POOL_PAGE_ROWS, c->spill ? 0 : pages, c->spill ? pages : 0, 0}; /* all SMs: nothing runs beside */
     mst_pool_t* pool = NULL;
@@ -255,7 +249,7 @@ static int bench_bufs_open(bench_bufs* b, mst_ctx_t* ctx, size_t max_bytes, size
     if (!b->host || !b->back) return 0;
     uint64_t seed = 0x57a54;
     for (size_t i = 0; i + 8 <= max_bytes; i += 8) { /* random bits, never zeros */
-        uint64_t v = splitmix(&seed) | 0x0101010101010101ull;
+        uint64_t v = mst_splitmix64(&seed) | 0x0101010101010101ull;
         memcpy(b->host + i, &v, 8);
     }
     for (int i = 0; i < 3; i++)

@@ -27,6 +27,7 @@
 #include "cli/args.h"
 #include "cli/cli.h"
 #include "core/context.h"
+#include "core/rng.h"
 #include "mlp_stack.h"
 
 #ifdef MST_HAVE_CUDA
@@ -89,8 +90,7 @@ static void skewed_counts(int32_t* c, int32_t E, int64_t total, uint64_t* seed) 
     for (int32_t g = 0; g < E; g++) given += (c[g] = (int32_t)(total * w[g] / sum));
     c[0] += (int32_t)(total - given);
     for (int32_t g = E - 1; g > 0; g--) {
-        *seed = *seed * 6364136223846793005ull + 1442695040888963407ull;
-        int32_t j = (int32_t)((*seed >> 33) % (uint64_t)(g + 1)), t = c[g];
+        int32_t j = (int32_t)(mst_splitmix64(seed) % (uint64_t)(g + 1)), t = c[g];
         c[g] = c[j], c[j] = t;
     }
 }

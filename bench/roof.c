@@ -4,6 +4,7 @@
 #include "roof.h"
 
 #include "core/context.h"
+#include "core/rng.h"
 
 double mst_bench_roofline_ms(const mst_bench_roofs* r, double flops, double bytes) {
     const double compute_ms = flops / (r->dense_tflops * 1e9);
@@ -47,10 +48,7 @@ static mst_status dense_tflops(mst_ctx_t* ctx, cudaStream_t s, void* a, void* c,
     uint16_t* h = (uint16_t*)malloc(count * 2);
     if (!h) return mst_set_error(MST_ERR_OOM, "roof: host matrix of %zu bytes", count * 2);
     uint64_t q = 12345;
-    for (size_t i = 0; i < count; i++) {
-        q = q * 6364136223846793005ull + 1442695040888963407ull;
-        h[i] = mst_fp32_to_bf16((float)((double)(q >> 40) / 8388608.0 - 1.0));
-    }
+    for (size_t i = 0; i < count; i++) h[i] = mst_fp32_to_bf16((float)(2 * mst_splitmix_unit(&q) - 1));
     mst_status st = mst_copy_h2b(ctx, a, h, count * 2);
     free(h);
     MST_TRY(st);

@@ -10,15 +10,8 @@
 #include <string.h>
 
 #include "core/context.h"
+#include "core/rng.h"
 #include "mlp_stack.h"
-
-static uint64_t mix(uint64_t* s) { /* splitmix64 */
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-static double uniform(uint64_t* s) { return (double)(mix(s) >> 11) * 0x1.0p-53; }
 
 /* n bf16 values ~ U(-a, a) uploaded to dst; past 2^22 values a random
  * block repeats (large benchmark buffers stay cheap to fill). */
@@ -26,7 +19,7 @@ static mst_status upload_bf16(mst_ctx_t* ctx, void* dst, size_t n, double a, uin
     size_t block = n < ((size_t)1 << 22) ? n : ((size_t)1 << 22);
     uint16_t* h = (uint16_t*)malloc(block * 2);
     if (!h) return mst_set_error(MST_ERR_OOM, "host staging of %zu values", block);
-    for (size_t i = 0; i < block; i++) h[i] = mst_fp32_to_bf16((float)(a * (2 * uniform(seed) - 1)));
+    for (size_t i = 0; i < block; i++) h[i] = mst_fp32_to_bf16((float)(a * (2 * mst_splitmix_unit(seed) - 1)));
     mst_status st = MST_OK;
     for (size_t off = 0; off < n && st == MST_OK; off += block) {
         size_t len = n - off < block ? n - off : block;
@@ -130,7 +123,7 @@ mst_status mst_stack_route(mst_stack* s, const int32_t* host_counts, uint64_t se
                 st = mst_set_error(MST_ERR_INVALID, "counts of layer %d, mb %d sum to %lld, layer 0 to %lld",
                                    l, mb, (long long)total, (long long)total0);
             total0 = total;
-            for (int64_t r = 0; r < R; r++) p[r] = (float)(0.05 + 0.95 * uniform(&seed));
+            for (int64_t r = 0; r < R; r++) p[r] = (float)(0.05 + 0.95 * mst_splitmix_unit(&seed));
             if (st == MST_OK) st = mst_copy_h2b(s->ctx, s->counts[idx(s, l, mb)].data, c, sizeof(int32_t) * E);
             if (st == MST_OK) st = mst_copy_h2b(s->ctx, s->probs[idx(s, l, mb)].data, p, sizeof(float) * R);
         }

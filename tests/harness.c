@@ -11,6 +11,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "../src/core/rng.h"
+
 int mst_test_checks;
 int mst_test_failures;
 
@@ -54,14 +56,9 @@ int mst_test_main(int argc, char** argv, void (*run)(mst_ctx_t* ctx)) {
     return mst_test_failures ? 1 : 0;
 }
 
-uint64_t mst_rng_next(mst_rng* r) { /* splitmix64 */
-    uint64_t z = (r->s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
+uint64_t mst_rng_next(mst_rng* r) { return mst_splitmix64(&r->s); }
 
-double mst_rng_uniform(mst_rng* r) { return (double)(mst_rng_next(r) >> 11) * 0x1.0p-53; }
+double mst_rng_uniform(mst_rng* r) { return mst_splitmix_unit(&r->s); }
 
 double mst_rng_normal(mst_rng* r) {
     double u = mst_rng_uniform(r) + 1e-300, v = mst_rng_uniform(r);

@@ -34,10 +34,20 @@ SHAPES = [  # rows, hidden, ffn, E, skewed  (as bench/bench_mlp.c)
 ]
 
 
-def make_counts(E, rows, skewed, seed):
-    """bench_mlp.c make_counts: each row to expert lcg() % E, or, skewed, to
-    expert e with weight 1/(e+1)^1.2 (the same doubles as the C code)."""
+def splitmix64(s):
+    """src/core/rng.h mst_splitmix64: (new state, value)."""
     mask = (1 << 64) - 1
+    s = (s + 0x9E3779B97F4A7C15) & mask
+    z = s
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return s, z ^ (z >> 31)
+
+
+def make_counts(E, rows, skewed, seed):
+    """bench_mlp.c make_counts: each row to expert splitmix64() % E, or,
+    skewed, to expert e with weight 1/(e+1)^1.2 (the same doubles as the C
+    code)."""
     s = seed
     counts = [0] * E
     cdf, total = [], 0.0
@@ -45,11 +55,11 @@ def make_counts(E, rows, skewed, seed):
         total += 1.0 / (e + 1.0) ** 1.2 if skewed else 1.0
         cdf.append(total)
     for _ in range(rows):
-        s = (s * 6364136223846793005 + 1442695040888963407) & mask
+        s, z = splitmix64(s)
         if not skewed:
-            counts[(s >> 33) % E] += 1
+            counts[z % E] += 1
             continue
-        u = (s >> 33) / 2147483648.0 * total
+        u = (z >> 11) * 2.0 ** -53 * total
         e = 0
         while e + 1 < E and cdf[e] <= u:
             e += 1

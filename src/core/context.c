@@ -36,6 +36,7 @@ mst_status mst_ctx_create(mst_backend_kind kind, int device, mst_ctx_t** out) {
     ctx->device = device;
     mst_status st = be->init(ctx, device);
     if (st != MST_OK) {
+        if (ctx->impl) be->shutdown(ctx); /* what init made before it failed */
         free(ctx);
         return st;
     }

@@ -7,16 +7,10 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "../core/rng.h"
 #include "model.h"
 
-static uint64_t next_u64(uint64_t* s) { /* splitmix64 */
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-static const char* pick(uint64_t* s, const char* const* w, int n) { return w[next_u64(s) % (uint64_t)n]; }
+static const char* pick(uint64_t* s, const char* const* w, int n) { return w[mst_splitmix64(s) % (uint64_t)n]; }
 
 #define N_OF(a) ((int)(sizeof(a) / sizeof *(a)))
 
@@ -39,7 +33,7 @@ mst_status mst_data_synthetic(mst_data* d, uint64_t seed, int64_t n_bytes) {
     uint64_t s = seed ^ 0x5DEECE66Dull;
     while (d->n < n_bytes) d->n += sentence(&s, (char*)d->bytes + d->n, 128);
     d->n = n_bytes;
-    d->rng = seed * 0x9E3779B97F4A7C15ull + 7;
+    d->rng = seed * MST_SPLITMIX_GAMMA + 7;
     return MST_OK;
 }
 
@@ -70,14 +64,14 @@ mst_status mst_data_file(mst_data* d, const char* path, int64_t min_bytes, uint6
         return mst_set_error(MST_ERR_IO, "--data '%s': read %zu of %ld bytes", path, got, n);
     }
     d->n = n;
-    d->rng = seed * 0x9E3779B97F4A7C15ull + 7;
+    d->rng = seed * MST_SPLITMIX_GAMMA + 7;
     return MST_OK;
 }
 
 void mst_data_batch(mst_data* d, int64_t batch, int64_t seq, int32_t* tok) {
     const int64_t w = seq + 2, span = d->n - w + 1;
     for (int64_t b = 0; b < batch; b++) {
-        int64_t start = (int64_t)(next_u64(&d->rng) % (uint64_t)span);
+        int64_t start = (int64_t)(mst_splitmix64(&d->rng) % (uint64_t)span);
         for (int64_t i = 0; i < w; i++) tok[b * w + i] = d->bytes[start + i];
     }
 }

@@ -7,6 +7,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "../core/rng.h"
 #include "model.h"
 
 #define BAD(...) mst_set_error(MST_ERR_INVALID, __VA_ARGS__)
@@ -80,16 +81,11 @@ static void layout(mst_model* m) {
 }
 
 /* Draw j of the splitmix64 stream from state s: the normal of counters
- * s + (2j + 1) g and s + (2j + 2) g (Box-Muller), so that draws can be
- * made in any order (in parallel) with the bits of a sequential stream. */
+ * 2j + 1 and 2j + 2 (Box-Muller), so that draws can be made in any order
+ * (in parallel) with the bits of a sequential stream. */
 static double normal_at(uint64_t s, int64_t j) {
     uint64_t z[2];
-    for (int i = 0; i < 2; i++) {
-        uint64_t x = s + (uint64_t)(2 * j + 1 + i) * 0x9E3779B97F4A7C15ull;
-        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-        x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-        z[i] = x ^ (x >> 31);
-    }
+    for (int i = 0; i < 2; i++) z[i] = mst_splitmix64_at(s, (uint64_t)(2 * j + 1 + i));
     double u = ((double)(z[0] >> 11) + 0.5) * 0x1.0p-53, v = (double)(z[1] >> 11) * 0x1.0p-53;
     return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
 }
@@ -99,7 +95,7 @@ static void fill_normal(float* p, int64_t n, double std, uint64_t* s) {
     const uint64_t s0 = *s;
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; i++) p[i] = (float)(normal_at(s0, i) * std);
-    *s = s0 + (uint64_t)(2 * n) * 0x9E3779B97F4A7C15ull;
+    *s = s0 + (uint64_t)(2 * n) * MST_SPLITMIX_GAMMA;
 }
 
 /* Host init: normal(0, std) matrices (output projections scaled down by

@@ -6,6 +6,8 @@
 #include <math.h>
 #include <string.h>
 
+#include "../core/rng.h"
+
 typedef struct layer_w {
     float *ln1, *wqkv, *wo, *ln2, *wr, *w1, *w2; /* [H] [3H,H] [H,H] [H] [E,H] [E,2F,H] [E,H,F] */
     float *k, *v;                                /* [max_tokens, H] cache                      */
@@ -200,13 +202,6 @@ mst_status mst_sampler_feed(mst_sampler* s, int32_t token, float* logits) {
 
 /* ---- picking ----------------------------------------------------------------- */
 
-static uint64_t splitmix(uint64_t* s) {
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
 int32_t mst_sampler_pick(const float* logits, int64_t vocab, float temperature, int32_t top_k, uint64_t* rng) {
     int32_t best = 0;
     for (int64_t i = 1; i < vocab; i++)
@@ -231,7 +226,7 @@ int32_t mst_sampler_pick(const float* logits, int64_t vocab, float temperature, 
     double sum = 0;
     for (int64_t i = 0; i < vocab; i++)
         if (logits[i] >= cut) sum += exp((double)(logits[i] - logits[best]) / temperature);
-    double u = (double)(splitmix(rng) >> 11) * 0x1.0p-53 * sum;
+    double u = mst_splitmix_unit(rng) * sum;
     for (int64_t i = 0; i < vocab; i++) {
         if (logits[i] < cut) continue;
         u -= exp((double)(logits[i] - logits[best]) / temperature);

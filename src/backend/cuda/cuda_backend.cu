@@ -48,6 +48,9 @@ static mst_status cuda_init(mst_ctx_t* ctx, int device) {
     cudaDeviceProp p;
     MST_CUDA_TRY(cudaGetDeviceProperties(&p, device));
     c->n_sm = p.multiProcessorCount;
+    c->cc_major = p.major;
+    MST_TRY(mst_cuda_gg_setup(c));
+    MST_TRY(mst_cuda_stash_setup(c));
     MST_CUDA_TRY(cudaStreamCreateWithFlags(&c->own_stream, cudaStreamNonBlocking));
     for (int i = MST_STREAM_RING; i < MST_N_STREAMS; i++) MST_CUDA_TRY(cudaStreamCreateWithFlags(&c->side[i], cudaStreamNonBlocking));
     c->stream = c->own_stream;

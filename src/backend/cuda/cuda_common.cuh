@@ -11,9 +11,20 @@
 
 #include "../../core/context.h"
 
+/* Which grouped GEMM kernel runs (MST_GG_KERNEL: "mma", "wgmma_regs"). */
+typedef enum mst_gg_kernel { MST_GG_AUTO = 0, MST_GG_MMA, MST_GG_WGMMA_REGS } mst_gg_kernel;
+
+/* A context's CUDA state: what the device is and what its kernels need,
+ * read or set up once at context creation (never per op, never process-wide:
+ * two contexts on two devices each have their own). */
 typedef struct mst_cuda_impl {
     int device;               /* CUDA device index                              */
     int n_sm;                 /* multiprocessors, for persistent grids          */
+    int cc_major;             /* compute capability (9: the Hopper kernels)     */
+    mst_gg_kernel gg_kernel;  /* MST_GG_KERNEL at creation (mst_cuda_gg_kernel) */
+    int mma_per_sm[3];        /* resident blocks per SM of the mma GEMM, by op  */
+    int copy_per_sm[2][3];    /* of the stash's vector copy: [restore][16-, 4-,
+                                 2-byte vectors]                                */
     cudaStream_t stream;      /* where ops are enqueued (own_stream or caller's) */
     cudaStream_t own_stream;  /* created by the context                          */
     cudaStream_t side[MST_N_STREAMS]; /* side streams of the memory manager, by
@@ -26,6 +37,12 @@ typedef struct mst_cuda_impl {
 } mst_cuda_impl;
 
 static inline mst_cuda_impl* mst_cuda(mst_ctx_t* ctx) { return (mst_cuda_impl*)ctx->impl; }
+
+/* Set-up at context creation, on c's device (current): kernel attributes
+ * and occupancies of the grouped GEMM (grouped_gemm.cu) and of the stash
+ * (stash.cu). */
+mst_status mst_cuda_gg_setup(mst_cuda_impl* c);
+mst_status mst_cuda_stash_setup(mst_cuda_impl* c);
 
 /* Checked CUDA runtime call: returns MST_ERR_BACKEND naming call, file, line. */
 #define MST_CUDA_TRY(call)                                                                 \

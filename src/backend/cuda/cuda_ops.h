@@ -16,6 +16,11 @@ mst_status mst_cuda_gl_wgrad(mst_ctx_t* ctx, const mst_gl_args* a);
 /* 1 when the Hopper kernel reads wgrad's x from such pages itself (no gather workspace). */
 int mst_cuda_gl_wgrad_pages(mst_ctx_t* ctx, int64_t page_rows, int64_t in, int64_t out);
 
+/* The grouped GEMM kernel of ctx's later ops: "mma", "wgmma_regs", or NULL
+ * for the default (MST_GG_KERNEL's values; the variable is read once, when
+ * the context is created). Benchmarks compare the kernels this way. */
+mst_status mst_cuda_gg_kernel(mst_ctx_t* ctx, const char* kernel);
+
 /* grouped MLP activation (activation.cu) */
 mst_status mst_cuda_act_forward(mst_ctx_t* ctx, const mst_act_args* a);
 mst_status mst_cuda_act_backward(mst_ctx_t* ctx, const mst_act_args* a);

@@ -188,9 +188,8 @@ static mst_status bias_grads(mst_ctx_t* ctx, const mst_gl_args* a, const gg_sche
 
 static int aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
 
-/* The op as C = A B^T over groups (see grouped_gemm.cuh); `force` is
- * MST_GG_KERNEL (see use_wgmma). */
-static gg_problem make_problem(const mst_gl_args* a, int op, const char* force) {
+/* The op as C = A B^T over groups (see grouped_gemm.cuh). */
+static gg_problem make_problem(const mst_cuda_impl* c, const mst_gl_args* a, int op) {
     gg_problem p;
     memset(&p, 0, sizeof p);
     const int32_t I = (int32_t)a->in, O = (int32_t)a->out;
@@ -213,21 +212,36 @@ static gg_problem make_problem(const mst_gl_args* a, int op, const char* force) 
         p.accumulate = a->accumulate;
     }
     p.vec = I % 8 == 0 && O % 8 == 0 && aligned16(p.a) && (!p.b || aligned16(p.b)) && aligned16(p.c);
-    p.staged_out = !(force && strcmp(force, "wgmma_regs") == 0);
+    p.staged_out = c->gg_kernel != MST_GG_WGMMA_REGS;
     return p;
 }
 
 /* The Hopper kernel (TMA + wgmma) needs sm_90 and 16-byte rows; the
  * mma.sync kernel takes everything else. MST_GG_KERNEL=mma forces the
  * mma.sync kernel, MST_GG_KERNEL=wgmma_regs the Hopper kernel with forward
- * and dgrad stored from registers (benchmarks compare them this way). */
-static int hopper(mst_ctx_t* ctx, const char* force) {
-    int major = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, mst_cuda(ctx)->device) != cudaSuccess) {
-        cudaGetLastError();
-        return 0;
-    }
-    return major == 9 && !(force && strcmp(force, "mma") == 0);
+ * and dgrad stored from registers (read at context creation; benchmarks
+ * switch with mst_cuda_gg_kernel). */
+static int hopper(const mst_cuda_impl* c) { return c->cc_major == 9 && c->gg_kernel != MST_GG_MMA; }
+
+static mst_gg_kernel gg_kernel_of(const char* name) {
+    if (name && strcmp(name, "mma") == 0) return MST_GG_MMA;
+    if (name && strcmp(name, "wgmma_regs") == 0) return MST_GG_WGMMA_REGS;
+    return MST_GG_AUTO;
+}
+
+extern "C" mst_status mst_cuda_gg_kernel(mst_ctx_t* ctx, const char* kernel) {
+    MST_TRY(mst_check_ctx(ctx));
+    if (mst_ctx_backend(ctx) != MST_BACKEND_CUDA)
+        return mst_set_error(MST_ERR_UNSUPPORTED, "the grouped GEMM kernel is chosen on backend cuda only, not %s",
+                             ctx->be->name);
+    mst_cuda(ctx)->gg_kernel = gg_kernel_of(kernel);
+    return MST_OK;
+}
+
+mst_status mst_cuda_gg_setup(mst_cuda_impl* c) {
+    c->gg_kernel = gg_kernel_of(getenv("MST_GG_KERNEL"));
+    MST_TRY(gg_mma_setup(c->mma_per_sm));
+    return c->cc_major == 9 ? gg_wgmma_setup() : MST_OK;
 }
 
 static mst_status check_extents(const mst_gl_args* a) {
@@ -248,18 +262,22 @@ __global__ void gather_kernel(mst_pages pg, int64_t R, int64_t I, uint16_t* out)
     }
 }
 
-/* The Hopper kernel reads x from pages of 2^k >= GG_K_ALIGN rows (a box
- * then stays in one page); the other kernels, and other page sizes, read x
- * gathered into the ws_gather workspace. */
-static int pages_ok(int64_t page_rows) {
-    return page_rows >= GG_K_ALIGN && page_rows <= (1 << 30) && (page_rows & (page_rows - 1)) == 0;
+/* The one predicate of a paged wgrad's x read in place, with no memory of
+ * its own (what gl_wgrad_pages answers): the Hopper kernel, rows of x and
+ * dy of 16-byte multiples, pages of 2^k >= GG_K_ALIGN rows (a box then
+ * stays in one page). Otherwise x is gathered into the ws_gather workspace;
+ * also where the call breaks what the predicate cannot see (dy or main_grad
+ * not 16-byte aligned, tables or blocks past 2^31 - 1 rows or pages). */
+static int reads_pages(const mst_cuda_impl* c, int64_t page_rows, int64_t in, int64_t out) {
+    return hopper(c) && in % 8 == 0 && out % 8 == 0 && page_rows >= GG_K_ALIGN && page_rows <= (1 << 30) &&
+           (page_rows & (page_rows - 1)) == 0;
 }
 
 static mst_status paged_x(mst_ctx_t* ctx, const mst_gl_args* a, int wgmma, gg_problem* p, const mst_pages** direct) {
-    const int64_t pr = a->x_pages->page_rows;
+    const mst_pages* pg = a->x_pages;
     *direct = NULL;
-    if (wgmma && pages_ok(pr) && a->x_pages->table_rows <= INT32_MAX && a->x_pages->n_pages[0] <= INT32_MAX &&
-        a->x_pages->n_pages[1] <= INT32_MAX) {
+    if (wgmma && reads_pages(mst_cuda(ctx), pg->page_rows, a->in, a->out) && pg->table_rows <= INT32_MAX &&
+        pg->n_pages[0] <= INT32_MAX && pg->n_pages[1] <= INT32_MAX) {
         *direct = a->x_pages;
         return MST_OK;
     }
@@ -276,9 +294,8 @@ static mst_status paged_x(mst_ctx_t* ctx, const mst_gl_args* a, int wgmma, gg_pr
 static mst_status gg_op(mst_ctx_t* ctx, const mst_gl_args* a, int op) {
     MST_TRY(check_extents(a));
     mst_cuda_impl* c = mst_cuda(ctx);
-    const char* force = getenv("MST_GG_KERNEL");
-    gg_problem p = make_problem(a, op, force);
-    const int wgmma = p.vec && hopper(ctx, force);
+    gg_problem p = make_problem(c, a, op);
+    const int wgmma = p.vec && hopper(c);
     const mst_pages* x_pages = NULL;
     if (op == GG_WGRAD && a->x_pages) MST_TRY(paged_x(ctx, a, wgmma, &p, &x_pages));
     int bm, bn;
@@ -299,8 +316,8 @@ static mst_status gg_op(mst_ctx_t* ctx, const mst_gl_args* a, int op) {
                                                       tiles_fixed, op == GG_WGRAD && !a->accumulate,
                                                       s, ctx->err_flag);
     MST_CUDA_LAUNCHED();
-    if (wgmma) MST_TRY(gg_launch_wgmma(&p, &s, a->max_rows, c->n_sm, c->stream, x_pages));
-    else MST_TRY(gg_launch_mma(&p, &s, c->n_sm, c->stream));
+    if (wgmma) MST_TRY(gg_launch_wgmma(&p, &s, a->max_rows, c, x_pages));
+    else MST_TRY(gg_launch_mma(&p, &s, c));
     if (op == GG_WGRAD) MST_TRY(bias_grads(ctx, a, &s));
     return MST_OK;
 }
@@ -314,7 +331,6 @@ extern "C" mst_status mst_cuda_gl_dgrad(mst_ctx_t* ctx, const mst_gl_args* a) {
 extern "C" mst_status mst_cuda_gl_wgrad(mst_ctx_t* ctx, const mst_gl_args* a) {
     return gg_op(ctx, a, GG_WGRAD);
 }
-/* The Hopper kernel's paged loads (see paged_x), for rows of 16-byte multiples. */
 extern "C" int mst_cuda_gl_wgrad_pages(mst_ctx_t* ctx, int64_t page_rows, int64_t in, int64_t out) {
-    return hopper(ctx, getenv("MST_GG_KERNEL")) && in % 8 == 0 && out % 8 == 0 && pages_ok(page_rows);
+    return reads_pages(mst_cuda(ctx), page_rows, in, out);
 }

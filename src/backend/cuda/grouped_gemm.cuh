@@ -200,13 +200,19 @@ __device__ __forceinline__ void gg_store_pair(const gg_problem& p, const gg_tile
 #ifdef __cplusplus
 extern "C" {
 #endif
-/* Launchers (grouped_gemm_*.cu): enqueue the GEMM of `p` on `stream`. */
-mst_status gg_launch_mma(const gg_problem* p, const gg_sched* s, int n_sm, cudaStream_t stream);
+/* Launchers (grouped_gemm_*.cu): enqueue the GEMM of `p` on c's stream,
+ * a persistent grid on c's SMs. */
+mst_status gg_launch_mma(const gg_problem* p, const gg_sched* s, const mst_cuda_impl* c);
 void gg_mma_tile(int* bm, int* bn); /* the mma kernel's CTA tile */
 /* Hopper path: operands through TMA (needs rows 16-byte aligned: p->vec). */
-mst_status gg_launch_wgmma(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm,
-                           cudaStream_t stream, const mst_pages* x_pages);
+mst_status gg_launch_wgmma(const gg_problem* p, const gg_sched* s, int64_t max_rows, const mst_cuda_impl* c,
+                           const mst_pages* x_pages);
 void gg_wgmma_tile(int* bm, int* bn); /* the wgmma kernel's CTA tile */
+/* Set-up on the current device (context creation): the mma kernel's
+ * shared-memory attribute and its resident blocks per SM by op into
+ * per_sm [3]; the wgmma kernel's attribute. */
+mst_status gg_mma_setup(int per_sm[3]);
+mst_status gg_wgmma_setup(void);
 #ifdef __cplusplus
 }
 #endif

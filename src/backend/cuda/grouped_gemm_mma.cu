@@ -203,30 +203,41 @@ __global__ void __launch_bounds__(THREADS) mma_kernel(const gg_problem p, const 
 }
 
 template <int OP>
-mst_status launch(const gg_problem* p, const gg_sched* s, int n_sm, cudaStream_t stream) {
+constexpr size_t smem_bytes() {
     using L = layout<OP>;
-    constexpr size_t bytes =
-        sizeof(uint16_t) * GG_STAGES * (op_tile<L::A_K, BM>::ELEMS + op_tile<L::B_K, BN>::ELEMS);
-    static int per_sm = 0; /* set up once, on the first (eager) call */
-    if (!per_sm) {
-        MST_CUDA_TRY(cudaFuncSetAttribute(mma_kernel<OP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          (int)bytes));
-        MST_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, mma_kernel<OP>, THREADS, bytes));
-        if (per_sm < 1) per_sm = 1;
-    }
-    mma_kernel<OP><<<n_sm * per_sm, THREADS, bytes, stream>>>(*p, *s);
+    return sizeof(uint16_t) * GG_STAGES * (op_tile<L::A_K, BM>::ELEMS + op_tile<L::B_K, BN>::ELEMS);
+}
+
+/* The shared-memory attribute and the resident blocks per SM (at least 1). */
+template <int OP>
+mst_status setup(int* per_sm) {
+    MST_CUDA_TRY(cudaFuncSetAttribute(mma_kernel<OP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)smem_bytes<OP>()));
+    MST_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, mma_kernel<OP>, THREADS, smem_bytes<OP>()));
+    if (*per_sm < 1) *per_sm = 1;
+    return MST_OK;
+}
+
+template <int OP>
+mst_status launch(const gg_problem* p, const gg_sched* s, const mst_cuda_impl* c) {
+    mma_kernel<OP><<<c->n_sm * c->mma_per_sm[OP], THREADS, smem_bytes<OP>(), c->stream>>>(*p, *s);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
 
 } // namespace
 
-extern "C" mst_status gg_launch_mma(const gg_problem* p, const gg_sched* s, int n_sm,
-                                    cudaStream_t stream) {
+extern "C" mst_status gg_mma_setup(int per_sm[3]) {
+    MST_TRY(setup<GG_FWD>(&per_sm[GG_FWD]));
+    MST_TRY(setup<GG_DGRAD>(&per_sm[GG_DGRAD]));
+    return setup<GG_WGRAD>(&per_sm[GG_WGRAD]);
+}
+
+extern "C" mst_status gg_launch_mma(const gg_problem* p, const gg_sched* s, const mst_cuda_impl* c) {
     switch (p->op) {
-    case GG_FWD: return launch<GG_FWD>(p, s, n_sm, stream);
-    case GG_DGRAD: return launch<GG_DGRAD>(p, s, n_sm, stream);
-    default: return launch<GG_WGRAD>(p, s, n_sm, stream);
+    case GG_FWD: return launch<GG_FWD>(p, s, c);
+    case GG_DGRAD: return launch<GG_DGRAD>(p, s, c);
+    default: return launch<GG_WGRAD>(p, s, c);
     }
 }
 

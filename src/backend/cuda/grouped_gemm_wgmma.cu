@@ -508,33 +508,39 @@ mst_status make_maps(const gg_problem* p, int64_t max_rows, CUtensorMap* ma, CUt
 }
 
 template <int OP>
-mst_status launch(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm, cudaStream_t stream,
+mst_status setup() {
+    MST_CUDA_TRY(cudaFuncSetAttribute(wgmma_kernel<OP>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_BYTES));
+    return MST_OK;
+}
+
+template <int OP>
+mst_status launch(const gg_problem* p, const gg_sched* s, int64_t max_rows, const mst_cuda_impl* c,
                   const mst_pages* x_pages) {
     CUtensorMap ma, mb, mc, mbh;
     gg_paged pg = {};
     MST_TRY(make_maps(p, max_rows, &ma, &mb, &mc));
     if (x_pages) MST_TRY(make_paged(p, x_pages, &mb, &mbh, &pg));
     else mbh = mb;
-    static int ready = 0; /* attribute set once, on the first (eager) call */
-    if (!ready) {
-        MST_CUDA_TRY(cudaFuncSetAttribute(wgmma_kernel<OP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          (int)SMEM_BYTES));
-        ready = 1;
-    }
-    const int back = OP == GG_WGRAD ? n_sm * BACK_PCT / 100 : 0;
-    wgmma_kernel<OP><<<n_sm, THREADS, SMEM_BYTES, stream>>>(ma, mb, mc, mbh, *p, *s, pg, back);
+    const int back = OP == GG_WGRAD ? c->n_sm * BACK_PCT / 100 : 0;
+    wgmma_kernel<OP><<<c->n_sm, THREADS, SMEM_BYTES, c->stream>>>(ma, mb, mc, mbh, *p, *s, pg, back);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
 
 } // namespace
 
-extern "C" mst_status gg_launch_wgmma(const gg_problem* p, const gg_sched* s, int64_t max_rows, int n_sm,
-                                      cudaStream_t stream, const mst_pages* x_pages) {
+extern "C" mst_status gg_wgmma_setup(void) {
+    MST_TRY(setup<GG_FWD>());
+    MST_TRY(setup<GG_DGRAD>());
+    return setup<GG_WGRAD>();
+}
+
+extern "C" mst_status gg_launch_wgmma(const gg_problem* p, const gg_sched* s, int64_t max_rows,
+                                      const mst_cuda_impl* c, const mst_pages* x_pages) {
     switch (p->op) {
-    case GG_FWD: return launch<GG_FWD>(p, s, max_rows, n_sm, stream, NULL);
-    case GG_DGRAD: return launch<GG_DGRAD>(p, s, max_rows, n_sm, stream, NULL);
-    default: return launch<GG_WGRAD>(p, s, max_rows, n_sm, stream, x_pages);
+    case GG_FWD: return launch<GG_FWD>(p, s, max_rows, c, NULL);
+    case GG_DGRAD: return launch<GG_DGRAD>(p, s, max_rows, c, NULL);
+    default: return launch<GG_WGRAD>(p, s, max_rows, c, x_pages);
     }
 }
 

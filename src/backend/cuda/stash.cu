@@ -362,14 +362,32 @@ int copy_sms(mst_ctx_t* ctx, const mst_stash_args* a) {
     return a->copy_sms > 0 && a->copy_sms < n ? a->copy_sms : n;
 }
 
+/* The slot of vector type V in mst_cuda_impl::copy_per_sm. */
+template <typename V>
+constexpr int vec_index() { return sizeof(V) == 16 ? 0 : sizeof(V) == 4 ? 1 : 2; }
+
+/* Context creation: resident blocks per SM of copy_kernel<V, RESTORE>. */
+template <typename V, bool RESTORE>
+mst_status copy_setup(mst_cuda_impl* c) {
+    MST_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c->copy_per_sm[RESTORE][vec_index<V>()],
+                                                               copy_kernel<V, RESTORE>, kThreads, 0));
+    return MST_OK;
+}
+
+/* Context creation: the bulk copy's shared memory attribute. */
+template <bool RESTORE>
+mst_status bulk_setup() {
+    MST_CUDA_TRY(cudaFuncSetAttribute(bulk_kernel<RESTORE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      kStages * (int)kChunk));
+    return MST_OK;
+}
+
 /* Persistent grid for a handle's largest copy (static: graph-safe): as many
  * blocks as fit on the copy's SMs at once (kHostBlocks for a pool of host
  * pages only), fewer for small handles. */
 template <typename V, bool RESTORE>
 mst_status copy_grid(mst_ctx_t* ctx, const mst_stash_args* a, unsigned* grid) {
-    static int per_sm = 0; /* resident blocks per SM, asked once */
-    if (per_sm == 0)
-        MST_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, copy_kernel<V, RESTORE>, kThreads, 0));
+    const int per_sm = mst_cuda(ctx)->copy_per_sm[RESTORE][vec_index<V>()]; /* resident blocks per SM */
     const int64_t max_vec = a->max_pages * a->page_rows * a->row_bytes / (int64_t)sizeof(V);
     const int64_t per_block = (int64_t)kThreads * kUnroll;
     const int64_t want = (max_vec + per_block - 1) / per_block;
@@ -392,10 +410,7 @@ mst_status launch_copy(mst_ctx_t* ctx, const mst_stash_args* a) {
 /* Bulk copies, one block per SM of the copy (fewer for small handles). */
 template <bool RESTORE>
 mst_status launch_bulk(mst_ctx_t* ctx, const mst_stash_args* a) {
-    constexpr int smem = kStages * (int)kChunk;
-    static bool sized = false; /* the shared memory attribute, set once */
-    if (!sized) MST_CUDA_TRY(cudaFuncSetAttribute(bulk_kernel<RESTORE>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    sized = true;
+    constexpr int smem = kStages * (int)kChunk; /* the attribute: bulk_setup */
     const int64_t want = (a->max_pages * a->page_rows * a->row_bytes + kChunk - 1) / kChunk;
     const int cap = copy_sms(ctx, a);
     const unsigned grid = (unsigned)(want < cap ? (want < 1 ? 1 : want) : cap);
@@ -420,6 +435,17 @@ mst_status copy(mst_ctx_t* ctx, const mst_stash_args* a, const void* rows) {
 }
 
 } // namespace
+
+mst_status mst_cuda_stash_setup(mst_cuda_impl* c) {
+    MST_TRY(bulk_setup<false>());
+    MST_TRY(bulk_setup<true>());
+    MST_TRY((copy_setup<uint4, false>(c)));
+    MST_TRY((copy_setup<uint4, true>(c)));
+    MST_TRY((copy_setup<uint32_t, false>(c)));
+    MST_TRY((copy_setup<uint32_t, true>(c)));
+    MST_TRY((copy_setup<uint16_t, false>(c)));
+    return copy_setup<uint16_t, true>(c);
+}
 
 extern "C" mst_status mst_cuda_stash_reset(mst_ctx_t* ctx, const mst_stash_args* a) {
     const int64_t n = a->cap[MST_BLK_DEV] > a->cap[MST_BLK_HOST] ? a->cap[MST_BLK_DEV] : a->cap[MST_BLK_HOST];
