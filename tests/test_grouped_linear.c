@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "harness.h"
+#include "core/context.h"
 
 typedef struct gl_case {
     int E;           /* groups                    */
@@ -151,6 +152,32 @@ static void bad_page_id(mst_ctx_t* ctx, mst_rng* rng, const gl_case* c, const ms
     free(hx), free(want), free(got);
 }
 
+/* gl_wgrad_pages and the op decide alike: on a fresh context (workspaces
+ * unsized) the paged wgrad allocates nothing past what the same wgrad of x
+ * in memory did exactly when gl_wgrad_pages says it reads the pages in place
+ * (else it gathers x into a workspace of its own). */
+static void pages_promise(mst_ctx_t* ctx, const gl_case* c, int64_t page_rows, const mst_tensor* dy,
+                          const mst_tensor* x, const mst_tensor* xp, const mst_tensor* ps, const mst_tensor* counts,
+                          mst_tensor* mw, mst_tensor* pmb) {
+    mst_ctx_t* fresh = NULL;
+    CHECK_OK(mst_ctx_sync(ctx));
+    CHECK_OK(mst_ctx_create(mst_ctx_backend(ctx), 0, &fresh));
+    if (!fresh) return;
+    size_t in_memory = 0, paged = 0;
+    CHECK_OK(mst_grouped_linear_wgrad(fresh, dy, x, ps, NULL, counts, mw, pmb, NULL, MST_WGRAD_ACCUMULATE));
+    mst_ctx_mem(fresh, &in_memory, NULL);
+    CHECK_OK(mst_grouped_linear_wgrad(fresh, dy, xp, ps, NULL, counts, mw, pmb, NULL, MST_WGRAD_ACCUMULATE));
+    CHECK_OK(mst_ctx_sync(fresh));
+    mst_ctx_mem(fresh, &paged, NULL);
+    const mst_backend* be = fresh->be;
+    const int in_place = be->gl_wgrad_pages && be->gl_wgrad_pages(fresh, page_rows, c->I, c->O);
+    CHECK(in_place == (paged == in_memory),
+          "gl_wgrad_pages says %s for pages of %lld rows (I = %lld, O = %lld), but the paged wgrad allocated %zu bytes",
+          in_place ? "in place" : "gathered", (long long)page_rows, (long long)c->I, (long long)c->O,
+          paged - in_memory);
+    mst_ctx_destroy(fresh);
+}
+
 static void paged_x_wgrad(mst_ctx_t* ctx, mst_rng* rng, const gl_case* c, const mst_tensor* x,
                           const mst_tensor* dy, const mst_tensor* ps, const mst_tensor* counts,
                           mst_guarded* gmw, mst_guarded* gmb, mst_tensor* pmb, const float* g0,
@@ -198,6 +225,7 @@ static void paged_x_wgrad(mst_ctx_t* ctx, mst_rng* rng, const gl_case* c, const 
                  MST_ERR_INVALID); /* a paged dy */
     CHECK(strstr(mst_last_error(), "paged") != NULL, "message says paged: %s", mst_last_error());
     bad_page_id(ctx, rng, c, x, &xp, dy, ps, counts, gmw, g0);
+    pages_promise(ctx, c, pc.page_rows, dy, x, &xp, ps, counts, &mw, pmb);
     CHECK_OK(mst_stash_restore_return(pool, h));
     CHECK_OK(mst_pool_check(pool));
     mst_stash_handle_destroy(h);
