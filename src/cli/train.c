@@ -264,6 +264,9 @@ static int consistent(const train_cli* t) {
     if (t->check_policies && (t->policy || t->recompute))
         return mst_cli_bad("moestash train", t->policy ? "--policy" : "--recompute", t->policy ? t->policy : t->recompute,
                            "contradicts --check-policies (which runs every policy itself)");
+    if (t->check_policies && t->json)
+        return mst_cli_bad("moestash train", "--json", t->json,
+                           "not written by --check-policies (its verdict is the lines on stdout and the exit code)");
     if (t->cfg.force_overflow > t->cfg.steps)
         return bad_value("--force-overflow", t->cfg.force_overflow, "after the last step (--steps)");
     if (t->cfg.force_over_budget > t->cfg.steps)

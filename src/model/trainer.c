@@ -553,6 +553,17 @@ static void json_array(FILE* f, const char* name, const double* v, int64_t first
     fprintf(f, "],\n");
 }
 
+/* s as a JSON string: quotes, backslashes and control bytes escaped. */
+static void json_string(FILE* f, const char* s) {
+    fputc('"', f);
+    for (const unsigned char* p = (const unsigned char*)s; *p; p++) {
+        if (*p == '"' || *p == '\\') fprintf(f, "\\%c", *p);
+        else if (*p < 0x20) fprintf(f, "\\u%04x", *p);
+        else fputc(*p, f);
+    }
+    fputc('"', f);
+}
+
 static void json_mem(FILE* f, const char* name, const size_t* v) {
     fprintf(f, "    \"%s\": {", name);
     for (int k = 0; k < MST_N_ROWS; k++) fprintf(f, "%s\"%s\": %zu", k ? ", " : "", mst_mem_row_str(k), v[k]);
@@ -564,18 +575,24 @@ mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
     FILE* f = fopen(path, "w");
     if (!f) return mst_set_error(MST_ERR_IO, "--json '%s': cannot open for writing", path);
     const mst_model_config* c = &cfg->model;
-    fprintf(f, "{\n  \"device\": \"%s\",\n", device);
-    fprintf(f, "  \"config\": {\"hidden\": %lld, \"ffn\": %lld, \"heads\": %lld, \"seq\": %lld, "
+    static const char* const recompute[] = {"none", "uniform", "block"};
+    char rec[32] = "none";
+    if (cfg->mem.recompute.method != MST_RECOMPUTE_NONE)
+        snprintf(rec, sizeof rec, "%s:%d", recompute[cfg->mem.recompute.method], cfg->mem.recompute.num_layers);
+    fprintf(f, "{\n  \"device\": ");
+    json_string(f, device);
+    fprintf(f, ",\n  \"config\": {\"hidden\": %lld, \"ffn\": %lld, \"heads\": %lld, \"seq\": %lld, "
                "\"batch\": %lld, \"layers\": %d, \"experts\": %d, \"top_k\": %d, \"ep\": %d, "
-               "\"capacity_factor\": %g, \"microbatches\": %d, \"schedule\": \"%s\", \"policy\": \"%s\", "
-               "\"recompute\": [%d, %d], \"mtp_weight\": %g, \"steps\": %lld, \"lr\": %g, \"seed\": %llu, "
-               "\"data\": \"%s\"},\n",
+               "\"capacity_factor\": %g, \"microbatches\": %d, \"schedule\": \"%s\", \"policy\": ",
             (long long)c->hidden, (long long)c->ffn, (long long)c->n_head, (long long)c->seq,
             (long long)c->batch, c->layers, c->experts, c->top_k, c->ep, (double)c->capacity_factor,
-            cfg->microbatches, mst_schedule_kind_str(cfg->mem.schedule), cfg->mem.policy ? cfg->mem.policy : "keep",
-            (int)cfg->mem.recompute.method, cfg->mem.recompute.num_layers, (double)c->mtp_weight,
-            (long long)cfg->steps, (double)cfg->optim.lr, (unsigned long long)c->seed,
-            cfg->data_path ? "file" : "synthetic");
+            cfg->microbatches, mst_schedule_kind_str(cfg->mem.schedule));
+    json_string(f, cfg->mem.policy ? cfg->mem.policy : "keep");
+    fprintf(f, ", \"recompute\": \"%s\", \"mtp_weight\": %g, \"steps\": %lld, \"lr\": %g, \"seed\": %llu, \"data\": ",
+            rec, (double)c->mtp_weight, (long long)cfg->steps, (double)cfg->optim.lr, (unsigned long long)c->seed);
+    if (cfg->data_path) json_string(f, cfg->data_path);
+    else fprintf(f, "\"synthetic\"");
+    fprintf(f, "},\n");
     fprintf(f, "  \"first_step\": %lld,\n", (long long)r->first_step);
     json_array(f, "loss", r->loss, r->first_step, r->steps);
     json_array(f, "mtp_loss", r->mtp_loss, r->first_step, r->steps);

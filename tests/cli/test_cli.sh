@@ -70,6 +70,7 @@ bad "--plot '$tmp'" train --plot "$tmp"
 bad "--eval-data '$tmp'" train --eval-data "$tmp"
 bad "--recompute-granularity 'half'" train --recompute-granularity half
 bad "--save-every '3'" train --save-every 3
+bad "--json '$tmp/x.json': not written by --check-policies" train --check-policies --json "$tmp/x.json"
 # the other commands
 bad "--checkpoint" sample --prompt hi
 bad "--tokens 'x'" sample --tokens=x
@@ -95,8 +96,19 @@ good "usage: moestash train" train --help
 good "step" bench --help
 good "usage: moestash bench step" help bench step
 good "selfcheck cpu : grouped linear forward" selfcheck --backend=cpu
-good "loss" train --backend=cpu --steps=2 --seq=8 --batch=2 --layers=1 --quiet --json="$tmp/run.json"
-if [ -s "$tmp/run.json" ]; then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL: --json=FILE wrote nothing"; fi
+corpus=$tmp/a\"corpus.txt # a quote in the name: escaped in the JSON
+for i in $(seq 200); do echo "the quick brown fox jumps over the lazy dog $i"; done >"$corpus"
+good "loss" train --backend=cpu --steps=2 --seq=8 --batch=2 --layers=1 --quiet --data="$corpus" --json="$tmp/run.json"
+# the JSON: strict (no NaN), the data source and policies by name
+if python3 - "$tmp/run.json" "$corpus" <<'PY'
+import json, sys
+def no_constant(c): raise ValueError("non-finite number " + c)
+d = json.load(open(sys.argv[1]), parse_constant=no_constant)
+c = d["config"]
+assert c["data"] == sys.argv[2] and c["schedule"] == "plain" and c["policy"] == "keep" and c["recompute"] == "none", c
+assert None in d["eval_loss"], "no evaluation: eval_loss is null"
+PY
+then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL: --json=FILE"; fi
 # progress lines reach a pipe as they are printed: the header shows while
 # the run (no step lines before its end) still goes on
 "$bin" train --backend cpu --steps 100000 --seq 8 --batch 2 --layers 1 --log-every 100000 >"$tmp/fifo" 2>/dev/null &

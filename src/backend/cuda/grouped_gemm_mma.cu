@@ -1,12 +1,14 @@
 /*
- * grouped_gemm_mma.cu — the portable tensor-core grouped GEMM (mma.sync
+ * grouped_gemm_mma.cu — the general tensor-core grouped GEMM (mma.sync
  * m16n8k16 bf16 -> fp32) for every layout of the three ops: a persistent grid
  * takes (group, tile) work from the device schedule; operand tiles come in
  * through a cp.async pipeline of GG_STAGES stages (zero-filled past the
  * group's rows and the widths), ldmatrix (.trans for M/N-major operands)
  * feeds the tensor cores, and the epilogue writes y / dx (with bias * scale)
  * or adds into main_grad. Serves every shape; the Hopper path
- * (grouped_gemm_wgmma.cu) takes over the large ones.
+ * (grouped_gemm_wgmma.cu) takes over the large ones. Built, like the whole
+ * CUDA backend, for MST_CUDA_ARCH only (sm_90a): its instructions exist from
+ * sm_80 on, but the stash kernels and the Hopper path beside it do not.
  */
 #include "grouped_gemm.cuh"
 #include "ptx.cuh"
