@@ -144,3 +144,15 @@ def test_library_memory(device):
     pool_bytes = sum(r["pages"] * r["page_bytes"] for r in manager.report())
     assert peak >= in_use >= pool_bytes > 0
     assert all(mt.library_memory(n) == (in_use, peak) for n in names)
+
+
+def test_only_device_pages_are_read_in_place():
+    """The backward reads stashed fc1_input / act_input / fc2_input from their
+    device pages; offloaded ones (host pages, over PCIe) and probs are
+    restored first, and so is every name when the wgrads are deferred."""
+    from moestash.torch.saver import ACT_INPUT, FC1_INPUT, FC2_INPUT, PROBS, Saver, parse_policy
+    s = Saver(parse_policy("fc1_input=offload,act_input=stash,fc2_input=stash,probs=stash"), mt.StashManager())
+    s.backward(torch.device("cpu"), None, None, restore_all=False)
+    assert [s.in_place(n) for n in (FC1_INPUT, ACT_INPUT, FC2_INPUT, PROBS)] == [False, True, True, False]
+    s.backward(torch.device("cpu"), None, None, restore_all=True)
+    assert not any(s.in_place(n) for n in (FC1_INPUT, ACT_INPUT, FC2_INPUT, PROBS))
