@@ -6,7 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need=()
-for p in cmake make gcc libopenblas-dev pkg-config; do
+# OpenBLAS, pthread build (its headers are where CMakeLists.txt looks first);
+# the CPU backend turns its threads off and threads with OpenMP (gcc's libgomp).
+for p in cmake make gcc libopenblas-pthread-dev pkg-config; do
   dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then

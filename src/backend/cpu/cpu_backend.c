@@ -5,6 +5,9 @@
  */
 #include <stdio.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "../../core/context.h"
 #include "cpu_ops.h"
@@ -12,7 +15,14 @@
 static mst_status cpu_init(mst_ctx_t* ctx, int device) {
     (void)device;
     ctx->impl = ctx; /* no state of its own */
-    snprintf(ctx->desc, sizeof ctx->desc, "cpu (reference backend, OpenBLAS sgemm)");
+    mst_cpu_blas_single_thread();
+#ifdef _OPENMP
+    const int threads = omp_get_max_threads();
+#else
+    const int threads = 1;
+#endif
+    snprintf(ctx->desc, sizeof ctx->desc, "cpu (reference backend, %d OpenMP threads, single-threaded sgemm per block)",
+             threads);
     return MST_OK;
 }
 

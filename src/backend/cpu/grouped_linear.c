@@ -1,11 +1,10 @@
 /*
  * grouped_linear.c (CPU) — reference grouped linear: forward (TN), dgrad
- * (NN) and wgrad (NT) per group through OpenBLAS sgemm on fp32 copies of the
- * bf16 operands; fp32 accumulation, bf16 rounding (nearest even) on store.
+ * (NN) and wgrad (NT) per group through sgemm on fp32 copies of the
+ * bf16 operands (mst_cpu_sgemm); fp32 accumulation, bf16 rounding (nearest
+ * even) on store.
  * Rows past sum(counts) are neither read nor written.
  */
-#include <cblas.h>
-#undef I /* complex.h, pulled in by cblas.h */
 #include <string.h>
 
 #include "../../core/context.h"
@@ -61,8 +60,7 @@ static void rows_times_weight(gl_scratch* s, const mst_gl_args* a, int32_t g, co
     const int64_t I = a->in, O = a->out, k = forward ? I : O, n_out = forward ? O : I;
     mst_bf16_to_fp32_array(s->rows_a, rows, (size_t)(n * k));
     mst_bf16_to_fp32_array(s->weight, a->w + (int64_t)g * O * I, (size_t)(O * I));
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, forward ? CblasTrans : CblasNoTrans, (int)n, (int)n_out,
-                (int)k, 1.0f, s->rows_a, (int)k, s->weight, (int)I, 0.0f, s->rows_b, (int)n_out);
+    mst_cpu_sgemm(0, forward, n, n_out, k, s->rows_a, k, s->weight, I, 0.0f, s->rows_b, n_out);
 }
 
 /* The forward (y = x W^T + bias[g] s) or the dgrad (dx = dy W), group by group. */
@@ -145,8 +143,7 @@ mst_status mst_cpu_gl_wgrad(mst_ctx_t* ctx, const mst_gl_args* a) {
         }
         mst_bf16_to_fp32_array(s.rows_a, a->dy + r0 * O, (size_t)(n * O));
         x_rows(a, r0, n, s.rows_b);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)O, (int)I, (int)n, 1.0f,
-                    s.rows_a, (int)O, s.rows_b, (int)I, a->accumulate ? 1.0f : 0.0f, mg, (int)I);
+        mst_cpu_sgemm(1, 0, O, I, n, s.rows_a, O, s.rows_b, I, a->accumulate ? 1.0f : 0.0f, mg, I);
         bias_grads(a, g, r0, n, s.rows_a);
     }
     scratch_free(&s);

@@ -1,17 +1,16 @@
 /*
  * model_ops.c (CPU) — the reference versions of the trainer's row ops:
- * matmul (OpenBLAS sgemm on fp32 copies of the bf16 operands), RMSNorm
+ * matmul (mst_cpu_sgemm on fp32 copies of the bf16 operands), RMSNorm
  * forward/backward, residual add, token embedding gather / scatter-add,
  * softmax cross-entropy, sum of squares, AdamW and the float64 loss sum.
  * fp32 accumulation (float64 in the loss sum), bf16
  * rounding (nearest even) on store; every reduction runs in a fixed order.
  */
-#include <cblas.h>
-#undef I /* complex.h, pulled in by cblas.h */
 #include <math.h>
 #include <string.h>
 
 #include "../../core/context.h"
+#include "cpu_ops.h"
 #include "model_ops.h"
 
 /* fp32 copy of a [rows, cols] bf16 matrix with row stride ld. */
@@ -41,9 +40,8 @@ mst_status mst_cpu_mm(mst_ctx_t* ctx, const mst_mm_args* a) {
             else memset(C + r * a->n, 0, sizeof(float) * (size_t)a->n);
         }
     }
-    cblas_sgemm(CblasRowMajor, a->trans_a ? CblasTrans : CblasNoTrans, a->trans_b ? CblasTrans : CblasNoTrans,
-                (int)a->m, (int)a->n, (int)a->k, 1.0f, A, (int)ac, B, (int)bc, a->accumulate ? 1.0f : 0.0f,
-                a->c16 ? C : a->c32, a->c16 ? (int)a->n : (int)a->ldc);
+    mst_cpu_sgemm(a->trans_a, a->trans_b, a->m, a->n, a->k, A, ac, B, bc, a->accumulate ? 1.0f : 0.0f,
+                  a->c16 ? C : a->c32, a->c16 ? a->n : a->ldc);
     if (a->c16)
         for (int64_t r = 0; r < a->m; r++) mst_fp32_to_bf16_array(a->c16 + r * a->ldc, C + r * a->n, (size_t)a->n);
 done:
