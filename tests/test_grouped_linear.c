@@ -552,6 +552,7 @@ static void run(mst_ctx_t* ctx) {
             {1, 2048, 7168, 777, 1000, 0.0, 1, 0},
             {128, 256, 384, 9000, 13000, 1.0, 0, 0},
             {8, 1001, 203, 2500, 3000, 0.5, 1, 1}, /* rows not 16-byte aligned: the mma.sync path */
+            {6144, 16, 8, 5000, 6000, 0.0, 1, 1},  /* the most groups the schedule kernel takes */
         };
         for (size_t i = 0; i < sizeof big / sizeof big[0]; i++) run_case(ctx, &rng, &big[i]);
     }

@@ -89,6 +89,14 @@ __global__ void schedule_kernel(const int32_t* counts, int32_t n_groups, int64_t
     }
 }
 
+/* The schedule kernel's dynamic shared memory for E groups: cnt [E], work
+ * [E], + 16 bytes (the rank loop's loads may be widened past the last
+ * element: compute-sanitizer saw a 12-byte read at E = 1). Its attribute is
+ * set for GG_SCHED_MAX_E at context creation, so its static shared memory
+ * (mst_block_counts) fits beside it. */
+enum { GG_SCHED_MAX_E = 48 * 1024 / (2 * sizeof(int32_t)) };
+static size_t sched_shared(int32_t n_groups) { return 2 * sizeof(int32_t) * (size_t)n_groups + 16; }
+
 /* Carves the schedule out of the ws_sched workspace (size from E only). */
 static mst_status sched_make(mst_ctx_t* ctx, int32_t n_groups, gg_sched* s) {
     size_t words = GG_H_WORDS + 3 * (size_t)n_groups + 2;
@@ -240,6 +248,8 @@ extern "C" mst_status mst_cuda_gg_kernel(mst_ctx_t* ctx, const char* kernel) {
 
 mst_status mst_cuda_gg_setup(mst_cuda_impl* c) {
     c->gg_kernel = gg_kernel_of(getenv("MST_GG_KERNEL"));
+    MST_CUDA_TRY(cudaFuncSetAttribute(schedule_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)sched_shared(GG_SCHED_MAX_E)));
     MST_TRY(gg_mma_setup(c->mma_per_sm));
     return c->cc_major == 9 ? gg_wgmma_setup() : MST_OK;
 }
@@ -306,13 +316,10 @@ static mst_status gg_op(mst_ctx_t* ctx, const mst_gl_args* a, int op) {
     const int32_t rows_tile = op == GG_WGRAD ? 0 : bm;
     const int32_t tiles_fixed =
         op == GG_WGRAD ? gg_cdiv(p.M, bm) * gg_cdiv(p.N, bn) : gg_cdiv(p.N, bn);
-    /* cnt [E], work [E], + 16 bytes: the rank loop's loads may be widened
-     * past the last element (compute-sanitizer saw a 12-byte read at E = 1) */
-    const size_t sh_bytes = 2 * sizeof(int32_t) * (size_t)a->n_groups + 16;
-    if (sh_bytes > 48 * 1024 + 16)
+    if (a->n_groups > GG_SCHED_MAX_E)
         return mst_set_error(MST_ERR_INVALID, "n_groups = %d: the CUDA grouped GEMM takes at most %d",
-                             a->n_groups, (int)(48 * 1024 / (2 * sizeof(int32_t))));
-    schedule_kernel<<<1, 1024, sh_bytes, c->stream>>>(a->counts, a->n_groups, a->max_rows, rows_tile,
+                             a->n_groups, (int)GG_SCHED_MAX_E);
+    schedule_kernel<<<1, 1024, sched_shared(a->n_groups), c->stream>>>(a->counts, a->n_groups, a->max_rows, rows_tile,
                                                       tiles_fixed, op == GG_WGRAD && !a->accumulate,
                                                       s, ctx->err_flag);
     MST_CUDA_LAUNCHED();
