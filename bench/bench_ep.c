@@ -1,7 +1,8 @@
 /*
  * bench_ep.c — `moestash bench ep [--gpus N] [--iters N] [--capacity F]
- * [--case a|b] [--json FILE]`: expert-parallel dispatch and combine over
- * NCCL, one thread and one GPU per rank, beside NCCL's own all-to-all
+ * [--case a|b] [--path p2p|lsa] [--json FILE]`: expert-parallel dispatch
+ * and combine over NCCL on each path (send/recv of fixed blocks; device
+ * API), one thread and one GPU per rank, beside NCCL's own all-to-all
  * (grouped ncclSend/ncclRecv with the per-pair sizes known on the host, as
  * torch's all_to_all_single gets them) moving the same token rows, in the
  * same run on the same communicator (wrapped with mst_ep_create_nccl).
@@ -45,6 +46,7 @@ static const ep_case CASES[] = {
 
 typedef struct ep_result {
     const ep_case* c;
+    char path[80];                    /* mst_ep_path of rank 0             */
     double bytes;                     /* N k H 2 per rank                  */
     double dispatch_ms, combine_ms;   /* eager, per call                   */
     double graph_ms;                  /* replay of dispatch + combine      */
@@ -56,13 +58,13 @@ typedef struct ep_result {
 typedef struct bench_world {
     int world, iters;
     double capacity;
+    mst_ep_path_kind path;
     const ep_case* c;
     int64_t max_rows, pair_cap; /* R = ceil(F N k), C = ceil(F N k / W)    */
     ncclUniqueId id;
     pthread_barrier_t bar;
     int64_t* pair_rows;  /* [W, W] rows rank i sends to rank j (host sizes) */
     ep_result* res;      /* [W] */
-    char path[80];
 } bench_world;
 
 typedef struct rank_state {
@@ -126,7 +128,7 @@ static mst_status setup(rank_state* st) {
     if (ncclCommInitRank(&st->comm, w->world, w->id, st->rank) != ncclSuccess)
         FAIL(MST_ERR_BACKEND, "ncclCommInitRank failed");
     mst_ep_config cfg = {.n_experts = c->experts, .top_k = c->top_k, .hidden = H, .max_tokens = N,
-                         .max_rows = w->max_rows, .pair_rows = w->pair_cap};
+                         .max_rows = w->max_rows, .pair_rows = w->pair_cap, .path = w->path};
     TRY(mst_ep_create_nccl(st->ctx, &cfg, st->comm, &st->ep));
     TRY(mst_ep_handle_create(st->ep, &st->h));
     make_inputs(st);
@@ -254,7 +256,7 @@ static void* rank_main(void* p) {
     mst_status rc = run_rank(st, r);
     r->ok = rc == MST_OK;
     if (!r->ok && !r->err[0]) snprintf(r->err, sizeof r->err, "%.250s", mst_last_error());
-    if (st->rank == 0 && st->ep) snprintf(st->w->path, sizeof st->w->path, "%.70s", mst_ep_path(st->ep));
+    if (st->ep) snprintf(r->path, sizeof r->path, "%.70s", mst_ep_path(st->ep));
     mst_ep_handle_destroy(st->h);
     mst_ep_destroy(st->ep);
     if (st->comm) ncclCommDestroy(st->comm);
@@ -265,26 +267,27 @@ static void* rank_main(void* p) {
 
 static void print_result(const bench_world* w, const ep_result* r) {
     const double gb = r->bytes / 1e9;
-    printf("%-4s N %5lld H %5lld E %3d k %d  dispatch %7.1f GB/s  combine %7.1f GB/s  graph (per op) %7.1f GB/s"
+    printf("%-4s %-3s N %5lld H %5lld E %3d k %d  dispatch %7.1f GB/s  combine %7.1f GB/s  graph (per op) %7.1f GB/s"
            "  nccl a2a %7.1f GB/s  dispatch/a2a %.2f  combine/a2a %.2f\n",
-           r->c->name, (long long)r->c->tokens, (long long)r->c->hidden, r->c->experts, r->c->top_k,
+           r->c->name, strstr(r->path, "device") ? "lsa" : "p2p", (long long)r->c->tokens, (long long)r->c->hidden,
+           r->c->experts, r->c->top_k,
            gb / (r->dispatch_ms / 1e3), gb / (r->combine_ms / 1e3), gb / (r->graph_ms / 2e3), gb / (r->a2a_ms / 1e3),
            r->a2a_ms / r->dispatch_ms, r->a2a_ms / r->combine_ms);
     (void)w;
 }
 
 static void write_json(FILE* f, const char* device, const bench_world* w, const ep_result* res, int n) {
-    fprintf(f, "{\n  \"bench\": \"ep\",\n  \"device\": \"%s\",\n  \"world\": %d,\n  \"path\": \"%s\",\n"
+    fprintf(f, "{\n  \"bench\": \"ep\",\n  \"device\": \"%s\",\n  \"world\": %d,\n"
                "  \"nccl\": \"%d.%d.%d\",\n  \"capacity\": %.3f,\n  \"iters\": %d,\n  \"cases\": [\n",
-            device, w->world, w->path, NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH, w->capacity, w->iters);
+            device, w->world, NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH, w->capacity, w->iters);
     for (int i = 0; i < n; i++) {
         const ep_result* r = &res[i];
         const double gb = r->bytes / 1e9;
-        fprintf(f, "    {\"case\": \"%s\", \"tokens\": %lld, \"hidden\": %lld, \"experts\": %d, \"top_k\": %d, "
+        fprintf(f, "    {\"case\": \"%s\", \"path\": \"%s\", \"tokens\": %lld, \"hidden\": %lld, \"experts\": %d, \"top_k\": %d, "
                    "\"ok\": %s, \"dispatch_ms\": %.4f, \"combine_ms\": %.4f, \"graph_ms\": %.4f, \"a2a_ms\": %.4f, "
                    "\"dispatch_gbs\": %.2f, \"combine_gbs\": %.2f, \"a2a_gbs\": %.2f, "
                    "\"dispatch_over_a2a\": %.3f, \"combine_over_a2a\": %.3f}%s\n",
-                r->c->name, (long long)r->c->tokens, (long long)r->c->hidden, r->c->experts, r->c->top_k,
+                r->c->name, r->path, (long long)r->c->tokens, (long long)r->c->hidden, r->c->experts, r->c->top_k,
                 r->ok ? "true" : "false", r->dispatch_ms, r->combine_ms, r->graph_ms, r->a2a_ms,
                 gb / (r->dispatch_ms / 1e3), gb / (r->combine_ms / 1e3), gb / (r->a2a_ms / 1e3),
                 r->a2a_ms / r->dispatch_ms, r->a2a_ms / r->combine_ms, i + 1 < n ? "," : "");
@@ -321,6 +324,7 @@ static int run_case(bench_world* w, const ep_case* c, ep_result* out) {
         }
     *out = w->res[0];
     out->c = c;
+    if (!ok) snprintf(out->path, sizeof out->path, "%s", w->path == MST_EP_PATH_LSA ? "nccl device API" : "nccl send/recv");
     out->bytes = (double)NK * (double)c->hidden * 2;
     out->ok = ok;
     free(w->pair_rows), free(w->res), free(st), free(th);
@@ -330,7 +334,8 @@ static int run_case(bench_world* w, const ep_case* c, ep_result* out) {
 int mst_bench_ep(int argc, char** argv) {
     bench_world w = {.world = 0, .iters = 20, .capacity = 1.2};
     static const char* const case_names[] = {"a", "b", NULL};
-    const char *json = NULL, *only = NULL;
+    static const char* const path_names[] = {"p2p", "lsa", NULL};
+    const char *json = NULL, *only = NULL, *path = NULL;
     mst_args a;
     mst_args_init(&a, "moestash bench ep", argc, argv);
     while (mst_args_next(&a)) {
@@ -345,8 +350,12 @@ int mst_bench_ep(int argc, char** argv) {
         } else if (mst_args_is(&a, "--case")) {
             rc = mst_args_choice(&a, case_names, &k);
             only = case_names[k];
+        } else if (mst_args_is(&a, "--path")) {
+            rc = mst_args_choice(&a, path_names, &k);
+            path = path_names[k];
         } else if (mst_args_is(&a, "--help") || mst_args_is(&a, "-h")) {
-            printf("usage: moestash bench ep [--gpus N] [--iters N] [--capacity F] [--case a|b] [--json FILE]\n");
+            printf("usage: moestash bench ep [--gpus N] [--iters N] [--capacity F] [--case a|b] [--path p2p|lsa] "
+                   "[--json FILE]\n");
             return 0;
         } else rc = mst_args_unknown(&a);
         if (rc) return rc;
@@ -358,20 +367,25 @@ int mst_bench_ep(int argc, char** argv) {
         fprintf(stderr, "moestash bench ep: --gpus %d: %d CUDA devices present\n", w.world, n_dev);
         return 2;
     }
-    ep_result res[2];
+    ep_result res[4];
     int n = 0, ok = 1;
-    for (size_t i = 0; i < sizeof CASES / sizeof CASES[0]; i++) {
-        if (only && strcmp(only, CASES[i].name)) continue;
-        if (CASES[i].experts % w.world) continue;
-        ok &= run_case(&w, &CASES[i], &res[n]);
-        n++;
+    for (int p = MST_EP_PATH_P2P; p <= MST_EP_PATH_LSA; p++) {
+        if (path && strcmp(path, p == MST_EP_PATH_P2P ? "p2p" : "lsa")) continue;
+        w.path = (mst_ep_path_kind)p;
+        for (size_t i = 0; i < sizeof CASES / sizeof CASES[0]; i++) {
+            if (only && strcmp(only, CASES[i].name)) continue;
+            if (CASES[i].experts % w.world) continue;
+            ok &= run_case(&w, &CASES[i], &res[n]);
+            n++;
+        }
     }
     char device[128];
     struct cudaDeviceProp p;
     cudaGetDeviceProperties(&p, 0);
     snprintf(device, sizeof device, "%d x %.100s", w.world, p.name);
-    printf("== bench ep: %s, NCCL %d.%d.%d, path: %s, pair_rows = %.2f N k / W, iters %d\n", device, NCCL_MAJOR,
-           NCCL_MINOR, NCCL_PATCH, w.path, w.capacity, w.iters);
+    printf("== bench ep: %s, NCCL %d.%d.%d, pair_rows = %.2f N k / W, iters %d\n", device, NCCL_MAJOR,
+           NCCL_MINOR, NCCL_PATCH, w.capacity, w.iters);
+    printf("p2p: ncclSend/ncclRecv of the whole C-row blocks; lsa: NCCL device API, the valid rows stored into peers\n");
     printf("GB/s per GPU = N k H 2 bytes of this rank's token copies / time (rank 0); a2a: NCCL send/recv with host sizes\n");
     for (int i = 0; i < n; i++)
         if (res[i].ok) print_result(&w, &res[i]);

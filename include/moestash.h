@@ -650,13 +650,23 @@ MST_API mst_status mst_memmgr_check(mst_memmgr_t* m);
  *   written out of bounds, the outputs of that step are meaningless and the
  *   step is rerun with larger budgets.
  * Graph-safe (CUDA): every size that reaches the host is static; the NCCL
- *   send/recv path moves fixed-capacity blocks (C rows per rank pair).
+ *   send/recv path moves fixed-capacity blocks (C rows per rank pair), the
+ *   device-API path only the rows that exist (counts read on the device).
  * Routing metadata lives in a handle (one per layer and microbatch, kept
  *   from dispatch to the backward of both). */
 
 typedef struct mst_ep mst_ep_t;
 typedef struct mst_ep_handle mst_ep_handle_t;
 typedef struct mst_ep_group mst_ep_group_t;
+
+/* How the ranks exchange rows (NCCL communicators; the CPU twin ignores it). */
+typedef enum mst_ep_path_kind {
+    MST_EP_PATH_AUTO = 0, /* lsa where NCCL's device API reaches every rank, else p2p   */
+    MST_EP_PATH_P2P,      /* ncclSend/ncclRecv of fixed-capacity blocks (C rows a pair)   */
+    MST_EP_PATH_LSA,      /* NCCL device API: kernels store the valid rows into the peers'
+                             symmetric windows over NVLink (MST_ERR_UNSUPPORTED where not
+                             available)                                                  */
+} mst_ep_path_kind;
 
 typedef struct mst_ep_config {
     int32_t n_experts;  /* E over all ranks, a multiple of the world size W  */
@@ -666,6 +676,7 @@ typedef struct mst_ep_config {
     int64_t max_rows;   /* R: most rows this rank's experts receive           */
     int64_t pair_rows;  /* C: most rows one rank sends to one rank (0: N k,
                            which no routing can pass)                         */
+    int32_t path;       /* mst_ep_path_kind (0: auto)                         */
 } mst_ep_config;
 
 /* An NCCL unique id: rank 0 makes it, every rank gets a copy (e.g. through
@@ -695,11 +706,12 @@ MST_API mst_status mst_ep_create_local(mst_ctx_t* ctx, const mst_ep_config* cfg,
 MST_API void mst_ep_destroy(mst_ep_t* ep);
 MST_API int mst_ep_rank(const mst_ep_t* ep);
 MST_API int mst_ep_world(const mst_ep_t* ep);
-/* Which exchange runs: "local threads (CPU twin)" or
- * "nccl send/recv, fixed-capacity blocks". */
+/* Which exchange runs: "local threads (CPU twin)", "nccl send/recv,
+ * fixed-capacity blocks" or "nccl device API (...)". */
 MST_API const char* mst_ep_path(const mst_ep_t* ep);
 
 MST_API mst_status mst_ep_handle_create(mst_ep_t* ep, mst_ep_handle_t** out);
+/* Destroy a communicator's handles before the communicator. */
 MST_API void mst_ep_handle_destroy(mst_ep_handle_t* h);
 
 /* x [N, H] bf16 (N <= max_tokens); topk_idx [N, k] int32 global expert ids;

@@ -98,23 +98,25 @@ fi
 # ---- end of the Python package section -----------------------------------------
 
 # ---- expert parallelism (several GPUs of one host) -------------------------
-# test_ep --backend cuda runs one thread per GPU, NCCL send/recv between them,
-# against the single-process reference (skips scenarios of more ranks than
+# test_ep --backend cuda runs one thread per GPU over NCCL, each scenario on
+# both paths (send/recv of fixed blocks; device API stores into symmetric
+# windows), against the single-process reference (skips scenarios of more ranks than
 # GPUs, exits 77 below 2 GPUs); then compute-sanitizer memcheck over it and
 # `bench ep` when the program has it.
 if [ "$what" = ep ]; then
   n_gpu=$(nvidia-smi -L | wc -l)
   summary+=("gpus: $n_gpu")
-  NCCL_DEBUG=WARN ./build-gpu/test_ep --backend cuda >"$out/ep-test.log" 2>&1
+  # bounded: a device-side barrier that never meets its peers must not hang the run
+  NCCL_DEBUG=WARN timeout 600 ./build-gpu/test_ep --backend cuda >"$out/ep-test.log" 2>&1
   rc=$?
   tail -14 "$out/ep-test.log"
   summary+=("test_ep cuda: $(case $rc in 0) echo ok;; 77) echo "SKIPPED (fewer than 2 GPUs)";; *) echo "FAILED rc $rc (see ep-test.log)";; esac) $(tail -1 "$out/ep-test.log")")
   if [ $rc = 0 ]; then
-    compute-sanitizer --tool memcheck --error-exitcode 1 ./build-gpu/test_ep --backend cuda >"$out/ep-memcheck.log" 2>&1
+    timeout 900 compute-sanitizer --tool memcheck --error-exitcode 1 ./build-gpu/test_ep --backend cuda >"$out/ep-memcheck.log" 2>&1
     summary+=("test_ep memcheck: $([ $? = 0 ] && echo clean || echo "ERRORS (see ep-memcheck.log)")")
   fi
   if ./build-gpu/moestash bench ep --help >/dev/null 2>&1; then
-    ./build-gpu/moestash bench ep --json "$out/bench-ep.json" >"$out/bench-ep.log" 2>&1
+    timeout 900 ./build-gpu/moestash bench ep --json "$out/bench-ep.json" >"$out/bench-ep.log" 2>&1
     summary+=("bench ep: $([ $? = 0 ] && echo ok || echo 'FAILED (see bench-ep.log)')")
     tail -25 "$out/bench-ep.log"
   fi

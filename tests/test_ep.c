@@ -2,7 +2,8 @@
  * test_ep.c — expert-parallel dispatch and combine, forward and backward,
  * against a single-process reference of the whole routing (float64 sums).
  * Ranks are threads, one context each: `--backend cpu` runs the CPU twin
- * (shared-memory exchange), `--backend cuda` one GPU per rank over NCCL
+ * (shared-memory exchange), `--backend cuda` one GPU per rank over NCCL,
+ * every scenario on both paths: send/recv of fixed blocks and the device API
  * (needs >= 2 GPUs; exits 77, skipped, otherwise; scenarios of more ranks
  * than GPUs are skipped).
  *
@@ -59,6 +60,7 @@ typedef struct rank_io {
 typedef struct world_run {
     const scen* s;
     mst_backend_kind kind;
+    mst_ep_path_kind path;
     mst_ep_group_t* group; /* CPU twin */
     mst_ep_id id;          /* NCCL */
     rank_io* io;           /* [W] */
@@ -168,7 +170,7 @@ static void* rank_main(void* argp) {
         return NULL;
     }
     mst_ep_config cfg = {.n_experts = s->E, .top_k = s->k, .hidden = H, .max_tokens = N, .max_rows = R,
-                         .pair_rows = s->C};
+                         .pair_rows = s->C, .path = w->path};
     mst_ep_t* ep = NULL;
     mst_ep_handle_t* h = NULL;
     io->st = make_ep(w, ctx, &cfg, ra->rank, &ep);
@@ -216,8 +218,8 @@ static void* rank_main(void* argp) {
 }
 
 /* Runs every rank of scenario s on its thread; io [W] holds the inputs. */
-static int run_world(const scen* s, mst_backend_kind kind, rank_io* io) {
-    world_run w = {.s = s, .kind = kind, .io = io};
+static int run_world(const scen* s, mst_backend_kind kind, mst_ep_path_kind path, rank_io* io) {
+    world_run w = {.s = s, .kind = kind, .path = path, .io = io};
     if (kind == MST_BACKEND_CPU) {
         if (mst_ep_group_create(s->W, &w.group) != MST_OK) return 0;
     } else if (mst_ep_id_create(&w.id) != MST_OK) {
@@ -468,12 +470,12 @@ static int n_devices(mst_backend_kind kind) {
     return n;
 }
 
-static void run_scen(const scen* s, mst_backend_kind kind) {
+static void run_scen(const scen* s, mst_backend_kind kind, mst_ep_path_kind path) {
     rank_io io[2][16];
     memset(io, 0, sizeof io);
     for (int round = 0; round < 2; round++) {
         for (int r = 0; r < s->W; r++) make_inputs(s, &io[round][r], r);
-        if (!run_world(s, kind, io[round])) {
+        if (!run_world(s, kind, path, io[round])) {
             CHECK(0, "%s: the world did not start", s->name);
             return;
         }
@@ -504,6 +506,10 @@ static void check_bad_args(void) {
     CHECK_STATUS(mst_ep_create_local(ctx, &cfg, g, 0, &ep), MST_ERR_INVALID);
     CHECK(strstr(mst_last_error(), "hidden = 12") != NULL, "message names hidden: %s", mst_last_error());
     cfg.hidden = 16;
+    cfg.path = 7;
+    CHECK_STATUS(mst_ep_create_local(ctx, &cfg, g, 0, &ep), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "cfg.path = 7") != NULL, "message names path: %s", mst_last_error());
+    cfg.path = MST_EP_PATH_AUTO;
     CHECK_STATUS(mst_ep_create_local(ctx, &cfg, g, 1, &ep), MST_ERR_INVALID);
     CHECK_OK(mst_ep_create_local(ctx, &cfg, g, 0, &ep));
     mst_ep_t* ep2 = NULL;
@@ -559,7 +565,8 @@ int main(int argc, char** argv) {
             printf("  %-28s skipped: %d ranks, %d devices\n", SCENS[i].name, SCENS[i].W, n_dev);
             continue;
         }
-        run_scen(&SCENS[i], kind);
+        if (kind == MST_BACKEND_CPU) run_scen(&SCENS[i], kind, MST_EP_PATH_AUTO);
+        else for (int p = MST_EP_PATH_P2P; p <= MST_EP_PATH_LSA; p++) run_scen(&SCENS[i], kind, (mst_ep_path_kind)p);
     }
     printf("%s: %d passed, %d failed\n", argv[0], mst_test_checks - mst_test_failures, mst_test_failures);
     return mst_test_failures ? 1 : 0;

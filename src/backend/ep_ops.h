@@ -9,7 +9,8 @@
  * side), in (local expert, token, slot) order of the sender; C = pair_rows.
  *   route:  topk_idx -> send_pos (the row d C + slot of each (t, s) in the
  *           blocks, d its destination; -1: skipped) and send_counts
- *           [W, El]; flag when a block passes C rows (its counts zeroed,
+ *           [W, El] (send_total [W] their sums); flag when a block passes
+ *           C rows (its counts zeroed,
  *           its slots skipped) or an id is outside [0, E).
  *   pack:   tok[t] -> blk[send_pos[t][s]], tok_p[t][s] -> blk_p[...].
  *   gather: tok_out[t] = sum_s w[t][s] blk[pos] (w = tok_p or 1, fp32 in
@@ -44,6 +45,7 @@ typedef struct mst_ep_args {
     const int32_t* topk_idx;    /* [N, k] global expert ids (route)               */
     int32_t* send_pos;          /* [N, k] row in [W C] (route; pack, gather read) */
     int32_t* send_counts;       /* [W, El] rows sent to (rank, local expert)      */
+    int32_t* send_total;        /* [W] rows sent to each rank (route)             */
     const int32_t* recv_counts; /* [W, El] rows got from (rank, local expert)     */
     int32_t* counts;            /* [El] rows per local expert (plan)              */
     int32_t* row_base;          /* [W, El] first row of (source, expert) (plan)   */

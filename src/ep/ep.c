@@ -24,7 +24,7 @@ mst_status mst_ep_alloc(mst_ep_t** out) {
     return *out ? MST_OK : mst_set_error(MST_ERR_OOM, "ep communicator");
 }
 
-static mst_status check_config(const mst_ep_config* c, int world) {
+mst_status mst_ep_check_config(const mst_ep_config* c, int world) {
     if (!c) return mst_set_error(MST_ERR_INVALID, "cfg is NULL");
     if (c->n_experts < 1 || c->n_experts % world != 0)
         return mst_set_error(MST_ERR_INVALID, "cfg.n_experts = %d: must be a positive multiple of the world size %d",
@@ -44,6 +44,9 @@ static mst_status check_config(const mst_ep_config* c, int world) {
     if (C < 1 || C > INT32_MAX / world)
         return mst_set_error(MST_ERR_INVALID, "cfg.pair_rows = %lld: must be 0 or in [1, %d] (world %d)",
                              (long long)c->pair_rows, INT32_MAX / world, world);
+    if (c->path < MST_EP_PATH_AUTO || c->path > MST_EP_PATH_LSA)
+        return mst_set_error(MST_ERR_INVALID, "cfg.path = %d: must be a mst_ep_path_kind (0 auto, 1 p2p, 2 lsa)",
+                             c->path);
     return MST_OK;
 }
 
@@ -61,8 +64,24 @@ static mst_status alloc_zeroed(mst_ctx_t* ctx, size_t n_bytes, void** out) {
     return mst_fill(ctx, *out, 0, n_bytes);
 }
 
+static size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+/* The receive block: rows [W, C, H], probs [W, C], counts [W, El], zeroed
+ * (a slot read after an over-budget step holds zeros or old rows). */
+static mst_status alloc_recv(mst_ep_t* ep) {
+    const size_t WC = (size_t)ep->world * (size_t)ep->cfg.pair_rows;
+    const size_t rows_bytes = align256(WC * (size_t)ep->cfg.hidden * 2), p_bytes = align256(WC * sizeof(float));
+    const size_t n_bytes = rows_bytes + p_bytes + (size_t)ep->world * (size_t)ep->n_local * sizeof(int32_t);
+    if (ep->tr && ep->tr->recv_alloc) MST_TRY(ep->tr->recv_alloc(ep, n_bytes, &ep->recv_block));
+    else MST_TRY(mst_alloc(ep->ctx, n_bytes, &ep->recv_block));
+    ep->recv = (uint16_t*)ep->recv_block;
+    ep->recv_p = (float*)((char*)ep->recv_block + rows_bytes);
+    ep->recv_counts = (int32_t*)((char*)ep->recv_block + rows_bytes + p_bytes);
+    return mst_fill(ep->ctx, ep->recv_block, 0, n_bytes);
+}
+
 mst_status mst_ep_init(mst_ep_t* ep, mst_ctx_t* ctx, const mst_ep_config* cfg, int rank, int world) {
-    MST_TRY(check_config(cfg, world));
+    MST_TRY(mst_ep_check_config(cfg, world));
     MST_TRY(ops_of(ctx, &ep->ops));
     ep->ctx = ctx;
     ep->cfg = *cfg;
@@ -72,11 +91,9 @@ mst_status mst_ep_init(mst_ep_t* ep, mst_ctx_t* ctx, const mst_ep_config* cfg, i
     ep->n_local = cfg->n_experts / world;
     const size_t WC = (size_t)world * (size_t)ep->cfg.pair_rows;
     const size_t n_chunks = (size_t)((cfg->max_tokens * cfg->top_k + MST_EP_CHUNK - 1) / MST_EP_CHUNK);
-    /* zeroed: a block slot read after an over-budget step holds zeros or old rows */
     MST_TRY(alloc_zeroed(ctx, WC * (size_t)cfg->hidden * 2, (void**)&ep->send));
-    MST_TRY(alloc_zeroed(ctx, WC * (size_t)cfg->hidden * 2, (void**)&ep->recv));
     MST_TRY(alloc_zeroed(ctx, WC * sizeof(float), (void**)&ep->send_p));
-    MST_TRY(alloc_zeroed(ctx, WC * sizeof(float), (void**)&ep->recv_p));
+    MST_TRY(alloc_recv(ep));
     return mst_alloc(ctx, n_chunks * (size_t)cfg->n_experts * sizeof(int32_t), (void**)&ep->scratch);
 }
 
@@ -85,10 +102,9 @@ void mst_ep_destroy(mst_ep_t* ep) {
     if (ep->ctx) {
         mst_ctx_sync(ep->ctx);
         mst_free(ep->ctx, ep->send);
-        mst_free(ep->ctx, ep->recv);
         mst_free(ep->ctx, ep->send_p);
-        mst_free(ep->ctx, ep->recv_p);
         mst_free(ep->ctx, ep->scratch);
+        if (!(ep->tr && ep->tr->recv_alloc)) mst_free(ep->ctx, ep->recv_block);
     }
     if (ep->tr) ep->tr->destroy(ep);
     free(ep);
@@ -134,7 +150,7 @@ mst_status mst_ep_handle_create(mst_ep_t* ep, mst_ep_handle_t** out) {
     mst_status st = mst_alloc(ctx, (size_t)(ep->cfg.max_tokens * ep->cfg.top_k) * sizeof(int32_t),
                               (void**)&h->send_pos);
     if (st == MST_OK) st = mst_alloc(ctx, WE, (void**)&h->send_counts);
-    if (st == MST_OK) st = mst_alloc(ctx, WE, (void**)&h->recv_counts);
+    if (st == MST_OK) st = mst_alloc(ctx, (size_t)ep->world * sizeof(int32_t), (void**)&h->send_total);
     if (st == MST_OK) st = mst_alloc(ctx, WE, (void**)&h->row_base);
     if (st == MST_OK)
         st = mst_alloc(ctx, (size_t)ep->world * (size_t)(ep->n_local + 1) * sizeof(int32_t), (void**)&h->block_off);
@@ -152,7 +168,7 @@ void mst_ep_handle_destroy(mst_ep_handle_t* h) {
     mst_ctx_sync(ctx);
     mst_free(ctx, h->send_pos);
     mst_free(ctx, h->send_counts);
-    mst_free(ctx, h->recv_counts);
+    mst_free(ctx, h->send_total);
     mst_free(ctx, h->row_base);
     mst_free(ctx, h->block_off);
     free(h);
@@ -194,19 +210,36 @@ static mst_ep_args args_of(const mst_ep_t* ep, const mst_ep_handle_t* h) {
                      .top_k = ep->cfg.top_k, .n_local = ep->n_local, .n_tok = h->n_tok,
                      .cols = ep->cfg.hidden, .pair_rows = ep->cfg.pair_rows,
                      .max_rows = ep->cfg.max_rows, .send_pos = h->send_pos,
-                     .send_counts = h->send_counts, .recv_counts = h->recv_counts,
+                     .send_counts = h->send_counts, .send_total = h->send_total,
+                     .recv_counts = ep->recv_counts,
                      .row_base = h->row_base, .block_off = h->block_off, .scratch = ep->scratch,
                      .flag = ep->ctx->err_flag};
     return a;
 }
 
-/* Exchanges the row plane and, when with_p, the prob plane. */
-static mst_status exchange_rows(mst_ep_t* ep, int with_rows, int with_p) {
-    const size_t C = (size_t)ep->cfg.pair_rows;
+/* The planes of rows and probs: to_experts, from token ranks to the experts'
+ * ranks (valid rows: what route sent); else back (valid rows: what plan
+ * received from each rank). */
+static mst_ep_plane rows_plane(const mst_ep_t* ep, const mst_ep_handle_t* h, int to_experts) {
+    const size_t C = (size_t)ep->cfg.pair_rows, row = (size_t)ep->cfg.hidden * 2;
+    if (to_experts) return (mst_ep_plane){ep->send, ep->recv, C * row, row, h->send_total, 1};
+    return (mst_ep_plane){ep->send, ep->recv, C * row, row, h->block_off + ep->n_local, ep->n_local + 1};
+}
+
+static mst_ep_plane probs_plane(const mst_ep_t* ep, const mst_ep_handle_t* h, int to_experts) {
+    mst_ep_plane p = rows_plane(ep, h, to_experts);
+    p.send = ep->send_p, p.recv = ep->recv_p;
+    p.row_bytes = sizeof(float);
+    p.block_bytes = (size_t)ep->cfg.pair_rows * sizeof(float);
+    return p;
+}
+
+/* Exchanges the row plane (with_rows) and the prob plane (with_p). */
+static mst_status exchange_rows(mst_ep_t* ep, const mst_ep_handle_t* h, int to_experts, int with_rows, int with_p) {
     mst_ep_plane pl[2];
     int n = 0;
-    if (with_rows) pl[n++] = (mst_ep_plane){ep->send, ep->recv, C * (size_t)ep->cfg.hidden * 2};
-    if (with_p) pl[n++] = (mst_ep_plane){ep->send_p, ep->recv_p, C * sizeof(float)};
+    if (with_rows) pl[n++] = rows_plane(ep, h, to_experts);
+    if (with_p) pl[n++] = probs_plane(ep, h, to_experts);
     return ep->tr->exchange(ep, pl, n);
 }
 
@@ -215,11 +248,12 @@ typedef mst_status (*ep_op)(mst_ctx_t* ctx, const mst_ep_args* a);
 /* Every move of rows but dispatch's: `fill` writes the send blocks, the
  * exchange moves them (and the probs when with_p), `read` reads the
  * received blocks. */
-static mst_status move_rows(mst_ep_t* ep, mst_ep_args* a, int with_p, ep_op fill, ep_op read) {
+static mst_status move_rows(mst_ep_t* ep, const mst_ep_handle_t* h, mst_ep_args* a, int to_experts, int with_p,
+                            ep_op fill, ep_op read) {
     a->blk = ep->send;
     a->blk_p = with_p ? ep->send_p : NULL;
     MST_TRY(fill(ep->ctx, a));
-    MST_TRY(exchange_rows(ep, 1, with_p));
+    MST_TRY(exchange_rows(ep, h, to_experts, 1, with_p));
     a->blk = ep->recv;
     a->blk_p = with_p ? ep->recv_p : NULL;
     return read(ep->ctx, a);
@@ -257,11 +291,11 @@ mst_status mst_ep_dispatch(mst_ep_t* ep, mst_ep_handle_t* h, const mst_tensor* x
     a.blk_p = with_p ? ep->send_p : NULL;
     MST_TRY(ep->ops->route(ep->ctx, &a));
     MST_TRY(ep->ops->pack(ep->ctx, &a));
-    const size_t C = (size_t)c->pair_rows;
+    const size_t El4 = (size_t)ep->n_local * sizeof(int32_t);
     mst_ep_plane pl[3] = {
-        {h->send_counts, h->recv_counts, (size_t)ep->n_local * sizeof(int32_t)},
-        {ep->send, ep->recv, C * (size_t)c->hidden * 2},
-        {ep->send_p, ep->recv_p, C * sizeof(float)},
+        {h->send_counts, ep->recv_counts, El4, El4, NULL, 0},
+        rows_plane(ep, h, 1),
+        probs_plane(ep, h, 1),
     };
     MST_TRY(ep->tr->exchange(ep, pl, with_p ? 3 : 2));
     a.counts = (int32_t*)counts->data;
@@ -291,7 +325,7 @@ mst_status mst_ep_dispatch_backward(mst_ep_t* ep, mst_ep_handle_t* h, const mst_
     a.rows_p_in = with_p ? (const float*)d_row_probs->data : NULL;
     a.tok_out = (uint16_t*)dx->data;
     a.tok_p_out = with_p ? (float*)dprobs->data : NULL;
-    return move_rows(ep, &a, with_p, ep->ops->repack, ep->ops->gather);
+    return move_rows(ep, h, &a, 0, with_p, ep->ops->repack, ep->ops->gather);
 }
 
 /* ---- combine ------------------------------------------------------------- */
@@ -307,7 +341,7 @@ mst_status mst_ep_combine(mst_ep_t* ep, mst_ep_handle_t* h, const mst_tensor* ou
     a.rows_in = (const uint16_t*)out_rows->data;
     a.tok_p = given(probs) ? (const float*)probs->data : NULL;
     a.tok_out = (uint16_t*)y->data;
-    return move_rows(ep, &a, 0, ep->ops->repack, ep->ops->gather);
+    return move_rows(ep, h, &a, 0, 0, ep->ops->repack, ep->ops->gather);
 }
 
 mst_status mst_ep_combine_backward(mst_ep_t* ep, mst_ep_handle_t* h, const mst_tensor* dy,
@@ -332,9 +366,9 @@ mst_status mst_ep_combine_backward(mst_ep_t* ep, mst_ep_handle_t* h, const mst_t
     a.scale = with_p;
     a.dot_src = with_p ? (const uint16_t*)out_rows->data : NULL;
     a.dot_out = with_p ? ep->send_p : NULL; /* free once the rows moved */
-    MST_TRY(move_rows(ep, &a, with_p, ep->ops->pack, ep->ops->unpack));
+    MST_TRY(move_rows(ep, h, &a, 1, with_p, ep->ops->pack, ep->ops->unpack));
     if (!with_p) return MST_OK;
-    MST_TRY(exchange_rows(ep, 0, 1));
+    MST_TRY(exchange_rows(ep, h, 0, 0, 1));
     mst_ep_args g = args_of(ep, h);
     g.blk_p = ep->recv_p;
     g.tok_p_out = (float*)dprobs->data;

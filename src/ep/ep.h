@@ -9,12 +9,21 @@
 #include "../backend/ep_ops.h"
 #include "../core/context.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* One buffer to exchange: send block d (block_bytes at send + d *
- * block_bytes) goes to rank d, which receives it as its block `rank`. */
+ * block_bytes) goes to rank d, which receives it as its block `rank`. Only
+ * its first valid[d * valid_stride] rows of row_bytes matter (device
+ * counts; valid NULL: the whole block): a transport may move just those. */
 typedef struct mst_ep_plane {
-    const void* send; /* [W, block_bytes] backend memory */
-    void* recv;       /* [W, block_bytes] backend memory */
+    const void* send;      /* [W, block_bytes] backend memory                 */
+    void* recv;            /* [W, block_bytes] backend memory (ep's receive block) */
     size_t block_bytes;
+    size_t row_bytes;
+    const int32_t* valid;  /* backend memory, or NULL                         */
+    int64_t valid_stride;
 } mst_ep_plane;
 
 /* How the ranks' buffers move. Every rank calls exchange with the same
@@ -23,7 +32,10 @@ typedef struct mst_ep_plane {
 typedef struct mst_ep_transport {
     const char* name; /* mst_ep_path() */
     mst_status (*exchange)(mst_ep_t* ep, const mst_ep_plane* planes, int n_planes);
-    void (*destroy)(mst_ep_t* ep); /* frees ep->comm */
+    void (*destroy)(mst_ep_t* ep); /* frees ep->comm (and a receive block it made) */
+    /* (optional) the receive block, where the transport needs it (a
+     * symmetric window); NULL: mst_alloc. Collective. */
+    mst_status (*recv_alloc)(mst_ep_t* ep, size_t n_bytes, void** out);
 } mst_ep_transport;
 
 struct mst_ep {
@@ -35,9 +47,11 @@ struct mst_ep {
     int32_t rank, world;         /* this rank, W                                  */
     int32_t n_local;             /* El = E / W                                    */
     uint16_t* send;              /* [W, C, H] bf16 exchange buffers               */
-    uint16_t* recv;              /* [W, C, H] bf16                                */
     float* send_p;               /* [W, C] fp32                                   */
-    float* recv_p;               /* [W, C] fp32                                   */
+    void* recv_block;            /* the three receive buffers, one allocation     */
+    uint16_t* recv;              /* [W, C, H] bf16, in recv_block                 */
+    float* recv_p;               /* [W, C] fp32, in recv_block                    */
+    int32_t* recv_counts;        /* [W, El] rows got from (rank, local expert)    */
     int32_t* scratch;            /* [ceil(N k / MST_EP_CHUNK), E] route scratch    */
 };
 
@@ -46,20 +60,25 @@ struct mst_ep_handle {
     int64_t n_tok;          /* N of the last dispatch (0: none yet)         */
     int32_t* send_pos;      /* [N, k] backend memory: row in the [W, C] blocks */
     int32_t* send_counts;   /* [W, El]                                      */
-    int32_t* recv_counts;   /* [W, El]                                      */
+    int32_t* send_total;    /* [W]                                          */
     int32_t* row_base;      /* [W, El]                                      */
     int32_t* block_off;     /* [W, El + 1]                                  */
 };
 
-/* Sets up ep (cfg checked, buffers allocated) once the transport knows rank
- * and world; on failure the caller destroys ep. */
+/* MST_ERR_INVALID naming the first bad field of cfg for `world` ranks. */
+mst_status mst_ep_check_config(const mst_ep_config* cfg, int world);
+/* Sets up ep (cfg checked, buffers allocated; the receive block through
+ * ep->tr->recv_alloc when there is one); on failure the caller destroys ep. */
 mst_status mst_ep_init(mst_ep_t* ep, mst_ctx_t* ctx, const mst_ep_config* cfg, int rank, int world);
 /* Allocates an ep struct (zeroed). */
 mst_status mst_ep_alloc(mst_ep_t** out);
 
 #ifdef MST_HAVE_NCCL
-extern const mst_ep_transport mst_ep_transport_nccl;
+extern const mst_ep_transport mst_ep_transport_nccl, mst_ep_transport_lsa;
 #endif
 extern const mst_ep_transport mst_ep_transport_local;
 
+#ifdef __cplusplus
+}
+#endif
 #endif /* MST_EP_H */

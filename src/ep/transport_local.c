@@ -4,8 +4,9 @@
  * memory. An exchange publishes this rank's planes, waits for every rank,
  * copies block `rank` of each peer's send plane into its own receive plane
  * (block = peer), and waits again so that no rank reuses its send buffers
- * before every peer has read them. Moves the same fixed-size blocks as the
- * NCCL send/recv path, so dispatch and combine run the same logic.
+ * before every peer has read them. Copies the valid rows of each block only
+ * (as the NCCL device-API path moves them), so counts that undercount the
+ * rows a block holds lose rows here too.
  */
 #include <pthread.h>
 #include <string.h>
@@ -54,6 +55,14 @@ void mst_ep_group_destroy(mst_ep_group_t* g) {
     free(g->planes), free(g->n_planes), free(g->joined), free(g);
 }
 
+/* Bytes of block `to` of plane p that matter: its valid rows, or all. */
+static size_t valid_bytes(const mst_ep_plane* p, int to) {
+    if (!p->valid) return p->block_bytes;
+    const int32_t v = p->valid[(int64_t)to * p->valid_stride];
+    const size_t n = v > 0 ? (size_t)v * p->row_bytes : 0;
+    return n < p->block_bytes ? n : p->block_bytes;
+}
+
 static mst_status local_exchange(mst_ep_t* ep, const mst_ep_plane* pl, int n) {
     mst_ep_group_t* g = ((local_comm*)ep->comm)->group;
     const int me = ep->rank;
@@ -67,7 +76,7 @@ static mst_status local_exchange(mst_ep_t* ep, const mst_ep_plane* pl, int n) {
             const mst_ep_plane* src = &g->planes[j][p];
             MST_ASSERT(src->block_bytes == pl[p].block_bytes);
             memcpy((char*)pl[p].recv + (size_t)j * pl[p].block_bytes,
-                   (const char*)src->send + (size_t)me * src->block_bytes, pl[p].block_bytes);
+                   (const char*)src->send + (size_t)me * src->block_bytes, valid_bytes(src, me));
         }
     }
     pthread_barrier_wait(&g->barrier);

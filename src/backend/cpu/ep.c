@@ -29,6 +29,7 @@ static mst_status cpu_ep_route(mst_ctx_t* ctx, const mst_ep_args* a) {
         for (int32_t e = 0; e < El; e++) total += next[d * El + e];
         const int over = total > a->pair_rows;
         if (over) mst_ep_flag(a->flag, MST_FLAG_COUNTS);
+        a->send_total[d] = over ? 0 : (int32_t)total;
         int32_t base = 0;
         for (int32_t e = 0; e < El; e++) {
             const int32_t n = next[d * El + e];

@@ -76,6 +76,7 @@ __global__ void ep_scan_kernel(mst_ep_args a, int32_t n_chunks) {
         for (int32_t e = 0; e < El; e++) total += tot[d * El + e];
         const bool over = total > a.pair_rows;
         if (over) mst_dev_flag(a.flag, MST_FLAG_COUNTS);
+        a.send_total[d] = over ? 0 : (int32_t)total;
         int32_t base = (int32_t)(d * a.pair_rows);
         for (int32_t e = 0; e < El; e++) {
             const int32_t g = d * El + e;
