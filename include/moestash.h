@@ -686,6 +686,13 @@ typedef struct mst_ep_id {
 } mst_ep_id;
 
 MST_API mst_status mst_ep_id_create(mst_ep_id* out);
+/* Gives every rank rank 0's id over TCP (the launcher's MASTER_ADDR and
+ * MASTER_PORT): rank 0 listens on host:port and sends *id to each rank once
+ * all world ranks joined; the others connect (retrying until rank 0 is up)
+ * and receive it into *id. Every wait ends by timeout_ms: MST_ERR_IO naming
+ * the rank and what did not happen (so no rank hangs). world 1: nothing. */
+MST_API mst_status mst_ep_id_share(mst_ep_id* id, int rank, int world, const char* host, int port,
+                                   int timeout_ms);
 /* A communicator of `world` ranks over NCCL on a CUDA context; this is rank
  * `rank`. MST_ERR_UNSUPPORTED when the library was built without NCCL or the
  * context is not CUDA. */

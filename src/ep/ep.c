@@ -72,7 +72,8 @@ static mst_status alloc_recv(mst_ep_t* ep) {
     const size_t WC = (size_t)ep->world * (size_t)ep->cfg.pair_rows;
     const size_t rows_bytes = align256(WC * (size_t)ep->cfg.hidden * 2), p_bytes = align256(WC * sizeof(float));
     const size_t n_bytes = rows_bytes + p_bytes + (size_t)ep->world * (size_t)ep->n_local * sizeof(int32_t);
-    if (ep->tr && ep->tr->recv_alloc) MST_TRY(ep->tr->recv_alloc(ep, n_bytes, &ep->recv_block));
+    ep->recv_by_tr = ep->tr && ep->tr->recv_alloc;
+    if (ep->recv_by_tr) MST_TRY(ep->tr->recv_alloc(ep, n_bytes, &ep->recv_block));
     else MST_TRY(mst_alloc(ep->ctx, n_bytes, &ep->recv_block));
     ep->recv = (uint16_t*)ep->recv_block;
     ep->recv_p = (float*)((char*)ep->recv_block + rows_bytes);
@@ -104,7 +105,7 @@ void mst_ep_destroy(mst_ep_t* ep) {
         mst_free(ep->ctx, ep->send);
         mst_free(ep->ctx, ep->send_p);
         mst_free(ep->ctx, ep->scratch);
-        if (!(ep->tr && ep->tr->recv_alloc)) mst_free(ep->ctx, ep->recv_block);
+        if (!ep->recv_by_tr) mst_free(ep->ctx, ep->recv_block);
     }
     if (ep->tr) ep->tr->destroy(ep);
     free(ep);

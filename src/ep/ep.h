@@ -49,6 +49,8 @@ struct mst_ep {
     uint16_t* send;              /* [W, C, H] bf16 exchange buffers               */
     float* send_p;               /* [W, C] fp32                                   */
     void* recv_block;            /* the three receive buffers, one allocation     */
+    int recv_by_tr;              /* 1: recv_block came from tr->recv_alloc (the
+                                    transport frees it), 0: from mst_alloc        */
     uint16_t* recv;              /* [W, C, H] bf16, in recv_block                 */
     float* recv_p;               /* [W, C] fp32, in recv_block                    */
     int32_t* recv_counts;        /* [W, El] rows got from (rank, local expert)    */

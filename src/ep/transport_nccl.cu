@@ -184,22 +184,30 @@ static mst_status check_cuda_ctx(mst_ctx_t* ctx, mst_ep_t** out) {
     return MST_OK;
 }
 
-/* Whether the lsa path is taken (collective: every rank decides the same
- * way, from properties every rank shares, and agrees through NCCL). */
-static mst_status choose_path(mst_ep_t* ep, nccl_state* ns, mst_ep_path_kind want) {
-    int lsa = want != MST_EP_PATH_P2P && ncclTeamLsa(ns->comm).nRanks == ep->world;
-    if (lsa) {
-        ncclDevCommRequirements reqs;
-        memset(&reqs, 0, sizeof reqs);
-        reqs.lsaBarrierCount = LSA_CTAS;
-        lsa = ncclDevCommCreate(ns->comm, &reqs, &ns->dev) == ncclSuccess;
-        ns->lsa = lsa;
-    }
-    if (want == MST_EP_PATH_LSA && !lsa)
-        return mst_set_error(MST_ERR_UNSUPPORTED, "cfg.path = lsa: NCCL's device API is not available between "
-                             "these %d ranks (LSA team of %d, or ncclDevCommCreate failed: %s)",
-                             ep->world, ncclTeamLsa(ns->comm).nRanks, ncclGetLastError(ns->comm));
-    ep->tr = lsa ? &mst_ep_transport_lsa : &mst_ep_transport_nccl;
+/* Before the buffers: the lsa transport (its receive block goes into a
+ * window) when asked for or auto and every rank is load/store accessible;
+ * every rank decides the same way from what they share. */
+static mst_status pick_transport(mst_ep_t* ep, nccl_state* ns, mst_ep_path_kind want) {
+    const int n_lsa = ncclTeamLsa(ns->comm).nRanks;
+    if (want == MST_EP_PATH_LSA && n_lsa != ep->world)
+        return mst_set_error(MST_ERR_UNSUPPORTED, "cfg.path = lsa: only %d of the %d ranks are load/store "
+                             "accessible (NCCL's device API needs all)", n_lsa, ep->world);
+    ep->tr = want != MST_EP_PATH_P2P && n_lsa == ep->world ? &mst_ep_transport_lsa : &mst_ep_transport_nccl;
+    return MST_OK;
+}
+
+/* After the window is registered: the device communicator (collective). If
+ * NCCL cannot make it, auto falls back to p2p over the same buffers. */
+static mst_status make_dev_comm(mst_ep_t* ep, nccl_state* ns, mst_ep_path_kind want) {
+    if (ep->tr != &mst_ep_transport_lsa) return MST_OK;
+    ncclDevCommRequirements reqs;
+    memset(&reqs, 0, sizeof reqs);
+    reqs.lsaBarrierCount = LSA_CTAS;
+    ncclResult_t r = ncclDevCommCreate(ns->comm, &reqs, &ns->dev);
+    ns->lsa = r == ncclSuccess;
+    if (ns->lsa) return MST_OK;
+    if (want == MST_EP_PATH_LSA) return nccl_error(r, "cfg.path = lsa: ncclDevCommCreate", ns->comm);
+    ep->tr = &mst_ep_transport_nccl;
     return MST_OK;
 }
 
@@ -226,8 +234,9 @@ static mst_status finish(mst_ctx_t* ctx, const mst_ep_config* cfg, int rank, int
         ncclResult_t r = st == MST_OK ? ncclCommInitRank(&ns->comm, world, uid, rank) : ncclSuccess;
         if (r != ncclSuccess) st = nccl_error(r, "ncclCommInitRank", NULL);
     }
-    if (st == MST_OK) st = choose_path(ep, ns, (mst_ep_path_kind)cfg->path);
+    if (st == MST_OK) st = pick_transport(ep, ns, (mst_ep_path_kind)cfg->path);
     if (st == MST_OK) st = mst_ep_init(ep, ctx, cfg, rank, world);
+    if (st == MST_OK) st = make_dev_comm(ep, ns, (mst_ep_path_kind)cfg->path);
     if (st != MST_OK) {
         mst_ep_destroy(ep);
         return st;
