@@ -119,6 +119,9 @@ MST_API mst_status mst_ctx_sync(mst_ctx_t* ctx);
 MST_API mst_status mst_ctx_check(mst_ctx_t* ctx);
 /* Backend memory in use through mst_alloc, now and at peak, in bytes. */
 MST_API void mst_ctx_mem(const mst_ctx_t* ctx, size_t* in_use_bytes, size_t* peak_bytes);
+/* Total backend memory: the device's for CUDA, the host's physical RAM for
+ * the CPU backend. */
+MST_API mst_status mst_ctx_capacity(mst_ctx_t* ctx, size_t* total_bytes);
 /* Stream the context enqueues on (cudaStream_t for CUDA, NULL for the CPU).
  * The caller may set it, e.g. while capturing a CUDA graph on its own stream. */
 MST_API void* mst_ctx_stream(mst_ctx_t* ctx);

@@ -124,6 +124,8 @@ typedef struct mst_backend {
     mst_status (*copy)(mst_ctx_t* ctx, void* dst, const void* src, size_t n_bytes, mst_copy_dir dir);
     mst_status (*fill)(mst_ctx_t* ctx, void* dst, int byte, size_t n_bytes);
     mst_status (*sync)(mst_ctx_t* ctx);
+    /* total bytes of backend memory (device memory; host RAM for the CPU) */
+    mst_status (*capacity)(mst_ctx_t* ctx, size_t* total_bytes);
     void* (*get_stream)(mst_ctx_t* ctx);                 /* (optional) */
     mst_status (*set_stream)(mst_ctx_t* ctx, void* s);  /* (optional) */
 

@@ -281,6 +281,24 @@ void mst_train_help(void) {
     help(&c, &g);
 }
 
+/* Sizes that cannot fit the backend's memory are refused before any work,
+ * naming the flags of the larger part of the estimate. 0: they may fit. */
+static int fits(mst_ctx_t* ctx, const mst_model_config* m) {
+    double need = 0, params = 0;
+    size_t have = 0;
+    if (mst_model_bytes_at_least(m, &need, &params) != MST_OK || mst_ctx_capacity(ctx, &have) != MST_OK) return 0;
+    if (need <= (double)have) return 0;
+    char v[96], why[160];
+    const int attn = need - params > params;
+    if (attn) snprintf(v, sizeof v, "%lld --batch %lld", (long long)m->seq, (long long)m->batch);
+    else snprintf(v, sizeof v, "%lld (with --ffn %lld --experts %d --layers %d)", (long long)m->hidden, (long long)m->ffn,
+                  m->experts, m->layers);
+    snprintf(why, sizeof why, "needs at least %.1f GiB (%s), the backend has %.1f GiB", need / 1073741824.0,
+             attn ? "one layer's attention probabilities" : "parameters, gradients and AdamW state",
+             (double)have / 1073741824.0);
+    return mst_cli_bad("moestash train", attn ? "--seq" : "--hidden", v, why);
+}
+
 int mst_cmd_train(int argc, char** argv) {
     for (int i = 0; i < argc; i++)
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
@@ -308,6 +326,10 @@ int mst_cmd_train(int argc, char** argv) {
     mst_ctx_t* ctx = NULL;
     if (mst_ctx_create(kind, 0, &ctx) != MST_OK) {
         fprintf(stderr, "moestash train: --backend '%s': %s\n", kind == MST_BACKEND_CUDA ? "cuda" : "cpu", mst_last_error());
+        return 2;
+    }
+    if (fits(ctx, &t.cfg.model)) {
+        mst_ctx_destroy(ctx);
         return 2;
     }
     const mst_model_config* m = &t.cfg.model;

@@ -86,6 +86,12 @@ void mst_ctx_mem(const mst_ctx_t* ctx, size_t* in_use_bytes, size_t* peak_bytes)
     if (peak_bytes) *peak_bytes = ctx->peak_bytes;
 }
 
+mst_status mst_ctx_capacity(mst_ctx_t* ctx, size_t* total_bytes) {
+    MST_TRY(mst_check_ctx(ctx));
+    if (!total_bytes) return mst_set_error(MST_ERR_INVALID, "total_bytes is NULL");
+    return ctx->be->capacity(ctx, total_bytes);
+}
+
 void* mst_ctx_stream(mst_ctx_t* ctx) {
     return ctx && ctx->be->get_stream ? ctx->be->get_stream(ctx) : NULL;
 }

@@ -91,6 +91,17 @@ static double normal_at(uint64_t s, int64_t j) {
 }
 
 /* p[i] = the next n draws times std; the state moves past them. */
+mst_status mst_model_bytes_at_least(const mst_model_config* c, double* total_bytes, double* params_bytes) {
+    mst_model m = {.cfg = *c};
+    m.lp = (mst_layer_params*)calloc((size_t)c->layers + 1, sizeof *m.lp);
+    if (!m.lp) return mst_set_error(MST_ERR_OOM, "layer parameter table");
+    layout(&m); /* the parameter count, as the model lays them out */
+    free(m.lp);
+    *params_bytes = (double)m.n_params * (2 + 4 + 3 * 4);
+    *total_bytes = *params_bytes + 4.0 * (double)c->batch * (double)c->n_head * (double)c->seq * (double)c->seq;
+    return MST_OK;
+}
+
 static void fill_normal(float* p, int64_t n, double std, uint64_t* s) {
     const uint64_t s0 = *s;
 #pragma omp parallel for schedule(static)

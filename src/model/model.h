@@ -64,6 +64,10 @@ mst_mem_config mst_mem_config_default(void);
 /* Checks sizes (each failure names the flag and its value). */
 mst_status mst_model_config_check(const mst_model_config* c);
 int64_t mst_model_max_rows(const mst_model_config* c);
+/* What a model of config c surely needs, before any allocation: its
+ * parameters with their gradients and AdamW state (18 bytes each) and one
+ * layer's attention probabilities; *params_bytes is the parameters' part. */
+mst_status mst_model_bytes_at_least(const mst_model_config* c, double* total_bytes, double* params_bytes);
 
 /* Element offsets of one transformer layer's parameters in the flat buffers. */
 typedef struct mst_layer_params {

@@ -54,6 +54,13 @@ fi
 bad "--steps 'abc'" train --steps=abc
 bad "--steps '0'" train --steps 0
 bad "--steps ''" train --steps
+bad "--hidden '65536" train --hidden 65536 --heads 8
+bad "--seq '8192 --batch 4096': needs at least" train --seq 8192 --batch 4096
+bad "--resume" train --resume "$tmp/no-checkpoint"
+bad "--recompute-granularity 'half'" train --recompute-granularity half
+bad "--save-every '3': needs --save" train --save-every 3
+bad "--checkpoint" sample --prompt x
+bad "--prompt" sample --checkpoint "$tmp"
 bad "--lr 'nan'" train --lr nan
 bad "--quiet '1'" train --quiet=1
 bad "--bogus" train --bogus 1

@@ -3,8 +3,10 @@
  * table. Backend memory is host memory; ops run synchronously, so sync is a
  * no-op and counts are read straight from memory when an op executes.
  */
+#define _DEFAULT_SOURCE /* sysconf(_SC_PHYS_PAGES) */
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -60,6 +62,14 @@ static mst_status cpu_sync(mst_ctx_t* ctx) {
     return MST_OK;
 }
 
+static mst_status cpu_capacity(mst_ctx_t* ctx, size_t* total_bytes) {
+    (void)ctx;
+    const long pages = sysconf(_SC_PHYS_PAGES), size = sysconf(_SC_PAGESIZE);
+    if (pages <= 0 || size <= 0) return mst_set_error(MST_ERR_BACKEND, "sysconf: physical memory unknown");
+    *total_bytes = (size_t)pages * (size_t)size;
+    return MST_OK;
+}
+
 const mst_backend mst_backend_cpu = {
     .name = "cpu",
     .init = cpu_init,
@@ -69,6 +79,7 @@ const mst_backend mst_backend_cpu = {
     .copy = cpu_copy,
     .fill = cpu_fill,
     .sync = cpu_sync,
+    .capacity = cpu_capacity,
     .gl_forward = mst_cpu_gl_forward,
     .gl_dgrad = mst_cpu_gl_dgrad,
     .gl_wgrad = mst_cpu_gl_wgrad,

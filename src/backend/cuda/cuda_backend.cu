@@ -114,6 +114,13 @@ static mst_status cuda_fill(mst_ctx_t* ctx, void* dst, int byte, size_t n_bytes)
     return MST_OK;
 }
 
+static mst_status cuda_capacity(mst_ctx_t* ctx, size_t* total_bytes) {
+    (void)ctx;
+    size_t free_bytes = 0;
+    MST_CUDA_TRY(cudaMemGetInfo(&free_bytes, total_bytes));
+    return MST_OK;
+}
+
 static mst_status cuda_sync(mst_ctx_t* ctx) {
     mst_cuda_impl* c = mst_cuda(ctx);
     for (int i = MST_STREAM_RING; i < MST_N_STREAMS; i++) MST_CUDA_TRY(cudaStreamSynchronize(c->side[i]));
@@ -200,6 +207,7 @@ extern "C" const mst_backend mst_backend_cuda = {
     .copy = cuda_copy,
     .fill = cuda_fill,
     .sync = cuda_sync,
+    .capacity = cuda_capacity,
     .get_stream = cuda_get_stream,
     .set_stream = cuda_set_stream,
     .gl_forward = mst_cuda_gl_forward,
