@@ -457,7 +457,7 @@ static void bad_input(mst_ctx_t* ctx, mst_rng* rng) {
     CHECK_STATUS(mst_stash_save(NULL, s0->h, &src, &tc), MST_ERR_INVALID);
     CHECK_STATUS(mst_stash_save(e.pool, NULL, &src, &tc), MST_ERR_INVALID);
     CHECK_STATUS(mst_stash_save(e.pool, s0->h, NULL, &tc), MST_ERR_INVALID);
-    CHECK(strstr(mst_last_error(), "src") != NULL, "message does not name src: %s", mst_last_error());
+    CHECK(strstr(mst_last_error(), "src is NULL") != NULL, "message does not name src: %s", mst_last_error());
     CHECK_STATUS(mst_stash_save(e.pool, s0->h, &src, NULL), MST_ERR_INVALID);
     t = src, t.dtype = MST_DTYPE_FP32;
     CHECK_STATUS(mst_stash_save(e.pool, s0->h, &t, &tc), MST_ERR_INVALID);
@@ -468,7 +468,7 @@ static void bad_input(mst_ctx_t* ctx, mst_rng* rng) {
     CHECK_STATUS(mst_stash_save(e.pool, s0->h, &src, &t), MST_ERR_INVALID);
     t = dst, t.rows = s0->R - 1;
     CHECK_STATUS(mst_stash_restore(e.pool, s0->h, &t), MST_ERR_INVALID);
-    CHECK(strstr(mst_last_error(), "dst") != NULL, "message does not name dst: %s", mst_last_error());
+    CHECK(strstr(mst_last_error(), "dst has ") != NULL, "message does not name dst: %s", mst_last_error());
     CHECK_STATUS(mst_stash_restore(e.pool, s0->h, NULL), MST_ERR_INVALID);
     CHECK_STATUS(mst_stash_restore_copy(e.pool, s0->h, &t), MST_ERR_INVALID);
     CHECK_STATUS(mst_stash_restore_return(e.pool, NULL), MST_ERR_INVALID);
