@@ -10,13 +10,16 @@
  *   p2p: one group of ncclSend/ncclRecv per exchange, every block at its
  *        full, fixed size (C rows per rank pair): host sizes that never
  *        depend on the routing.
- * Both enqueue on the context's stream and capture in a CUDA graph.
+ * Both enqueue on the context's stream and capture in a CUDA graph. The lsa
+ * path is built where nccl_device.h stands beside nccl.h.
  * MST_EP_PATH_AUTO takes lsa when every rank is load/store accessible to
  * every other (one NVLink domain) and NCCL can make the device communicator,
  * else p2p.
  */
 #include <nccl.h>
+#ifdef MST_HAVE_NCCL_DEVICE /* nccl_device.h beside nccl.h (NCCL >= 2.28) */
 #include <nccl_device.h>
+#endif
 #include <string.h>
 
 #include "../backend/cuda/cuda_common.cuh"
@@ -31,7 +34,9 @@ typedef struct nccl_state {
     int lsa;            /* the device-API path is set up                             */
     void* win_base;     /* ncclMemAlloc'd receive block (lsa)                        */
     ncclWindow_t win;   /* its symmetric window                                      */
+#ifdef MST_HAVE_NCCL_DEVICE
     ncclDevComm dev;    /* device communicator with LSA_CTAS barriers                */
+#endif
 } nccl_state;
 
 static_assert(sizeof(ncclUniqueId) == sizeof(((mst_ep_id*)0)->bytes), "mst_ep_id holds an ncclUniqueId");
@@ -72,6 +77,7 @@ static mst_status p2p_exchange(mst_ep_t* ep, const mst_ep_plane* pl, int n) {
 }
 
 /* ---- lsa: stores into the peers' windows ---- */
+#ifdef MST_HAVE_NCCL_DEVICE
 
 typedef struct lsa_plane {
     const char* send;      /* [W, block_bytes] this rank's send blocks            */
@@ -144,10 +150,14 @@ static mst_status lsa_recv_alloc(mst_ep_t* ep, size_t n_bytes, void** out) {
     return MST_OK;
 }
 
+#endif /* MST_HAVE_NCCL_DEVICE */
+
 static void nccl_destroy(mst_ep_t* ep) {
     nccl_state* ns = (nccl_state*)ep->comm;
     if (!ns) return;
+#ifdef MST_HAVE_NCCL_DEVICE
     if (ns->lsa) ncclDevCommDestroy(ns->comm, &ns->dev);
+#endif
     if (ns->win) ncclCommWindowDeregister(ns->comm, ns->win);
     if (ns->win_base) ncclMemFree(ns->win_base);
     if (ns->owned && ns->comm) {
@@ -161,10 +171,12 @@ static void nccl_destroy(mst_ep_t* ep) {
 const mst_ep_transport mst_ep_transport_nccl = {
     "nccl send/recv, fixed-capacity blocks", p2p_exchange, nccl_destroy, NULL,
 };
+#ifdef MST_HAVE_NCCL_DEVICE
 const mst_ep_transport mst_ep_transport_lsa = {
     "nccl device API (symmetric window, NVLink stores of the valid rows)", lsa_exchange, nccl_destroy,
     lsa_recv_alloc,
 };
+#endif
 
 /* ---- communicators ---- */
 
@@ -188,17 +200,30 @@ static mst_status check_cuda_ctx(mst_ctx_t* ctx, mst_ep_t** out) {
  * window) when asked for or auto and every rank is load/store accessible;
  * every rank decides the same way from what they share. */
 static mst_status pick_transport(mst_ep_t* ep, nccl_state* ns, mst_ep_path_kind want) {
+#ifndef MST_HAVE_NCCL_DEVICE
+    (void)ns;
+    if (want == MST_EP_PATH_LSA)
+        return mst_set_error(MST_ERR_UNSUPPORTED, "cfg.path = lsa: built without NCCL's device API "
+                             "(no nccl_device.h beside nccl.h)");
+    ep->tr = &mst_ep_transport_nccl;
+    return MST_OK;
+#else
     const int n_lsa = ncclTeamLsa(ns->comm).nRanks;
     if (want == MST_EP_PATH_LSA && n_lsa != ep->world)
         return mst_set_error(MST_ERR_UNSUPPORTED, "cfg.path = lsa: only %d of the %d ranks are load/store "
                              "accessible (NCCL's device API needs all)", n_lsa, ep->world);
     ep->tr = want != MST_EP_PATH_P2P && n_lsa == ep->world ? &mst_ep_transport_lsa : &mst_ep_transport_nccl;
     return MST_OK;
+#endif
 }
 
 /* After the window is registered: the device communicator (collective). If
  * NCCL cannot make it, auto falls back to p2p over the same buffers. */
 static mst_status make_dev_comm(mst_ep_t* ep, nccl_state* ns, mst_ep_path_kind want) {
+#ifndef MST_HAVE_NCCL_DEVICE
+    (void)ep, (void)ns, (void)want;
+    return MST_OK;
+#else
     if (ep->tr != &mst_ep_transport_lsa) return MST_OK;
     ncclDevCommRequirements reqs;
     memset(&reqs, 0, sizeof reqs);
@@ -209,6 +234,7 @@ static mst_status make_dev_comm(mst_ep_t* ep, nccl_state* ns, mst_ep_path_kind w
     if (want == MST_EP_PATH_LSA) return nccl_error(r, "cfg.path = lsa: ncclDevCommCreate", ns->comm);
     ep->tr = &mst_ep_transport_nccl;
     return MST_OK;
+#endif
 }
 
 /* ep over comm (made from `id` when owned), path chosen, buffers set up. */
