@@ -153,7 +153,7 @@ static void check_policies(mst_ctx_t* ctx) {
         CHECK(0, "no temporary file");
         return;
     }
-    CHECK_OK(mst_train_check_policies(ctx, &cfg, out));
+    CHECK_OK(mst_train_check_policies(ctx, &cfg, out, NULL));
     rewind(out);
     char line[512];
     int n = 0;
@@ -176,7 +176,7 @@ static void check_policies(mst_ctx_t* ctx) {
     const char* labels[2] = {"lr 1e-2", "lr 2e-2"};
     out = tmpfile();
     if (!out) return;
-    CHECK_STATUS(mst_train_compare(ctx, two, labels, 2, out), MST_ERR_STATE);
+    CHECK_STATUS(mst_train_compare(ctx, two, labels, 2, out, NULL), MST_ERR_STATE);
     rewind(out);
     char l0[512] = "", l1[512] = "";
     CHECK(fgets(l0, sizeof l0, out) && fgets(l1, sizeof l1, out) && strstr(l0, "lr 1e-2") && strstr(l0, "reference") &&

@@ -264,9 +264,6 @@ static int consistent(const train_cli* t) {
     if (t->check_policies && (t->policy || t->recompute))
         return mst_cli_bad("moestash train", t->policy ? "--policy" : "--recompute", t->policy ? t->policy : t->recompute,
                            "contradicts --check-policies (which runs every policy itself)");
-    if (t->check_policies && t->json)
-        return mst_cli_bad("moestash train", "--json", t->json,
-                           "not written by --check-policies (its verdict is the lines on stdout and the exit code)");
     if (t->cfg.force_overflow > t->cfg.steps)
         return bad_value("--force-overflow", t->cfg.force_overflow, "after the last step (--steps)");
     if (t->cfg.force_over_budget > t->cfg.steps)
@@ -346,7 +343,13 @@ int mst_cmd_train(int argc, char** argv) {
     mst_status st = MST_OK;
     int rc = 0;
     if (t.check_policies) {
-        st = mst_train_check_policies(ctx, &t.cfg, stdout);
+        FILE* json = t.json ? fopen(t.json, "w") : NULL;
+        if (t.json && !json) {
+            mst_ctx_destroy(ctx);
+            return mst_cli_bad("moestash train", "--json", t.json, "cannot open for writing");
+        }
+        st = mst_train_check_policies(ctx, &t.cfg, stdout, json);
+        if (json && fclose(json) != 0 && st == MST_OK) st = mst_set_error(MST_ERR_IO, "--json '%s': write failed", t.json);
         if (st == MST_ERR_STATE) {
             fprintf(stderr, "moestash train: --check-policies: %s\n", mst_last_error());
             mst_ctx_destroy(ctx);

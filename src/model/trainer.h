@@ -90,12 +90,14 @@ mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
 /* The same steps under every policy, a mixed per-name spec and layer
  * recompute; one line each to `out`; MST_ERR_STATE when any run's losses or
  * final weights differ in a bit from the keep run's. */
-mst_status mst_train_check_policies(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* out);
+mst_status mst_train_check_policies(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* out, FILE* json);
 /* The runs of --check-policies: trains runs[0 .. n), one line each to `out`
- * (labels[i], last loss, weights hash, verdict against runs[0]);
+ * (labels[i], last loss, weights hash, verdict against runs[0]) and, when
+ * json is not NULL, one JSON document of every run's losses, hash, reruns
+ * and verdict;
  * MST_ERR_STATE when any run's losses, MTP losses or final weights differ
  * in a bit from runs[0]'s. */
 mst_status mst_train_compare(mst_ctx_t* ctx, const mst_train_config* runs, const char* const* labels, int n,
-                             FILE* out);
+                             FILE* out, FILE* json);
 
 #endif

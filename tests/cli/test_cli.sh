@@ -77,7 +77,13 @@ bad "--plot '$tmp'" train --plot "$tmp"
 bad "--eval-data '$tmp'" train --eval-data "$tmp"
 bad "--recompute-granularity 'half'" train --recompute-granularity half
 bad "--save-every '3'" train --save-every 3
-bad "--json '$tmp/x.json': not written by --check-policies" train --check-policies --json "$tmp/x.json"
+if timeout 300 "$bin" train --check-policies --steps 2 --json "$tmp/cp.json" >/dev/null 2>&1 &&
+  python3 -c "import json,sys; d=json.load(open('$tmp/cp.json')); r=d['check_policies']; sys.exit(0 if len(r)==7 and d['all_bit_identical'] and all(x['verdict'] in ('reference','bit-identical') and len(x['loss'])==2 for x in r) else 1)"; then
+  passed=$((passed + 1))
+else
+  failed=$((failed + 1))
+  echo "FAIL: train --check-policies --json: no JSON of 7 bit-identical runs"
+fi
 # the other commands
 bad "--checkpoint" sample --prompt hi
 bad "--tokens 'x'" sample --tokens=x
