@@ -99,14 +99,14 @@ typedef struct st_kind {
     int bf16;              /* 1: BF16 (2 bytes), 0: F32 (4 bytes)    */
 } st_kind;
 
-static uint64_t fnv1a(uint64_t h, const void* p, size_t n) {
-    const unsigned char* b = (const unsigned char*)p;
-    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001B3ull;
-    return h;
-}
-#define FNV_SEED 0xCBF29CE484222325ull
-
 static size_t elem_bytes(const st_kind* k) { return k->bf16 ? 2 : 4; }
+
+/* Elements of the largest parameter: the size of a host staging buffer. */
+static int64_t biggest(const param* p, int np) {
+    int64_t b = 0;
+    for (int i = 0; i < np; i++) b = numel(&p[i]) > b ? numel(&p[i]) : b;
+    return b;
+}
 
 /* The header JSON (padded with spaces to a multiple of 8 bytes) into buf. */
 static size_t header(char* buf, size_t cap, const param* p, int np, const st_kind* kinds, int nk) {
@@ -138,9 +138,7 @@ static mst_status write_tensors(mst_ctx_t* ctx, const char* path, const param* p
                                 int nk, uint64_t* hash) {
     const size_t cap = header_cap(np, nk);
     char* hdr = (char*)malloc(cap);
-    int64_t biggest = 0;
-    for (int i = 0; i < np; i++) biggest = numel(&p[i]) > biggest ? numel(&p[i]) : biggest;
-    void* host = malloc((size_t)biggest * 4);
+    void* host = malloc((size_t)biggest(p, np) * 4);
     FILE* f = fopen(path, "wb");
     mst_status st = hdr && host ? MST_OK : mst_set_error(MST_ERR_OOM, "checkpoint '%s': staging buffers", path);
     if (st == MST_OK && !f) st = mst_set_error(MST_ERR_IO, "checkpoint '%s': %s", path, strerror(errno));
@@ -149,7 +147,7 @@ static mst_status write_tensors(mst_ctx_t* ctx, const char* path, const param* p
     for (int b = 0; b < 8; b++) len[b] = (uint8_t)((uint64_t)n_hdr >> (8 * b));
     if (st == MST_OK && (fwrite(len, 1, 8, f) != 8 || fwrite(hdr, 1, n_hdr, f) != n_hdr))
         st = mst_set_error(MST_ERR_IO, "checkpoint '%s': header write failed", path);
-    *hash = FNV_SEED;
+    *hash = MST_FNV1A_SEED;
     for (int k = 0; k < nk && st == MST_OK; k++)
         for (int i = 0; i < np && st == MST_OK; i++) {
             const size_t bytes = (size_t)numel(&p[i]) * elem_bytes(&kinds[k]);
@@ -157,7 +155,7 @@ static mst_status write_tensors(mst_ctx_t* ctx, const char* path, const param* p
             if (st == MST_OK && fwrite(host, 1, bytes, f) != bytes)
                 st = mst_set_error(MST_ERR_IO, "checkpoint '%s': write of %s%s failed", path, kinds[k].prefix,
                                    p[i].name);
-            *hash = fnv1a(*hash, host, bytes);
+            *hash = mst_fnv1a(*hash, host, bytes);
         }
     if (f && fclose(f) != 0 && st == MST_OK) st = mst_set_error(MST_ERR_IO, "checkpoint '%s': close failed", path);
     free(hdr);
@@ -165,22 +163,34 @@ static mst_status write_tensors(mst_ctx_t* ctx, const char* path, const param* p
     return st;
 }
 
+/* Reads the header of a safetensors file open at its start: its text
+ * (*hdr, malloc'd; the caller frees it) tokenized into j, and its length;
+ * leaves f at the first data byte. */
+static mst_status read_header(FILE* f, const char* path, char** hdr, mst_json* j, uint64_t* n_hdr) {
+    uint8_t len[8];
+    *hdr = NULL;
+    if (fread(len, 1, 8, f) != 8) return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': truncated (no header)", path);
+    *n_hdr = 0;
+    for (int b = 0; b < 8; b++) *n_hdr |= (uint64_t)len[b] << (8 * b);
+    if (*n_hdr > (100u << 20))
+        return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': header of %llu bytes", path, (unsigned long long)*n_hdr);
+    *hdr = (char*)malloc((size_t)*n_hdr + 1);
+    if (!*hdr) return mst_set_error(MST_ERR_OOM, "checkpoint '%s': header", path);
+    size_t err_at = 0;
+    if (fread(*hdr, 1, (size_t)*n_hdr, f) != *n_hdr)
+        return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': truncated header", path);
+    if (mst_json_parse(*hdr, (size_t)*n_hdr, j, &err_at))
+        return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': header is not JSON (byte %zu)", path, err_at);
+    return MST_OK;
+}
+
 /* Checks the header of an open file against the expected entries; leaves f at
  * the first data byte. */
 static mst_status check_header(FILE* f, const char* path, const param* p, int np, const st_kind* kinds, int nk) {
-    uint8_t len[8];
-    if (fread(len, 1, 8, f) != 8) return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': truncated (no header)", path);
-    uint64_t n_hdr = 0;
-    for (int b = 0; b < 8; b++) n_hdr |= (uint64_t)len[b] << (8 * b);
-    if (n_hdr > (100u << 20)) return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': header of %llu bytes", path, (unsigned long long)n_hdr);
-    char* hdr = (char*)malloc((size_t)n_hdr + 1);
-    if (!hdr) return mst_set_error(MST_ERR_OOM, "checkpoint '%s': header", path);
+    char* hdr = NULL;
     mst_json j;
-    size_t err_at = 0;
-    mst_status st = MST_OK;
-    if (fread(hdr, 1, (size_t)n_hdr, f) != n_hdr) st = mst_set_error(MST_ERR_INVALID, "checkpoint '%s': truncated header", path);
-    else if (mst_json_parse(hdr, (size_t)n_hdr, &j, &err_at))
-        st = mst_set_error(MST_ERR_INVALID, "checkpoint '%s': header is not JSON (byte %zu)", path, err_at);
+    uint64_t n_hdr = 0;
+    mst_status st = read_header(f, path, &hdr, &j, &n_hdr);
     if (st != MST_OK) {
         free(hdr);
         return st;
@@ -247,17 +257,15 @@ static mst_status open_checked(const char* path, const param* p, int np, const s
 static mst_status read_tensors(mst_ctx_t* ctx, FILE* f, const char* path, const param* p, int np, const st_kind* kinds,
                                int nk, uint64_t want_hash) {
     mst_status st = MST_OK;
-    int64_t biggest = 0;
-    for (int i = 0; i < np; i++) biggest = numel(&p[i]) > biggest ? numel(&p[i]) : biggest;
-    void* host = st == MST_OK ? malloc((size_t)biggest * 4) : NULL;
+    void* host = st == MST_OK ? malloc((size_t)biggest(p, np) * 4) : NULL;
     if (st == MST_OK && !host) st = mst_set_error(MST_ERR_OOM, "checkpoint '%s': staging buffer", path);
-    uint64_t hash = FNV_SEED;
+    uint64_t hash = MST_FNV1A_SEED;
     for (int k = 0; k < nk && st == MST_OK; k++)
         for (int i = 0; i < np && st == MST_OK; i++) {
             const size_t bytes = (size_t)numel(&p[i]) * elem_bytes(&kinds[k]);
             if (fread(host, 1, bytes, f) != bytes) st = mst_set_error(MST_ERR_IO, "checkpoint '%s': read failed", path);
             else st = mst_copy_h2b(ctx, (char*)kinds[k].base + (size_t)p[i].off * elem_bytes(&kinds[k]), host, bytes);
-            hash = fnv1a(hash, host, bytes);
+            hash = mst_fnv1a(hash, host, bytes);
         }
     fclose(f);
     free(host);
@@ -542,16 +550,11 @@ mst_status mst_ckpt_read_bf16(const char* dir, const char* name, int64_t n, floa
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
     FILE* f = fopen(path, "rb");
     if (!f) return mst_set_error(MST_ERR_IO, "checkpoint '%s': %s", path, strerror(errno));
-    uint8_t len[8];
-    uint64_t n_hdr = 0;
-    mst_status st = fread(len, 1, 8, f) == 8 ? MST_OK : mst_set_error(MST_ERR_INVALID, "checkpoint '%s': truncated", path);
-    for (int b = 0; b < 8; b++) n_hdr |= (uint64_t)len[b] << (8 * b);
-    if (st == MST_OK && n_hdr > (100u << 20)) st = mst_set_error(MST_ERR_INVALID, "checkpoint '%s': header too long", path);
-    char* hdr = st == MST_OK ? (char*)malloc((size_t)n_hdr) : NULL;
+    char* hdr = NULL;
     mst_json j = {0};
+    uint64_t n_hdr = 0;
     int64_t o0 = -1, o1 = -1;
-    if (st == MST_OK && (!hdr || fread(hdr, 1, (size_t)n_hdr, f) != n_hdr || mst_json_parse(hdr, (size_t)n_hdr, &j, NULL)))
-        st = mst_set_error(MST_ERR_INVALID, "checkpoint '%s': bad header", path);
+    mst_status st = read_header(f, path, &hdr, &j, &n_hdr);
     if (st == MST_OK) {
         const int32_t t = mst_json_get(&j, 0, name), dt = mst_json_get(&j, t, "dtype"), of = mst_json_get(&j, t, "data_offsets");
         if (of >= 0 && j.tok[of].n_children == 2) mst_json_i64(&j, of + 1, &o0), mst_json_i64(&j, of + 2, &o1);

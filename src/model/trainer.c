@@ -269,9 +269,8 @@ const char* mst_mem_row_str(int row) { return row >= 0 && row < MST_N_ROWS ? row
 static size_t saved_row_bytes(const mst_model_config* c) { return (size_t)(c->hidden + 3 * c->ffn) * 2 + 4; }
 static size_t compute_row_bytes(const mst_model_config* c) { return (size_t)c->hidden * 6 + 4; }
 
-/* FNV-1a over 8-byte words (the tail bytes one by one): a hash of weights
- * of billions of bytes in seconds. */
-static uint64_t fnv1a(uint64_t h, const void* p, size_t n) {
+/* Over 8-byte words: a hash of weights of billions of bytes in seconds. */
+uint64_t mst_fnv1a(uint64_t h, const void* p, size_t n) {
     const unsigned char* b = (const unsigned char*)p;
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -287,11 +286,11 @@ static mst_status weights_hash(mst_model* m, uint64_t* out) {
     const size_t n = (size_t)m->n_params;
     void* h = malloc(n * sizeof(float));
     if (!h) return mst_set_error(MST_ERR_OOM, "weights readback");
-    uint64_t x = 0xCBF29CE484222325ull;
+    uint64_t x = MST_FNV1A_SEED;
     mst_status st = mst_copy_b2h(m->ctx, h, m->master, n * sizeof(float));
-    if (st == MST_OK) x = fnv1a(x, h, n * sizeof(float));
+    if (st == MST_OK) x = mst_fnv1a(x, h, n * sizeof(float));
     if (st == MST_OK) st = mst_copy_b2h(m->ctx, h, m->w, n * sizeof(uint16_t));
-    if (st == MST_OK) x = fnv1a(x, h, n * sizeof(uint16_t));
+    if (st == MST_OK) x = mst_fnv1a(x, h, n * sizeof(uint16_t));
     free(h);
     *out = x;
     return st;

@@ -80,6 +80,11 @@ typedef struct mst_train_result {
     double seconds;
 } mst_train_result;
 
+/* FNV-1a over 8-byte words (the tail bytes one by one), continuing from h
+ * (MST_FNV1A_SEED to start): the weights hash, the checkpoints' data hashes. */
+#define MST_FNV1A_SEED 0xCBF29CE484222325ull
+uint64_t mst_fnv1a(uint64_t h, const void* p, size_t n);
+
 /* Runs the training; progress lines go to `progress` (NULL: none). */
 mst_status mst_train_run(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* progress,
                          mst_train_result* res);
