@@ -6,6 +6,10 @@
  * every parameter within fp32 tolerance (the loss gradient and the
  * load-balancing term divided by M; the router weights, where the
  * load-balancing term lands, checked on their own).
+ * M = 3 different microbatches under plain, 1F1B and interleaved: the
+ * activation sets (a microbatch holds one from its first forward to its
+ * last backward) number M, 1 and at most M, the per-token losses are bit for
+ * bit plain's and main_grad within fp32 tolerance (summed in another order).
  * The trainer's first step on a corpus of exactly seq + 2 bytes (one
  * window, so every microbatch is the same): with M = 2 the reported loss,
  * MTP loss and load-balancing loss are those of M = 1 (means over
@@ -58,16 +62,15 @@ static double rel_err(const float* got, const float* want, int64_t n) {
     return isnan(num) ? INFINITY : sqrt(num / den);
 }
 
-/* One model of M microbatches stepped over M copies of tok; its main_grad,
- * per-token losses [M, N] and load-balancing losses [M, L+1] to host. */
-static mst_model* step_copies(mst_ctx_t* ctx, const mst_model_config* c, int32_t M, const int32_t* tok, float** grad,
-                              float** loss, float** aux) {
+/* One model of M microbatches (tokens all [M, B, T + 2]) stepped once under
+ * the memory config mem (NULL: default); its main_grad, per-token losses
+ * [M, N] and load-balancing losses [M, L+1] to host. */
+static mst_model* step_tokens(mst_ctx_t* ctx, const mst_model_config* c, const mst_mem_config* mem, int32_t M,
+                              const int32_t* all, float** grad, float** loss, float** aux) {
     mst_model* m = NULL;
-    CHECK_OK(mst_model_create(ctx, c, M, NULL, &m));
+    CHECK_OK(mst_model_create(ctx, c, M, mem, &m));
     if (!m) return NULL;
-    const int64_t per = c->batch * (c->seq + 2), N = c->batch * c->seq, L1 = c->layers + 1;
-    int32_t* all = (int32_t*)malloc(sizeof(int32_t) * (size_t)(per * M));
-    for (int32_t mb = 0; mb < M; mb++) memcpy(all + mb * per, tok, sizeof(int32_t) * (size_t)per);
+    const int64_t N = c->batch * c->seq, L1 = c->layers + 1;
     float hyper[MST_N_HYPER] = {0};
     CHECK_OK(mst_model_stage(m, 0, all, hyper));
     CHECK_OK(mst_model_upload(m, 0));
@@ -79,8 +82,55 @@ static mst_model* step_copies(mst_ctx_t* ctx, const mst_model_config* c, int32_t
     CHECK_OK(mst_copy_b2h(ctx, *grad, m->grad, sizeof(float) * (size_t)m->n_params));
     CHECK_OK(mst_copy_b2h(ctx, *loss, m->loss_main, sizeof(float) * (size_t)(M * N)));
     CHECK_OK(mst_copy_b2h(ctx, *aux, m->aux_sum, sizeof(float) * (size_t)(M * L1)));
+    return m;
+}
+
+/* The same over M copies of tok [B, T + 2]. */
+static mst_model* step_copies(mst_ctx_t* ctx, const mst_model_config* c, int32_t M, const int32_t* tok, float** grad,
+                              float** loss, float** aux) {
+    const int64_t per = c->batch * (c->seq + 2);
+    int32_t* all = (int32_t*)malloc(sizeof(int32_t) * (size_t)(per * M));
+    for (int32_t mb = 0; mb < M; mb++) memcpy(all + mb * per, tok, sizeof(int32_t) * (size_t)per);
+    mst_model* m = step_tokens(ctx, c, NULL, M, all, grad, loss, aux);
     free(all);
     return m;
+}
+
+/* M = 3 different microbatches under each schedule against plain's. */
+static void schedules_share_sets(mst_ctx_t* ctx) {
+    const mst_model_config c = tiny(NULL).model;
+    const int32_t M = 3;
+    const int64_t n = M * c.batch * (c.seq + 2), N = c.batch * c.seq;
+    int32_t* all = (int32_t*)malloc(sizeof(int32_t) * (size_t)n);
+    mst_rng r = {31};
+    for (int64_t i = 0; i < n; i++) all[i] = (int32_t)mst_rng_int(&r, 0, c.vocab - 1);
+    const mst_schedule_kind kinds[] = {MST_SCHEDULE_PLAIN, MST_SCHEDULE_1F1B, MST_SCHEDULE_INTERLEAVED};
+    float *g0 = NULL, *l0 = NULL, *a0 = NULL;
+    for (int k = 0; k < 3; k++) {
+        mst_mem_config mem = mst_mem_config_default();
+        mem.schedule = kinds[k];
+        mem.virtual_stages = kinds[k] == MST_SCHEDULE_INTERLEAVED ? 2 : 1; /* layers + 1 = 2 */
+        float *g = NULL, *l = NULL, *a = NULL;
+        mst_model* m = step_tokens(ctx, &c, &mem, M, all, &g, &l, &a);
+        const char* name = mst_schedule_kind_str(kinds[k]);
+        if (m) {
+            const int32_t want = kinds[k] == MST_SCHEDULE_PLAIN ? M : 1;
+            CHECK(kinds[k] == MST_SCHEDULE_INTERLEAVED ? m->n_sets >= 1 && m->n_sets <= M : m->n_sets == want,
+                  "%s: %d activation sets for %d microbatches", name, m->n_sets, M);
+            if (k == 0) {
+                g0 = g, l0 = l, a0 = a;
+                g = l = a = NULL;
+            } else if (g0) {
+                CHECK(mst_first_diff(l, l0, sizeof(float) * (size_t)(M * N)) < 0, "%s: per-token losses differ "
+                      "from plain's", name);
+                const double e = rel_err(g, g0, m->n_params);
+                CHECK(e < 1e-5, "%s: main_grad rel err %.3e against plain's", name, e);
+            }
+        }
+        mst_model_destroy(m);
+        free(g), free(l), free(a);
+    }
+    free(all), free(g0), free(l0), free(a0);
 }
 
 static void model_step(mst_ctx_t* ctx) {
@@ -115,6 +165,7 @@ static void model_step(mst_ctx_t* ctx) {
 
 static void run(mst_ctx_t* ctx) {
     model_step(ctx);
+    schedules_share_sets(ctx);
     const char* path = "test_microbatch_window.txt";
     mst_train_config cfg = tiny(path);
     FILE* f = fopen(path, "w");

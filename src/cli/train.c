@@ -71,7 +71,8 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            "  --seed S                  seed of weights and data (%llu)\n"
            "  --graph on|off            replay each sized step from one captured CUDA graph (cpu: off / cuda: on)\n"
            "  --log-every N             a progress line every N steps (1)\n"
-           "  --preset h100             H 2048, 16 heads, 8 layers, 64 experts top-4, F 1024, T 2048, B 2, ep 1\n"
+           "  --preset h100             H 2048, 16 heads, 8 layers, 64 experts top-4, F 1024, T 2048, B 2, ep 1,\n"
+           "                            8 microbatches, 1f1b\n"
            "                            (flags given after it override it)\n"
            "  --json FILE               write losses, timings and the memory table as JSON\n"
            "  --save DIR                checkpoints: DIR/step-N every --save-every N steps and DIR/final\n"
@@ -102,8 +103,10 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
  * 80 GB card: H 2048, 16 heads, 8 layers, 64 experts top-4 of F 1024,
  * T 2048. Its 3.8 G parameters take 68 GB with their gradients and AdamW
  * state (18 bytes each), which leaves room for B 2 with one group (ep 1,
- * capacity factor 1: dropless and never over budget). The other flags
- * still override it. */
+ * capacity factor 1: dropless and never over budget); 8 microbatches under
+ * 1F1B (one set of activations in flight) make 32768 tokens a step, so the
+ * optimizer's pass over the parameters is paid once per 8 microbatches.
+ * The other flags still override it. */
 int mst_train_preset(mst_args* a, mst_train_config* t, const char** name) {
     static const char* const presets[] = {"h100", NULL};
     int which = 0, rc = mst_args_choice(a, presets, &which);
@@ -112,6 +115,7 @@ int mst_train_preset(mst_args* a, mst_train_config* t, const char** name) {
     mst_model_config* m = &t->model;
     m->hidden = 2048, m->n_head = 16, m->layers = 8, m->experts = 64, m->top_k = 4, m->ffn = 1024;
     m->seq = 2048, m->batch = 2, m->ep = 1;
+    t->microbatches = 8, t->mem.schedule = MST_SCHEDULE_1F1B;
     return 0;
 }
 

@@ -168,7 +168,12 @@ typedef struct mst_model {
     int graph_warm;          /* a sized step ran eagerly since the last
                                 measuring step or max_rows change             */
     /* activations */
-    mst_micro* micro;        /* [M]                                           */
+    mst_micro* micro;        /* [M] each microbatch's view of its activation set */
+    mst_micro* sets;         /* [n_sets] the activation sets: a microbatch holds
+                                one from its first forward to its last backward,
+                                so there are as many as the schedule has
+                                microbatches in flight (1F1B on one stage: 1) */
+    int32_t n_sets;
     float *loss_main, *loss_mtp; /* [M, N] per-token losses                   */
     float* aux_sum;          /* [M, L+1] load-balancing losses                */
     /* the memory manager of the grouped MLP's saved activations */
