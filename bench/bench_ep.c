@@ -265,6 +265,249 @@ static void* rank_main(void* p) {
     return NULL;
 }
 
+/* ---- the MoE layer step: weak scaling ------------------------------------ *
+ * dispatch -> grouped MLP -> combine, forward and backward, one rank per GPU
+ * at W = 1, 2, 4, ... with the same tokens per rank and the same global
+ * experts (E / W per rank): the work per rank is the same at every W, so
+ * t(1) / t(W) is the weak-scaling efficiency. Eager, each phase between two
+ * events of the rank's stream, summed over iters; rank 0's figures. */
+
+typedef struct layer_case {
+    int64_t tokens, hidden, ffn;
+    int32_t experts, top_k;
+} layer_case;
+
+/* DeepSeek-V3's expert shape (H 7168, F 2048, top-8), 32 experts in all so
+ * that one GPU holds every expert's weights and fp32 main_grad at W = 1. */
+static const layer_case LAYER = {4096, 7168, 2048, 32, 8};
+
+enum { PH_DISPATCH, PH_MLP_FWD, PH_COMBINE, PH_COMBINE_BWD, PH_MLP_BWD, PH_DISPATCH_BWD, N_PH };
+
+typedef struct layer_result {
+    int world, ok;
+    double ms[N_PH]; /* per step                                                 */
+    char path[80], err[256];
+} layer_result;
+
+typedef struct layer_world {
+    int world, iters;
+    double capacity;
+    ncclUniqueId id;
+    pthread_barrier_t bar;
+    layer_result* res; /* [W] */
+} layer_world;
+
+typedef struct layer_rank {
+    layer_world* w;
+    int rank;
+    mst_ctx_t* ctx;
+    ncclComm_t comm;
+    mst_ep_t* ep;
+    mst_ep_handle_t* h;
+    mst_mlp_config mlp;
+    mst_mlp_weights wt;
+    mst_saver_basic_t* saver;
+    mst_tensor x, idx, probs, rows, row_p, counts, out, y, dy, d_out, d_rows, d_row_p, dx, dprobs;
+    void* mem[32];
+    int n_mem;
+} layer_rank;
+
+/* A tensor of backend memory filled with a random pattern (bf16 or fp32
+ * in (0.05, 1), int32 expert ids of distinct top-k per token). */
+static mst_status layer_tensor(layer_rank* r, mst_tensor* t, mst_dtype dt, int64_t rows, int64_t cols, double scale,
+                               uint64_t seed) {
+    void* p;
+    const size_t n = (size_t)(rows * cols), bytes = n * mst_dtype_size(dt);
+    TRY(mst_alloc(r->ctx, bytes, &p));
+    r->mem[r->n_mem++] = p;
+    *t = mst_tensor_make(p, dt, rows, cols);
+    enum { CHUNK = 1 << 22 }; /* elements of the pattern, repeated */
+    const size_t m = n < CHUNK ? n : CHUNK;
+    void* hbuf = malloc(m * mst_dtype_size(dt));
+    for (size_t i = 0; i < m; i++) {
+        const double u = (double)(mix(&seed) >> 11) * 0x1.0p-53;
+        if (dt == MST_DTYPE_BF16) ((uint16_t*)hbuf)[i] = mst_fp32_to_bf16((float)((u - 0.5) * scale));
+        else if (dt == MST_DTYPE_FP32) ((float*)hbuf)[i] = (float)(0.05 + 0.95 * u);
+        else ((int32_t*)hbuf)[i] = 0;
+    }
+    if (dt == MST_DTYPE_INT32) /* top-k distinct experts per row */
+        for (size_t i = 0; i < m; i += (size_t)cols)
+            for (int64_t j = 0; j < cols; j++) {
+                int32_t g, dup;
+                do {
+                    g = (int32_t)(mix(&seed) % (uint64_t)LAYER.experts);
+                    dup = 0;
+                    for (int64_t u = 0; u < j; u++) dup |= ((int32_t*)hbuf)[i + u] == g;
+                } while (dup);
+                ((int32_t*)hbuf)[i + j] = g;
+            }
+    mst_status st = MST_OK;
+    for (size_t off = 0; off < n && st == MST_OK; off += m) {
+        const size_t k = n - off < m ? n - off : m;
+        st = mst_copy_h2b(r->ctx, (char*)p + off * mst_dtype_size(dt), hbuf, k * mst_dtype_size(dt));
+    }
+    free(hbuf);
+    return st;
+}
+
+static mst_status layer_setup(layer_rank* r) {
+    layer_world* w = r->w;
+    const layer_case* c = &LAYER;
+    const int64_t N = c->tokens, H = c->hidden, F = c->ffn, K = c->top_k, El = c->experts / w->world;
+    const int64_t R = (int64_t)ceil(w->capacity * (double)(N * K));
+    TRY(mst_ctx_create(MST_BACKEND_CUDA, r->rank, &r->ctx));
+    if (ncclCommInitRank(&r->comm, w->world, w->id, r->rank) != ncclSuccess) {
+        snprintf(w->res[r->rank].err, sizeof w->res[r->rank].err, "ncclCommInitRank failed");
+        return MST_ERR_BACKEND;
+    }
+    mst_ep_config cfg = {.n_experts = c->experts, .top_k = c->top_k, .hidden = H, .max_tokens = N, .max_rows = R,
+                         .pair_rows = (int64_t)ceil(w->capacity * (double)(N * K) / w->world)};
+    TRY(mst_ep_create_nccl(r->ctx, &cfg, r->comm, &r->ep));
+    TRY(mst_ep_handle_create(r->ep, &r->h));
+    r->mlp = mst_mlp_config_default((int32_t)El, H, F);
+    const mst_policy keep[MST_N_SAVED] = {MST_POLICY_KEEP, MST_POLICY_KEEP, MST_POLICY_KEEP, MST_POLICY_KEEP};
+    TRY(mst_saver_basic_create(r->ctx, R, &r->mlp, keep, &r->saver));
+    const mst_saver* sv = mst_saver_basic_get(r->saver);
+    /* dispatch writes straight into the saver's KEEP buffers of x and p */
+    TRY(sv->produce(sv->self, MST_SAVED_FC1_INPUT, R, H, MST_DTYPE_BF16, &r->rows));
+    TRY(sv->produce(sv->self, MST_SAVED_PROBS, R, 1, MST_DTYPE_FP32, &r->row_p));
+    const uint64_t s = 1000 * (uint64_t)(r->rank + 1);
+    TRY(layer_tensor(r, &r->x, MST_DTYPE_BF16, N, H, 2.0, s + 1));
+    TRY(layer_tensor(r, &r->idx, MST_DTYPE_INT32, N, K, 0, s + 2));
+    TRY(layer_tensor(r, &r->probs, MST_DTYPE_FP32, N, K, 0, s + 3));
+    TRY(layer_tensor(r, &r->dy, MST_DTYPE_BF16, N, H, 2.0, s + 4));
+    TRY(layer_tensor(r, &r->wt.w1, MST_DTYPE_BF16, El * 2 * F, H, 2.0 / sqrt((double)H), s + 5));
+    TRY(layer_tensor(r, &r->wt.w2, MST_DTYPE_BF16, El * H, F, 2.0 / sqrt((double)F), s + 6));
+    TRY(layer_tensor(r, &r->wt.g_w1, MST_DTYPE_FP32, El * 2 * F, H, 0, s + 7));
+    TRY(layer_tensor(r, &r->wt.g_w2, MST_DTYPE_FP32, El * H, F, 0, s + 8));
+    TRY(layer_tensor(r, &r->counts, MST_DTYPE_INT32, El, 1, 0, s + 9));
+    TRY(layer_tensor(r, &r->out, MST_DTYPE_BF16, R, H, 2.0, s + 10));
+    TRY(layer_tensor(r, &r->y, MST_DTYPE_BF16, N, H, 2.0, s + 11));
+    TRY(layer_tensor(r, &r->d_out, MST_DTYPE_BF16, R, H, 2.0, s + 12));
+    TRY(layer_tensor(r, &r->d_rows, MST_DTYPE_BF16, R, H, 2.0, s + 13));
+    TRY(layer_tensor(r, &r->d_row_p, MST_DTYPE_FP32, R, 1, 0, s + 14));
+    TRY(layer_tensor(r, &r->dx, MST_DTYPE_BF16, N, H, 2.0, s + 15));
+    return layer_tensor(r, &r->dprobs, MST_DTYPE_FP32, N, K, 0, s + 16);
+}
+
+/* One phase of the step. */
+static mst_status layer_phase(layer_rank* r, int ph) {
+    const mst_saver* sv = mst_saver_basic_get(r->saver);
+    switch (ph) {
+    case PH_DISPATCH: return mst_ep_dispatch(r->ep, r->h, &r->x, &r->idx, &r->probs, &r->rows, &r->row_p, &r->counts);
+    case PH_MLP_FWD:
+        return mst_grouped_mlp_forward(r->ctx, &r->mlp, &r->wt, &r->rows, &r->row_p, &r->counts, sv, &r->out);
+    case PH_COMBINE: return mst_ep_combine(r->ep, r->h, &r->out, NULL, &r->y);
+    case PH_COMBINE_BWD: return mst_ep_combine_backward(r->ep, r->h, &r->dy, NULL, NULL, &r->d_out, NULL);
+    case PH_MLP_BWD:
+        return mst_grouped_mlp_backward(r->ctx, &r->mlp, &r->wt, &r->d_out, &r->counts, sv, &r->d_rows, &r->d_row_p,
+                                        MST_WGRAD_ACCUMULATE);
+    default: return mst_ep_dispatch_backward(r->ep, r->h, &r->d_rows, &r->d_row_p, &r->dx, &r->dprobs);
+    }
+}
+
+static mst_status layer_run(layer_rank* r, layer_result* res) {
+    TRY(layer_setup(r));
+    cudaStream_t s = (cudaStream_t)mst_ctx_stream(r->ctx);
+    for (int warm = 0; warm < 2; warm++)
+        for (int ph = 0; ph < N_PH; ph++) TRY(layer_phase(r, ph));
+    TRY(mst_ctx_check(r->ctx));
+    cudaEvent_t ev[N_PH + 1];
+    for (int i = 0; i <= N_PH; i++) cudaEventCreate(&ev[i]);
+    pthread_barrier_wait(&r->w->bar);
+    mst_status st = MST_OK;
+    for (int it = 0; it < r->w->iters && st == MST_OK; it++) {
+        cudaEventRecord(ev[0], s);
+        for (int ph = 0; ph < N_PH && st == MST_OK; ph++) {
+            st = layer_phase(r, ph);
+            cudaEventRecord(ev[ph + 1], s);
+        }
+        cudaEventSynchronize(ev[N_PH]);
+        for (int ph = 0; ph < N_PH; ph++) {
+            float t = 0;
+            cudaEventElapsedTime(&t, ev[ph], ev[ph + 1]);
+            res->ms[ph] += t / r->w->iters;
+        }
+    }
+    for (int i = 0; i <= N_PH; i++) cudaEventDestroy(ev[i]);
+    pthread_barrier_wait(&r->w->bar);
+    TRY(st);
+    return mst_ctx_check(r->ctx); /* no rank went over budget */
+}
+
+static void* layer_main(void* p) {
+    layer_rank* r = (layer_rank*)p;
+    layer_result* res = &r->w->res[r->rank];
+    const mst_status st = layer_run(r, res);
+    res->ok = st == MST_OK;
+    if (!res->ok && !res->err[0]) snprintf(res->err, sizeof res->err, "%.250s", mst_last_error());
+    if (r->ep) snprintf(res->path, sizeof res->path, "%.70s", mst_ep_path(r->ep));
+    for (int i = 0; i < r->n_mem; i++) mst_free(r->ctx, r->mem[i]);
+    mst_saver_basic_destroy(r->saver);
+    mst_ep_handle_destroy(r->h);
+    mst_ep_destroy(r->ep);
+    if (r->comm) ncclCommDestroy(r->comm);
+    mst_ctx_destroy(r->ctx);
+    return NULL;
+}
+
+/* The layer step on W ranks; rank 0's result into *out. */
+static int layer_case_run(int world, int iters, double capacity, layer_result* out) {
+    layer_world w = {.world = world, .iters = iters, .capacity = capacity};
+    w.res = calloc((size_t)world, sizeof *w.res);
+    layer_rank* rk = calloc((size_t)world, sizeof *rk);
+    pthread_t* th = calloc((size_t)world, sizeof *th);
+    int ok = ncclGetUniqueId(&w.id) == ncclSuccess;
+    if (ok) {
+        pthread_barrier_init(&w.bar, NULL, (unsigned)world);
+        for (int r = 0; r < world; r++) {
+            rk[r] = (layer_rank){.w = &w, .rank = r};
+            pthread_create(&th[r], NULL, layer_main, &rk[r]);
+        }
+        for (int r = 0; r < world; r++) pthread_join(th[r], NULL);
+        pthread_barrier_destroy(&w.bar);
+        for (int r = 0; r < world; r++)
+            if (!w.res[r].ok) {
+                fprintf(stderr, "moestash bench ep: layer W=%d rank %d: %s\n", world, r, w.res[r].err);
+                ok = 0;
+            }
+    }
+    *out = w.res[0];
+    out->world = world;
+    out->ok = ok;
+    free(w.res), free(rk), free(th);
+    return ok;
+}
+
+static double layer_step_ms(const layer_result* r) {
+    double t = 0;
+    for (int ph = 0; ph < N_PH; ph++) t += r->ms[ph];
+    return t;
+}
+
+static void print_layer(const layer_result* r, const layer_result* one) {
+    const double step = layer_step_ms(r);
+    printf("layer W=%d  dispatch %6.3f + %6.3f ms  grouped MLP %6.3f + %6.3f ms  combine %6.3f + %6.3f ms  "
+           "(fwd + bwd)  step %7.3f ms  weak-scaling efficiency %.3f\n",
+           r->world, r->ms[PH_DISPATCH], r->ms[PH_DISPATCH_BWD], r->ms[PH_MLP_FWD], r->ms[PH_MLP_BWD],
+           r->ms[PH_COMBINE], r->ms[PH_COMBINE_BWD], step, one ? layer_step_ms(one) / step : 1.0);
+}
+
+static void write_layer_json(FILE* f, const layer_result* res, int n) {
+    static const char* const names[N_PH] = {"dispatch", "mlp_fwd", "combine", "combine_bwd", "mlp_bwd", "dispatch_bwd"};
+    fprintf(f, "  \"layer\": {\"tokens\": %lld, \"hidden\": %lld, \"ffn\": %lld, \"experts\": %d, \"top_k\": %d, "
+               "\"rows\": [\n", (long long)LAYER.tokens, (long long)LAYER.hidden, (long long)LAYER.ffn, LAYER.experts,
+            LAYER.top_k);
+    for (int i = 0; i < n; i++) {
+        fprintf(f, "    {\"world\": %d, \"ok\": %s, \"path\": \"%s\"", res[i].world, res[i].ok ? "true" : "false",
+                res[i].path);
+        for (int ph = 0; ph < N_PH; ph++) fprintf(f, ", \"%s_ms\": %.4f", names[ph], res[i].ms[ph]);
+        fprintf(f, ", \"step_ms\": %.4f, \"efficiency\": %.4f}%s\n", layer_step_ms(&res[i]),
+                res[0].ok && res[i].ok ? layer_step_ms(&res[0]) / layer_step_ms(&res[i]) : 0.0, i + 1 < n ? "," : "");
+    }
+    fprintf(f, "  ]}\n");
+}
+
 static void print_result(const bench_world* w, const ep_result* r) {
     const double gb = r->bytes / 1e9;
     printf("%-4s %-3s N %5lld H %5lld E %3d k %d  dispatch %7.1f GB/s  combine %7.1f GB/s  graph (per op) %7.1f GB/s"
@@ -276,7 +519,8 @@ static void print_result(const bench_world* w, const ep_result* r) {
     (void)w;
 }
 
-static void write_json(FILE* f, const char* device, const bench_world* w, const ep_result* res, int n) {
+static void write_json(FILE* f, const char* device, const bench_world* w, const ep_result* res, int n,
+                       const layer_result* layer, int n_layer) {
     fprintf(f, "{\n  \"bench\": \"ep\",\n  \"device\": \"%s\",\n  \"world\": %d,\n"
                "  \"nccl\": \"%d.%d.%d\",\n  \"capacity\": %.3f,\n  \"iters\": %d,\n  \"cases\": [\n",
             device, w->world, NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH, w->capacity, w->iters);
@@ -292,7 +536,9 @@ static void write_json(FILE* f, const char* device, const bench_world* w, const 
                 gb / (r->dispatch_ms / 1e3), gb / (r->combine_ms / 1e3), gb / (r->a2a_ms / 1e3),
                 r->a2a_ms / r->dispatch_ms, r->a2a_ms / r->combine_ms, i + 1 < n ? "," : "");
     }
-    fprintf(f, "  ]\n}\n");
+    fprintf(f, "  ]%s\n", n_layer ? "," : "");
+    if (n_layer) write_layer_json(f, layer, n_layer);
+    fprintf(f, "}\n");
 }
 
 /* Runs case c on W ranks; rank 0's result into *out. */
@@ -335,7 +581,9 @@ int mst_bench_ep(int argc, char** argv) {
     bench_world w = {.world = 0, .iters = 20, .capacity = 1.2};
     static const char* const case_names[] = {"a", "b", NULL};
     static const char* const path_names[] = {"p2p", "lsa", NULL};
+    static const char* const part_names[] = {"all", "ep", "layer", NULL};
     const char *json = NULL, *only = NULL, *path = NULL;
+    int part = 0;
     mst_args a;
     mst_args_init(&a, "moestash bench ep", argc, argv);
     while (mst_args_next(&a)) {
@@ -353,9 +601,13 @@ int mst_bench_ep(int argc, char** argv) {
         } else if (mst_args_is(&a, "--path")) {
             rc = mst_args_choice(&a, path_names, &k);
             path = path_names[k];
+        } else if (mst_args_is(&a, "--part")) {
+            rc = mst_args_choice(&a, part_names, &part);
         } else if (mst_args_is(&a, "--help") || mst_args_is(&a, "-h")) {
             printf("usage: moestash bench ep [--gpus N] [--iters N] [--capacity F] [--case a|b] [--path p2p|lsa] "
-                   "[--json FILE]\n");
+                   "[--part all|ep|layer] [--json FILE]\n"
+                   "  ep: dispatch/combine GB/s per GPU beside NCCL all-to-all of the same rows;\n"
+                   "  layer: the MoE layer step (dispatch, grouped MLP, combine, fwd + bwd) at 1, 2, 4, ... GPUs\n");
             return 0;
         } else rc = mst_args_unknown(&a);
         if (rc) return rc;
@@ -369,7 +621,7 @@ int mst_bench_ep(int argc, char** argv) {
     }
     ep_result res[4];
     int n = 0, ok = 1;
-    for (int p = MST_EP_PATH_P2P; p <= MST_EP_PATH_LSA; p++) {
+    for (int p = MST_EP_PATH_P2P; p <= MST_EP_PATH_LSA && part != 2; p++) {
         if (path && strcmp(path, p == MST_EP_PATH_P2P ? "p2p" : "lsa")) continue;
         w.path = (mst_ep_path_kind)p;
         for (size_t i = 0; i < sizeof CASES / sizeof CASES[0]; i++) {
@@ -389,10 +641,23 @@ int mst_bench_ep(int argc, char** argv) {
     printf("GB/s per GPU = N k H 2 bytes of this rank's token copies / time (rank 0); a2a: NCCL send/recv with host sizes\n");
     for (int i = 0; i < n; i++)
         if (res[i].ok) print_result(&w, &res[i]);
+    layer_result layer[8];
+    int n_layer = 0;
+    for (int world = 1; world <= w.world && part != 1 && n_layer < 8; world *= 2) {
+        if (LAYER.experts % world) break;
+        ok &= layer_case_run(world, w.iters, w.capacity, &layer[n_layer]);
+        n_layer++;
+    }
+    if (n_layer)
+        printf("layer: %lld tokens per rank, H %lld, F %lld, top-%d of %d experts (E / W per rank), bf16, eager; "
+               "efficiency = step(W=1) / step(W)\n", (long long)LAYER.tokens, (long long)LAYER.hidden,
+               (long long)LAYER.ffn, LAYER.top_k, LAYER.experts);
+    for (int i = 0; i < n_layer; i++)
+        if (layer[i].ok) print_layer(&layer[i], layer[0].ok ? &layer[0] : NULL);
     if (json) {
         FILE* f = mst_out_open("moestash bench ep", json);
         if (!f) return 1;
-        write_json(f, device, &w, res, n);
+        write_json(f, device, &w, res, n, layer, n_layer);
         if (mst_out_close("moestash bench ep", json, f)) return 1;
     }
     return ok ? 0 : 1;

@@ -12,7 +12,8 @@
  * Scenarios: random routing, a rank that receives nothing, one expert that
  * receives everything, a receiver over max_rows (slot 0 of every token to
  * the last rank), senders over pair_rows and
- * an expert id out of range (both flagged, their rows skipped).
+ * an expert id out of range (both flagged, their rows skipped), and rows
+ * wide enough for the lsa exchange's warp-per-row copies.
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -548,6 +549,11 @@ static const scen SCENS[] = {
     {"receiver over max_rows", 2, 4, 2, 16, 30, 70, 0, ROUTE_TO_LAST_RANK, 5},
     {"senders over pair_rows", 3, 6, 2, 16, 30, 100, 22, ROUTE_RANDOM, 6},
     {"expert id out of range", 2, 4, 2, 16, 20, 60, 0, ROUTE_BAD_ID, 7},
+    /* rows of 2064 bytes: the lsa exchange copies them a warp per row, four
+     * 16-byte words in flight per lane and a tail (rows under 512 bytes go a
+     * thread per row) */
+    {"wide rows, 4 ranks", 4, 8, 2, 1032, 33, 100, 0, ROUTE_RANDOM, 8},
+    {"wide rows, senders over pair_rows", 2, 4, 2, 1032, 30, 70, 31, ROUTE_RANDOM, 9},
 };
 
 int main(int argc, char** argv) {

@@ -6,6 +6,8 @@
  * and offsets stay in backend memory.
  *   dispatch:          route, pack (rows, probs) | exchange counts, rows,
  *                      probs | plan, unpack
+ * (a transport that gathers — lsa — stores the rows straight from the
+ * tokens or the expert rows into the peers' blocks: no pack, no repack)
  *   combine:           repack | exchange rows | gather (weighted sum)
  *   combine backward:  pack (dy, probs) | exchange | unpack (dy p, dot with
  *                      the outputs) | exchange the dots | gather (dprobs)
@@ -223,8 +225,9 @@ static mst_ep_args args_of(const mst_ep_t* ep, const mst_ep_handle_t* h) {
  * received from each rank). */
 static mst_ep_plane rows_plane(const mst_ep_t* ep, const mst_ep_handle_t* h, int to_experts) {
     const size_t C = (size_t)ep->cfg.pair_rows, row = (size_t)ep->cfg.hidden * 2;
-    if (to_experts) return (mst_ep_plane){ep->send, ep->recv, C * row, row, h->send_total, 1};
-    return (mst_ep_plane){ep->send, ep->recv, C * row, row, h->block_off + ep->n_local, ep->n_local + 1};
+    if (to_experts) return (mst_ep_plane){ep->send, ep->recv, C * row, row, h->send_total, 1, MST_EP_SRC_BLOCKS, 0, NULL};
+    return (mst_ep_plane){ep->send, ep->recv, C * row, row, h->block_off + ep->n_local, ep->n_local + 1,
+                          MST_EP_SRC_BLOCKS, 0, NULL};
 }
 
 static mst_ep_plane probs_plane(const mst_ep_t* ep, const mst_ep_handle_t* h, int to_experts) {
@@ -244,17 +247,40 @@ static mst_status exchange_rows(mst_ep_t* ep, const mst_ep_handle_t* h, int to_e
     return ep->tr->exchange(ep, pl, n);
 }
 
+/* Plane p with its rows taken straight from src by the routing in map
+ * (transports that gather) instead of from packed send blocks. */
+static mst_ep_plane gathered(mst_ep_plane p, const void* src, mst_ep_src kind, int64_t div, const mst_ep_args* map) {
+    p.send = src;
+    p.src = kind;
+    p.src_div = div;
+    p.map = map;
+    return p;
+}
+
 typedef mst_status (*ep_op)(mst_ctx_t* ctx, const mst_ep_args* a);
 
 /* Every move of rows but dispatch's: `fill` writes the send blocks, the
  * exchange moves them (and the probs when with_p), `read` reads the
- * received blocks. */
+ * received blocks. A transport that gathers takes the rows fill would read
+ * (to_experts: token rows by send_pos, as pack; else expert rows by slot, as
+ * repack) without the fill. */
 static mst_status move_rows(mst_ep_t* ep, const mst_ep_handle_t* h, mst_ep_args* a, int to_experts, int with_p,
                             ep_op fill, ep_op read) {
-    a->blk = ep->send;
-    a->blk_p = with_p ? ep->send_p : NULL;
-    MST_TRY(fill(ep->ctx, a));
-    MST_TRY(exchange_rows(ep, h, to_experts, 1, with_p));
+    if (ep->tr->gathers) {
+        const mst_ep_src src = to_experts ? MST_EP_SRC_TOKENS : MST_EP_SRC_ROWS;
+        const mst_ep_plane pl[2] = {
+            gathered(rows_plane(ep, h, to_experts), to_experts ? (const void*)a->tok : (const void*)a->rows_in, src,
+                     to_experts ? a->top_k : 1, a),
+            gathered(probs_plane(ep, h, to_experts), to_experts ? (const void*)a->tok_p : (const void*)a->rows_p_in,
+                     src, 1, a),
+        };
+        MST_TRY(ep->tr->exchange(ep, pl, with_p ? 2 : 1));
+    } else {
+        a->blk = ep->send;
+        a->blk_p = with_p ? ep->send_p : NULL;
+        MST_TRY(fill(ep->ctx, a));
+        MST_TRY(exchange_rows(ep, h, to_experts, 1, with_p));
+    }
     a->blk = ep->recv;
     a->blk_p = with_p ? ep->recv_p : NULL;
     return read(ep->ctx, a);
@@ -291,13 +317,18 @@ mst_status mst_ep_dispatch(mst_ep_t* ep, mst_ep_handle_t* h, const mst_tensor* x
     a.blk = ep->send;
     a.blk_p = with_p ? ep->send_p : NULL;
     MST_TRY(ep->ops->route(ep->ctx, &a));
-    MST_TRY(ep->ops->pack(ep->ctx, &a));
+    const int gathers = ep->tr->gathers; /* no pack: the exchange reads x and probs itself */
+    if (!gathers) MST_TRY(ep->ops->pack(ep->ctx, &a));
     const size_t El4 = (size_t)ep->n_local * sizeof(int32_t);
     mst_ep_plane pl[3] = {
-        {h->send_counts, ep->recv_counts, El4, El4, NULL, 0},
+        {.send = h->send_counts, .recv = ep->recv_counts, .block_bytes = El4, .row_bytes = El4},
         rows_plane(ep, h, 1),
         probs_plane(ep, h, 1),
     };
+    if (gathers) {
+        pl[1] = gathered(pl[1], x->data, MST_EP_SRC_TOKENS, c->top_k, &a);
+        pl[2] = gathered(pl[2], a.tok_p, MST_EP_SRC_TOKENS, 1, &a);
+    }
     MST_TRY(ep->tr->exchange(ep, pl, with_p ? 3 : 2));
     a.counts = (int32_t*)counts->data;
     MST_TRY(ep->ops->plan(ep->ctx, &a));

@@ -13,17 +13,35 @@
 extern "C" {
 #endif
 
+/* Where the rows of a plane's send blocks come from. */
+typedef enum mst_ep_src {
+    MST_EP_SRC_BLOCKS = 0, /* `send` holds the blocks (packed)                          */
+    MST_EP_SRC_TOKENS,     /* entry q < N k of the routing goes to row send_pos[q] of the
+                              blocks; its row is row q / src_div of `send` (k: a token
+                              row, 1: a prob per entry)                                */
+    MST_EP_SRC_ROWS,       /* received slot (j, i) goes back to block j, row i; its row
+                              is expert row mst_ep_slot_row(j, i) of `send`              */
+} mst_ep_src;
+
 /* One buffer to exchange: send block d (block_bytes at send + d *
  * block_bytes) goes to rank d, which receives it as its block `rank`. Only
  * its first valid[d * valid_stride] rows of row_bytes matter (device
- * counts; valid NULL: the whole block): a transport may move just those. */
+ * counts; valid NULL: the whole block): a transport may move just those.
+ * A transport with `gathers` also takes planes whose blocks were never
+ * packed (src != BLOCKS): it stores each row straight from `send` to its
+ * place in the peer's block, by the routing in `map`. */
 typedef struct mst_ep_plane {
-    const void* send;      /* [W, block_bytes] backend memory                 */
+    const void* send;      /* [W, block_bytes] backend memory (src BLOCKS), else
+                              the rows the blocks would be packed from         */
     void* recv;            /* [W, block_bytes] backend memory (ep's receive block) */
     size_t block_bytes;
     size_t row_bytes;
     const int32_t* valid;  /* backend memory, or NULL                         */
     int64_t valid_stride;
+    mst_ep_src src;
+    int64_t src_div;       /* MST_EP_SRC_TOKENS                               */
+    const mst_ep_args* map; /* the routing (src != BLOCKS): send_pos, n_tok,
+                              top_k, pair_rows, block_off, row_base        */
 } mst_ep_plane;
 
 /* How the ranks' buffers move. Every rank calls exchange with the same
@@ -36,6 +54,7 @@ typedef struct mst_ep_transport {
     /* (optional) the receive block, where the transport needs it (a
      * symmetric window); NULL: mst_alloc. Collective. */
     mst_status (*recv_alloc)(mst_ep_t* ep, size_t n_bytes, void** out);
+    int gathers; /* 1: takes planes with src != BLOCKS (no pack before it) */
 } mst_ep_transport;
 
 struct mst_ep {

@@ -4,9 +4,11 @@
  *   lsa: NCCL's device API. The receive buffers live in one symmetric window
  *        (ncclMemAlloc + ncclCommWindowRegister); one kernel waits on an LSA
  *        barrier until every peer is done with its receive buffers, stores
- *        the valid rows of each send block straight into the peer's window
- *        over NVLink (counts read on the device: only the rows that exist
- *        move), and meets the peers at a second barrier.
+ *        each row straight from where it lies (the token rows by the
+ *        routing, the expert rows by their slots: no pack or repack before
+ *        it) into its place in the peer's window over NVLink (counts read on
+ *        the device: only the rows that exist move), and meets the peers at
+ *        a second barrier.
  *   p2p: one group of ncclSend/ncclRecv per exchange, every block at its
  *        full, fixed size (C rows per rank pair): host sizes that never
  *        depend on the routing.
@@ -25,7 +27,10 @@
 #include "../backend/cuda/cuda_common.cuh"
 #include "ep.h"
 
-enum { LSA_CTAS = 32, LSA_THREADS = 512, LSA_MAX_PLANES = 4 };
+/* lsa: CTAs of the exchange kernel (one LSA barrier each), threads per CTA.
+ * 128 x 512: a CTA on nearly every SM of an H100, 16 warps each, 4 loads in
+ * flight per thread (the old 32 CTAs left NVLink idle between loads). */
+enum { LSA_CTAS = 128, LSA_THREADS = 512, LSA_MAX_PLANES = 4 };
 
 typedef struct nccl_state {
     ncclComm_t comm;
@@ -80,45 +85,106 @@ static mst_status p2p_exchange(mst_ep_t* ep, const mst_ep_plane* pl, int n) {
 #ifdef MST_HAVE_NCCL_DEVICE
 
 typedef struct lsa_plane {
-    const char* send;      /* [W, block_bytes] this rank's send blocks            */
+    const char* send;      /* src BLOCKS: [W, block_bytes] this rank's send blocks;
+                              else the rows they would be packed from         */
     size_t recv_off;       /* offset of the receive blocks in the window           */
     size_t block_bytes, row_bytes;
     const int32_t* valid;  /* rows of block d at valid[d * stride], or NULL: all   */
     int64_t valid_stride;
+    int src;               /* mst_ep_src                                          */
+    int64_t src_div;       /* MST_EP_SRC_TOKENS                                   */
 } lsa_plane;
 
 typedef struct lsa_args {
     lsa_plane pl[LSA_MAX_PLANES];
     int n_planes, world, rank;
+    mst_ep_args map;       /* the routing of gathered planes                      */
     ncclWindow_t win;
     ncclDevComm dev;
 } lsa_args;
 
-/* bytes [0, n) of src -> dst, 16-byte words when both allow, else 4-byte */
-__device__ void copy_bytes(char* dst, const char* src, size_t n, size_t tid, size_t n_threads) {
+/* bytes [0, n) of src -> dst by threads tid of n_threads: 16-byte words
+ * (four in flight per thread) when both allow, else 4-byte words. */
+__device__ __forceinline__ void copy_bytes(char* dst, const char* src, size_t n, size_t tid, size_t n_threads) {
     if ((((uintptr_t)dst | (uintptr_t)src | n) & 15) == 0) {
-        for (size_t i = tid; i < n / 16; i += n_threads) ((uint4*)dst)[i] = ((const uint4*)src)[i];
+        const uint4* s = (const uint4*)src;
+        uint4* d = (uint4*)dst;
+        const size_t nv = n / 16;
+        size_t i = tid;
+        for (; i + 3 * n_threads < nv; i += 4 * n_threads) {
+            const uint4 a = s[i], b = s[i + n_threads], c = s[i + 2 * n_threads], e = s[i + 3 * n_threads];
+            d[i] = a, d[i + n_threads] = b, d[i + 2 * n_threads] = c, d[i + 3 * n_threads] = e;
+        }
+        for (; i < nv; i += n_threads) d[i] = s[i];
     } else {
         for (size_t i = tid; i < n / 4; i += n_threads) ((uint32_t*)dst)[i] = ((const uint32_t*)src)[i];
+    }
+}
+
+/* Row i of the block this rank sends to peer d, in d's window. */
+__device__ __forceinline__ char* peer_row(const lsa_args& a, const lsa_plane& pl, int d, int64_t i) {
+    return (char*)ncclGetPeerPointer(a.win, pl.recv_off + (size_t)a.rank * pl.block_bytes + (size_t)i * pl.row_bytes, d);
+}
+
+/* Send row u of a gathered plane: its source and its destination (peer d,
+ * row i of the block); false when it moves nothing. u runs over the N k
+ * entries (TOKENS) or the W C received slots, peers interleaved so that
+ * neighbouring rows go to different peers (ROWS). */
+__device__ __forceinline__ bool gathered_row(const lsa_args& a, const lsa_plane& pl, int64_t u, const char** src,
+                                             int* d, int64_t* i) {
+    const mst_ep_args& m = a.map;
+    if (pl.src == MST_EP_SRC_TOKENS) {
+        const int32_t pos = m.send_pos[u];
+        if (pos < 0) return false;
+        *d = (int)(pos / m.pair_rows), *i = pos % m.pair_rows;
+        *src = pl.send + (size_t)(u / pl.src_div) * pl.row_bytes;
+        return true;
+    }
+    *d = (int)((a.rank + u % a.world) % a.world), *i = u / a.world;
+    const int64_t r = mst_ep_slot_row(&m, *d, *i);
+    if (r < 0) return false;
+    *src = pl.send + (size_t)r * pl.row_bytes;
+    return true;
+}
+
+/* Every row of gathered plane pl: a warp per row for rows of 512 bytes or
+ * more, else a thread per row. */
+__device__ void copy_gathered(const lsa_args& a, const lsa_plane& pl) {
+    const int64_t n = pl.src == MST_EP_SRC_TOKENS ? a.map.n_tok * a.map.top_k : (int64_t)a.world * a.map.pair_rows;
+    const bool by_warp = pl.row_bytes >= 512;
+    const int width = by_warp ? 32 : 1;
+    const int64_t first = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / width;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x / width;
+    const size_t lane = by_warp ? threadIdx.x % 32 : 0;
+    for (int64_t u = first; u < n; u += stride) {
+        const char* src;
+        int d;
+        int64_t i;
+        if (gathered_row(a, pl, u, &src, &d, &i)) copy_bytes(peer_row(a, pl, d, i), src, pl.row_bytes, lane, width);
+    }
+}
+
+/* The valid rows of every send block of pl to its peer, every thread of the
+ * grid on one block at a time, peers staggered. */
+__device__ void copy_blocks(const lsa_args& a, const lsa_plane& pl) {
+    const size_t tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x, nt = (size_t)gridDim.x * blockDim.x;
+    for (int k = 0; k < a.world; k++) {
+        const int d = (a.rank + k) % a.world; /* staggered: not every rank at peer 0 first */
+        size_t n = pl.block_bytes;
+        if (pl.valid) {
+            const int32_t v = pl.valid[d * pl.valid_stride];
+            n = v <= 0 ? 0 : min(n, (size_t)v * pl.row_bytes);
+        }
+        copy_bytes(peer_row(a, pl, d, 0), pl.send + (size_t)d * pl.block_bytes, n, tid, nt);
     }
 }
 
 __global__ void __launch_bounds__(LSA_THREADS) lsa_exchange_kernel(lsa_args a) {
     ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), a.dev, ncclTeamTagLsa(), blockIdx.x};
     bar.sync(ncclCoopCta(), cuda::memory_order_acquire); /* every peer is done reading its window */
-    const size_t tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x, nt = (size_t)gridDim.x * blockDim.x;
     for (int p = 0; p < a.n_planes; p++) {
-        const lsa_plane& pl = a.pl[p];
-        for (int k = 0; k < a.world; k++) {
-            const int d = (a.rank + k) % a.world; /* staggered: not every rank at peer 0 first */
-            size_t n = pl.block_bytes;
-            if (pl.valid) {
-                const int32_t v = pl.valid[d * pl.valid_stride];
-                n = v <= 0 ? 0 : min(n, (size_t)v * pl.row_bytes);
-            }
-            char* dst = (char*)ncclGetPeerPointer(a.win, pl.recv_off + (size_t)a.rank * pl.block_bytes, d);
-            copy_bytes(dst, pl.send + (size_t)d * pl.block_bytes, n, tid, nt);
-        }
+        if (a.pl[p].src == MST_EP_SRC_BLOCKS) copy_blocks(a, a.pl[p]);
+        else copy_gathered(a, a.pl[p]);
     }
     bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel); /* every peer's rows have landed */
 }
@@ -132,7 +198,9 @@ static mst_status lsa_exchange(mst_ep_t* ep, const mst_ep_plane* pl, int n) {
     for (int p = 0; p < n; p++) {
         MST_ASSERT((const char*)pl[p].recv >= (const char*)ns->win_base);
         a.pl[p] = lsa_plane{(const char*)pl[p].send, (size_t)((const char*)pl[p].recv - (const char*)ns->win_base),
-                            pl[p].block_bytes, pl[p].row_bytes, pl[p].valid, pl[p].valid_stride};
+                            pl[p].block_bytes, pl[p].row_bytes, pl[p].valid, pl[p].valid_stride, (int)pl[p].src,
+                            pl[p].src_div};
+        if (pl[p].src != MST_EP_SRC_BLOCKS) a.map = *pl[p].map; /* every gathered plane of a call has one map */
     }
     lsa_exchange_kernel<<<LSA_CTAS, LSA_THREADS, 0, mst_cuda(ep->ctx)->stream>>>(a);
     MST_CUDA_LAUNCHED();
@@ -169,12 +237,12 @@ static void nccl_destroy(mst_ep_t* ep) {
 }
 
 const mst_ep_transport mst_ep_transport_nccl = {
-    "nccl send/recv, fixed-capacity blocks", p2p_exchange, nccl_destroy, NULL,
+    "nccl send/recv, fixed-capacity blocks", p2p_exchange, nccl_destroy, NULL, 0,
 };
 #ifdef MST_HAVE_NCCL_DEVICE
 const mst_ep_transport mst_ep_transport_lsa = {
     "nccl device API (symmetric window, NVLink stores of the valid rows)", lsa_exchange, nccl_destroy,
-    lsa_recv_alloc,
+    lsa_recv_alloc, 1,
 };
 #endif
 
