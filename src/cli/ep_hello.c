@@ -1,5 +1,5 @@
 /*
- * ep_hello.c — `moestash ep-hello [--gpus N] [--backend cpu|cuda] [--hold S]`
+ * ep_hello.c — `moestash ep-hello [--gpus N] [--backend cpu|cuda] [--rounds N]`
  * (hidden): the launch path of `train --gpus N` without the trainer, for
  * tests and for checking a machine. Each rank prints who it is (rank, world,
  * local rank, pid), meets the others at the rendezvous, and
@@ -7,8 +7,10 @@
  *   cuda: takes device LOCAL_RANK, builds the NCCL communicator and checks a
  *         dispatch and combine of random routing (identity experts: every
  *         token comes back as bf16(k x), bit for bit); rank 0 prints the path.
- * --hold S keeps the ranks busy for S seconds (cuda: dispatch and combine
- * again and again; cpu: sleeping), so a test can kill one mid-run. Runs
+ * --rounds N keeps the ranks busy (cuda: N checked dispatch + combine
+ * rounds, the same count on every rank: a rank that stopped on its own clock
+ * would leave the others waiting in a collective; cpu: N naps of 10 ms), so
+ * a test can kill one mid-run. Runs
  * under `--gpus N` (this program starts the ranks) or any launcher that sets
  * RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (torchrun).
  */
@@ -28,7 +30,7 @@ static const char* const CMD = "moestash ep-hello";
 typedef struct hello {
     mst_launch l;
     mst_backend_kind kind;
-    int32_t gpus, hold_s;
+    int32_t gpus, rounds;
 } hello;
 
 static double now_s(void) {
@@ -60,8 +62,8 @@ static int run_cpu(hello* h) {
         return fail(h, "rendezvous");
     mst_launch_fail_point(&h->l, "run");
     printf("rank %d: id %016llx\n", h->l.rank, (unsigned long long)fnv(id.bytes, sizeof id.bytes));
-    const struct timespec nap = {0, 20 * 1000 * 1000};
-    for (const double end = now_s() + h->hold_s; now_s() < end;) nanosleep(&nap, NULL);
+    const struct timespec nap = {0, 10 * 1000 * 1000};
+    for (int32_t i = 1; i < h->rounds; i++) nanosleep(&nap, NULL);
     return 0;
 }
 
@@ -130,15 +132,11 @@ static int run_cuda(hello* he) {
         fail(he, "buffers");
     else {
         mst_launch_fail_point(&he->l, "run");
-        int64_t n = 0;
-        const double end = now_s() + he->hold_s;
-        do {
-            rc = exchange_once(he, c);
-            n++;
-        } while (rc == 0 && now_s() < end);
+        rc = 0;
+        for (int32_t i = 0; i < he->rounds && rc == 0; i++) rc = exchange_once(he, c);
         if (rc == 0 && he->l.rank == 0)
-            printf("ep-hello: %d ranks, %s: %lld dispatch + combine of %d tokens checked\n", he->l.world,
-                   mst_ep_path(c->ep), (long long)n, N_TOK);
+            printf("ep-hello: %d ranks, %s: %d dispatch + combine of %d tokens checked\n", he->l.world,
+                   mst_ep_path(c->ep), he->rounds, N_TOK);
     }
     if (c->ctx) {
         mst_free(c->ctx, c->x), mst_free(c->ctx, c->idx), mst_free(c->ctx, c->rows);
@@ -152,18 +150,18 @@ static int run_cuda(hello* he) {
 }
 
 int mst_cmd_ep_hello(int argc, char** argv) {
-    hello he = {.kind = mst_default_backend()};
+    hello he = {.kind = mst_default_backend(), .rounds = 1};
     mst_args a;
     mst_args_init(&a, CMD, argc, argv);
     while (mst_args_next(&a)) {
         int rc;
         if (mst_args_is(&a, "--gpus")) rc = mst_args_int32(&a, 1, 65536, &he.gpus);
         else if (mst_args_is(&a, "--backend")) rc = mst_args_backend(&a, &he.kind);
-        else if (mst_args_is(&a, "--hold")) rc = mst_args_int32(&a, 0, 86400, &he.hold_s);
+        else if (mst_args_is(&a, "--rounds")) rc = mst_args_int32(&a, 1, 100000000, &he.rounds);
         else if (mst_args_is(&a, "--help") || mst_args_is(&a, "-h")) {
-            printf("usage: moestash ep-hello [--gpus N] [--backend cpu|cuda] [--hold S]\n"
+            printf("usage: moestash ep-hello [--gpus N] [--backend cpu|cuda] [--rounds N]\n"
                    "  the launch of train --gpus N without the trainer: rendezvous and (cuda) a checked\n"
-                   "  dispatch + combine on every rank; --hold S keeps the ranks busy S seconds\n");
+                   "  dispatch + combine on every rank; --rounds N: N of them (cpu: N naps of 10 ms)\n");
             return 0;
         } else rc = mst_args_unknown(&a);
         if (rc) return rc;

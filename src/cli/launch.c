@@ -83,6 +83,16 @@ int mst_launch_env(const char* cmd, mst_launch* out) {
         return bad_env(cmd, "LOCAL_RANK", getenv("LOCAL_RANK"), why);
     }
     if (env_int(cmd, "MASTER_PORT", 1, 65535, &out->port)) return 2;
+    /* torchrun's agent serves its own TCP store on MASTER_PORT when it says
+     * so: the rendezvous takes the port after it (or MOESTASH_RDZV_PORT) */
+    const char* agent = getenv("TORCHELASTIC_USE_AGENT_STORE");
+    if (agent && strcmp(agent, "True") == 0) {
+        if (out->port == 65535)
+            return bad_env(cmd, "MASTER_PORT", getenv("MASTER_PORT"),
+                           "the launcher's store holds it and no port follows it: set MOESTASH_RDZV_PORT");
+        out->port++;
+    }
+    if (getenv("MOESTASH_RDZV_PORT") && env_int(cmd, "MOESTASH_RDZV_PORT", 1, 65535, &out->port)) return 2;
     const char* addr = getenv("MASTER_ADDR");
     if (!*addr || strlen(addr) >= sizeof out->addr)
         return bad_env(cmd, "MASTER_ADDR", addr, *addr ? "longer than 255 characters" : "empty");

@@ -12,6 +12,10 @@
  * them, and when one fails stops the others (SIGTERM, SIGKILL after a
  * bounded wait) and exits 1 naming the first failed rank and its status.
  *
+ * The rendezvous listens on MASTER_PORT, or on MASTER_PORT + 1 where
+ * torchrun's agent serves its own store on MASTER_PORT
+ * (TORCHELASTIC_USE_AGENT_STORE=True); MOESTASH_RDZV_PORT overrides both.
+ *
  * Hidden knobs for tests: MOESTASH_FAIL_RANK=R with MOESTASH_FAIL_AT=start
  * (rank R exits 3 before the rendezvous) or run (rank R aborts once its
  * communicator is up: a crash mid-run); MOESTASH_RDZV_TIMEOUT=S bounds the
@@ -29,7 +33,8 @@ typedef struct mst_launch {
     int32_t rank, world; /* 0, 1 when not launched                           */
     int32_t local_rank;  /* the device of this rank                          */
     char addr[256];      /* MASTER_ADDR                                      */
-    int32_t port;        /* MASTER_PORT                                      */
+    int32_t port;        /* the rendezvous port: MASTER_PORT (+ 1 beside
+                            torchrun's agent store), or MOESTASH_RDZV_PORT  */
     int32_t timeout_ms;  /* rendezvous bound (MOESTASH_RDZV_TIMEOUT)         */
     char who[280];       /* "CMD" or "rank R: CMD": starts every error line  */
 } mst_launch;

@@ -18,7 +18,8 @@ bin=$1
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 failed=0 passed=0
-unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT MOESTASH_FAIL_RANK MOESTASH_FAIL_AT MOESTASH_RDZV_TIMEOUT
+unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT MOESTASH_FAIL_RANK MOESTASH_FAIL_AT MOESTASH_RDZV_TIMEOUT \
+  MOESTASH_RDZV_PORT TORCHELASTIC_USE_AGENT_STORE
 hello=("$bin" ep-hello --backend cpu)
 
 ok() { passed=$((passed + 1)); }
@@ -85,14 +86,14 @@ if [ "$rcs" = "0 0 0 0 " ] && hello_ok 4 "$tmp/out"; then ok; else no "4 ranks f
 gone() { local p; for p in "$@"; do kill -0 "$p" 2>/dev/null && return 1; done; return 0; }
 rank_pids() { grep -oE '^rank [0-9]+ of [0-9]+: local rank [0-9]+, pid [0-9]+' "$tmp/out" | awk '{print $NF}'; }
 
-# fails ENV WANT_STDERR : launcher (--gpus 3 --hold 60) exits 1 within 20 s naming the rank; every rank gone
+# fails ENV WANT_STDERR : launcher (--gpus 3 --rounds 6000) exits 1 within 20 s naming the rank; every rank gone
 fails() {
   local want=$1; shift
   local t0=$SECONDS
-  env "$@" timeout 60 "${hello[@]}" --gpus 3 --hold 60 >"$tmp/out" 2>"$tmp/err"
+  env "$@" timeout 60 "${hello[@]}" --gpus 3 --rounds 6000 >"$tmp/out" 2>"$tmp/err"
   local rc=$? dt=$((SECONDS - t0))
   if [ $rc = 1 ] && [ $dt -le 20 ] && grep -qF -- "$want" "$tmp/err" && gone $(rank_pids); then ok
-  else no "env $* ep-hello --gpus 3 --hold 60 -> exit $rc after ${dt} s (want 1 within 20 s, \"$want\", no rank left)"; fi
+  else no "env $* ep-hello --gpus 3 --rounds 6000 -> exit $rc after ${dt} s (want 1 within 20 s, \"$want\", no rank left)"; fi
 }
 fails "moestash ep-hello: rank 1 of 3 failed (exit code 3); stopping the other ranks" MOESTASH_FAIL_RANK=1 MOESTASH_FAIL_AT=start
 fails "moestash ep-hello: rank 2 of 3 failed (killed by signal 6" MOESTASH_FAIL_RANK=2 MOESTASH_FAIL_AT=run
@@ -102,7 +103,7 @@ if grep -qF "rank 2: moestash ep-hello: failing on purpose (MOESTASH_FAIL_AT=run
 # wait_lines N PATTERN FILE: up to 20 s for N lines
 wait_lines() { local i; for i in $(seq 200); do [ "$(grep -cE "$2" "$3")" -ge "$1" ] && return 0; sleep 0.1; done; return 1; }
 t0=$SECONDS
-timeout 60 "${hello[@]}" --gpus 3 --hold 60 >"$tmp/out" 2>"$tmp/err" &
+timeout 60 "${hello[@]}" --gpus 3 --rounds 6000 >"$tmp/out" 2>"$tmp/err" &
 launcher=$!
 wait_lines 3 '^rank [0-9]+: id ' "$tmp/out"
 victim=$(grep -E '^rank 1 of 3:' "$tmp/out" | awk '{print $NF}')
@@ -112,7 +113,7 @@ if [ $rc = 1 ] && [ $dt -le 20 ] && grep -qF "rank 1 of 3 failed (killed by sign
 else no "kill -9 of rank 1 mid-run -> launcher exit $rc after ${dt} s (want 1 within 20 s naming rank 1, no rank left)"; fi
 
 # SIGTERM to the launcher alone (no `timeout` between: it would signal the ranks too)
-"${hello[@]}" --gpus 2 --hold 60 >"$tmp/out" 2>"$tmp/err" &
+"${hello[@]}" --gpus 2 --rounds 6000 >"$tmp/out" 2>"$tmp/err" &
 launcher=$!
 wait_lines 2 '^rank [0-9]+: id ' "$tmp/out"
 kill -TERM "$launcher"
@@ -132,6 +133,10 @@ rdzv() {
 }
 rdzv "rank 1: moestash ep-hello: rendezvous: rank 1: no connection to rank 0 at 127.0.0.1:" RANK=1 LOCAL_RANK=0
 rdzv "rank 0: moestash ep-hello: rendezvous: rank 0: 1 of 2 ranks joined at 127.0.0.1:" RANK=0 LOCAL_RANK=0
+# beside torchrun's agent store (it holds MASTER_PORT): the port after it, or MOESTASH_RDZV_PORT
+rdzv "no connection to rank 0 at 127.0.0.1:29501 within 1000 ms" RANK=1 LOCAL_RANK=0 MASTER_PORT=29500 TORCHELASTIC_USE_AGENT_STORE=True
+rdzv "no connection to rank 0 at 127.0.0.1:31001 within 1000 ms" RANK=1 LOCAL_RANK=0 MASTER_PORT=29500 TORCHELASTIC_USE_AGENT_STORE=True MOESTASH_RDZV_PORT=31001
+bad_env "MOESTASH_RDZV_PORT='0': must be in [1, 65535]" $(with RANK=0) MOESTASH_RDZV_PORT=0
 
 echo "launch: $passed passed, $failed failed"
 [ $failed = 0 ]
