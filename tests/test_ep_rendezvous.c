@@ -6,29 +6,14 @@
  * (and the peers that did join fail too instead of hanging); bad arguments.
  * The backend flag is ignored (no device work).
  */
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "ep/ep.h" /* mst_ep_free_port */
 #include "harness.h"
-
-/* A port nobody listens on now (bound to 0 and released). */
-static int free_port(void) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a;
-    memset(&a, 0, sizeof a);
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t n = sizeof a;
-    if (fd < 0 || bind(fd, (struct sockaddr*)&a, sizeof a) != 0 || getsockname(fd, (struct sockaddr*)&a, &n) != 0) abort();
-    close(fd);
-    return ntohs(a.sin_port);
-}
 
 static void pattern(mst_ep_id* id, unsigned seed) {
     for (size_t i = 0; i < sizeof id->bytes; i++) id->bytes[i] = (char)(seed * 131 + i * 7 + 1);
@@ -61,7 +46,7 @@ static int child_ok(pid_t pid) {
 static void run(mst_ctx_t* ctx) {
     (void)ctx;
     /* a world of 4: the others start first and retry until rank 0 listens */
-    int port = free_port();
+    int port = mst_ep_free_port();
     pid_t kids[3];
     for (int r = 1; r < 4; r++) kids[r - 1] = spawn(r, 4, port, 10000, 42, 1);
     usleep(300 * 1000);
@@ -71,14 +56,14 @@ static void run(mst_ctx_t* ctx) {
     for (int r = 1; r < 4; r++) CHECK(child_ok(kids[r - 1]), "rank %d did not get rank 0's id", r);
 
     /* no rank 0: rank 1 gives up within its timeout, naming itself */
-    port = free_port();
+    port = mst_ep_free_port();
     double t0 = now_s();
     CHECK_STATUS(mst_ep_id_share(&id, 1, 2, "127.0.0.1", port, 300), MST_ERR_IO);
     CHECK(strstr(mst_last_error(), "rank 1") && strstr(mst_last_error(), "300 ms"), "message: %s", mst_last_error());
     CHECK(now_s() - t0 < 5.0, "rank 1 waited %.1f s for a 300 ms timeout", now_s() - t0);
 
     /* a world of 3 where rank 2 never comes: rank 0 and rank 1 both fail */
-    port = free_port();
+    port = mst_ep_free_port();
     pid_t one = spawn(1, 3, port, 1500, 7, 0);
     pattern(&id, 7);
     t0 = now_s();

@@ -6,21 +6,19 @@
 #define _GNU_SOURCE /* setenv, kill, nanosleep, prctl */
 #include "launch.h"
 
-#include <arpa/inet.h>
 #include <errno.h>
 #include <limits.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "backend/backend.h" /* mst_cuda_device_count */
+#include "ep/ep.h"           /* mst_ep_free_port */
 
 enum { GRACE_MS = 5000, POLL_MS = 20, DEFAULT_RDZV_S = 300 };
 
@@ -142,20 +140,6 @@ static void nap_ms(int ms) {
     nanosleep(&t, NULL);
 }
 
-/* A loopback port nobody listens on now (bound to 0, released). */
-static int free_port(void) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a;
-    memset(&a, 0, sizeof a);
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t n = sizeof a;
-    const int ok = fd >= 0 && bind(fd, (struct sockaddr*)&a, sizeof a) == 0 &&
-                   getsockname(fd, (struct sockaddr*)&a, &n) == 0;
-    if (fd >= 0) close(fd);
-    return ok ? ntohs(a.sin_port) : -1;
-}
-
 static volatile sig_atomic_t g_stop; /* SIGINT or SIGTERM reached the launcher */
 static void on_stop(int sig) { g_stop = sig; }
 
@@ -215,7 +199,7 @@ static void signal_all(const pid_t* pid, int n, int sig) {
 }
 
 int mst_launch_spawn(const char* cmd, const char* sub, int n, int argc, char** argv) {
-    const int port = free_port();
+    const int port = mst_ep_free_port();
     if (port < 0) {
         fprintf(stderr, "%s: --gpus %d: no free loopback port for the rendezvous: %s\n", cmd, n, strerror(errno));
         return 1;

@@ -91,6 +91,10 @@ mst_status mst_ep_check_config(const mst_ep_config* cfg, int world);
 /* Sets up ep (cfg checked, buffers allocated; the receive block through
  * ep->tr->recv_alloc when there is one); on failure the caller destroys ep. */
 mst_status mst_ep_init(mst_ep_t* ep, mst_ctx_t* ctx, const mst_ep_config* cfg, int rank, int world);
+/* A loopback TCP port nobody listens on now (bound to port 0, released),
+ * for a rendezvous of ranks on this host (the launcher, tests); -1 when no
+ * socket could be bound. */
+int mst_ep_free_port(void);
 /* Allocates an ep struct (zeroed). */
 mst_status mst_ep_alloc(mst_ep_t** out);
 

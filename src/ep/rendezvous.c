@@ -13,6 +13,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -139,6 +140,19 @@ static mst_status share_peer(mst_ep_id* id, int rank, int world, const char* hos
         struct timespec nap = {0, 50 * 1000 * 1000};
         nanosleep(&nap, NULL);
     }
+}
+
+int mst_ep_free_port(void) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t n = sizeof a;
+    const int ok = fd >= 0 && bind(fd, (struct sockaddr*)&a, sizeof a) == 0 &&
+                   getsockname(fd, (struct sockaddr*)&a, &n) == 0;
+    if (fd >= 0) close(fd);
+    return ok ? ntohs(a.sin_port) : -1;
 }
 
 mst_status mst_ep_id_share(mst_ep_id* id, int rank, int world, const char* host, int port, int timeout_ms) {
