@@ -119,6 +119,8 @@ MST_API mst_status mst_ctx_sync(mst_ctx_t* ctx);
 MST_API mst_status mst_ctx_check(mst_ctx_t* ctx);
 /* Backend memory in use through mst_alloc, now and at peak, in bytes. */
 MST_API void mst_ctx_mem(const mst_ctx_t* ctx, size_t* in_use_bytes, size_t* peak_bytes);
+/* Starts a new peak: the peak becomes the bytes in use now. */
+MST_API void mst_ctx_mem_reset_peak(mst_ctx_t* ctx);
 /* Total backend memory: the device's for CUDA, the host's physical RAM for
  * the CPU backend. */
 MST_API mst_status mst_ctx_capacity(mst_ctx_t* ctx, size_t* total_bytes);
@@ -595,6 +597,13 @@ MST_API mst_status mst_memmgr_set_recompute(mst_memmgr_t* m, const mst_recompute
 MST_API mst_status mst_memmgr_set_recompute_plan(mst_memmgr_t* m, const int32_t* chunk_start);
 /* chunk start of layer l's recompute chunk, or -1 (see mst_recompute_plan). */
 MST_API int32_t mst_memmgr_recompute_chunk(const mst_memmgr_t* m, int32_t layer);
+/* Rows saved for (layer, mb) in the last measuring step (every name of a
+ * layer call saves the same rows: the sum of its counts); 0 for a layer in a
+ * recompute chunk, or before the first measuring step. */
+MST_API mst_status mst_memmgr_saved_rows(const mst_memmgr_t* m, int32_t layer, int32_t mb, int64_t* rows);
+/* 1 when the backward of a sized step reads STASHed tensor `name` from its
+ * device pages in place (no restore copy) on this backend and these shapes. */
+MST_API int mst_memmgr_reads_pages(const mst_memmgr_t* m, mst_saved_name name);
 
 MST_API mst_status mst_memmgr_step_begin(mst_memmgr_t* m, int measuring);
 /* The saver for the forward of (layer, mb). For a layer inside a recompute

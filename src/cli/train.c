@@ -12,6 +12,7 @@
 #include "args.h"
 #include "cli.h"
 #include "model/checkpoint.h"
+#include "model/planner.h"
 
 /* Defaults: small on the CPU (200 steps in well under 3 minutes on 2 cores),
  * larger on a GPU so the KEEP vs exact-shapes difference shows. */
@@ -60,6 +61,10 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            "  --recompute-granularity G full: a recomputed layer keeps only its input (norms, attention,\n"
            "                            router, grouped MLP rerun) | moe: only the grouped MLP's tensors (full)\n"
            "  --recompute-mtp           recompute the MTP layer and its module from its two inputs\n"
+           "  --memory-budget SIZE      choose keep/stash/offload/recompute per layer and tensor so that the peak\n"
+           "                            fits SIZE (20GiB, 512MiB, 1.5GB, bytes) with the least predicted step time;\n"
+           "                            prints the plan, predicted and measured peak and step time (replaces\n"
+           "                            --policy, --recompute)\n"
            "  --check-policies          train --steps under every policy and layer recompute; check losses and\n"
            "                            final weights are bit-identical; one line each, exit 1 if not\n"
            "  --pool-factor X           stash pool pages over the measured peak (1.1; below 1 forces overflows)\n"
@@ -126,8 +131,35 @@ typedef struct train_cli {
     const char* graph;     /* --graph as given (NULL: the backend's default) */
     const char* policy;    /* --policy as given (NULL: not given) */
     const char* recompute; /* --recompute as given */
+    const char* budget;    /* --memory-budget as given */
     int quiet, check_policies;
 } train_cli;
+
+/* --memory-budget SIZE: bytes, or a number with a unit B, KB, MB, GB, TB
+ * (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024); a whole number
+ * of bytes >= 1. Returns 0 or the exit code 2. */
+static int parse_size(mst_args* a, size_t* out) {
+    static const struct { const char* unit; double bytes; } units[] = {
+        {"", 1}, {"B", 1}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12},
+        {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}};
+    const char* v = NULL;
+    int rc = mst_args_str(a, &v);
+    if (rc) return rc;
+    char* end = NULL;
+    errno = 0;
+    const double x = (v[0] >= '0' && v[0] <= '9') || v[0] == '.' ? strtod(v, &end) : NAN;
+    if (!end || end == v || errno || !isfinite(x))
+        return mst_args_bad(a, v, "expected a size: bytes, or a number with B, KB, MB, GB, TB, KiB, MiB, GiB or TiB");
+    for (size_t k = 0; k < sizeof units / sizeof units[0]; k++) {
+        if (strcmp(end, units[k].unit) != 0) continue;
+        const double bytes = x * units[k].bytes;
+        if (!(bytes >= 1) || bytes >= 9.2e18) return mst_args_bad(a, v, "expected at least 1 byte and below 8 EiB");
+        if (bytes != floor(bytes)) return mst_args_bad(a, v, "not a whole number of bytes");
+        *out = (size_t)bytes;
+        return 0;
+    }
+    return mst_args_bad(a, v, "unknown unit: expected B, KB, MB, GB, TB, KiB, MiB, GiB or TiB");
+}
 
 /* The current flag with its value; returns 0 or the exit code 2. */
 static int parse_flag(train_cli* t, mst_args* a) {
@@ -205,6 +237,11 @@ static int parse_flag(train_cli* t, mst_args* a) {
         return mst_recompute_parse(t->recompute, &t->cfg.mem.recompute) == MST_OK
                    ? 0 : mst_args_bad(a, t->recompute, "expected none, uniform:N or block:N");
     }
+    if (mst_args_is(a, "--memory-budget")) {
+        rc = parse_size(a, &t->cfg.memory_budget);
+        t->budget = a->value;
+        return rc;
+    }
     if (mst_args_is(a, "--quiet")) return mst_args_switch(a, &t->quiet);
     if (mst_args_is(a, "--check-policies")) return mst_args_switch(a, &t->check_policies);
     if (mst_args_is(a, "--recompute-mtp")) return mst_args_switch(a, &t->cfg.mem.recompute_mtp);
@@ -265,6 +302,10 @@ static int consistent(const train_cli* t) {
     if (c->eval_fraction > 0 && !c->data_path) return mst_cli_bad("moestash train", "--eval-fraction", "", "needs --data FILE");
     if (t->cfg.graph_from && t->kind != MST_BACKEND_CUDA)
         return mst_cli_bad("moestash train", "--graph", t->graph, "step capture needs --backend cuda");
+    if (c->memory_budget && (t->policy || t->recompute || t->check_policies || c->mem.recompute_mtp))
+        return mst_cli_bad("moestash train", "--memory-budget", t->budget,
+                           t->check_policies ? "contradicts --check-policies"
+                                             : "contradicts --policy, --recompute and --recompute-mtp (the plan chooses them)");
     if (t->check_policies && (t->policy || t->recompute))
         return mst_cli_bad("moestash train", t->policy ? "--policy" : "--recompute", t->policy ? t->policy : t->recompute,
                            "contradicts --check-policies (which runs every policy itself)");
@@ -364,6 +405,7 @@ int mst_cmd_train(int argc, char** argv) {
     }
     if (st == MST_OK && !t.check_policies) {
         if (!t.quiet) mst_train_print_memory(stdout, &res);
+        if (res.plan) mst_plan_print(stdout, res.plan, &res, &t.cfg);
         const int64_t f = res.first_step - 1;
         printf("loss %.4f -> %.4f (mtp %.4f -> %.4f) in %lld steps, %.1f s, %lld reruns\n", res.loss[f],
                res.loss[res.steps - 1], res.mtp_loss[f], res.mtp_loss[res.steps - 1], (long long)(res.steps - f),

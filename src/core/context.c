@@ -86,6 +86,10 @@ void mst_ctx_mem(const mst_ctx_t* ctx, size_t* in_use_bytes, size_t* peak_bytes)
     if (peak_bytes) *peak_bytes = ctx->peak_bytes;
 }
 
+void mst_ctx_mem_reset_peak(mst_ctx_t* ctx) {
+    if (ctx) ctx->peak_bytes = ctx->in_use_bytes;
+}
+
 mst_status mst_ctx_capacity(mst_ctx_t* ctx, size_t* total_bytes) {
     MST_TRY(mst_check_ctx(ctx));
     if (!total_bytes) return mst_set_error(MST_ERR_INVALID, "total_bytes is NULL");

@@ -407,6 +407,15 @@ static mst_status set_plan(mst_model* m, mst_memmgr_t* mm) {
     return st;
 }
 
+/* The planner's per-layer policies and recompute plan. */
+static mst_status set_layer_plan(mst_model* m, mst_memmgr_t* mm) {
+    const mst_mem_config* mc = &m->mem_cfg;
+    for (int32_t l = 0; mc->layer_policy && l <= m->cfg.layers; l++)
+        for (int n = 0; n < MST_N_SAVED; n++)
+            MST_TRY(mst_memmgr_set_policy(mm, l, (mst_saved_name)n, mc->layer_policy[l * MST_N_SAVED + n]));
+    return mc->chunk_start ? mst_memmgr_set_recompute_plan(mm, mc->chunk_start) : MST_OK;
+}
+
 /* A manager for rows of R per group (G R in all), with the run's policies. */
 static mst_status make_memmgr(mst_model* m, int64_t R, mst_memmgr_t** out) {
     const mst_model_config* c = &m->cfg;
@@ -418,10 +427,14 @@ static mst_status make_memmgr(mst_model* m, int64_t R, mst_memmgr_t** out) {
     MST_TRY(mst_memmgr_create(m->ctx, &mc, out));
     const char* spec = m->mem_cfg.policy ? m->mem_cfg.policy : "keep";
     const char* flag = "--policy";
-    mst_status st = mst_memmgr_set_policy_spec(*out, spec);
+    mst_status st = m->mem_cfg.layer_policy ? MST_OK : mst_memmgr_set_policy_spec(*out, spec);
     if (st == MST_OK && (m->mem_cfg.recompute.method != MST_RECOMPUTE_NONE || m->mem_cfg.recompute_mtp)) {
         flag = "--recompute";
         st = set_plan(m, *out);
+    }
+    if (st == MST_OK && (m->mem_cfg.layer_policy || m->mem_cfg.chunk_start)) {
+        flag = "--memory-budget";
+        st = set_layer_plan(m, *out);
     }
     if (st != MST_OK) {
         char why[512];

@@ -55,6 +55,10 @@ typedef struct mst_mem_config {
     mst_schedule_kind schedule;     /* order of forward/backward over microbatches */
     int32_t virtual_stages;         /* chunks of layers (interleaved: >= 2)      */
     double pool_factor;             /* stash pages over the measured peak (1.10) */
+    /* a plan per layer (the memory-budget planner's), over policy / recompute: */
+    const mst_policy* layer_policy; /* [L+1, MST_N_SAVED] or NULL                 */
+    const int32_t* chunk_start;     /* [L+1] recompute plan (mst_memmgr_set_recompute_plan)
+                                       or NULL                                    */
 } mst_mem_config;
 
 /* keep, plain schedule, no layer recompute (granularity full when one is

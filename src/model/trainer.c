@@ -17,6 +17,7 @@
 #include <time.h>
 
 #include "checkpoint.h"
+#include "planner.h"
 #include "plot.h"
 #include "trainer.h"
 
@@ -429,6 +430,19 @@ static mst_status resume(mst_model* m, const mst_train_config* cfg, mst_data* d,
     return MST_OK;
 }
 
+/* --memory-budget: the probe and the plan (res->plan); *cfg becomes
+ * `planned`, a copy with the plan's memory configuration. */
+static mst_status plan_budget(mst_ctx_t* ctx, const mst_train_config** cfg, mst_train_config* planned, mst_data* d,
+                              mst_train_result* res) {
+    res->plan = (mst_plan_report*)calloc(1, sizeof *res->plan);
+    if (!res->plan) return mst_set_error(MST_ERR_OOM, "memory plan");
+    MST_TRY(mst_plan_budget(ctx, *cfg, d, res->plan));
+    *planned = **cfg;
+    mst_plan_apply(res->plan, planned);
+    *cfg = planned;
+    return MST_OK;
+}
+
 mst_status mst_train_run(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* progress,
                          mst_train_result* res) {
     if (cfg->steps < 1) return mst_set_error(MST_ERR_INVALID, "--steps %lld: expected >= 1", (long long)cfg->steps);
@@ -439,6 +453,9 @@ mst_status mst_train_run(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* prog
     mst_status st = MST_OK;
     if (cfg->eval_path) st = mst_data_file(&e, cfg->eval_path, cfg->model.seq + 2, cfg->model.seed ^ 0xE7A1ull);
     else if (cfg->eval_fraction > 0) st = mst_data_split(&d, cfg->eval_fraction, cfg->model.seq + 2, &e);
+    mst_train_config planned;
+    if (st == MST_OK && cfg->memory_budget) st = plan_budget(ctx, &cfg, &planned, &d, res);
+    mst_ctx_mem_reset_peak(ctx); /* this run's peak */
     mst_model* m = NULL;
     if (st == MST_OK) st = mst_model_create(ctx, &cfg->model, cfg->microbatches, &cfg->mem, &m);
     if (st == MST_OK && cfg->resume_dir) st = resume(m, cfg, &d, res);
@@ -456,6 +473,8 @@ void mst_train_result_free(mst_train_result* res) {
     free(res->tok_per_s);
     free(res->eval_loss);
     free(res->peak_rows);
+    mst_plan_report_free(res->plan);
+    free(res->plan);
     memset(res, 0, sizeof *res);
 }
 
@@ -603,7 +622,7 @@ mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
             (long long)c->hidden, (long long)c->ffn, (long long)c->n_head, (long long)c->seq,
             (long long)c->batch, c->layers, c->experts, c->top_k, c->ep, (double)c->capacity_factor,
             cfg->microbatches, mst_schedule_kind_str(cfg->mem.schedule));
-    json_string(f, cfg->mem.policy ? cfg->mem.policy : "keep");
+    json_string(f, cfg->memory_budget ? "planned" : cfg->mem.policy ? cfg->mem.policy : "keep");
     fprintf(f, ", \"recompute\": \"%s\", \"mtp_weight\": %g, \"steps\": %lld, \"lr\": %g, \"seed\": %llu, \"data\": ",
             rec, (double)c->mtp_weight, (long long)cfg->steps, (double)cfg->optim.lr, (unsigned long long)c->seed);
     if (cfg->data_path) json_string(f, cfg->data_path);
@@ -626,7 +645,9 @@ mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
             (unsigned long long)r->weights_hash);
     for (int64_t i = 0; i < (int64_t)(c->layers + 1) * c->ep; i++)
         fprintf(f, "%s%d", i ? ", " : "", r->peak_rows ? r->peak_rows[i] : 0);
-    fprintf(f, "],\n  \"memory_bytes\": {\n");
+    fprintf(f, "],\n");
+    if (r->plan) mst_plan_json(f, r->plan, r, cfg);
+    fprintf(f, "  \"memory_bytes\": {\n");
     json_mem(f, "run", r->mem.run);
     json_mem(f, "keep_static", r->mem.keep);
     json_mem(f, "exact_shapes", r->mem.exact);

@@ -39,6 +39,8 @@ typedef struct mst_train_config {
     const char* plot_path;     /* SVG of the train and eval losses (NULL: none) */
     const char* timeline_path; /* SVG of the backend memory over one step by
                                   category (this run; FILE-keep.svg: KEEP)     */
+    size_t memory_budget;      /* bytes: the memory plan that fits it replaces
+                                  mem's policy and recompute (planner.h); 0: none */
 } mst_train_config;
 
 /* Memory of the run by row of the table, with the same routing's needs under
@@ -78,6 +80,7 @@ typedef struct mst_train_result {
     uint64_t weights_hash;    /* FNV-1a of the final fp32 master and bf16 weights */
     mst_mem_table mem;
     double seconds;
+    struct mst_plan_report* plan; /* --memory-budget: the plan and its predictions */
 } mst_train_result;
 
 /* FNV-1a over 8-byte words (the tail bytes one by one), continuing from h

@@ -125,7 +125,9 @@ void mst_memmgr_destroy(mst_memmgr_t* m) {
     mst_free(ctx, m->arena);
     for (int64_t i = 0; m->slots && i < n_slots; i++) {
         mst_free(ctx, m->slots[i].keep.data);
-        mst_free(ctx, m->slots[i].exact);
+        if (m->slots[i].exact) /* a measuring step that failed midway */
+            mst_mm_free_exact(m, &m->slots[i], policy_of(m, (int32_t)(i / ((int64_t)m->cfg.n_microbatches * MST_N_SAVED)),
+                                                          (mst_saved_name)(i % MST_N_SAVED)));
         mst_mm_ev_free(m, m->slots[i].saved_ev);
     }
     for (int64_t i = 0; m->recomp && i < (int64_t)m->cfg.n_layers * MST_N_SAVED; i++)
@@ -295,6 +297,21 @@ mst_status mst_memmgr_recompute(mst_memmgr_t* m, int32_t layer, int32_t mb, cons
     MST_TRY(layer_call_begins(m));
     *out = mst_mm_saver_for(m, layer, mb, MODE_RECOMP);
     return MST_OK;
+}
+
+mst_status mst_memmgr_saved_rows(const mst_memmgr_t* m, int32_t layer, int32_t mb, int64_t* rows) {
+    if (!m || !rows) return mst_set_error(MST_ERR_INVALID, "m or rows is NULL");
+    MST_TRY(mst_mm_check_layer_mb(m, layer, mb));
+    *rows = 0;
+    for (int n = 0; n < MST_N_SAVED; n++) {
+        const int64_t r = m->slots[((int64_t)layer * m->cfg.n_microbatches + mb) * MST_N_SAVED + n].n_rows;
+        *rows = r > *rows ? r : *rows;
+    }
+    return MST_OK;
+}
+
+int mst_memmgr_reads_pages(const mst_memmgr_t* m, mst_saved_name name) {
+    return m && (int)name >= 0 && name < MST_N_SAVED && read_from_pages(m, name);
 }
 
 mst_status mst_memmgr_step_begin(mst_memmgr_t* m, int measuring) {

@@ -40,7 +40,8 @@
  * more rows overflows on the device and the step is rerun.
  *
  * A measuring step (eager, host-known counts) keeps stashed tensors as
- * exact-size copies, counts the pages each pool would need along the
+ * exact-size copies (offloaded ones in pinned host memory, so the measuring
+ * step holds no more device memory than the sized steps do), counts the pages each pool would need along the
  * schedule and the largest rows saved, and then sizes the pools (ceil(peak *
  * factor) pages) and the restore buffers (largest rows * (dev_factor +
  * host_factor), a page multiple, at most max_rows).
@@ -58,7 +59,8 @@ enum { MODE_FWD = 0, MODE_BWD, MODE_DISCARD, MODE_RECOMP, N_MODES };
 typedef struct slot {            /* one saved tensor of (layer, mb, name)        */
     mst_tensor keep;              /* KEEP: own [R, cols] buffer                    */
     mst_stash_handle_t* handle;   /* STASH / OFFLOAD: its page table              */
-    void* exact;                  /* measuring step: [n, cols] exact copy          */
+    void* exact;                  /* measuring step: [n, cols] exact copy (OFFLOAD:
+                                     pinned host memory, not the device's)        */
     void* saved_ev;               /* STASH / OFFLOAD: event, its save finished     */
     int64_t n_rows;               /* rows saved (host-known in a measuring step)  */
     int in_compute;               /* stash skipped: still in the compute buffer   */
@@ -237,6 +239,8 @@ mst_tensor mst_mm_restore_dst(const mst_memmgr_t* m, const mst_tensor* view);
 mst_tensor* mst_mm_rerun_buf(mst_memmgr_t* m, int32_t l, mst_saved_name n);
 /* After a measuring step: restore buffers, pools, handles and save events. */
 mst_status mst_mm_size_pools(mst_memmgr_t* m);
+/* Frees the measuring step's exact copy of slot s (of policy p). */
+void mst_mm_free_exact(mst_memmgr_t* m, slot* s, mst_policy p);
 /* Destroys the handles of name n whose policy uses pool kind k (k < 0: all). */
 void mst_mm_free_handles(mst_memmgr_t* m, mst_saved_name n, int k);
 

@@ -63,15 +63,24 @@ static int backward_follows(const mst_memmgr_t* m, int32_t l, int32_t mb) {
     return e.backward && e.chunk == c && e.microbatch == mb;
 }
 
-static mst_status commit_measuring(mst_memmgr_t* m, slot* s, mst_saved_name n, const mst_tensor* src,
-                                   const mst_tensor* counts) {
-    (void)counts; /* s->n_rows was read at commit */
-    size_t bytes = (size_t)s->n_rows * row_bytes(m, n);
-    if (bytes) {
-        MST_TRY(mst_alloc(m->ctx, bytes, &s->exact));
-        MST_TRY(mst_copy_b2b(m->ctx, s->exact, src->data, bytes));
+/* The exact copy of a measuring step: device memory for STASH, pinned host
+ * memory for OFFLOAD (host pages do not count against the device). */
+static mst_status commit_measuring(mst_memmgr_t* m, slot* s, mst_saved_name n, mst_policy p, const mst_tensor* src) {
+    size_t bytes = (size_t)s->n_rows * row_bytes(m, n); /* s->n_rows was read at commit */
+    if (!bytes) return MST_OK;
+    mst_ctx_t* ctx = m->ctx;
+    if (p == MST_POLICY_STASH || !ctx->be->host_alloc) {
+        MST_TRY(mst_alloc(ctx, bytes, &s->exact));
+        return mst_copy_b2b(ctx, s->exact, src->data, bytes);
     }
-    return MST_OK;
+    MST_TRY(ctx->be->host_alloc(ctx, bytes, &s->exact));
+    return mst_copy_b2h(ctx, s->exact, src->data, bytes);
+}
+
+void mst_mm_free_exact(mst_memmgr_t* m, slot* s, mst_policy p) {
+    if (s->exact && p == MST_POLICY_OFFLOAD && m->ctx->be->host_alloc) m->ctx->be->host_free(m->ctx, s->exact);
+    else mst_free(m->ctx, s->exact);
+    s->exact = NULL;
 }
 
 static mst_status sv_commit(void* self, mst_saved_name n, const mst_tensor* src, const mst_tensor* counts) {
@@ -115,7 +124,7 @@ static mst_status sv_commit(void* self, mst_saved_name n, const mst_tensor* src,
         return MST_OK;
     }
     if (m->measuring) {
-        MST_TRY(commit_measuring(m, s, n, src, counts));
+        MST_TRY(commit_measuring(m, s, n, p, src));
         int64_t* live = &m->live_pages[n][kind_of(p)];
         *live += pages_for(m, s->n_rows);
         if (*live > m->peak_pages[n][kind_of(p)]) m->peak_pages[n][kind_of(p)] = *live;
@@ -204,7 +213,9 @@ static mst_status sv_fetch(void* self, mst_saved_name n, mst_tensor* out) {
     int k = m->bwd_seq & 1;
     if (m->measuring) {
         size_t bytes = (size_t)s->n_rows * row_bytes(m, n);
-        if (bytes) MST_TRY(mst_copy_b2b(m->ctx, b->restore[k].data, s->exact, bytes));
+        if (bytes && p == MST_POLICY_OFFLOAD && m->ctx->be->host_alloc)
+            MST_TRY(mst_copy_h2b(m->ctx, b->restore[k].data, s->exact, bytes));
+        else if (bytes) MST_TRY(mst_copy_b2b(m->ctx, b->restore[k].data, s->exact, bytes));
         s->restore_idx = k;
     } else {
         MST_TRY(mst_mm_issue_restore(m, r->layer, r->mb, k)); /* when not prefetched */
@@ -260,8 +271,7 @@ static mst_status sv_release(void* self, mst_saved_name n) {
     if (m->measuring) {
         m->live_exact -= (size_t)s->n_rows * row_bytes(m, n);
         if (paged(p) && !s->in_compute) m->live_pages[n][kind_of(p)] -= pages_for(m, s->n_rows);
-        mst_free(m->ctx, s->exact);
-        s->exact = NULL;
+        mst_mm_free_exact(m, s, p);
     }
     s->saved = 0;
     s->restore_idx = -1;

@@ -77,6 +77,29 @@ bad "--plot '$tmp'" train --plot "$tmp"
 bad "--eval-data '$tmp'" train --eval-data "$tmp"
 bad "--recompute-granularity 'half'" train --recompute-granularity half
 bad "--save-every '3'" train --save-every 3
+# train --memory-budget: SIZE, and a budget no plan fits (the smallest peak)
+bad "--memory-budget '20XB'" train --memory-budget 20XB
+bad "--memory-budget '-5MiB'" train --memory-budget -5MiB
+bad "--memory-budget '0'" train --memory-budget 0
+bad "--memory-budget '1.5'" train --memory-budget 1.5
+bad "--memory-budget 'GiB'" train --memory-budget GiB
+bad "--memory-budget '1e400'" train --memory-budget 1e400
+bad "--memory-budget '12 GiB'" train --memory-budget "12 GiB"
+bad "--memory-budget ''" train --memory-budget
+bad "--memory-budget '2GiB': contradicts --policy" train --memory-budget 2GiB --policy stash
+bad "--memory-budget '2GiB': contradicts --check-policies" train --memory-budget=2GiB --check-policies
+bad "the smallest peak that would is" train --backend cpu --quiet --steps 2 --seq 8 --batch 2 --layers 1 --memory-budget 1KiB
+good "memory plan for --memory-budget 64.00 MiB" train --backend cpu --steps 2 --seq 8 --batch 2 --layers 1 \
+  --memory-budget 64MiB --json "$tmp/plan.json"
+if python3 - "$tmp/plan.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+p = d["plan"]
+assert d["config"]["policy"] == "planned" and p["budget"] == 64 << 20, p
+assert 0 < p["measured_peak"] <= p["budget"] and abs(p["predicted_peak"] - p["measured_peak"]) <= 0.05 * p["measured_peak"], p
+assert len(p["policy"]["fc1_input"]) == 2 and p["granularity"] in ("full", "moe"), p
+PY
+then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL: --memory-budget --json: no plan"; fi
 if timeout 300 "$bin" train --check-policies --steps 2 --json "$tmp/cp.json" >/dev/null 2>&1 &&
   python3 -c "import json,sys; d=json.load(open('$tmp/cp.json')); r=d['check_policies']; sys.exit(0 if len(r)==7 and d['all_bit_identical'] and all(x['verdict'] in ('reference','bit-identical') and len(x['loss'])==2 for x in r) else 1)"; then
   passed=$((passed + 1))

@@ -1,0 +1,268 @@
+/*
+ * planner.c — the probe, the costs and the plan of `--memory-budget` (see
+ * planner.h), and their report.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "planner.h"
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static double mib(size_t b) { return (double)b / (1 << 20); }
+
+/* ---- the probe ------------------------------------------------------------------ */
+
+/* Forward entries' time (after_entry: the backend synced after each entry). */
+typedef struct entry_clock {
+    double last, forward;
+} entry_clock;
+
+static mst_status tick(mst_model* m, int32_t entry, void* user) {
+    entry_clock* c = (entry_clock*)user;
+    MST_TRY(mst_ctx_sync(m->ctx));
+    const double t = now_s();
+    if (!m->sched[entry].backward) c->forward += t - c->last;
+    c->last = t;
+    return MST_OK;
+}
+
+/* The KEEP step, timed: the run's first batches once measuring (the rows),
+ * then sized: the whole step, and its forward entries per layer and
+ * microbatch. */
+static mst_status probe_steps(mst_model* m, const mst_train_config* cfg, mst_data* d, mst_budget_model* bm) {
+    const int64_t per = cfg->model.batch * (cfg->model.seq + 2);
+    int32_t* tok = (int32_t*)malloc(sizeof(int32_t) * (size_t)(per * cfg->microbatches));
+    if (!tok) return mst_set_error(MST_ERR_OOM, "probe batch");
+    const uint64_t rng = d->rng;
+    for (int32_t mb = 0; mb < cfg->microbatches; mb++) mst_data_batch(d, cfg->model.batch, cfg->model.seq, tok + mb * per);
+    d->rng = rng;
+    float hyper[MST_N_HYPER];
+    mst_optim_hyper(&cfg->optim, 1, hyper);
+    mst_status st = mst_model_stage(m, 0, tok, hyper);
+    free(tok);
+    entry_clock c = {0, 0};
+    for (int k = 0; k < 3 && st == MST_OK; k++) { /* measuring, a warm-up, the timed one */
+        st = mst_model_upload(m, 0);
+        if (st == MST_OK) st = mst_ctx_sync(m->ctx);
+        c = (entry_clock){now_s(), 0};
+        m->after_entry = k == 2 ? tick : NULL, m->after_entry_user = &c;
+        const double t0 = now_s();
+        if (st == MST_OK) st = mst_step_run(m, &cfg->optim, k == 0);
+        if (st == MST_OK) st = mst_ctx_sync(m->ctx);
+        bm->t_step = now_s() - t0;
+        m->after_entry = NULL;
+        if (st == MST_OK) st = mst_memmgr_step_check(m->mm);
+    }
+    bm->t_layer = c.forward / ((double)bm->n_layers * bm->n_micro);
+    return st;
+}
+
+/* Bytes/s of copies of `bytes`: device to device, and to and from pinned
+ * host memory (the mean of both directions). */
+static mst_status bandwidths(mst_ctx_t* ctx, size_t bytes, double* dev_bw, double* host_bw) {
+    void *a = NULL, *b = NULL, *h = NULL;
+    mst_status st = mst_alloc(ctx, bytes, &a);
+    if (st == MST_OK) st = mst_alloc(ctx, bytes, &b);
+    if (st == MST_OK) st = ctx->be->host_alloc ? ctx->be->host_alloc(ctx, bytes, &h)
+                                               : mst_set_error(MST_ERR_UNSUPPORTED, "backend has no host_alloc");
+    if (st == MST_OK) st = mst_fill(ctx, a, 0x3c, bytes);
+    double t[3] = {0, 0, 0};
+    for (int rep = 0; rep < 3 && st == MST_OK; rep++) /* the first is a warm-up */
+        for (int k = 0; k < 3 && st == MST_OK; k++) {
+            st = mst_ctx_sync(ctx);
+            const double t0 = now_s();
+            if (st == MST_OK) st = k == 0 ? mst_copy_b2b(ctx, b, a, bytes) : k == 1 ? mst_copy_b2h(ctx, h, a, bytes)
+                                                                                    : mst_copy_h2b(ctx, b, h, bytes);
+            if (st == MST_OK) st = mst_ctx_sync(ctx);
+            if (rep) t[k] += now_s() - t0;
+        }
+    *dev_bw = 2.0 * (double)bytes / (t[0] > 0 ? t[0] : 1e-9);
+    *host_bw = 4.0 * (double)bytes / (t[1] + t[2] > 0 ? t[1] + t[2] : 1e-9);
+    mst_free(ctx, a);
+    mst_free(ctx, b);
+    if (h) ctx->be->host_free(ctx, h);
+    return st;
+}
+
+/* Sizes of the budget model from the probe's memory: the model's categories,
+ * the manager's KEEP buffers, and the rest of what is in use (fixed). */
+static mst_status probe_sizes(mst_model* m, mst_budget_model* bm, int64_t* rows) {
+    const mst_model_config* c = &m->cfg;
+    const int32_t L1 = bm->n_layers, M = bm->n_micro;
+    const size_t NH2 = (size_t)(c->batch * c->seq * c->hidden) * sizeof(uint16_t);
+    for (int32_t l = 0; l < L1; l++)
+        for (int32_t mb = 0; mb < M; mb++) MST_TRY(mst_memmgr_saved_rows(m->mm, l, mb, &rows[l * M + mb]));
+    for (int n = 0; n < MST_N_SAVED; n++) bm->reads_pages[n] = mst_memmgr_reads_pages(m->mm, (mst_saved_name)n);
+    const size_t layers = m->mem[MST_MEM_SAVED_ATTN] + m->mem[MST_MEM_SAVED_NORM] + m->mem[MST_MEM_SAVED_ROUTER];
+    bm->layer_acts = layers / ((size_t)c->layers * (size_t)M);
+    bm->layer_out = NH2;
+    bm->mtp_input = NH2;
+    const size_t mtp = m->mem[MST_MEM_SAVED_MTP] / (size_t)M;
+    if (layers % ((size_t)c->layers * (size_t)M) || mtp < bm->layer_acts + NH2)
+        return mst_set_error(MST_ERR_STATE, "probe: activations of %zu bytes over %d layers and %d microbatches, "
+                             "MTP module %zu", layers, c->layers, M, mtp);
+    bm->mtp_module = mtp - bm->layer_acts - NH2;
+    mst_mem_report_t r;
+    MST_TRY(mst_mem_report(m->mm, &r));
+    size_t in_use = 0;
+    mst_ctx_mem(m->ctx, &in_use, NULL);
+    const size_t acts = layers + m->mem[MST_MEM_SAVED_MTP] + m->mem[MST_MEM_RECOMPUTE] + r.kept_bytes + r.compute_bytes;
+    if (in_use < acts) return mst_set_error(MST_ERR_STATE, "probe: %zu bytes in use, activations %zu", in_use, acts);
+    bm->fixed = in_use - acts;
+    bm->z_workspace = (size_t)bm->max_rows * (size_t)c->ffn * sizeof(uint16_t);
+    return MST_OK;
+}
+
+static mst_status probe(mst_ctx_t* ctx, const mst_train_config* cfg, mst_data* d, mst_plan_report* out) {
+    mst_mem_config keep = cfg->mem;
+    keep.policy = "keep";
+    keep.recompute = (mst_recompute_config){MST_RECOMPUTE_NONE, 0};
+    keep.recompute_mtp = 0;
+    keep.layer_policy = NULL;
+    keep.chunk_start = NULL;
+    mst_model* m = NULL;
+    mst_ctx_mem_reset_peak(ctx);
+    MST_TRY(mst_model_create(ctx, &cfg->model, cfg->microbatches, &keep, &m));
+    mst_budget_model* bm = &out->bm;
+    bm->n_layers = cfg->model.layers + 1;
+    bm->n_micro = cfg->microbatches;
+    bm->n_sched = m->n_sched;
+    bm->layers_per_chunk = m->layers_per_chunk;
+    bm->max_rows = m->static_rows * cfg->model.ep;
+    bm->hidden = cfg->model.hidden;
+    bm->ffn = cfg->model.ffn;
+    bm->page_rows = 64; /* the trainer's manager (model.c, make_memmgr) */
+    bm->pool_factor = keep.pool_factor;
+    mst_sched_entry* sched = (mst_sched_entry*)malloc(sizeof *sched * (size_t)m->n_sched);
+    int64_t* rows = (int64_t*)calloc((size_t)bm->n_layers * (size_t)bm->n_micro, sizeof(int64_t));
+    bm->sched = sched, bm->rows = rows;
+    mst_status st = sched && rows ? MST_OK : mst_set_error(MST_ERR_OOM, "probe tables");
+    if (st == MST_OK) memcpy(sched, m->sched, sizeof *sched * (size_t)m->n_sched);
+    if (st == MST_OK) st = probe_steps(m, cfg, d, bm);
+    if (st == MST_OK) st = probe_sizes(m, bm, rows);
+    mst_ctx_mem(ctx, NULL, &out->probe_peak);
+    mst_model_destroy(m);
+    int64_t cols = 0;
+    mst_dtype dt;
+    mst_saved_shape(MST_SAVED_ACT_INPUT, bm->hidden, bm->ffn, &cols, &dt);
+    const size_t bytes = (size_t)bm->max_rows * (size_t)cols * mst_dtype_size(dt); /* the widest saved tensor */
+    if (st == MST_OK) st = bandwidths(ctx, bytes < ((size_t)256 << 20) ? bytes : (size_t)256 << 20, &bm->dev_bw, &bm->host_bw);
+    return st;
+}
+
+/* ---- the plan -------------------------------------------------------------------- */
+
+mst_status mst_plan_budget(mst_ctx_t* ctx, const mst_train_config* cfg, mst_data* d, mst_plan_report* out) {
+    memset(out, 0, sizeof *out);
+    out->budget = cfg->memory_budget;
+    const int32_t L1 = cfg->model.layers + 1;
+    mst_status st = mst_budget_plan_alloc(L1, &out->plan);
+    if (st == MST_OK) st = mst_budget_plan_alloc(L1, &out->keep);
+    if (st == MST_OK) st = probe(ctx, cfg, d, out);
+    if (st == MST_OK) st = mst_budget_eval(&out->bm, &out->keep);
+    if (st != MST_OK) return st;
+    st = mst_budget_solve(&out->bm, cfg->memory_budget, &out->plan, &out->smallest);
+    if (st == MST_ERR_INVALID)
+        return mst_set_error(st, "--memory-budget %zu (%.2f MiB): no plan fits; the smallest peak that would is %zu bytes "
+                             "(%.2f MiB)", cfg->memory_budget, mib(cfg->memory_budget), out->smallest, mib(out->smallest));
+    return st;
+}
+
+void mst_plan_apply(const mst_plan_report* r, mst_train_config* cfg) {
+    cfg->mem.policy = "keep"; /* layer_policy decides */
+    cfg->mem.recompute = (mst_recompute_config){MST_RECOMPUTE_NONE, 0};
+    cfg->mem.recompute_mtp = 0;
+    cfg->mem.recompute_full = r->plan.full;
+    cfg->mem.layer_policy = r->plan.policy;
+    cfg->mem.chunk_start = r->plan.chunk_start;
+    cfg->memory_budget = 0;
+}
+
+void mst_plan_report_free(mst_plan_report* r) {
+    if (!r) return;
+    mst_budget_plan_free(&r->plan);
+    mst_budget_plan_free(&r->keep);
+    free((void*)r->bm.sched);
+    free((void*)r->bm.rows);
+    memset(r, 0, sizeof *r);
+}
+
+/* ---- report ----------------------------------------------------------------------- */
+
+static int cmp_double(const void* a, const void* b) {
+    const double x = *(const double*)a, y = *(const double*)b;
+    return (x > y) - (x < y);
+}
+
+double mst_plan_step_s(const mst_train_result* res, const mst_train_config* cfg) {
+    const double tokens = (double)(cfg->model.batch * cfg->model.seq * cfg->microbatches);
+    const int64_t first = res->first_step, n = res->steps - first; /* steps after the measuring one */
+    if (n < 1) return tokens / res->tok_per_s[res->steps - 1];
+    double* t = (double*)malloc(sizeof(double) * (size_t)n);
+    if (!t) return NAN;
+    for (int64_t i = 0; i < n; i++) t[i] = tokens / res->tok_per_s[first + i];
+    qsort(t, (size_t)n, sizeof *t, cmp_double);
+    const double med = n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
+    free(t);
+    return med;
+}
+
+static char letter(const mst_budget_plan* p, int32_t l, int n) {
+    if (p->chunk_start[l] >= 0) return '-';
+    return "KSOR"[p->policy[l * MST_N_SAVED + n]];
+}
+
+void mst_plan_print(FILE* f, const mst_plan_report* r, const mst_train_result* res, const mst_train_config* cfg) {
+    const mst_budget_plan* p = &r->plan;
+    const int32_t L1 = r->bm.n_layers;
+    fprintf(f, "\nmemory plan for --memory-budget %.2f MiB (recomputed layers: %s)\n  %-18s", mib(r->budget),
+            p->full ? "whole, --recompute-granularity full" : "grouped MLP only, --recompute-granularity moe", "layer");
+    for (int32_t l = 0; l < L1; l++) fprintf(f, l + 1 < L1 ? " %3d" : " mtp", l);
+    fprintf(f, "\n  %-18s", "layer recompute");
+    for (int32_t l = 0; l < L1; l++) fprintf(f, "   %c", p->chunk_start[l] >= 0 ? 'R' : '.');
+    for (int n = 0; n < MST_N_SAVED; n++) {
+        fprintf(f, "\n  %-18s", mst_saved_name_str((mst_saved_name)n));
+        for (int32_t l = 0; l < L1; l++) fprintf(f, "   %c", letter(p, l, n));
+    }
+    size_t peak = res->mem.peak;
+    const double step = mst_plan_step_s(res, cfg);
+    fprintf(f, "\n  K keep, S stash (device pages), O offload (pinned host pages), R recompute, - layer recomputed\n");
+    fprintf(f, "  peak: predicted %.2f MiB (measuring step %.2f, sized steps %.2f), measured %.2f MiB (%+.1f %%); "
+               "KEEP %.2f MiB; smallest reachable %.2f MiB\n", mib(p->peak), mib(p->peak_measuring), mib(p->peak_sized),
+            mib(peak), 100.0 * ((double)p->peak - (double)peak) / (double)(peak ? peak : 1), mib(r->keep.peak),
+            mib(r->smallest));
+    fprintf(f, "  step: predicted %.2f ms, measured %.2f ms (median); KEEP %.2f ms (probe, eager)\n", 1e3 * p->step_s,
+            1e3 * step, 1e3 * r->keep.step_s);
+    fprintf(f, "  costs measured: device copy %.1f GB/s, host spill %.1f GB/s, one layer's forward %.3f ms\n",
+            r->bm.dev_bw / 1e9, r->bm.host_bw / 1e9, 1e3 * r->bm.t_layer);
+}
+
+void mst_plan_json(FILE* f, const mst_plan_report* r, const mst_train_result* res, const mst_train_config* cfg) {
+    const mst_budget_plan* p = &r->plan;
+    const int32_t L1 = r->bm.n_layers;
+    fprintf(f, "  \"plan\": {\"budget\": %zu, \"granularity\": \"%s\", \"recompute_layers\": [", r->budget,
+            p->full ? "full" : "moe");
+    for (int32_t l = 0, k = 0; l < L1; l++)
+        if (p->chunk_start[l] >= 0) fprintf(f, "%s%d", k++ ? ", " : "", l);
+    fprintf(f, "],\n    \"policy\": {");
+    for (int n = 0; n < MST_N_SAVED; n++) {
+        fprintf(f, "%s\"%s\": [", n ? ", " : "", mst_saved_name_str((mst_saved_name)n));
+        for (int32_t l = 0; l < L1; l++)
+            fprintf(f, "%s\"%s\"", l ? ", " : "",
+                    p->chunk_start[l] >= 0 ? "recomputed layer" : mst_policy_str(p->policy[l * MST_N_SAVED + n]));
+        fprintf(f, "]");
+    }
+    fprintf(f, "},\n    \"predicted_peak\": %zu, \"predicted_peak_measuring\": %zu, \"predicted_peak_sized\": %zu, "
+               "\"measured_peak\": %zu,\n    \"predicted_step_s\": %.6g, \"measured_step_s\": %.6g, \"keep_peak\": %zu, "
+               "\"keep_activations\": %zu, \"keep_step_s\": %.6g, \"smallest_peak\": %zu,\n    \"device_copy_bytes_per_s\": %.6g, "
+               "\"host_spill_bytes_per_s\": %.6g, \"layer_forward_s\": %.6g},\n",
+            p->peak, p->peak_measuring, p->peak_sized, res->mem.peak, p->step_s, mst_plan_step_s(res, cfg), r->keep.peak,
+            r->keep.acts, r->keep.step_s, r->smallest, r->bm.dev_bw, r->bm.host_bw, r->bm.t_layer);
+}

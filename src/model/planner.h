@@ -1,0 +1,47 @@
+/*
+ * planner.h — `moestash train --memory-budget SIZE`: measures what the
+ * planner (src/plan/budget.h) needs on this machine and this model, and
+ * turns its plan into the run's memory configuration.
+ *
+ * The probe: the same model under KEEP runs the run's first batch once as a
+ * measuring step (forward and backward, no optimizer: the rows each
+ * (layer, microbatch) saves are the first step's) and once more sized and
+ * timed (the KEEP step, and each forward entry: a layer's rerun cost). The
+ * sizes are the memory table's rows (the model's categories, the manager's
+ * KEEP buffers, the rest of what is in use); the device copy and host spill
+ * bandwidths are timed on buffers of a saved tensor's size. The probe model
+ * is then freed and the run starts with its own peak.
+ */
+#ifndef MST_PLANNER_H
+#define MST_PLANNER_H
+
+#include <stdio.h>
+
+#include "../plan/budget.h"
+#include "trainer.h"
+
+typedef struct mst_plan_report {
+    size_t budget;             /* bytes asked for                                    */
+    mst_budget_model bm;       /* what the planner was given (rows, sched owned)     */
+    mst_budget_plan plan;      /* its plan, with predictions                         */
+    mst_budget_plan keep;      /* KEEP, with predictions                             */
+    size_t smallest;           /* the smallest peak the planner reaches              */
+    size_t probe_peak;         /* the probe's measured peak (KEEP)                    */
+} mst_plan_report;
+
+/* The probe and the plan for cfg->memory_budget on the batches d gives next
+ * (d's sampler is left as it was). MST_ERR_INVALID naming --memory-budget
+ * and the smallest peak that would fit when nothing does. */
+mst_status mst_plan_budget(mst_ctx_t* ctx, const mst_train_config* cfg, mst_data* d, mst_plan_report* out);
+/* cfg's memory configuration set to the plan (its arrays stay r's). */
+void mst_plan_apply(const mst_plan_report* r, mst_train_config* cfg);
+void mst_plan_report_free(mst_plan_report* r);
+/* The plan as a table (tensor kind x layers -> choice), predicted and
+ * measured peak and step time of run res. */
+void mst_plan_print(FILE* f, const mst_plan_report* r, const mst_train_result* res, const mst_train_config* cfg);
+/* The same as a JSON member "plan": {...}, (with the trailing comma). */
+void mst_plan_json(FILE* f, const mst_plan_report* r, const mst_train_result* res, const mst_train_config* cfg);
+/* Median step time of run res of cfg (the steps after its first), seconds. */
+double mst_plan_step_s(const mst_train_result* res, const mst_train_config* cfg);
+
+#endif

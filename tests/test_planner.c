@@ -1,0 +1,87 @@
+/*
+ * test_planner.c — `train --memory-budget` end to end (src/model/planner.c):
+ * for budgets between the all-OFFLOAD and the all-KEEP peaks, the planned
+ * run's measured backend peak is within the budget, the plan's predicted
+ * peak is within 5 % of the measured one, and the losses, MTP losses and
+ * final weights are bit-identical to KEEP's (the step graph on where the
+ * backend captures); a budget below the smallest peak is refused
+ * (MST_ERR_INVALID) naming that peak, and that peak fits.
+ */
+#include <string.h>
+
+#include "harness.h"
+#include "model/planner.h"
+
+enum { STEPS = 2 };
+
+static mst_train_config tiny(void) {
+    mst_train_config t = {0};
+    mst_model_config m = {.vocab = 256, .hidden = 32, .ffn = 64, .n_head = 2, .seq = 32, .batch = 4,
+                          .layers = 3, .experts = 4, .top_k = 2, .ep = 2, .capacity_factor = 2.0f,
+                          .mtp_weight = 0.3f, .aux_coef = 0.01f, .norm_eps = 1e-5f, .init_std = 0.02f,
+                          .seed = 11};
+    mst_optim_config o = {.lr = 1e-2f, .min_lr_frac = 0.1f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f,
+                          .weight_decay = 0.1f, .clip = 1.0f, .warmup = 2, .steps = STEPS};
+    t.model = m;
+    t.optim = o;
+    t.mem = mst_mem_config_default();
+    t.microbatches = 2;
+    t.steps = STEPS;
+    t.graph_from = 2; /* CUDA: steps after the first replayed from the captured step */
+    return t;
+}
+
+static int same_run(const mst_train_result* a, const mst_train_result* b) {
+    return a->loss && b->loss && mst_first_diff(a->loss, b->loss, sizeof(double) * STEPS) < 0 &&
+           mst_first_diff(a->mtp_loss, b->mtp_loss, sizeof(double) * STEPS) < 0 && a->weights_hash == b->weights_hash;
+}
+
+static void run(mst_ctx_t* ctx) {
+    mst_train_config cfg = tiny();
+    mst_train_result keep = {0}, off = {0};
+    CHECK_OK(mst_train_run(ctx, &cfg, NULL, &keep));
+    cfg.mem.policy = "offload";
+    CHECK_OK(mst_train_run(ctx, &cfg, NULL, &off));
+    const size_t hi = keep.mem.peak, lo = off.mem.peak;
+    CHECK(lo < hi && same_run(&keep, &off), "all-OFFLOAD peak %zu, all-KEEP %zu (bits %s)", lo, hi,
+          same_run(&keep, &off) ? "same" : "differ");
+    size_t smallest = 0;
+    const double at[] = {0.25, 0.6, 0.9};
+    for (size_t k = 0; k < sizeof at / sizeof at[0]; k++) {
+        mst_train_config b = tiny();
+        b.memory_budget = lo + (size_t)((double)(hi - lo) * at[k]);
+        mst_train_result r = {0};
+        CHECK_OK(mst_train_run(ctx, &b, NULL, &r));
+        if (!r.plan) {
+            mst_train_result_free(&r);
+            continue;
+        }
+        const double pred = (double)r.plan->plan.peak, meas = (double)r.mem.peak;
+        CHECK(r.mem.peak <= b.memory_budget, "budget %zu: measured peak %zu", b.memory_budget, r.mem.peak);
+        CHECK(pred >= 0.95 * meas && pred <= 1.05 * meas, "budget %zu: predicted peak %.0f, measured %.0f",
+              b.memory_budget, pred, meas);
+        CHECK(same_run(&keep, &r), "budget %zu: losses or weights differ from KEEP's", b.memory_budget);
+        const double kp = (double)r.plan->keep.peak, km = (double)keep.mem.peak;
+        CHECK(kp >= 0.95 * km && kp <= 1.05 * km, "KEEP: predicted peak %.0f, measured %.0f", kp, km);
+        smallest = r.plan->smallest;
+        mst_train_result_free(&r);
+    }
+    CHECK(smallest > 0 && smallest <= lo, "smallest peak %zu, all-OFFLOAD's %zu", smallest, lo);
+    mst_train_config b = tiny();
+    b.memory_budget = smallest - 1;
+    mst_train_result r = {0};
+    CHECK_STATUS(mst_train_run(ctx, &b, NULL, &r), MST_ERR_INVALID);
+    char want[96];
+    snprintf(want, sizeof want, "the smallest peak that would is %zu bytes", smallest);
+    CHECK(strstr(mst_last_error(), "--memory-budget") && strstr(mst_last_error(), want), "message '%s' lacks '%s'",
+          mst_last_error(), want);
+    mst_train_result_free(&r);
+    b.memory_budget = smallest;
+    CHECK_OK(mst_train_run(ctx, &b, NULL, &r));
+    CHECK(r.mem.peak <= smallest && same_run(&keep, &r), "at the smallest peak %zu: measured %zu", smallest, r.mem.peak);
+    mst_train_result_free(&r);
+    mst_train_result_free(&keep);
+    mst_train_result_free(&off);
+}
+
+int main(int argc, char** argv) { return mst_test_main(argc, argv, run); }
