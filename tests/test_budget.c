@@ -30,7 +30,7 @@ static void make(fixture* x, mst_rng* r, int32_t L1, int32_t M, mst_schedule_kin
     CHECK_OK(mst_schedule_make(&sc, x->sched, 2 * M));
     for (int32_t i = 0; i < L1 * M; i++) x->rows[i] = mst_rng_int(r, R / 3, R);
     mst_budget_model* b = &x->bm;
-    *b = (mst_budget_model){.n_layers = L1, .n_micro = M, .sched = x->sched, .n_sched = 2 * M,
+    *b = (mst_budget_model){.n_layers = L1, .n_micro = M, .n_sets = kind == MST_SCHEDULE_PLAIN ? M : 1, .sched = x->sched, .n_sched = 2 * M,
                             .layers_per_chunk = L1, .rows = x->rows, .max_rows = R, .hidden = H, .ffn = F,
                             .page_rows = PR, .pool_factor = 1.10};
     b->fixed = 1000000 + (size_t)mst_rng_int(r, 0, 99999);
@@ -141,10 +141,10 @@ static void all_stashed(mst_rng* r) {
     mst_budget_plan_free(&p);
 }
 
-/* Every tensor offloaded, 1F1B with one stage (F0 B0 F1 B1 ...): every
- * (layer, mb) but the last layer is paged and alive within its microbatch
- * only; the measuring step holds no exact copies on the device; the
- * restore buffers stay; copies over PCIe both ways. */
+/* Every tensor offloaded, 1F1B with one stage (F0 B0 F1 B1 ...): one
+ * activation set; every (layer, mb) but the last layer is paged and alive
+ * within its microbatch only; the measuring step holds no exact copies on
+ * the device; the restore buffers stay; copies over PCIe both ways. */
 static void all_offloaded(mst_rng* r) {
     fixture x;
     enum { L1 = 3, M = 2 };
@@ -156,7 +156,7 @@ static void all_offloaded(mst_rng* r) {
     CHECK_OK(mst_budget_eval(b, &p));
     size_t at_meas = 0;
     for (int n = 0; n < MST_N_SAVED; n++) at_meas += 2 * a256((size_t)R * RB[n]);
-    const size_t common = b->fixed + M * (L1 * b->layer_acts + b->mtp_input + b->mtp_module) + R * all_rows();
+    const size_t common = b->fixed + (L1 * b->layer_acts + b->mtp_input + b->mtp_module) + R * all_rows(); /* one set */
     CHECK(p.peak_measuring == common + at_meas, "offloaded measuring peak %zu, expected %zu (no device copies)",
           p.peak_measuring, common + at_meas);
     double t = b->t_step;

@@ -33,10 +33,11 @@ static mst_status tick(mst_model* m, int32_t entry, void* user) {
     return MST_OK;
 }
 
-/* The KEEP step, timed: the run's first batches once measuring (the rows),
- * then sized: the whole step, and its forward entries per layer and
- * microbatch. */
-static mst_status probe_steps(mst_model* m, const mst_train_config* cfg, mst_data* d, mst_budget_model* bm) {
+/* The probe's step, timed: the run's first batches once measuring (the
+ * rows), then sized: the whole step, and its forward entries per layer and
+ * microbatch (the faster of two). *t_step: the sized step. */
+static mst_status probe_steps(mst_model* m, const mst_train_config* cfg, mst_data* d, mst_budget_model* bm,
+                              double* t_step) {
     const int64_t per = cfg->model.batch * (cfg->model.seq + 2);
     int32_t* tok = (int32_t*)malloc(sizeof(int32_t) * (size_t)(per * cfg->microbatches));
     if (!tok) return mst_set_error(MST_ERR_OOM, "probe batch");
@@ -47,20 +48,22 @@ static mst_status probe_steps(mst_model* m, const mst_train_config* cfg, mst_dat
     mst_optim_hyper(&cfg->optim, 1, hyper);
     mst_status st = mst_model_stage(m, 0, tok, hyper);
     free(tok);
-    entry_clock c = {0, 0};
-    for (int k = 0; k < 3 && st == MST_OK; k++) { /* measuring, a warm-up, the timed one */
+    double forward = 0;
+    *t_step = 0;
+    for (int k = 0; k < 4 && st == MST_OK; k++) { /* measuring, a warm-up, the least of two timed */
         st = mst_model_upload(m, 0);
         if (st == MST_OK) st = mst_ctx_sync(m->ctx);
-        c = (entry_clock){now_s(), 0};
-        m->after_entry = k == 2 ? tick : NULL, m->after_entry_user = &c;
+        entry_clock c = {now_s(), 0};
+        m->after_entry = k >= 2 ? tick : NULL, m->after_entry_user = &c;
         const double t0 = now_s();
         if (st == MST_OK) st = mst_step_run(m, &cfg->optim, k == 0);
         if (st == MST_OK) st = mst_ctx_sync(m->ctx);
-        bm->t_step = now_s() - t0;
+        const double t = now_s() - t0;
         m->after_entry = NULL;
+        if (k >= 2 && (k == 2 || t < *t_step)) *t_step = t, forward = c.forward;
         if (st == MST_OK) st = mst_memmgr_step_check(m->mm);
     }
-    bm->t_layer = c.forward / ((double)bm->n_layers * bm->n_micro);
+    bm->t_layer = forward / ((double)bm->n_layers * bm->n_micro);
     return st;
 }
 
@@ -91,9 +94,12 @@ static mst_status bandwidths(mst_ctx_t* ctx, size_t bytes, double* dev_bw, doubl
     return st;
 }
 
-/* Sizes of the budget model from the probe's memory: the model's categories,
- * the manager's KEEP buffers, and the rest of what is in use (fixed). */
-static mst_status probe_sizes(mst_model* m, mst_budget_model* bm, int64_t* rows) {
+/* Sizes of the budget model from the probe's memory: the model's categories
+ * give a layer's activations per set and the MTP module's; the rest of what
+ * is in use (fixed) is what the probe's own plan (every tensor stashed)
+ * does not explain, and the KEEP step's time is the probe's less what its
+ * plan costs. */
+static mst_status probe_sizes(mst_model* m, mst_budget_model* bm, int64_t* rows, double t_probe) {
     const mst_model_config* c = &m->cfg;
     const int32_t L1 = bm->n_layers, M = bm->n_micro;
     const size_t NH2 = (size_t)(c->batch * c->seq * c->hidden) * sizeof(uint16_t);
@@ -101,59 +107,69 @@ static mst_status probe_sizes(mst_model* m, mst_budget_model* bm, int64_t* rows)
         for (int32_t mb = 0; mb < M; mb++) MST_TRY(mst_memmgr_saved_rows(m->mm, l, mb, &rows[l * M + mb]));
     for (int n = 0; n < MST_N_SAVED; n++) bm->reads_pages[n] = mst_memmgr_reads_pages(m->mm, (mst_saved_name)n);
     const size_t layers = m->mem[MST_MEM_SAVED_ATTN] + m->mem[MST_MEM_SAVED_NORM] + m->mem[MST_MEM_SAVED_ROUTER];
-    bm->layer_acts = layers / ((size_t)c->layers * (size_t)M);
+    const size_t S = (size_t)m->n_sets;
+    bm->n_sets = m->n_sets;
+    bm->layer_acts = layers / ((size_t)c->layers * S);
     bm->layer_out = NH2;
     bm->mtp_input = NH2;
-    const size_t mtp = m->mem[MST_MEM_SAVED_MTP] / (size_t)M;
-    if (layers % ((size_t)c->layers * (size_t)M) || mtp < bm->layer_acts + NH2)
-        return mst_set_error(MST_ERR_STATE, "probe: activations of %zu bytes over %d layers and %d microbatches, "
-                             "MTP module %zu", layers, c->layers, M, mtp);
+    const size_t mtp = m->mem[MST_MEM_SAVED_MTP] / S;
+    if (layers % ((size_t)c->layers * S) || mtp < bm->layer_acts + NH2)
+        return mst_set_error(MST_ERR_STATE, "probe: activations of %zu bytes over %d layers and %zu activation sets, "
+                             "MTP module %zu", layers, c->layers, S, mtp);
     bm->mtp_module = mtp - bm->layer_acts - NH2;
-    mst_mem_report_t r;
-    MST_TRY(mst_mem_report(m->mm, &r));
+    bm->z_workspace = (size_t)bm->max_rows * (size_t)c->ffn * sizeof(uint16_t);
+    mst_budget_plan stash;
+    MST_TRY(mst_budget_plan_alloc(L1, &stash));
+    for (int32_t i = 0; i < L1 * MST_N_SAVED; i++) stash.policy[i] = MST_POLICY_STASH;
+    bm->fixed = 0, bm->t_step = 0;
+    mst_status st = mst_budget_eval(bm, &stash);
     size_t in_use = 0;
     mst_ctx_mem(m->ctx, &in_use, NULL);
-    const size_t acts = layers + m->mem[MST_MEM_SAVED_MTP] + m->mem[MST_MEM_RECOMPUTE] + r.kept_bytes + r.compute_bytes;
-    if (in_use < acts) return mst_set_error(MST_ERR_STATE, "probe: %zu bytes in use, activations %zu", in_use, acts);
-    bm->fixed = in_use - acts;
-    bm->z_workspace = (size_t)bm->max_rows * (size_t)c->ffn * sizeof(uint16_t);
-    return MST_OK;
+    if (st == MST_OK && in_use < stash.peak_sized)
+        st = mst_set_error(MST_ERR_STATE, "probe: %zu bytes in use, its plan alone %zu", in_use, stash.peak_sized);
+    bm->fixed = in_use - stash.peak_sized;
+    bm->t_step = t_probe > stash.step_s ? t_probe - stash.step_s : 0;
+    mst_budget_plan_free(&stash);
+    return st;
 }
 
+/* The probe: the run's model with every saved tensor stashed (pages for
+ * the microbatches in flight only) and no layer recompute. */
 static mst_status probe(mst_ctx_t* ctx, const mst_train_config* cfg, mst_data* d, mst_plan_report* out) {
-    mst_mem_config keep = cfg->mem;
-    keep.policy = "keep";
-    keep.recompute = (mst_recompute_config){MST_RECOMPUTE_NONE, 0};
-    keep.recompute_mtp = 0;
-    keep.layer_policy = NULL;
-    keep.chunk_start = NULL;
+    mst_mem_config mem = cfg->mem;
+    mem.policy = "stash";
+    mem.recompute = (mst_recompute_config){MST_RECOMPUTE_NONE, 0};
+    mem.recompute_mtp = 0;
+    mem.layer_policy = NULL;
+    mem.chunk_start = NULL;
+    mst_budget_model* bm = &out->bm;
+    bm->max_rows = mst_model_max_rows(&cfg->model) * cfg->model.ep;
+    bm->hidden = cfg->model.hidden;
+    bm->ffn = cfg->model.ffn;
+    int64_t cols = 0;
+    mst_dtype dt;
+    mst_saved_shape(MST_SAVED_ACT_INPUT, bm->hidden, bm->ffn, &cols, &dt);
+    const size_t bytes = (size_t)bm->max_rows * (size_t)cols * mst_dtype_size(dt); /* the widest saved tensor */
+    MST_TRY(bandwidths(ctx, bytes < ((size_t)256 << 20) ? bytes : (size_t)256 << 20, &bm->dev_bw, &bm->host_bw));
     mst_model* m = NULL;
     mst_ctx_mem_reset_peak(ctx);
-    MST_TRY(mst_model_create(ctx, &cfg->model, cfg->microbatches, &keep, &m));
-    mst_budget_model* bm = &out->bm;
+    MST_TRY(mst_model_create(ctx, &cfg->model, cfg->microbatches, &mem, &m));
     bm->n_layers = cfg->model.layers + 1;
     bm->n_micro = cfg->microbatches;
     bm->n_sched = m->n_sched;
     bm->layers_per_chunk = m->layers_per_chunk;
-    bm->max_rows = m->static_rows * cfg->model.ep;
-    bm->hidden = cfg->model.hidden;
-    bm->ffn = cfg->model.ffn;
     bm->page_rows = 64; /* the trainer's manager (model.c, make_memmgr) */
-    bm->pool_factor = keep.pool_factor;
+    bm->pool_factor = mem.pool_factor;
     mst_sched_entry* sched = (mst_sched_entry*)malloc(sizeof *sched * (size_t)m->n_sched);
     int64_t* rows = (int64_t*)calloc((size_t)bm->n_layers * (size_t)bm->n_micro, sizeof(int64_t));
     bm->sched = sched, bm->rows = rows;
     mst_status st = sched && rows ? MST_OK : mst_set_error(MST_ERR_OOM, "probe tables");
     if (st == MST_OK) memcpy(sched, m->sched, sizeof *sched * (size_t)m->n_sched);
-    if (st == MST_OK) st = probe_steps(m, cfg, d, bm);
-    if (st == MST_OK) st = probe_sizes(m, bm, rows);
+    double t_probe = 0;
+    if (st == MST_OK) st = probe_steps(m, cfg, d, bm, &t_probe);
+    if (st == MST_OK) st = probe_sizes(m, bm, rows, t_probe);
     mst_ctx_mem(ctx, NULL, &out->probe_peak);
     mst_model_destroy(m);
-    int64_t cols = 0;
-    mst_dtype dt;
-    mst_saved_shape(MST_SAVED_ACT_INPUT, bm->hidden, bm->ffn, &cols, &dt);
-    const size_t bytes = (size_t)bm->max_rows * (size_t)cols * mst_dtype_size(dt); /* the widest saved tensor */
-    if (st == MST_OK) st = bandwidths(ctx, bytes < ((size_t)256 << 20) ? bytes : (size_t)256 << 20, &bm->dev_bw, &bm->host_bw);
     return st;
 }
 
@@ -238,7 +254,7 @@ void mst_plan_print(FILE* f, const mst_plan_report* r, const mst_train_result* r
                "KEEP %.2f MiB; smallest reachable %.2f MiB\n", mib(p->peak), mib(p->peak_measuring), mib(p->peak_sized),
             mib(peak), 100.0 * ((double)p->peak - (double)peak) / (double)(peak ? peak : 1), mib(r->keep.peak),
             mib(r->smallest));
-    fprintf(f, "  step: predicted %.2f ms, measured %.2f ms (median); KEEP %.2f ms (probe, eager)\n", 1e3 * p->step_s,
+    fprintf(f, "  step: predicted %.2f ms, measured %.2f ms (median); KEEP %.2f ms (predicted)\n", 1e3 * p->step_s,
             1e3 * step, 1e3 * r->keep.step_s);
     fprintf(f, "  costs measured: device copy %.1f GB/s, host spill %.1f GB/s, one layer's forward %.3f ms\n",
             r->bm.dev_bw / 1e9, r->bm.host_bw / 1e9, 1e3 * r->bm.t_layer);

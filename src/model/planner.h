@@ -3,14 +3,20 @@
  * planner (src/plan/budget.h) needs on this machine and this model, and
  * turns its plan into the run's memory configuration.
  *
- * The probe: the same model under KEEP runs the run's first batch once as a
- * measuring step (forward and backward, no optimizer: the rows each
- * (layer, microbatch) saves are the first step's) and once more sized and
- * timed (the KEEP step, and each forward entry: a layer's rerun cost). The
- * sizes are the memory table's rows (the model's categories, the manager's
- * KEEP buffers, the rest of what is in use); the device copy and host spill
- * bandwidths are timed on buffers of a saved tensor's size. The probe model
- * is then freed and the run starts with its own peak.
+ * The probe: the same model with every saved tensor stashed (pages only for
+ * the microbatches in flight, no layer recompute) runs the run's first
+ * batches once as a measuring step (the rows each (layer, microbatch) saves
+ * are the first step's: the weights are the run's initial ones) and twice
+ * more sized and timed (the faster counts: the step, and its forward entries:
+ * a layer's rerun cost). The sizes are the memory table's rows: the
+ * model's categories give a layer's activations per set and the MTP
+ * module's; the rest of what is in use ("fixed": weights, gradients,
+ * optimizer, head, compute buffers, workspaces) is what the planner's own
+ * prediction of the probe's plan does not explain; the KEEP step's time is
+ * the probe's less its plan's predicted cost. The device copy and host spill
+ * bandwidths are timed beforehand on buffers of the widest saved tensor's
+ * size (at most 256 MiB). The probe model is then freed and the run starts
+ * with its own peak.
  */
 #ifndef MST_PLANNER_H
 #define MST_PLANNER_H

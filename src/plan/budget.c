@@ -4,7 +4,8 @@
  * fastest plan that fits (mst_budget_solve).
  *
  * Peak. Every buffer of the run is static, so the peak is a sum:
- *   common    fixed + the layers' own activations (a layer recomputed whole
+ *   common    fixed + the layers' own activations per activation set (a
+ *             microbatch in flight holds one; a layer recomputed whole
  *             keeps only its output, the MTP layer not even that; one shared
  *             slot of a layer's activations, and of the MTP module when it
  *             is recomputed) + KEEP buffers [R, cols] per (layer, mb, name) +
@@ -96,8 +97,9 @@ void mst_budget_plan_copy(int32_t n_layers, mst_budget_plan* dst, const mst_budg
 
 mst_status mst_budget_model_check(const mst_budget_model* bm) {
     if (!bm) return mst_set_error(MST_ERR_INVALID, "bm is NULL");
-    if (bm->n_layers < 1 || bm->n_micro < 1)
-        return mst_set_error(MST_ERR_INVALID, "n_layers = %d, n_micro = %d: both must be >= 1", bm->n_layers, bm->n_micro);
+    if (bm->n_layers < 1 || bm->n_micro < 1 || bm->n_sets < 1 || bm->n_sets > bm->n_micro)
+        return mst_set_error(MST_ERR_INVALID, "n_layers = %d, n_micro = %d, n_sets = %d: each >= 1, n_sets <= n_micro",
+                             bm->n_layers, bm->n_micro, bm->n_sets);
     if (!bm->sched || bm->n_sched < 2 || bm->layers_per_chunk < 1 || bm->n_layers % bm->layers_per_chunk)
         return mst_set_error(MST_ERR_INVALID, "schedule of %d entries, %d layers per chunk for %d layers",
                              bm->sched ? bm->n_sched : 0, bm->layers_per_chunk, bm->n_layers);
@@ -218,16 +220,16 @@ static void walk_schedule(const mst_budget_model* bm, const mst_budget_plan* p, 
 /* The layers' own activations and the recompute slots. */
 static size_t model_acts(const mst_budget_model* bm, const mst_budget_plan* p) {
     const int32_t L1 = bm->n_layers, top = L1 - 1;
-    size_t per_mb = bm->mtp_input, shared = 0;
+    size_t per_set = bm->mtp_input, shared = 0;
     int any = 0;
     for (int32_t l = 0; l < L1; l++) {
         any |= rec(p, l);
-        per_mb += rec(p, l) && p->full ? (l < top ? bm->layer_out : 0) : bm->layer_acts;
+        per_set += rec(p, l) && p->full ? (l < top ? bm->layer_out : 0) : bm->layer_acts;
     }
     if (rec(p, top) && p->full) shared += bm->mtp_module;
-    else per_mb += bm->mtp_module;
+    else per_set += bm->mtp_module;
     if (any && p->full) shared += bm->layer_acts;
-    return per_mb * (size_t)bm->n_micro + shared;
+    return per_set * (size_t)bm->n_sets + shared;
 }
 
 /* Pools (state, ring, device block) and handles of the sized steps. */

@@ -26,6 +26,7 @@
 typedef struct mst_budget_model {
     int32_t n_layers;            /* L1                                                   */
     int32_t n_micro;             /* M                                                    */
+    int32_t n_sets;              /* the model's activation sets (microbatches in flight) */
     const mst_sched_entry* sched; /* [n_sched] the step's schedule                       */
     int32_t n_sched, layers_per_chunk;
     const int64_t* rows;         /* [L1, M] rows saved by (layer, mb) (sum of counts)    */
@@ -39,7 +40,7 @@ typedef struct mst_budget_model {
                                     state, embedding and head, compute buffers, op
                                     workspaces and the context                          */
     size_t layer_acts;           /* one layer's own activations (attention, norms,
-                                    router), one microbatch                             */
+                                    router), one activation set                         */
     size_t layer_out;            /* of which its output [N, H]                           */
     size_t mtp_input;            /* the MTP module's kept input (next tokens' embedding) */
     size_t mtp_module;           /* the rest of the MTP module's activations             */
