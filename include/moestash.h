@@ -498,6 +498,14 @@ typedef struct mst_sched_entry {
 /* Fills out [2 M V] (n_out must be 2 M V). A schedule that does not fit the
  * stage count is MST_ERR_INVALID naming the value. */
 MST_API mst_status mst_schedule_make(const mst_schedule_config* cfg, mst_sched_entry* out, int32_t n_out);
+/* The activation sets a schedule needs: microbatch mb takes a set (the
+ * lowest free one) at its first forward (chunk 0) and gives it back after its
+ * last backward (chunk 0 again), so buffers of microbatches not in flight
+ * together are shared (1F1B on one stage: one set). Fills set_of [M] and
+ * *n_sets (<= M). A schedule that is not 2 M V entries with one forward and
+ * one backward of chunk 0 per microbatch, forward first, is MST_ERR_INVALID. */
+MST_API mst_status mst_schedule_sets(const mst_sched_entry* s, int32_t n, int32_t microbatches, int32_t* set_of,
+                                     int32_t* n_sets);
 MST_API mst_status mst_schedule_kind_parse(const char* s, mst_schedule_kind* out);
 MST_API const char* mst_schedule_kind_str(mst_schedule_kind k);
 

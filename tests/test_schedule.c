@@ -68,6 +68,34 @@ static void known_orders(void) {
           "plain order");
 }
 
+/* mst_schedule_sets against the schedule itself: as many sets as the peak
+ * of microbatches between their chunk-0 forward and chunk-0 backward, and
+ * no two microbatches in flight together in one set. */
+static void check_sets(const mst_schedule_config* c, const mst_sched_entry* e, int n) {
+    const int M = c->microbatches;
+    int32_t* set_of = (int32_t*)malloc(sizeof(int32_t) * M);
+    int* open = (int*)calloc((size_t)M, sizeof(int)); /* 1 while in flight */
+    int32_t n_sets = -1;
+    CHECK_OK(mst_schedule_sets(e, n, M, set_of, &n_sets));
+    int live = 0, peak = 0, clash = 0;
+    for (int i = 0; i < n; i++) {
+        if (e[i].chunk != 0) continue;
+        const int mb = e[i].microbatch;
+        if (e[i].backward) {
+            open[mb] = 0, live--;
+            continue;
+        }
+        for (int o = 0; o < M; o++) clash += open[o] && set_of[o] == set_of[mb];
+        open[mb] = 1, live++;
+        if (live > peak) peak = live;
+    }
+    CHECK(n_sets == peak, "%s S=%d r=%d M=%d V=%d: %d activation sets, %d microbatches in flight at most",
+          mst_schedule_kind_str(c->kind), c->stages, c->rank, M, c->virtual_stages, n_sets, peak);
+    CHECK(clash == 0, "%s S=%d r=%d M=%d V=%d: %d microbatches share a set with one in flight",
+          mst_schedule_kind_str(c->kind), c->stages, c->rank, M, c->virtual_stages, clash);
+    free(set_of), free(open);
+}
+
 static void properties(void) {
     for (int kind = 0; kind < 3; kind++)
         for (int S = 1; S <= 4; S++)
@@ -82,6 +110,7 @@ static void properties(void) {
                               S, r, M, V, mst_last_error());
                         if (st == MST_OK) {
                             int peak = check_properties(&c, e, n);
+                            check_sets(&c, e, n);
                             if (kind == 1) {
                                 int want = S - r < M ? S - r : M;
                                 CHECK(peak == want, "1f1b S=%d r=%d M=%d: peak %d in flight, expected %d",
@@ -112,6 +141,14 @@ static void bad_schedules(void) {
         CHECK(strstr(mst_last_error(), why[i]) != NULL, "bad schedule %zu: message '%s', expected '%s'", i,
               mst_last_error(), why[i]);
     }
+    int32_t set_of[4], n_sets;
+    const mst_sched_entry early[2] = {{1, 0, 0}, {0, 0, 0}}; /* backward before forward */
+    CHECK_STATUS(mst_schedule_sets(early, 2, 1, set_of, &n_sets), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "out of order") != NULL, "sets, backward first: '%s'", mst_last_error());
+    const mst_sched_entry stray[2] = {{0, 0, 0}, {1, 0, 4}}; /* microbatch past M */
+    CHECK_STATUS(mst_schedule_sets(stray, 2, 1, set_of, &n_sets), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "microbatch 4") != NULL, "sets, microbatch 4 of 1: '%s'", mst_last_error());
+    CHECK_STATUS(mst_schedule_sets(early + 1, 1, 1, set_of, &n_sets), MST_ERR_INVALID); /* no backward */
     mst_schedule_config ok = {MST_SCHEDULE_1F1B, 2, 0, 4, 1};
     CHECK_STATUS(mst_schedule_make(&ok, e, 7), MST_ERR_INVALID);
     CHECK(strstr(mst_last_error(), "n_out = 7") != NULL, "message does not name n_out: %s", mst_last_error());

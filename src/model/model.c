@@ -313,45 +313,21 @@ static mst_status alloc_slots(mst_model* m) {
     return MST_OK;
 }
 
-/* The activation set of each microbatch along the schedule: taken (the
- * lowest free one) at its first forward (chunk 0), given back after its last
- * backward (chunk 0 again). set_of [M]; returns the number of sets. */
-static int32_t assign_sets(const mst_model* m, int32_t* set_of) {
-    int32_t n_sets = 0;
-    int32_t* held = (int32_t*)calloc((size_t)m->n_micro, sizeof(int32_t)); /* [M] set s taken */
-    if (!held) return -1;
-    for (int32_t i = 0; i < m->n_sched; i++) {
-        const mst_sched_entry e = m->sched[i];
-        if (e.chunk != 0) continue;
-        if (e.backward) {
-            held[set_of[e.microbatch]] = 0;
-            continue;
-        }
-        int32_t s = 0;
-        while (s < n_sets && held[s]) s++;
-        if (s == n_sets) n_sets++;
-        held[s] = 1;
-        set_of[e.microbatch] = s;
-    }
-    free(held);
-    return n_sets;
-}
-
 static mst_status alloc_acts(mst_model* m) {
     const mst_model_config* c = &m->cfg;
     const int64_t N = c->batch * c->seq, H = c->hidden, V = c->vocab, M = m->n_micro;
     MST_TRY(alloc_slots(m));
     m->micro = (mst_micro*)calloc((size_t)M, sizeof *m->micro);
     int32_t* set_of = (int32_t*)calloc((size_t)M, sizeof(int32_t));
-    m->n_sets = m->micro && set_of ? assign_sets(m, set_of) : -1;
-    m->sets = m->n_sets > 0 ? (mst_micro*)calloc((size_t)m->n_sets, sizeof *m->sets) : NULL;
-    if (!m->sets) {
+    if (!m->micro || !set_of) {
         free(set_of);
         return mst_set_error(MST_ERR_OOM, "microbatch table");
     }
-    mst_status st = MST_OK;
+    mst_status st = mst_schedule_sets(m->sched, m->n_sched, m->n_micro, set_of, &m->n_sets);
+    m->sets = st == MST_OK ? (mst_micro*)calloc((size_t)m->n_sets, sizeof *m->sets) : NULL;
+    if (st == MST_OK && !m->sets) st = mst_set_error(MST_ERR_OOM, "activation sets");
     for (int32_t s = 0; s < m->n_sets && st == MST_OK; s++) st = alloc_micro(m, &m->sets[s]);
-    for (int64_t mb = 0; mb < M; mb++) m->micro[mb] = m->sets[set_of[mb]];
+    for (int64_t mb = 0; mb < M && m->sets; mb++) m->micro[mb] = m->sets[set_of[mb]];
     free(set_of);
     MST_TRY(st);
     MST_TRY(alloc_inputs(m));

@@ -10,6 +10,7 @@
  *                forward k -> chunk (k / S) % V, backward k -> chunk V-1 - (k / S) % V,
  *                both -> microbatch (k / (S V)) S + k % S
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "../core/context.h"
@@ -101,4 +102,39 @@ mst_status mst_schedule_make(const mst_schedule_config* cfg, mst_sched_entry* ou
     if (cfg->kind == MST_SCHEDULE_PLAIN) make_plain(cfg, out);
     else make_pipelined(cfg, out);
     return MST_OK;
+}
+
+mst_status mst_schedule_sets(const mst_sched_entry* s, int32_t n, int32_t microbatches, int32_t* set_of,
+                             int32_t* n_sets) {
+    if (!s || !set_of || !n_sets) return mst_set_error(MST_ERR_INVALID, "s, set_of or n_sets is NULL");
+    if (microbatches < 1) return mst_set_error(MST_ERR_INVALID, "microbatches = %d, must be >= 1", microbatches);
+    int32_t* held = (int32_t*)calloc((size_t)microbatches * 2, sizeof(int32_t)); /* [M] set taken, [M] mb state */
+    if (!held) return mst_set_error(MST_ERR_OOM, "schedule sets");
+    int32_t* state = held + microbatches; /* 0 not started, 1 forward seen, 2 backward seen */
+    mst_status st = MST_OK;
+    *n_sets = 0;
+    for (int32_t i = 0; i < n && st == MST_OK; i++) {
+        const mst_sched_entry e = s[i];
+        if (e.microbatch < 0 || e.microbatch >= microbatches)
+            st = mst_set_error(MST_ERR_INVALID, "entry %d: microbatch %d not in [0, %d)", i, e.microbatch, microbatches);
+        else if (e.chunk != 0)
+            continue;
+        else if (state[e.microbatch] != e.backward)
+            st = mst_set_error(MST_ERR_INVALID, "entry %d: %s of chunk 0 of microbatch %d out of order", i,
+                               e.backward ? "backward" : "forward", e.microbatch);
+        else if (e.backward)
+            held[set_of[e.microbatch]] = 0;
+        else {
+            int32_t k = 0;
+            while (k < *n_sets && held[k]) k++;
+            if (k == *n_sets) (*n_sets)++;
+            held[k] = 1;
+            set_of[e.microbatch] = k;
+        }
+        if (st == MST_OK && e.chunk == 0) state[e.microbatch]++;
+    }
+    for (int32_t mb = 0; mb < microbatches && st == MST_OK; mb++)
+        if (state[mb] != 2) st = mst_set_error(MST_ERR_INVALID, "microbatch %d: no forward and backward of chunk 0", mb);
+    free(held);
+    return st;
 }

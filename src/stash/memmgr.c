@@ -76,12 +76,19 @@ mst_status mst_memmgr_create(mst_ctx_t* ctx, const mst_memmgr_config* cfg, mst_m
     m->slots = (slot*)calloc((size_t)L * M * MST_N_SAVED, sizeof(slot));
     m->refs = (saver_ref*)calloc((size_t)L * M * N_MODES, sizeof(saver_ref));
     m->recomp = (mst_tensor*)calloc((size_t)L * MST_N_SAVED, sizeof(mst_tensor));
-    m->chunk_in = (void**)calloc((size_t)L * M, sizeof(void*));
-    if (!m->schedule || !m->policy || !m->chunk_start || !m->slots || !m->refs || !m->recomp || !m->chunk_in) {
+    m->set_of = (int32_t*)calloc((size_t)M, sizeof(int32_t));
+    if (!m->schedule || !m->policy || !m->chunk_start || !m->slots || !m->refs || !m->recomp || !m->set_of) {
         mst_memmgr_destroy(m);
         return mst_set_error(MST_ERR_OOM, "memory manager tables");
     }
     memcpy(m->schedule, cfg->schedule, sizeof *m->schedule * (size_t)cfg->n_schedule);
+    mst_status sets = mst_schedule_sets(m->schedule, cfg->n_schedule, M, m->set_of, &m->n_sets);
+    m->keep = sets == MST_OK ? (mst_tensor*)calloc((size_t)L * m->n_sets * MST_N_SAVED, sizeof(mst_tensor)) : NULL;
+    m->chunk_in = sets == MST_OK ? (void**)calloc((size_t)L * m->n_sets, sizeof(void*)) : NULL;
+    if (sets != MST_OK || !m->keep || !m->chunk_in) {
+        mst_memmgr_destroy(m);
+        return sets != MST_OK ? sets : mst_set_error(MST_ERR_OOM, "memory manager tables");
+    }
     m->cfg.schedule = m->schedule;
     for (int32_t l = 0; l < L; l++) m->chunk_start[l] = -1;
     for (int64_t i = 0; i < (int64_t)L * M * MST_N_SAVED; i++) {
@@ -95,7 +102,7 @@ mst_status mst_memmgr_create(mst_ctx_t* ctx, const mst_memmgr_config* cfg, mst_m
         return st;
     }
     for (int n = 0; n < MST_N_SAVED; n++)
-        m->rep.static_keep_bytes += (size_t)L * M * buf_bytes(m, (mst_saved_name)n);
+        m->rep.static_keep_bytes += (size_t)L * m->n_sets * buf_bytes(m, (mst_saved_name)n);
     const mst_backend* be = ctx->be; /* fc1_input: x of fc1's wgrad (dy 2F wide); fc2_input: of fc2's (dy H) */
     const int64_t pr = m->cfg.page_rows;
     m->pages_read[MST_SAVED_FC1_INPUT] = be->gl_wgrad_pages && be->gl_wgrad_pages(ctx, pr, cfg->hidden, 2 * cfg->ffn);
@@ -124,7 +131,6 @@ void mst_memmgr_destroy(mst_memmgr_t* m) {
     }
     mst_free(ctx, m->arena);
     for (int64_t i = 0; m->slots && i < n_slots; i++) {
-        mst_free(ctx, m->slots[i].keep.data);
         if (m->slots[i].exact) /* a measuring step that failed midway */
             mst_mm_free_exact(m, &m->slots[i], policy_of(m, (int32_t)(i / ((int64_t)m->cfg.n_microbatches * MST_N_SAVED)),
                                                           (mst_saved_name)(i % MST_N_SAVED)));
@@ -132,14 +138,16 @@ void mst_memmgr_destroy(mst_memmgr_t* m) {
     }
     for (int64_t i = 0; m->recomp && i < (int64_t)m->cfg.n_layers * MST_N_SAVED; i++)
         mst_free(ctx, m->recomp[i].data);
-    for (int64_t i = 0; m->chunk_in && i < (int64_t)m->cfg.n_layers * m->cfg.n_microbatches; i++)
+    for (int64_t i = 0; m->chunk_in && i < (int64_t)m->cfg.n_layers * m->n_sets; i++)
         mst_free(ctx, m->chunk_in[i]);
+    for (int64_t i = 0; m->keep && i < (int64_t)m->cfg.n_layers * m->n_sets * MST_N_SAVED; i++)
+        mst_free(ctx, m->keep[i].data);
     mst_mm_ev_free(m, m->ev_main);
     mst_mm_ev_free(m, m->ev_side);
     mst_mm_ev_free(m, m->inputs_read);
     mst_mm_host_free(m);
     free(m->schedule), free(m->policy), free(m->chunk_start), free(m->slots), free(m->refs);
-    free(m->recomp), free(m->chunk_in);
+    free(m->recomp), free(m->chunk_in), free(m->keep), free(m->set_of);
     free(m);
 }
 

@@ -131,7 +131,7 @@ mst_status mst_memmgr_chunk_input(mst_memmgr_t* m, int32_t layer, int32_t mb, ms
         return mst_set_error(MST_ERR_INVALID, "layer = %d does not start a recompute chunk", layer);
     if (mb < 0 || mb >= m->cfg.n_microbatches)
         return mst_set_error(MST_ERR_INVALID, "mb = %d, must be in [0, %d)", mb, m->cfg.n_microbatches);
-    void** p = &m->chunk_in[(int64_t)layer * m->cfg.n_microbatches + mb];
+    void** p = &m->chunk_in[(int64_t)layer * m->n_sets + m->set_of[mb]];
     size_t bytes = buf_bytes(m, MST_SAVED_FC1_INPUT);
     if (!*p) {
         MST_TRY(mst_alloc(m->ctx, bytes, p));
@@ -148,9 +148,9 @@ mst_status mst_memmgr_keep_buffer(mst_memmgr_t* m, int32_t layer, int32_t mb, ms
     if ((int)name < 0 || name >= MST_N_SAVED) return mst_set_error(MST_ERR_INVALID, "name = %d", (int)name);
     memset(out, 0, sizeof *out);
     if (policy_of(m, layer, name) != MST_POLICY_KEEP || m->chunk_start[layer] >= 0) return MST_OK;
-    slot* s = slot_of(m, layer, mb, name);
-    MST_TRY(mst_mm_alloc_tensor(m, name, &s->keep, &m->rep.kept_bytes));
-    *out = s->keep;
+    mst_tensor* k = keep_of(m, layer, mb, name);
+    MST_TRY(mst_mm_alloc_tensor(m, name, k, &m->rep.kept_bytes));
+    *out = *k;
     return MST_OK;
 }
 

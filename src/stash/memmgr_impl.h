@@ -57,7 +57,6 @@
 enum { MODE_FWD = 0, MODE_BWD, MODE_DISCARD, MODE_RECOMP, N_MODES };
 
 typedef struct slot {            /* one saved tensor of (layer, mb, name)        */
-    mst_tensor keep;              /* KEEP: own [R, cols] buffer                    */
     mst_stash_handle_t* handle;   /* STASH / OFFLOAD: its page table              */
     void* exact;                  /* measuring step: [n, cols] exact copy (OFFLOAD:
                                      pinned host memory, not the device's)        */
@@ -117,7 +116,12 @@ struct mst_memmgr {
     saver_ref* refs;              /* [L, M, N_MODES]                               */
     shared_bufs bufs[MST_N_SAVED];
     mst_tensor* recomp;           /* [L, N_SAVED] rerun buffers (recomputed layers) */
-    void** chunk_in;              /* [L, M] [R, H] chunk inputs (chunk starts)      */
+    int32_t* set_of;              /* [M] activation set of each microbatch
+                                     (mst_schedule_sets): microbatches not in
+                                     flight together share KEEP buffers       */
+    int32_t n_sets;
+    mst_tensor* keep;             /* [L, n_sets, N_SAVED] KEEP: [R, cols] buffers   */
+    void** chunk_in;              /* [L, n_sets] [R, H] chunk inputs (chunk starts) */
     mst_pool_t* pool[MST_N_SAVED][2]; /* [name][0 STASH device, 1 OFFLOAD host]     */
     void* arena;                  /* restore buffers of the paged names, device    */
     size_t arena_bytes;           /* its size                                      */
@@ -168,6 +172,10 @@ static inline mst_policy policy_of(const mst_memmgr_t* m, int32_t l, mst_saved_n
 }
 static inline slot* slot_of(mst_memmgr_t* m, int32_t l, int32_t mb, mst_saved_name n) {
     return &m->slots[((int64_t)l * m->cfg.n_microbatches + mb) * MST_N_SAVED + n];
+}
+/* The KEEP buffer of (layer, mb, name): its activation set's. */
+static inline mst_tensor* keep_of(mst_memmgr_t* m, int32_t l, int32_t mb, mst_saved_name n) {
+    return &m->keep[((int64_t)l * m->n_sets + m->set_of[mb]) * MST_N_SAVED + n];
 }
 static inline int paged(mst_policy p) { return p == MST_POLICY_STASH || p == MST_POLICY_OFFLOAD; }
 static inline int kind_of(mst_policy p) { return p == MST_POLICY_OFFLOAD; } /* pool index */

@@ -38,9 +38,9 @@ static mst_status sv_produce(void* self, mst_saved_name n, int64_t rows, int64_t
         return MST_OK;
     }
     if (r->mode == MODE_FWD && policy_of(m, r->layer, n) == MST_POLICY_KEEP) {
-        slot* s = slot_of(m, r->layer, r->mb, n);
-        MST_TRY(mst_mm_alloc_tensor(m, n, &s->keep, &m->rep.kept_bytes));
-        *out = s->keep;
+        mst_tensor* k = keep_of(m, r->layer, r->mb, n);
+        MST_TRY(mst_mm_alloc_tensor(m, n, k, &m->rep.kept_bytes));
+        *out = *k;
         return MST_OK;
     }
     if (r->mode == MODE_BWD) return mst_set_error(MST_ERR_STATE, "produce of %s in a backward", mst_saved_name_str(n));
@@ -111,8 +111,9 @@ static mst_status sv_commit(void* self, mst_saved_name n, const mst_tensor* src,
     s->restore_idx = -1;
     if (p == MST_POLICY_RECOMPUTE) return MST_OK;
     if (p == MST_POLICY_KEEP) {
-        MST_TRY(mst_mm_alloc_tensor(m, n, &s->keep, &m->rep.kept_bytes));
-        return s->keep.data == src->data ? MST_OK : mst_copy_b2b(m->ctx, s->keep.data, src->data, buf_bytes(m, n));
+        mst_tensor* k = keep_of(m, r->layer, r->mb, n);
+        MST_TRY(mst_mm_alloc_tensor(m, n, k, &m->rep.kept_bytes));
+        return k->data == src->data ? MST_OK : mst_copy_b2b(m->ctx, k->data, src->data, buf_bytes(m, n));
     }
     if (s->claimed) { /* its producer writes the pages (sv_claim): nothing to copy */
         s->claimed = 0;
@@ -195,7 +196,7 @@ static mst_status sv_fetch(void* self, mst_saved_name n, mst_tensor* out) {
         return MST_OK;
     }
     if (p == MST_POLICY_KEEP) {
-        *out = s->keep;
+        *out = *keep_of(m, r->layer, r->mb, n);
         return MST_OK;
     }
     shared_bufs* b = &m->bufs[n];
