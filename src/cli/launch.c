@@ -192,10 +192,77 @@ static void describe(int status, char* out, size_t n) {
     else snprintf(out, n, "exit code %d", WEXITSTATUS(status));
 }
 
-/* Signals every rank still running. */
-static void signal_all(const pid_t* pid, int n, int sig) {
-    for (int r = 0; r < n; r++)
-        if (pid[r] > 0) kill(pid[r], sig);
+/* The ranks this launcher runs. */
+typedef struct ranks {
+    const char* cmd;
+    int n, running;
+    pid_t* pid;      /* [n] pid of a running rank, 0 once reaped or never started */
+    int failed;      /* the first rank that failed, or -1                        */
+    int64_t kill_at; /* stopping: SIGKILL at this time (ms); -1 not stopping     */
+} ranks;
+
+/* SIGTERM to every running rank, SIGKILL GRACE_MS later (once). */
+static void stop_ranks(ranks* rs) {
+    if (rs->kill_at >= 0) return;
+    for (int r = 0; r < rs->n; r++)
+        if (rs->pid[r] > 0) kill(rs->pid[r], SIGTERM);
+    rs->kill_at = now_ms() + GRACE_MS;
+}
+
+/* Rank r has ended with status: the first failure stops the others. */
+static void reaped(ranks* rs, int r, int status) {
+    rs->pid[r] = 0, rs->running--;
+    if ((WIFEXITED(status) && WEXITSTATUS(status) == 0) || rs->kill_at >= 0) return;
+    char st[96];
+    describe(status, st, sizeof st);
+    fprintf(stderr, "%s: rank %d of %d failed (%s); stopping the other ranks\n", rs->cmd, r, rs->n, st);
+    rs->failed = r;
+    stop_ranks(rs);
+}
+
+/* Starts rank 0 .. n-1 (this program with args, the launcher variables);
+ * a rank that cannot start counts as failed and stops those started. */
+static void start_ranks(ranks* rs, int port, char** args) {
+    const pid_t self = getpid();
+    fflush(NULL); /* nothing buffered is written twice */
+    for (int r = 0; r < rs->n; r++) {
+        char** env = rank_env(r, rs->n, port);
+        const pid_t p = fork();
+        if (p == 0) exec_rank(r, self, args, env);
+        free_env(env);
+        if (p < 0) {
+            fprintf(stderr, "%s: starting rank %d failed: %s\n", rs->cmd, r, strerror(errno));
+            rs->failed = r;
+            stop_ranks(rs);
+            return;
+        }
+        rs->pid[r] = p, rs->running++;
+    }
+}
+
+/* Until every rank has ended: reaps them, stops the rest after a failure or
+ * a signal to the launcher, and kills what outlives the grace period. */
+static void wait_ranks(ranks* rs) {
+    while (rs->running > 0) {
+        if (g_stop && rs->kill_at < 0) {
+            fprintf(stderr, "%s: %s: stopping the %d ranks\n", rs->cmd, strsignal(g_stop), rs->n);
+            stop_ranks(rs);
+        }
+        int status = 0;
+        const pid_t p = waitpid(-1, &status, WNOHANG);
+        if (p > 0) {
+            for (int r = 0; r < rs->n; r++)
+                if (rs->pid[r] == p) reaped(rs, r, status);
+            continue;
+        }
+        if (p < 0 && errno != EINTR) return; /* no children left */
+        if (rs->kill_at >= 0 && now_ms() >= rs->kill_at) {
+            for (int r = 0; r < rs->n; r++)
+                if (rs->pid[r] > 0) kill(rs->pid[r], SIGKILL);
+            rs->kill_at = INT64_MAX; /* once */
+        }
+        nap_ms(POLL_MS);
+    }
 }
 
 int mst_launch_spawn(const char* cmd, const char* sub, int n, int argc, char** argv) {
@@ -204,65 +271,19 @@ int mst_launch_spawn(const char* cmd, const char* sub, int n, int argc, char** a
         fprintf(stderr, "%s: --gpus %d: no free loopback port for the rendezvous: %s\n", cmd, n, strerror(errno));
         return 1;
     }
-    pid_t* pid = calloc((size_t)n, sizeof *pid); /* [n] running rank's pid, 0 once reaped */
+    ranks rs = {.cmd = cmd, .n = n, .pid = calloc((size_t)n, sizeof(pid_t)), .failed = -1, .kill_at = -1};
+    char** args = calloc((size_t)argc + 3, sizeof *args); /* moestash SUB ARGS... NULL */
+    args[0] = (char*)"moestash", args[1] = (char*)sub;
+    for (int i = 0; i < argc; i++) args[i + 2] = argv[i];
     struct sigaction sa, old_int, old_term;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_stop;
     sigaction(SIGINT, &sa, &old_int), sigaction(SIGTERM, &sa, &old_term);
-    fflush(NULL); /* nothing buffered is written twice */
-    const pid_t self = getpid();
-    char** args = calloc((size_t)argc + 3, sizeof *args); /* moestash SUB ARGS... NULL */
-    args[0] = (char*)"moestash", args[1] = (char*)sub;
-    for (int i = 0; i < argc; i++) args[i + 2] = argv[i];
-    int running = 0, failed = -1;
-    for (int r = 0; r < n; r++) {
-        char** env = rank_env(r, n, port);
-        pid[r] = fork();
-        if (pid[r] == 0) exec_rank(r, self, args, env);
-        free_env(env);
-        if (pid[r] < 0) {
-            fprintf(stderr, "%s: starting rank %d failed: %s\n", cmd, r, strerror(errno));
-            pid[r] = 0, failed = r;
-            break;
-        }
-        running++;
-    }
-    int64_t kill_at = failed >= 0 ? now_ms() + GRACE_MS : -1; /* SIGKILL after this (stopping) */
-    if (failed >= 0) signal_all(pid, n, SIGTERM);
-    while (running > 0) {
-        if (g_stop && kill_at < 0) {
-            fprintf(stderr, "%s: %s: stopping the %d ranks\n", cmd, strsignal(g_stop), n);
-            signal_all(pid, n, SIGTERM);
-            kill_at = now_ms() + GRACE_MS;
-        }
-        int status = 0;
-        const pid_t p = waitpid(-1, &status, WNOHANG);
-        if (p > 0) {
-            int r = 0;
-            while (r < n && pid[r] != p) r++;
-            if (r == n) continue;
-            pid[r] = 0, running--;
-            const int ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-            if (!ok && kill_at < 0) { /* the first failure: stop the others */
-                char st[96];
-                describe(status, st, sizeof st);
-                fprintf(stderr, "%s: rank %d of %d failed (%s); stopping the other ranks\n", cmd, r, n, st);
-                failed = r;
-                signal_all(pid, n, SIGTERM);
-                kill_at = now_ms() + GRACE_MS;
-            }
-            continue;
-        }
-        if (p < 0 && errno != EINTR) break; /* no children left */
-        if (kill_at >= 0 && now_ms() >= kill_at) {
-            signal_all(pid, n, SIGKILL);
-            kill_at = INT64_MAX; /* once */
-        }
-        nap_ms(POLL_MS);
-    }
+    start_ranks(&rs, port, args);
+    wait_ranks(&rs);
     sigaction(SIGINT, &old_int, NULL), sigaction(SIGTERM, &old_term, NULL);
-    free(pid), free(args);
-    return failed >= 0 || g_stop ? 1 : 0;
+    free(rs.pid), free(args);
+    return rs.failed >= 0 || g_stop ? 1 : 0;
 }
 
 /* ---- the communicator of a rank ----------------------------------------- */
