@@ -737,6 +737,26 @@ MST_API int mst_ep_world(const mst_ep_t* ep);
  * fixed-capacity blocks" or "nccl device API (...)". */
 MST_API const char* mst_ep_path(const mst_ep_t* ep);
 
+/* Changes R = max_rows (the rows this rank's experts may receive) for the
+ * dispatches and combines after it: every rank the same, between steps,
+ * never inside a capture. No buffer depends on R. */
+MST_API mst_status mst_ep_set_max_rows(mst_ep_t* ep, int64_t max_rows);
+
+/* All-reduce over the ranks, in place, enqueued on the context's stream
+ * (capturable over NCCL): every rank ends with the same bits. Sums run in a
+ * fixed order for a fixed world (the CPU twin: rank 0 + rank 1 + ...; NCCL:
+ * its allreduce, deterministic for a fixed communicator and count). */
+typedef enum mst_ep_reduce {
+    MST_EP_SUM_F32 = 0, /* float, sum         */
+    MST_EP_SUM_F64,     /* double, sum        */
+    MST_EP_SUM_I32,     /* int32, sum         */
+    MST_EP_MAX_I32,     /* int32, max         */
+    MST_EP_MAX_F64,     /* double, max        */
+} mst_ep_reduce;
+/* data: count elements of `kind`'s type in backend memory (collective: every
+ * rank with the same count and kind, in the same order as its other calls). */
+MST_API mst_status mst_ep_allreduce(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind);
+
 MST_API mst_status mst_ep_handle_create(mst_ep_t* ep, mst_ep_handle_t** out);
 /* Destroy a communicator's handles before the communicator. */
 MST_API void mst_ep_handle_destroy(mst_ep_handle_t* h);

@@ -15,6 +15,7 @@
  * an expert id out of range (both flagged, their rows skipped), and rows
  * wide enough for the lsa exchange's warp-per-row copies.
  */
+#include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -541,6 +542,117 @@ static void check_bad_args(void) {
     mst_ctx_destroy(ctx);
 }
 
+/* ---- all-reduce: every kind, W ranks, against the rank-order reference ---- */
+
+enum { AR_N = 1000, AR_KINDS = 5 };
+
+typedef struct ar_rank {
+    mst_backend_kind kind;
+    int rank, W;
+    mst_ep_group_t* group;
+    mst_ep_id* id;
+    double in[AR_KINDS][AR_N];   /* the inputs as double (every kind holds them exactly) */
+    double out[AR_KINDS][AR_N];  /* the results, read back as double                    */
+    mst_status st;
+    char err[256];
+} ar_rank;
+
+static size_t ar_size(int k) { return k == MST_EP_SUM_F64 || k == MST_EP_MAX_F64 ? 8 : 4; }
+
+static void ar_put(int k, void* host, int64_t i, double v) {
+    if (ar_size(k) == 8) ((double*)host)[i] = v;
+    else if (k == MST_EP_SUM_F32) ((float*)host)[i] = (float)v;
+    else ((int32_t*)host)[i] = (int32_t)v;
+}
+
+static double ar_get(int k, const void* host, int64_t i) {
+    if (ar_size(k) == 8) return ((const double*)host)[i];
+    return k == MST_EP_SUM_F32 ? (double)((const float*)host)[i] : (double)((const int32_t*)host)[i];
+}
+
+static void* ar_main(void* argp) {
+    ar_rank* a = (ar_rank*)argp;
+    mst_ctx_t* ctx = NULL;
+    mst_ep_t* ep = NULL;
+    mst_ep_config cfg = {.n_experts = 2 * a->W, .top_k = 1, .hidden = 8, .max_tokens = 4, .max_rows = 8};
+    a->st = mst_ctx_create(a->kind, a->kind == MST_BACKEND_CPU ? 0 : a->rank, &ctx);
+    if (a->st == MST_OK)
+        a->st = a->kind == MST_BACKEND_CPU ? mst_ep_create_local(ctx, &cfg, a->group, a->rank, &ep)
+                                           : mst_ep_create(ctx, &cfg, a->id, a->rank, a->W, &ep);
+    void* dev = NULL;
+    unsigned char host[AR_N * 8];
+    if (a->st == MST_OK) a->st = mst_alloc(ctx, sizeof host, &dev);
+    for (int k = 0; k < AR_KINDS && a->st == MST_OK; k++) {
+        for (int64_t i = 0; i < AR_N; i++) ar_put(k, host, i, a->in[k][i]);
+        a->st = mst_copy_h2b(ctx, dev, host, AR_N * ar_size(k));
+        if (a->st == MST_OK) a->st = mst_ep_allreduce(ep, dev, AR_N, (mst_ep_reduce)k);
+        if (a->st == MST_OK) a->st = mst_copy_b2h(ctx, host, dev, AR_N * ar_size(k));
+        for (int64_t i = 0; i < AR_N; i++) a->out[k][i] = ar_get(k, host, i);
+    }
+    if (a->st != MST_OK) snprintf(a->err, sizeof a->err, "%s", mst_last_error());
+    if (dev) mst_free(ctx, dev);
+    mst_ep_destroy(ep);
+    mst_ctx_destroy(ctx);
+    return NULL;
+}
+
+/* Sums in rank order in the element type (bit-exact on the CPU twin; NCCL
+ * sums floats in its own order: within 1e-6 relative there), maxima and
+ * int32 sums exact; every rank the same bits either way. */
+static void check_allreduce(mst_backend_kind kind, int W) {
+    ar_rank* a = (ar_rank*)calloc((size_t)W, sizeof *a);
+    mst_ep_group_t* g = NULL;
+    mst_ep_id id;
+    if (kind == MST_BACKEND_CPU) CHECK_OK(mst_ep_group_create(W, &g));
+    else CHECK_OK(mst_ep_id_create(&id));
+    mst_rng rng = {0xA11ull + (uint64_t)W};
+    for (int r = 0; r < W; r++) {
+        a[r] = (ar_rank){.kind = kind, .rank = r, .W = W, .group = g, .id = &id};
+        for (int k = 0; k < AR_KINDS; k++)
+            for (int64_t i = 0; i < AR_N; i++) {
+                const double v = mst_rng_normal(&rng) * 1000.0;
+                a[r].in[k][i] = k == MST_EP_SUM_F32 ? (double)(float)v : ar_size(k) == 8 ? v : (double)(int32_t)v;
+            }
+    }
+    pthread_t th[16];
+    for (int r = 0; r < W; r++) pthread_create(&th[r], NULL, ar_main, &a[r]);
+    for (int r = 0; r < W; r++) pthread_join(th[r], NULL);
+    int bad = 0;
+    for (int r = 0; r < W; r++) {
+        CHECK(a[r].st == MST_OK, "allreduce W %d rank %d: %s", W, r, a[r].err);
+        if (a[r].st != MST_OK) bad = 1;
+    }
+    for (int k = 0; k < AR_KINDS && !bad; k++) {
+        int exact = 1, same = 1;
+        double worst = 0;
+        for (int64_t i = 0; i < AR_N; i++) {
+            float f = 0.0f;
+            double d = 0.0, mx = -INFINITY;
+            int32_t n = 0;
+            for (int r = 0; r < W; r++) {
+                f += (float)a[r].in[k][i];
+                d += a[r].in[k][i];
+                n += (int32_t)a[r].in[k][i];
+                mx = a[r].in[k][i] > mx ? a[r].in[k][i] : mx;
+            }
+            const double want = k == MST_EP_SUM_F32 ? (double)f : k == MST_EP_SUM_F64 ? d
+                                : k == MST_EP_SUM_I32 ? (double)n : mx;
+            const double got = a[0].out[k][i];
+            exact &= got == want;
+            const double rel = fabs(got - want) / (fabs(d) + 1e-3);
+            worst = rel > worst ? rel : worst;
+            for (int r = 1; r < W; r++) same &= memcmp(&a[r].out[k][i], &got, sizeof got) == 0;
+        }
+        const int float_sum = k == MST_EP_SUM_F32 || k == MST_EP_SUM_F64;
+        CHECK(same, "allreduce W %d kind %d: the ranks got different bits", W, k);
+        if (kind == MST_BACKEND_CPU || !float_sum) CHECK(exact, "allreduce W %d kind %d: not the rank-order result", W, k);
+        else CHECK(worst < 1e-6, "allreduce W %d kind %d: relative error %g", W, k, worst);
+    }
+    printf("  %-28s W %d: 5 kinds, %d values\n", "allreduce", W, AR_N);
+    mst_ep_group_destroy(g);
+    free(a);
+}
+
 static const scen SCENS[] = {
     {"random routing", 2, 8, 2, 64, 37, 200, 0, ROUTE_RANDOM, 1},
     {"random routing, 4 ranks", 4, 16, 3, 32, 29, 120, 0, ROUTE_RANDOM, 2},
@@ -575,6 +687,8 @@ int main(int argc, char** argv) {
         if (kind == MST_BACKEND_CPU) run_scen(&SCENS[i], kind, MST_EP_PATH_AUTO);
         else for (int p = MST_EP_PATH_P2P; p <= MST_EP_PATH_LSA; p++) run_scen(&SCENS[i], kind, (mst_ep_path_kind)p);
     }
+    for (int W = 2; W <= 4; W += 2)
+        if (W <= n_dev) check_allreduce(kind, W);
     printf("%s: %d passed, %d failed\n", argv[0], mst_test_checks - mst_test_failures, mst_test_failures);
     return mst_test_failures ? 1 : 0;
 }

@@ -55,7 +55,12 @@ typedef struct mst_ep_transport {
      * symmetric window); NULL: mst_alloc. Collective. */
     mst_status (*recv_alloc)(mst_ep_t* ep, size_t n_bytes, void** out);
     int gathers; /* 1: takes planes with src != BLOCKS (no pack before it) */
+    /* in place over count elements (mst_ep_allreduce); ordered like exchange */
+    mst_status (*allreduce)(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind);
 } mst_ep_transport;
+
+/* Bytes of one element of kind k. */
+size_t mst_ep_reduce_size(mst_ep_reduce k);
 
 struct mst_ep {
     mst_ctx_t* ctx;

@@ -83,6 +83,46 @@ static mst_status local_exchange(mst_ep_t* ep, const mst_ep_plane* pl, int n) {
     return MST_OK;
 }
 
+/* Every rank sums the ranks' buffers in rank order into its scratch (the
+ * same bits everywhere), then, once every rank has read every buffer,
+ * copies the sum into its own. */
+static mst_status local_allreduce(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind) {
+    mst_ep_group_t* g = ((local_comm*)ep->comm)->group;
+    const size_t n_bytes = (size_t)count * mst_ep_reduce_size(kind);
+    void* acc = malloc(n_bytes);
+    const int oom = acc == NULL;
+    const mst_ep_plane me = {data, acc, n_bytes, 0, NULL, 0};
+    g->planes[ep->rank] = &me;
+    g->n_planes[ep->rank] = -1 - (int)kind; /* not an exchange: checked below */
+    pthread_barrier_wait(&g->barrier);
+    int same = !oom;
+    for (int j = 0; j < g->world; j++) same &= g->n_planes[j] == -1 - (int)kind && g->planes[j]->block_bytes == n_bytes;
+    for (int j = 0; same && j < g->world; j++) {
+        const void* src = g->planes[j]->send;
+        for (int64_t i = 0; i < count; i++) switch (kind) {
+            case MST_EP_SUM_F32: ((float*)acc)[i] = j ? ((float*)acc)[i] + ((const float*)src)[i] : ((const float*)src)[i]; break;
+            case MST_EP_SUM_F64: ((double*)acc)[i] = j ? ((double*)acc)[i] + ((const double*)src)[i] : ((const double*)src)[i]; break;
+            case MST_EP_SUM_I32: ((int32_t*)acc)[i] = j ? ((int32_t*)acc)[i] + ((const int32_t*)src)[i] : ((const int32_t*)src)[i]; break;
+            case MST_EP_MAX_I32: {
+                const int32_t v = ((const int32_t*)src)[i];
+                ((int32_t*)acc)[i] = j && ((int32_t*)acc)[i] > v ? ((int32_t*)acc)[i] : v;
+                break;
+            }
+            case MST_EP_MAX_F64: {
+                const double v = ((const double*)src)[i];
+                ((double*)acc)[i] = j && ((double*)acc)[i] > v ? ((double*)acc)[i] : v;
+                break;
+            }
+        }
+    }
+    pthread_barrier_wait(&g->barrier);
+    if (same) memcpy(data, acc, n_bytes);
+    free(acc);
+    if (!same) return mst_set_error(oom ? MST_ERR_OOM : MST_ERR_STATE, "mst_ep_allreduce (rank %d): %s", ep->rank,
+                                    oom ? "out of host memory" : "the ranks passed different counts or kinds");
+    return MST_OK;
+}
+
 static void local_destroy(mst_ep_t* ep) {
     local_comm* lc = (local_comm*)ep->comm;
     if (!lc) return;
@@ -97,6 +137,7 @@ const mst_ep_transport mst_ep_transport_local = {
     .name = "local threads (CPU twin)",
     .exchange = local_exchange,
     .destroy = local_destroy,
+    .allreduce = local_allreduce,
 };
 
 /* Takes `rank` of the group for ep; MST_ERR_INVALID when it is taken. */

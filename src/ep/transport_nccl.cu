@@ -220,6 +220,20 @@ static mst_status lsa_recv_alloc(mst_ep_t* ep, size_t n_bytes, void** out) {
 
 #endif /* MST_HAVE_NCCL_DEVICE */
 
+/* ---- all-reduce (both paths): ncclAllReduce in place ---- */
+
+static mst_status nccl_allreduce(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind) {
+    nccl_state* ns = (nccl_state*)ep->comm;
+    static const ncclDataType_t type[] = {ncclFloat32, ncclFloat64, ncclInt32, ncclInt32, ncclFloat64};
+    const ncclRedOp_t op = kind == MST_EP_MAX_I32 || kind == MST_EP_MAX_F64 ? ncclMax : ncclSum;
+    ncclResult_t r = ncclAllReduce(data, data, (size_t)count, type[kind], op, ns->comm, mst_cuda(ep->ctx)->stream);
+    if (r != ncclSuccess) {
+        ns->failed = 1;
+        return nccl_error(r, "mst_ep_allreduce (ncclAllReduce)", ns->comm);
+    }
+    return MST_OK;
+}
+
 static void nccl_destroy(mst_ep_t* ep) {
     nccl_state* ns = (nccl_state*)ep->comm;
     if (!ns) return;
@@ -237,12 +251,12 @@ static void nccl_destroy(mst_ep_t* ep) {
 }
 
 const mst_ep_transport mst_ep_transport_nccl = {
-    "nccl send/recv, fixed-capacity blocks", p2p_exchange, nccl_destroy, NULL, 0,
+    "nccl send/recv, fixed-capacity blocks", p2p_exchange, nccl_destroy, NULL, 0, nccl_allreduce,
 };
 #ifdef MST_HAVE_NCCL_DEVICE
 const mst_ep_transport mst_ep_transport_lsa = {
     "nccl device API (symmetric window, NVLink stores of the valid rows)", lsa_exchange, nccl_destroy,
-    lsa_recv_alloc, 1,
+    lsa_recv_alloc, 1, nccl_allreduce,
 };
 #endif
 
