@@ -113,6 +113,11 @@ typedef struct mst_route_args {
     int32_t* load;         /* [E] int32 token copies routed to each expert   */
     int32_t* peak_rows;    /* [G] int32 max over calls of each group's rows  */
     float* aux_loss;       /* [1] fp32                                       */
+    int32_t world;         /* W ranks whose tokens f_e and P_e span (0 or 1:
+                              this call's N): load then holds the loads summed
+                              over the ranks (route_aux, route_backward), and
+                              aux_loss this rank's share of the loss (its
+                              tokens' P_e terms: the shares add up to it)   */
     int32_t* flag;         /* [1] the context's error flag                   */
     const float* dtopk_w;  /* [N, k] fp32 (backward)                         */
     uint16_t* dlogits;     /* [N, E] bf16 (backward; aux-loss term included) */
@@ -133,14 +138,15 @@ typedef struct mst_rows_args {
     float* dst_p;          /* (optional) gather: [G*R]; sum: [N, k] fp32     */
 } mst_rows_args;
 
-/* Sum of squares of n fp32 values into out [1], in a fixed order: the sums
- * of MST_SUMSQ_PARTS contiguous chunks of ceil(n / parts) values, added in
- * chunk order. */
+/* Sum of squares of n fp32 values into out [1], in a fixed order: base
+ * (when given), then the sums of MST_SUMSQ_PARTS contiguous chunks of
+ * ceil(n / parts) values, added in chunk order. */
 enum { MST_SUMSQ_PARTS = 1024 };
 typedef struct mst_sumsq_args {
     int64_t n;
     const float* x;        /* [n] fp32                                       */
     float* partial;        /* [MST_SUMSQ_PARTS] fp32 scratch                 */
+    const float* base;     /* (optional) [1] fp32 added first; may be out    */
     float* out;            /* [1] fp32                                       */
 } mst_sumsq_args;
 
@@ -191,6 +197,10 @@ typedef struct mst_model_backend {
     mst_status (*attn_backward)(mst_ctx_t* ctx, const mst_attn_args* a);
     mst_status (*route_forward)(mst_ctx_t* ctx, const mst_route_args* a);
     mst_status (*route_backward)(mst_ctx_t* ctx, const mst_route_args* a);
+    /* the load-balancing loss and peak rows per group from `load` as given
+     * (route_forward computes both itself; on W ranks the caller sums the
+     * loads over the ranks between the two) */
+    mst_status (*route_aux)(mst_ctx_t* ctx, const mst_route_args* a);
     mst_status (*rows_gather)(mst_ctx_t* ctx, const mst_rows_args* a);
     mst_status (*rows_sum)(mst_ctx_t* ctx, const mst_rows_args* a);
     mst_status (*sumsq)(mst_ctx_t* ctx, const mst_sumsq_args* a);

@@ -49,6 +49,10 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            "  --experts E               experts per MoE block (%d / %d)\n"
            "  --top-k K                 experts per token (%d)\n"
            "  --ep G                    expert groups playing expert-parallel ranks, must divide E (%d / %d)\n"
+           "  --gpus N                  ranks (1): the experts sharded over N ranks (--ep is N), the rest data-\n"
+           "                            parallel; --batch per rank (global batch N B, equal to one rank with\n"
+           "                            batch N B and --ep N); cpu: N threads of this process over shared\n"
+           "                            memory (the CPU twin); cuda: N processes, one GPU each, over NCCL\n"
            "  --capacity-factor C       max_rows per group = ceil(C * tokens * K / G); a group routed more\n"
            "                            rows is over budget and the step reruns with exact shapes\n"
            "                            (default: --ep, the dropless worst case: never over budget)\n"
@@ -133,6 +137,7 @@ typedef struct train_cli {
     const char* recompute; /* --recompute as given */
     const char* budget;    /* --memory-budget as given */
     int quiet, check_policies;
+    int64_t gpus;          /* --gpus: ranks */
 } train_cli;
 
 /* --memory-budget SIZE: bytes, or a number with a unit B, KB, MB, GB, TB
@@ -180,6 +185,7 @@ static int parse_flag(train_cli* t, mst_args* a) {
     INT_FLAG("--experts", 1, 1024, m->experts);
     INT_FLAG("--top-k", 1, 1024, m->top_k);
     INT_FLAG("--ep", 1, 1024, m->ep);
+    INT_FLAG("--gpus", 1, 1024, t->gpus);
     INT_FLAG("--microbatches", 1, 4096, t->cfg.microbatches);
     INT_FLAG("--warmup", 0, 100000000, t->cfg.optim.warmup);
     INT_FLAG("--seed", 0, INT64_MAX, m->seed);
@@ -313,6 +319,14 @@ static int consistent(const train_cli* t) {
         return bad_value("--force-overflow", t->cfg.force_overflow, "after the last step (--steps)");
     if (t->cfg.force_over_budget > t->cfg.steps)
         return bad_value("--force-over-budget", t->cfg.force_over_budget, "after the last step (--steps)");
+    if (t->gpus > 1) {
+        const mst_train_config* c = &t->cfg;
+        const char* one = c->save_dir ? "--save" : c->resume_dir ? "--resume" : c->timeline_path ? "--timeline" : NULL;
+        if (one) return mst_cli_bad("moestash train", one, c->save_dir ? c->save_dir : c->resume_dir ? c->resume_dir : c->timeline_path,
+                                    "not with --gpus (checkpoints and the timeline are one rank's)");
+        if (t->kind == MST_BACKEND_CUDA)
+            return bad_value("--gpus", t->gpus, "--backend cuda: one process per GPU needs the launcher (not built yet)");
+    }
     return 0;
 }
 
@@ -341,6 +355,17 @@ static int fits(mst_ctx_t* ctx, const mst_model_config* m) {
     return mst_cli_bad("moestash train", attn ? "--seq" : "--hidden", v, why);
 }
 
+/* --gpus N on the CPU: N rank threads; *res gets rank 0's result. */
+static mst_status train_ranks(const train_cli* t, mst_train_result* res) {
+    mst_train_result* all = (mst_train_result*)calloc((size_t)t->gpus, sizeof *all);
+    if (!all) return mst_set_error(MST_ERR_OOM, "--gpus %lld results", (long long)t->gpus);
+    mst_status st = mst_train_ranks(MST_BACKEND_CPU, &t->cfg, (int32_t)t->gpus, 0, t->quiet ? NULL : stdout, NULL, all);
+    *res = all[0];
+    for (int64_t r = 1; r < t->gpus; r++) mst_train_result_free(&all[r]);
+    free(all);
+    return st;
+}
+
 int mst_cmd_train(int argc, char** argv) {
     for (int i = 0; i < argc; i++)
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
@@ -358,6 +383,9 @@ int mst_cmd_train(int argc, char** argv) {
     static mst_ckpt_meta meta; /* the strings of a resumed configuration live here */
     if (t.cfg.resume_dir && resumed(argc, argv, &t, &meta)) return 2;
     if (t.graph) t.cfg.graph_from = strcmp(t.graph, "on") == 0;
+    if (t.gpus > 1 && mst_args_find(argc, argv, "--ep") && t.cfg.model.ep != t.gpus)
+        return bad_value("--ep", t.cfg.model.ep, "on --gpus N ranks the expert groups are the ranks (--ep N)");
+    if (t.gpus > 1) t.cfg.model.ep = (int32_t)t.gpus;
     if (consistent(&t)) return 2;
     if (t.cfg.model.capacity_factor == 0.0f) t.cfg.model.capacity_factor = (float)t.cfg.model.ep;
     if (mst_model_config_check(&t.cfg.model) != MST_OK) {
@@ -376,11 +404,12 @@ int mst_cmd_train(int argc, char** argv) {
     }
     const mst_model_config* m = &t.cfg.model;
     if (!t.quiet)
-        printf("moestash train on %s\n  H=%lld F=%lld heads=%lld T=%lld B=%lld M=%d L=%d E=%d k=%d ep=%d cf=%g "
+        printf("moestash train on %s%s\n  H=%lld F=%lld heads=%lld T=%lld B=%lld M=%d L=%d E=%d k=%d ep=%d cf=%g "
                "max_rows=%lld mtp-weight=%g steps=%lld data=%s\n  schedule %s, policy %s, recompute %s, graph %s\n",
-               mst_ctx_describe(ctx), (long long)m->hidden, (long long)m->ffn, (long long)m->n_head,
+               mst_ctx_describe(ctx), t.gpus > 1 ? ", ranks as threads (--gpus): B per rank" : "",
+               (long long)m->hidden, (long long)m->ffn, (long long)m->n_head,
                (long long)m->seq, (long long)m->batch, t.cfg.microbatches, m->layers, m->experts,
-               m->top_k, m->ep, (double)m->capacity_factor, (long long)mst_model_max_rows(m),
+               m->top_k, m->ep, (double)m->capacity_factor, (long long)mst_model_max_rows(m, t.gpus > 1 ? (int32_t)t.gpus : 1),
                (double)m->mtp_weight, (long long)t.cfg.steps, t.cfg.data_path ? t.cfg.data_path : "synthetic",
                mst_schedule_kind_str(t.cfg.mem.schedule), t.cfg.mem.policy, t.recompute ? t.recompute : "none",
                t.cfg.graph_from ? "on" : "off");
@@ -393,13 +422,16 @@ int mst_cmd_train(int argc, char** argv) {
             mst_ctx_destroy(ctx);
             return mst_cli_bad("moestash train", "--json", t.json, "cannot open for writing");
         }
-        st = mst_train_check_policies(ctx, &t.cfg, stdout, json);
+        st = t.gpus > 1 ? mst_train_ranks(MST_BACKEND_CPU, &t.cfg, (int32_t)t.gpus, 1, stdout, json, NULL)
+                        : mst_train_check_policies(ctx, &t.cfg, stdout, json);
         if (json && fclose(json) != 0 && st == MST_OK) st = mst_set_error(MST_ERR_IO, "--json '%s': write failed", t.json);
         if (st == MST_ERR_STATE) {
             fprintf(stderr, "moestash train: --check-policies: %s\n", mst_last_error());
             mst_ctx_destroy(ctx);
             return 1;
         }
+    } else if (t.gpus > 1) {
+        st = train_ranks(&t, &res);
     } else {
         st = mst_train_run(ctx, &t.cfg, t.quiet ? NULL : stdout, &res);
     }

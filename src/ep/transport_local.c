@@ -17,7 +17,13 @@ enum { MAX_PLANES = 4 };
 
 struct mst_ep_group {
     int world;                    /* W                                         */
-    pthread_barrier_t barrier;    /* all W ranks                               */
+    pthread_mutex_t wait_mu;      /* the barrier of all W ranks: arrived, gen,  */
+    pthread_cond_t wait_cv;       /* left                                       */
+    int arrived;                  /* ranks in the current wait                  */
+    unsigned gen;                 /* waits completed                            */
+    int left;                     /* a rank left the group (its communicator was
+                                     destroyed): every later wait fails, so no
+                                     rank waits for one that is gone (-1: none)  */
     const mst_ep_plane** planes;  /* [W] each rank's planes while it exchanges */
     int* n_planes;                /* [W]                                       */
     int* joined;                  /* [W] 1 once a communicator took the rank   */
@@ -42,7 +48,9 @@ mst_status mst_ep_group_create(int world, mst_ep_group_t** out) {
         free(g->planes), free(g->n_planes), free(g->joined), free(g);
         return mst_set_error(MST_ERR_OOM, "ep group");
     }
-    pthread_barrier_init(&g->barrier, NULL, (unsigned)world);
+    pthread_mutex_init(&g->wait_mu, NULL);
+    pthread_cond_init(&g->wait_cv, NULL);
+    g->left = -1;
     pthread_mutex_init(&g->mu, NULL);
     *out = g;
     return MST_OK;
@@ -50,9 +58,35 @@ mst_status mst_ep_group_create(int world, mst_ep_group_t** out) {
 
 void mst_ep_group_destroy(mst_ep_group_t* g) {
     if (!g) return;
-    pthread_barrier_destroy(&g->barrier);
+    pthread_mutex_destroy(&g->wait_mu);
+    pthread_cond_destroy(&g->wait_cv);
     pthread_mutex_destroy(&g->mu);
     free(g->planes), free(g->n_planes), free(g->joined), free(g);
+}
+
+/* Waits for every rank; MST_ERR_STATE when a rank left the group before
+ * the wait completed. */
+static mst_status group_wait(mst_ep_group_t* g, int rank) {
+    pthread_mutex_lock(&g->wait_mu);
+    const unsigned gen = g->gen;
+    if (g->left < 0 && ++g->arrived == g->world) {
+        g->arrived = 0;
+        g->gen++;
+        pthread_cond_broadcast(&g->wait_cv);
+    }
+    while (g->gen == gen && g->left < 0) pthread_cond_wait(&g->wait_cv, &g->wait_mu);
+    const int left = g->gen == gen ? g->left : -1;
+    pthread_mutex_unlock(&g->wait_mu);
+    if (left < 0) return MST_OK;
+    return mst_set_error(MST_ERR_STATE, "rank %d: rank %d left the group while this one waited for it", rank, left);
+}
+
+/* Marks rank as gone and wakes every waiter. */
+static void group_leave(mst_ep_group_t* g, int rank) {
+    pthread_mutex_lock(&g->wait_mu);
+    if (g->left < 0) g->left = rank;
+    pthread_cond_broadcast(&g->wait_cv);
+    pthread_mutex_unlock(&g->wait_mu);
 }
 
 /* Bytes of block `to` of plane p that matter: its valid rows, or all. */
@@ -69,7 +103,7 @@ static mst_status local_exchange(mst_ep_t* ep, const mst_ep_plane* pl, int n) {
     MST_ASSERT(n <= MAX_PLANES);
     g->planes[me] = pl;
     g->n_planes[me] = n;
-    pthread_barrier_wait(&g->barrier);
+    MST_TRY(group_wait(g, me));
     for (int j = 0; j < g->world; j++) {
         MST_ASSERT(g->n_planes[j] == n); /* every rank exchanges the same planes */
         for (int p = 0; p < n; p++) {
@@ -79,8 +113,7 @@ static mst_status local_exchange(mst_ep_t* ep, const mst_ep_plane* pl, int n) {
                    (const char*)src->send + (size_t)me * src->block_bytes, valid_bytes(src, me));
         }
     }
-    pthread_barrier_wait(&g->barrier);
-    return MST_OK;
+    return group_wait(g, me);
 }
 
 /* Every rank sums the ranks' buffers in rank order into its scratch (the
@@ -94,7 +127,11 @@ static mst_status local_allreduce(mst_ep_t* ep, void* data, int64_t count, mst_e
     const mst_ep_plane me = {data, acc, n_bytes, 0, NULL, 0};
     g->planes[ep->rank] = &me;
     g->n_planes[ep->rank] = -1 - (int)kind; /* not an exchange: checked below */
-    pthread_barrier_wait(&g->barrier);
+    mst_status st = group_wait(g, ep->rank);
+    if (st != MST_OK) {
+        free(acc);
+        return st;
+    }
     int same = !oom;
     for (int j = 0; j < g->world; j++) same &= g->n_planes[j] == -1 - (int)kind && g->planes[j]->block_bytes == n_bytes;
     for (int j = 0; same && j < g->world; j++) {
@@ -115,9 +152,10 @@ static mst_status local_allreduce(mst_ep_t* ep, void* data, int64_t count, mst_e
             }
         }
     }
-    pthread_barrier_wait(&g->barrier);
-    if (same) memcpy(data, acc, n_bytes);
+    st = group_wait(g, ep->rank);
+    if (same && st == MST_OK) memcpy(data, acc, n_bytes);
     free(acc);
+    if (st != MST_OK) return st;
     if (!same) return mst_set_error(oom ? MST_ERR_OOM : MST_ERR_STATE, "mst_ep_allreduce (rank %d): %s", ep->rank,
                                     oom ? "out of host memory" : "the ranks passed different counts or kinds");
     return MST_OK;
@@ -129,6 +167,7 @@ static void local_destroy(mst_ep_t* ep) {
     pthread_mutex_lock(&lc->group->mu);
     lc->group->joined[ep->rank] = 0;
     pthread_mutex_unlock(&lc->group->mu);
+    group_leave(lc->group, ep->rank);
     free(lc);
     ep->comm = NULL;
 }

@@ -76,7 +76,8 @@ static mst_status embed_bwd(mst_model* m, const int32_t* tok, const uint16_t* dx
     return MST_MODEL_OP(m, embed_backward, &a);
 }
 
-static float loss_scale(const mst_model* m) { return 1.0f / (float)(n_tok(m) * m->n_micro); }
+/* d(mean loss over the tokens of every rank) / d(one token's loss) */
+static float loss_scale(const mst_model* m) { return 1.0f / (float)(n_tok(m) * m->n_micro * m->dist.world); }
 
 /* After the last main layer: final norm, head, loss on the next tokens. */
 static mst_status main_head(mst_model* m, int32_t mb) {

@@ -40,9 +40,19 @@ mst_mem_config mst_mem_config_default(void) {
     return c;
 }
 
-int64_t mst_model_max_rows(const mst_model_config* c) {
-    double r = ceil((double)c->capacity_factor * (double)(c->batch * c->seq * c->top_k) / c->ep);
+int64_t mst_model_max_rows(const mst_model_config* c, int32_t world) {
+    double r = ceil((double)c->capacity_factor * (double)(c->batch * world * c->seq * c->top_k) / c->ep);
     return r < 1 ? 1 : (int64_t)r;
+}
+
+mst_status mst_model_ep_config(const mst_model_config* c, int32_t world, mst_ep_config* out) {
+    MST_TRY(mst_model_config_check(c));
+    if (world < 1 || c->ep != world)
+        return BAD("--ep %d: on %d ranks the expert groups are the ranks (--ep %d)", c->ep, world, world);
+    mst_ep_config e = {.n_experts = c->experts, .top_k = c->top_k, .hidden = c->hidden,
+                       .max_tokens = c->batch * c->seq, .max_rows = mst_model_max_rows(c, world)};
+    *out = e; /* pair_rows 0: N k, which no routing passes; path auto */
+    return MST_OK;
 }
 
 /* ---- parameters ---------------------------------------------------------- */
@@ -53,10 +63,14 @@ static int64_t take(int64_t* n, int64_t size) {
     return off;
 }
 
-/* Matrices first (weight decay), then the norm weights. */
+/* Matrices first (weight decay), then the norm weights. On W ranks the
+ * matrices every rank holds come first and this rank's El experts after
+ * them, so that the replicated gradients are two runs: [0, n_dense) and
+ * the norm weights. */
 static void layout(mst_model* m) {
     const mst_model_config* c = &m->cfg;
-    const int64_t H = c->hidden, F = c->ffn, E = c->experts;
+    const int64_t H = c->hidden, F = c->ffn, E = c->experts, El = m->n_local;
+    const int apart = m->dist.ep != NULL;
     int64_t n = 0;
     m->emb = take(&n, c->vocab * H);
     m->proj = take(&n, H * 2 * H);
@@ -65,8 +79,14 @@ static void layout(mst_model* m) {
         p->wqkv = take(&n, 3 * H * H);
         p->wo = take(&n, H * H);
         p->wr = take(&n, E * H);
-        p->w1 = take(&n, E * 2 * F * H);
-        p->w2 = take(&n, E * H * F);
+        if (apart) continue;
+        p->w1 = take(&n, El * 2 * F * H);
+        p->w2 = take(&n, El * H * F);
+    }
+    m->n_dense = n;
+    for (int32_t l = 0; apart && l <= c->layers; l++) {
+        m->lp[l].w1 = take(&n, El * 2 * F * H);
+        m->lp[l].w2 = take(&n, El * H * F);
     }
     m->n_decay = n;
     for (int32_t l = 0; l <= c->layers; l++) {
@@ -92,7 +112,7 @@ static double normal_at(uint64_t s, int64_t j) {
 
 /* p[i] = the next n draws times std; the state moves past them. */
 mst_status mst_model_bytes_at_least(const mst_model_config* c, double* total_bytes, double* params_bytes) {
-    mst_model m = {.cfg = *c};
+    mst_model m = {.cfg = *c, .n_local = c->experts};
     m.lp = (mst_layer_params*)calloc((size_t)c->layers + 1, sizeof *m.lp);
     if (!m.lp) return mst_set_error(MST_ERR_OOM, "layer parameter table");
     layout(&m); /* the parameter count, as the model lays them out */
@@ -102,18 +122,23 @@ mst_status mst_model_bytes_at_least(const mst_model_config* c, double* total_byt
     return MST_OK;
 }
 
-static void fill_normal(float* p, int64_t n, double std, uint64_t* s) {
+/* p[i] = draw lo + i of the next n draws (i < count) times std; the state
+ * moves past all n. */
+static void fill_normal_part(float* p, int64_t n, int64_t lo, int64_t count, double std, uint64_t* s) {
     const uint64_t s0 = *s;
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) p[i] = (float)(normal_at(s0, i) * std);
+    for (int64_t i = 0; i < count; i++) p[i] = (float)(normal_at(s0, lo + i) * std);
     *s = s0 + (uint64_t)(2 * n) * MST_SPLITMIX_GAMMA;
 }
 
+static void fill_normal(float* p, int64_t n, double std, uint64_t* s) { fill_normal_part(p, n, 0, n, std, s); }
+
 /* Host init: normal(0, std) matrices (output projections scaled down by
- * sqrt(2 (L+1))), norm weights 1. */
+ * sqrt(2 (L+1))), norm weights 1. On W ranks each rank draws the whole
+ * stream's positions of its experts: the weights of one rank's run. */
 static void init_host(const mst_model* m, float* p) {
     const mst_model_config* c = &m->cfg;
-    const int64_t H = c->hidden, F = c->ffn, E = c->experts;
+    const int64_t H = c->hidden, F = c->ffn, E = c->experts, El = m->n_local, e0 = (int64_t)m->dist.rank * El;
     const double std = c->init_std, out_std = std / sqrt(2.0 * (c->layers + 1));
     uint64_t s = c->seed * 0x2545F4914F6CDD1Dull + 1;
     fill_normal(p + m->emb, c->vocab * H, std, &s);
@@ -123,8 +148,8 @@ static void init_host(const mst_model* m, float* p) {
         fill_normal(p + q->wqkv, 3 * H * H, std, &s);
         fill_normal(p + q->wo, H * H, out_std, &s);
         fill_normal(p + q->wr, E * H, std, &s);
-        fill_normal(p + q->w1, E * 2 * F * H, std, &s);
-        fill_normal(p + q->w2, E * H * F, out_std, &s);
+        fill_normal_part(p + q->w1, E * 2 * F * H, e0 * 2 * F * H, El * 2 * F * H, std, &s);
+        fill_normal_part(p + q->w2, E * H * F, e0 * H * F, El * H * F, out_std, &s);
     }
     for (int64_t i = m->n_decay; i < m->n_params; i++) p[i] = 1.0f;
 }
@@ -264,6 +289,7 @@ static mst_status alloc_micro(mst_model* m, mst_micro* u) {
         const mst_layer_acts* slot = recomputed(m, l) ? &m->slots[l - m->chunk_start[l]] : NULL;
         MST_TRY(alloc_layer(m, &u->acts[l], slot, slot && keeps_out(m, l), l == L ? mtp : kinds, 1));
     }
+    for (int32_t l = 0; m->dist.ep && l <= L; l++) MST_TRY(mst_ep_handle_create(m->dist.ep, &u->acts[l].eph));
     const int S = MST_MEM_SAVED_HEAD;
     BUF(S, u->x0, N * H);
     BUF(S, u->xf, N * H);
@@ -334,6 +360,10 @@ static mst_status alloc_acts(mst_model* m) {
     const int C = MST_MEM_COMPUTE;
     BUF(C, m->peak, (c->layers + 1) * c->ep);
     MST_TRY(mst_fill(m->ctx, m->peak, 0, sizeof(int32_t) * (size_t)((c->layers + 1) * c->ep)));
+    if (m->dist.ep) {
+        BUF(C, m->peak_local, 1);
+        BUF(C, m->gsum_experts, 1);
+    }
     BUF(C, m->logits, N * V);
     BUF(C, m->loss_main, M * N);
     BUF(C, m->loss_mtp, M * N);
@@ -396,7 +426,7 @@ static mst_status set_layer_plan(mst_model* m, mst_memmgr_t* mm) {
 static mst_status make_memmgr(mst_model* m, int64_t R, mst_memmgr_t** out) {
     const mst_model_config* c = &m->cfg;
     mst_memmgr_config mc = {.n_layers = c->layers + 1, .n_microbatches = m->n_micro,
-                            .virtual_stages = m->mem_cfg.virtual_stages, .max_rows = R * c->ep,
+                            .virtual_stages = m->mem_cfg.virtual_stages, .max_rows = R * m->row_groups,
                             .hidden = c->hidden, .ffn = c->ffn, .schedule = m->sched,
                             .n_schedule = m->n_sched, .page_rows = 64,
                             .dev_factor = m->mem_cfg.pool_factor, .host_factor = 0.0};
@@ -429,11 +459,11 @@ static mst_status make_memmgr(mst_model* m, int64_t R, mst_memmgr_t** out) {
 /* ---- grouped rows: the part that depends on R ------------------------------ */
 
 static void free_rows(mst_model* m) {
-    const size_t hb = (size_t)(m->max_rows * m->cfg.ep * m->cfg.hidden) * sizeof(uint16_t);
+    const size_t hb = (size_t)(m->max_rows * m->row_groups * m->cfg.hidden) * sizeof(uint16_t);
     unbuf(m, MST_MEM_COMPUTE, m->yrows, hb);
     unbuf(m, MST_MEM_COMPUTE, m->drows, hb);
     unbuf(m, MST_MEM_COMPUTE, m->dxrows, hb);
-    unbuf(m, MST_MEM_COMPUTE, m->dprow, (size_t)(m->max_rows * m->cfg.ep) * sizeof(float));
+    unbuf(m, MST_MEM_COMPUTE, m->dprow, (size_t)(m->max_rows * m->row_groups) * sizeof(float));
     m->yrows = m->drows = m->dxrows = NULL;
     m->dprow = NULL;
     if (m->mm != m->mm_static) mst_memmgr_destroy(m->mm);
@@ -443,10 +473,11 @@ static void free_rows(mst_model* m) {
 
 mst_status mst_model_set_max_rows(mst_model* m, int64_t R) {
     if (R == m->max_rows) return MST_OK;
-    if (R < 1 || R > INT32_MAX / m->cfg.ep) return BAD("max_rows %lld per group", (long long)R);
+    if (R < 1 || R > INT32_MAX / m->row_groups) return BAD("max_rows %lld per group", (long long)R);
     mst_step_drop_graph(m); /* it points at the rows and the manager */
+    if (m->dist.ep) MST_TRY(mst_ep_set_max_rows(m->dist.ep, R));
     if (m->max_rows > 0) free_rows(m);
-    const int64_t GR = R * m->cfg.ep, H = m->cfg.hidden;
+    const int64_t GR = R * m->row_groups, H = m->cfg.hidden;
     const int C = MST_MEM_COMPUTE;
     BUF(C, m->yrows, GR * H);
     BUF(C, m->drows, GR * H);
@@ -461,22 +492,50 @@ mst_status mst_model_set_max_rows(mst_model* m, int64_t R) {
 
 mst_status mst_model_create(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t n_micro,
                             const mst_mem_config* mem, mst_model** out) {
+    return mst_model_create_dist(ctx, cfg, n_micro, mem, NULL, out);
+}
+
+/* The ranks of dist (NULL, or no communicator: one rank): checked against
+ * the communicator and the model's groups. */
+static mst_status check_dist(const mst_model_config* cfg, const mst_dist* dist, mst_dist* out) {
+    mst_dist one = {0, 1, NULL};
+    *out = dist && dist->ep ? *dist : one;
+    if (!out->ep) return MST_OK;
+    if (out->world != mst_ep_world(out->ep) || out->rank != mst_ep_rank(out->ep))
+        return BAD("dist: rank %d of %d, but the communicator is rank %d of %d", out->rank, out->world,
+                   mst_ep_rank(out->ep), mst_ep_world(out->ep));
+    if (cfg->ep != out->world)
+        return BAD("--ep %d: on %d ranks the expert groups are the ranks (--ep %d)", cfg->ep, out->world, out->world);
+    return MST_OK;
+}
+
+mst_status mst_model_allreduce(mst_model* m, void* data, int64_t count, mst_ep_reduce kind) {
+    return m->dist.ep ? mst_ep_allreduce(m->dist.ep, data, count, kind) : MST_OK;
+}
+
+mst_status mst_model_create_dist(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t n_micro,
+                                 const mst_mem_config* mem, const mst_dist* dist, mst_model** out) {
     const mst_model_backend* ops;
     MST_TRY(mst_model_backend_of(ctx, &ops));
     MST_TRY(mst_model_config_check(cfg));
     if (n_micro < 1 || n_micro > 4096) return BAD("--microbatches %d: expected 1 .. 4096", n_micro);
+    mst_dist d;
+    MST_TRY(check_dist(cfg, dist, &d));
     mst_model* m = (mst_model*)calloc(1, sizeof *m);
     if (!m) return mst_set_error(MST_ERR_OOM, "model");
     m->ctx = ctx;
     m->ops = ops;
     m->cfg = *cfg;
+    m->dist = d;
+    m->n_local = cfg->experts / d.world;
+    m->row_groups = d.ep ? 1 : cfg->ep;
     m->n_micro = n_micro;
     m->mem_cfg = mem ? *mem : mst_mem_config_default();
     if (m->mem_cfg.recompute_mtp && !(cfg->mtp_weight > 0.0f)) {
         free(m);
         return BAD("--recompute-mtp: the model has no MTP module (--mtp-weight %g)", (double)cfg->mtp_weight);
     }
-    m->static_rows = mst_model_max_rows(cfg);
+    m->static_rows = mst_model_max_rows(cfg, d.world);
     m->lp = (mst_layer_params*)calloc((size_t)cfg->layers + 1, sizeof *m->lp);
     mst_status st = m->lp ? MST_OK : mst_set_error(MST_ERR_OOM, "layer parameter table");
     if (st == MST_OK) st = make_schedule(m);
@@ -501,7 +560,10 @@ void mst_model_destroy(mst_model* m) {
         if (m->staging[k]) m->ctx->be->host_free(m->ctx, m->staging[k]);
     if (m->mm != m->mm_static) mst_memmgr_destroy(m->mm);
     mst_memmgr_destroy(m->mm_static);
-    for (int32_t k = 0; m->sets && k < m->n_sets; k++) free(m->sets[k].acts);
+    for (int32_t k = 0; m->sets && k < m->n_sets; k++) {
+        for (int32_t l = 0; m->sets[k].acts && l <= m->cfg.layers; l++) mst_ep_handle_destroy(m->sets[k].acts[l].eph);
+        free(m->sets[k].acts);
+    }
     free(m->sets);
     for (int i = 0; i < m->n_owned; i++) mst_free(m->ctx, m->owned[i]);
     free(m->owned);

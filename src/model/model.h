@@ -39,6 +39,18 @@ typedef struct mst_model_config {
     uint64_t seed;
 } mst_model_config;
 
+/* The model on W ranks (one context each): the experts sharded, rank r
+ * holding experts [r E / W, (r + 1) E / W) and receiving their rows through
+ * ep's dispatch and combine; embedding, attention, norms, router and MTP
+ * replicated, their fp32 main_grad all-reduced. Each rank runs its own B
+ * sequences of the global batch of W B: the run equals one rank with batch
+ * W B and --ep W groups. The model's ep (G) is W. */
+typedef struct mst_dist {
+    int32_t rank, world;  /* this rank, W                                    */
+    mst_ep_t* ep;         /* the W ranks' communicator, made with
+                             mst_model_ep_config; NULL: one rank              */
+} mst_dist;
+
 /* How the grouped MLP's activations are saved (the memory manager). */
 typedef struct mst_mem_config {
     const char* policy;             /* "keep" | "stash" | "offload" | "recompute" |
@@ -67,7 +79,12 @@ mst_mem_config mst_mem_config_default(void);
 
 /* Checks sizes (each failure names the flag and its value). */
 mst_status mst_model_config_check(const mst_model_config* c);
-int64_t mst_model_max_rows(const mst_model_config* c);
+/* R: rows of one group, ceil(cf * tokens * k / G), the tokens of every
+ * rank (world: 1, or W with c->batch per rank). */
+int64_t mst_model_max_rows(const mst_model_config* c, int32_t world);
+/* The communicator settings of a model of config c on `world` ranks, each
+ * with c->batch sequences (c->ep must be world). */
+mst_status mst_model_ep_config(const mst_model_config* c, int32_t world, mst_ep_config* out);
 /* What a model of config c surely needs, before any allocation: its
  * parameters with their gradients and AdamW state (18 bytes each) and one
  * layer's attention probabilities; *params_bytes is the parameters' part. */
@@ -100,10 +117,13 @@ typedef struct mst_layer_acts {
     int32_t* topk_idx;   /* [N, k]                                          */
     float* topk_w;       /* [N, k]                                          */
     int32_t* pos;        /* [N, k] row in the [G*R] grouped rows, or -1     */
-    int32_t* counts;     /* [E] rows per expert for the grouped MLP         */
+    int32_t* counts;     /* [E] rows per expert for the grouped MLP (W ranks:
+                            the first El, this rank's, from dispatch)       */
     int32_t* load;       /* [E] token copies per expert                     */
     float* aux;          /* [1] load-balancing loss                         */
     uint16_t* out;       /* [N, H] the layer's output                       */
+    mst_ep_handle_t* eph;/* W ranks: the routing of this (layer, microbatch)
+                            from dispatch to the backward (NULL: one rank)   */
 } mst_layer_acts;
 
 /* One microbatch's activations. */
@@ -145,11 +165,17 @@ typedef struct mst_model {
      * memory picture of --timeline); NULL in every other step */
     mst_status (*after_entry)(struct mst_model* m, int32_t entry, void* user);
     void* after_entry_user;
+    mst_dist dist;           /* ranks (dist.ep NULL: one rank)                */
+    int32_t n_local;         /* El: experts held here (E, or E / W)           */
+    int32_t row_groups;      /* groups whose rows are here (G, or 1 on W ranks) */
     int64_t max_rows;        /* R in use now (static, or exact on a rerun)     */
     int64_t static_rows;     /* R from the capacity factor                    */
     int32_t n_micro;         /* M                                             */
     /* parameters: one flat buffer per kind, matrices first (decayed) */
     int64_t n_params, n_decay;
+    int64_t n_dense;         /* W ranks: [0, n_dense) replicated matrices, then
+                                this rank's experts up to n_decay (one rank:
+                                n_decay, the experts among the matrices)      */
     int64_t emb, lnf, ln_e, ln_h, proj, ln_mf; /* offsets: [V,H] [H] [H] [H] [H,2H] [H] */
     mst_layer_params* lp;    /* [L+1]                                         */
     uint16_t* w;             /* [n_params] bf16 weights                       */
@@ -160,6 +186,8 @@ typedef struct mst_model {
     float* gsumsq;           /* [1] sum of squared gradients                  */
     float* gpartial;         /* [MST_SUMSQ_PARTS] its chunk sums              */
     int32_t* peak;           /* [L+1, G] peak rows per group over the run     */
+    int32_t* peak_local;     /* [1] W ranks: route_forward's peak (unused)    */
+    float* gsum_experts;     /* [1] W ranks: sum of squared expert gradients  */
     /* the step's static inputs: what changes between two steps, copied in
      * before each (a captured step reads them at the same addresses) */
     void* inputs;            /* backend: tokens [M, 3, N] int32, then hyper   */
@@ -212,6 +240,13 @@ typedef struct mst_model {
 /* mem: NULL for mst_mem_config_default(). */
 mst_status mst_model_create(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t n_micro,
                             const mst_mem_config* mem, mst_model** out);
+/* The same as rank dist->rank of dist->world (dist NULL or dist->ep NULL:
+ * one rank). Collective on W ranks. */
+mst_status mst_model_create_dist(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t n_micro,
+                                 const mst_mem_config* mem, const mst_dist* dist, mst_model** out);
+/* W ranks: all-reduces count elements of backend memory over the ranks (one
+ * rank: nothing). */
+mst_status mst_model_allreduce(mst_model* m, void* data, int64_t count, mst_ep_reduce kind);
 void mst_model_destroy(mst_model* m);
 /* Sizes every group to R rows (a memory manager of its own when R is not
  * the static R; its first step must be measuring). */

@@ -29,9 +29,26 @@ void mst_optim_hyper(const mst_optim_config* o, int64_t step, float hyper[MST_N_
     hyper[MST_HYPER_BC2] = 1.0f - powf(o->beta2, (float)step);
 }
 
-mst_status mst_optim_step(mst_model* m, const mst_optim_config* o) {
+/* The squared global norm of the gradients. W ranks: the experts' share
+ * summed over the ranks, then this rank's norm weights and replicated
+ * matrices (the same on every rank) added to it: every rank the same bits. */
+static mst_status grad_sumsq(mst_model* m) {
     mst_sumsq_args ss = {.n = m->n_params, .x = m->grad, .partial = m->gpartial, .out = m->gsumsq};
-    MST_TRY(MST_MODEL_OP(m, sumsq, &ss));
+    if (!m->dist.ep) return MST_MODEL_OP(m, sumsq, &ss);
+    mst_sumsq_args e = {.n = m->n_decay - m->n_dense, .x = m->grad + m->n_dense, .partial = m->gpartial,
+                        .out = m->gsum_experts};
+    MST_TRY(MST_MODEL_OP(m, sumsq, &e));
+    MST_TRY(mst_model_allreduce(m, m->gsum_experts, 1, MST_EP_SUM_F32));
+    e = (mst_sumsq_args){.n = m->n_params - m->n_decay, .x = m->grad + m->n_decay, .partial = m->gpartial,
+                         .base = m->gsum_experts, .out = m->gsum_experts};
+    MST_TRY(MST_MODEL_OP(m, sumsq, &e));
+    ss.n = m->n_dense;
+    ss.base = m->gsum_experts;
+    return MST_MODEL_OP(m, sumsq, &ss);
+}
+
+mst_status mst_optim_step(mst_model* m, const mst_optim_config* o) {
+    MST_TRY(grad_sumsq(m));
     /* [0, n_decay): matrices with weight decay; the rest: norm weights */
     const int64_t lo[2] = {0, m->n_decay}, hi[2] = {m->n_decay, m->n_params};
     for (int i = 0; i < 2; i++) {

@@ -10,7 +10,22 @@
 #include "model.h"
 #include "ops.h"
 
-/* flag and loss sums into the record (backend memory) */
+/* W ranks: the step's flag word, the max over the ranks, so that every rank
+ * skips AdamW and reruns alike (max, not or: NCCL has no or; with both bits
+ * raised on different ranks every rank sees OVERFLOW and reruns measuring,
+ * which finds the over-budget group again). */
+static mst_status share_flag(mst_model* m) { return mst_model_allreduce(m, m->ctx->err_flag, 1, MST_EP_MAX_I32); }
+
+/* W ranks: main_grad of the replicated parameters summed over the ranks, in
+ * two buckets: the matrices [0, n_dense) and the norm weights; the experts'
+ * are this rank's own. */
+static mst_status share_grads(mst_model* m) {
+    MST_TRY(mst_model_allreduce(m, m->grad, m->n_dense, MST_EP_SUM_F32));
+    return mst_model_allreduce(m, m->grad + m->n_decay, m->n_params - m->n_decay, MST_EP_SUM_F32);
+}
+
+/* flag and loss sums into the record (backend memory); W ranks: the sums
+ * over every rank's tokens */
 static mst_status record(mst_model* m) {
     const int64_t N = m->cfg.batch * m->cfg.seq, M = m->n_micro;
     mst_step_record* r = (mst_step_record*)m->record;
@@ -21,11 +36,14 @@ static mst_status record(mst_model* m) {
     a.out = &r->loss_mtp;
     MST_TRY(MST_MODEL_OP(m, sum, &a));
     a = (mst_sum_args){.n = M * (m->cfg.layers + 1), .x = m->aux_sum, .out = &r->aux};
-    return MST_MODEL_OP(m, sum, &a);
+    MST_TRY(MST_MODEL_OP(m, sum, &a));
+    return mst_model_allreduce(m, &r->loss_main, 3, MST_EP_SUM_F64); /* loss_main, loss_mtp, aux */
 }
 
 static mst_status whole_step(mst_model* m, const mst_optim_config* o, int measuring) {
     MST_TRY(mst_model_step(m, measuring));
+    MST_TRY(share_grads(m));
+    MST_TRY(share_flag(m));
     MST_TRY(mst_optim_step(m, o));
     return record(m);
 }
@@ -33,6 +51,7 @@ static mst_status whole_step(mst_model* m, const mst_optim_config* o, int measur
 mst_status mst_step_eval(mst_model* m, int measuring) {
     if (measuring) mst_step_drop_graph(m);
     MST_TRY(mst_model_step(m, measuring));
+    MST_TRY(share_flag(m));
     return record(m);
 }
 

@@ -86,11 +86,21 @@ static mst_status rerun(mst_model* m, const mst_train_config* cfg, mst_train_res
     return mst_model_set_max_rows(m, m->static_rows);
 }
 
+/* One step's microbatches of windows into tok [M, B, T+2]: each microbatch
+ * draws the global batch of W B windows (every rank the same draws) and
+ * this rank keeps its B, windows r B .. r B + B - 1. */
+static void draw_batches(const mst_model* m, mst_data* d, const mst_train_config* cfg, int32_t* tok) {
+    const int64_t win = cfg->model.seq + 2, per = cfg->model.batch * win, W = m->dist.world;
+    for (int32_t mb = 0; mb < cfg->microbatches; mb++) {
+        int32_t* t = tok + mb * per * W; /* [W B, T+2] of scratch past this step's windows */
+        mst_data_batch(d, cfg->model.batch * W, cfg->model.seq, W > 1 ? t : tok + mb * per);
+        if (W > 1) memmove(tok + mb * per, t + m->dist.rank * per, sizeof(int32_t) * (size_t)per);
+    }
+}
+
 /* Draws the next step's microbatches and stages them with its AdamW values. */
 static mst_status stage_next(mst_model* m, mst_data* d, const mst_train_config* cfg, int32_t* tok, int64_t step) {
-    const int64_t per = cfg->model.batch * (cfg->model.seq + 2);
-    for (int32_t mb = 0; mb < cfg->microbatches; mb++)
-        mst_data_batch(d, cfg->model.batch, cfg->model.seq, tok + mb * per);
+    draw_batches(m, d, cfg, tok);
     float hyper[MST_N_HYPER];
     mst_optim_hyper(&cfg->optim, step, hyper);
     return mst_model_stage(m, (int)((step - 1) & 1), tok, hyper);
@@ -106,7 +116,7 @@ static mst_status one_step(mst_model* m, mst_data* d, const mst_train_config* cf
     mst_step_record r;
     MST_TRY(mst_step_read(m, &r));
     if (r.flag) MST_TRY(rerun(m, cfg, res, &r, 0));
-    const double MN = (double)(m->n_micro * m->cfg.batch * m->cfg.seq);
+    const double MN = (double)(m->n_micro * m->cfg.batch * m->cfg.seq) * m->dist.world;
     res->loss[step - 1] = r.loss_main / MN;
     res->mtp_loss[step - 1] = r.loss_mtp / MN;
     res->aux_loss[step - 1] = r.aux / (double)m->n_micro;
@@ -119,7 +129,6 @@ static mst_status one_step(mst_model* m, mst_data* d, const mst_train_config* cf
  * next step's inputs wait in the other). Mean main loss per token. */
 static mst_status evaluate(mst_model* m, mst_data* e, const mst_train_config* cfg, int32_t* tok, int64_t step,
                            mst_train_result* res, double* out) {
-    const int64_t per = cfg->model.batch * (cfg->model.seq + 2);
     const int32_t nb = cfg->eval_batches > 0 ? cfg->eval_batches : 8;
     const uint64_t rng = e->rng;
     const int slot = (int)((step - 1) & 1);
@@ -127,8 +136,7 @@ static mst_status evaluate(mst_model* m, mst_data* e, const mst_train_config* cf
     mst_optim_hyper(&cfg->optim, step, hyper);
     double sum = 0;
     for (int32_t b = 0; b < nb; b++) {
-        for (int32_t mb = 0; mb < cfg->microbatches; mb++)
-            mst_data_batch(e, cfg->model.batch, cfg->model.seq, tok + mb * per);
+        draw_batches(m, e, cfg, tok);
         MST_TRY(mst_model_stage(m, slot, tok, hyper));
         MST_TRY(mst_model_upload(m, slot));
         MST_TRY(mst_step_eval(m, 0));
@@ -138,7 +146,7 @@ static mst_status evaluate(mst_model* m, mst_data* e, const mst_train_config* cf
         sum += r.loss_main;
     }
     e->rng = rng;
-    *out = sum / ((double)nb * (double)(m->n_micro * m->cfg.batch * m->cfg.seq));
+    *out = sum / ((double)nb * (double)(m->n_micro * m->cfg.batch * m->cfg.seq) * m->dist.world);
     return MST_OK;
 }
 
@@ -283,23 +291,73 @@ uint64_t mst_fnv1a(uint64_t h, const void* p, size_t n) {
     return h;
 }
 
-static mst_status weights_hash(mst_model* m, uint64_t* out) {
-    const size_t n = (size_t)m->n_params;
-    void* h = malloc(n * sizeof(float));
+/* The hash of parameters [lo, hi): fp32 master, then bf16 weights,
+ * continuing from *x. */
+static mst_status hash_params(mst_model* m, int64_t lo, int64_t hi, uint64_t* x) {
+    const size_t n = (size_t)(hi - lo);
+    void* h = malloc(n * sizeof(float) + 1);
     if (!h) return mst_set_error(MST_ERR_OOM, "weights readback");
-    uint64_t x = MST_FNV1A_SEED;
-    mst_status st = mst_copy_b2h(m->ctx, h, m->master, n * sizeof(float));
-    if (st == MST_OK) x = mst_fnv1a(x, h, n * sizeof(float));
-    if (st == MST_OK) st = mst_copy_b2h(m->ctx, h, m->w, n * sizeof(uint16_t));
-    if (st == MST_OK) x = mst_fnv1a(x, h, n * sizeof(uint16_t));
+    mst_status st = mst_copy_b2h(m->ctx, h, m->master + lo, n * sizeof(float));
+    if (st == MST_OK) *x = mst_fnv1a(*x, h, n * sizeof(float));
+    if (st == MST_OK) st = mst_copy_b2h(m->ctx, h, m->w + lo, n * sizeof(uint16_t));
+    if (st == MST_OK) *x = mst_fnv1a(*x, h, n * sizeof(uint16_t));
     free(h);
-    *out = x;
     return st;
 }
 
+/* Every parameter's hash; and the replicated ones' (all but the experts on
+ * W ranks: the same bits on every rank). */
+static mst_status weights_hash(mst_model* m, uint64_t* out, uint64_t* replicated) {
+    *out = *replicated = MST_FNV1A_SEED;
+    MST_TRY(hash_params(m, 0, m->n_params, out));
+    MST_TRY(hash_params(m, 0, m->n_dense, replicated));
+    return hash_params(m, m->n_decay, m->n_params, replicated);
+}
+
+/* W ranks: the ranks' weight hashes in rank order, hashed (each rank puts
+ * its hash into its slot of a zeroed vector; the sum over the ranks is the
+ * vector of every rank's). */
+static mst_status ranks_hash(mst_model* m, uint64_t* h) {
+    const int32_t W = m->dist.world;
+    uint64_t* all = (uint64_t*)calloc((size_t)W, sizeof *all);
+    void* dev = NULL;
+    if (!all) return mst_set_error(MST_ERR_OOM, "ranks' hashes");
+    all[m->dist.rank] = *h;
+    mst_status st = mst_alloc(m->ctx, sizeof *all * (size_t)W, &dev);
+    if (st == MST_OK) st = mst_copy_h2b(m->ctx, dev, all, sizeof *all * (size_t)W);
+    if (st == MST_OK) st = mst_model_allreduce(m, dev, 2 * W, MST_EP_SUM_I32); /* halves of disjoint slots: no carry */
+    if (st == MST_OK) st = mst_copy_b2h(m->ctx, all, dev, sizeof *all * (size_t)W);
+    if (st == MST_OK) *h = mst_fnv1a(MST_FNV1A_SEED, all, sizeof *all * (size_t)W);
+    if (dev) mst_free(m->ctx, dev);
+    free(all);
+    return st;
+}
+
+/* W ranks: each entry of the memory table, its max over the ranks. */
+static mst_status ranks_max(mst_model* m, const mst_mem_table* t, mst_mem_table* out) {
+    enum { N = 3 * MST_N_ROWS + 3 };
+    double v[N];
+    for (int k = 0; k < MST_N_ROWS; k++) v[k] = (double)t->run[k], v[MST_N_ROWS + k] = (double)t->keep[k],
+                                         v[2 * MST_N_ROWS + k] = (double)t->exact[k];
+    v[N - 3] = (double)t->dev_pages_peak, v[N - 2] = (double)t->host_pages_peak, v[N - 1] = (double)t->peak;
+    void* dev = NULL;
+    MST_TRY(mst_alloc(m->ctx, sizeof v, &dev));
+    mst_status st = mst_copy_h2b(m->ctx, dev, v, sizeof v);
+    if (st == MST_OK) st = mst_model_allreduce(m, dev, N, MST_EP_MAX_F64); /* bytes: exact in a double */
+    if (st == MST_OK) st = mst_copy_b2h(m->ctx, v, dev, sizeof v);
+    mst_free(m->ctx, dev);
+    *out = *t;
+    for (int k = 0; k < MST_N_ROWS; k++) out->run[k] = (size_t)v[k], out->keep[k] = (size_t)v[MST_N_ROWS + k],
+                                         out->exact[k] = (size_t)v[2 * MST_N_ROWS + k];
+    out->dev_pages_peak = (size_t)v[N - 3], out->host_pages_peak = (size_t)v[N - 2], out->peak = (size_t)v[N - 1];
+    return st;
+}
+
+/* This rank's table (its groups: all G on one rank, its own on W ranks). */
 static mst_status memory_table(mst_model* m, mst_train_result* res) {
     const mst_model_config* c = &m->cfg;
     const int64_t G = c->ep, L1 = c->layers + 1, R = m->static_rows, M = m->n_micro;
+    const int64_t Gh = m->row_groups, g0 = m->dist.ep ? m->dist.rank : 0;
     res->peak_rows = (int32_t*)malloc(sizeof(int32_t) * (size_t)(L1 * G));
     if (!res->peak_rows) return mst_set_error(MST_ERR_OOM, "peak rows");
     MST_TRY(mst_model_peak_rows(m, res->peak_rows));
@@ -307,13 +365,13 @@ static mst_status memory_table(mst_model* m, mst_train_result* res) {
     size_t exact_saved = 0, exact_rows_max = 0;
     for (int64_t l = 0; l < L1; l++) {
         size_t layer_rows = 0;
-        for (int64_t g = 0; g < G; g++) layer_rows += (size_t)res->peak_rows[l * G + g];
+        for (int64_t g = g0; g < g0 + Gh; g++) layer_rows += (size_t)res->peak_rows[l * G + g];
         exact_saved += layer_rows * (size_t)M * saved_row_bytes(c);
         if (layer_rows > exact_rows_max) exact_rows_max = layer_rows;
     }
     mst_mem_table* t = &res->mem;
     const mst_mem_report_t* r = &t->manager;
-    const size_t rows_compute = (size_t)(G * R) * compute_row_bytes(c);
+    const size_t rows_compute = (size_t)(Gh * R) * compute_row_bytes(c);
     /* the model's own buffers: this run's, and with every layer keeping its
      * activations (KEEP; exact shapes alike: they do not depend on routing) */
     static const int rows[][2] = {{MST_ROW_WEIGHTS, MST_MEM_WEIGHTS}, {MST_ROW_GRADS, MST_MEM_GRADS},
@@ -326,7 +384,7 @@ static mst_status memory_table(mst_model* m, mst_train_result* res) {
         t->keep[rows[k][0]] = t->exact[rows[k][0]] = k < 3 ? m->mem[rows[k][1]] : m->mem_keep[rows[k][1]];
     }
     t->run[MST_ROW_MLP_KEPT] = r->kept_bytes;
-    t->keep[MST_ROW_MLP_KEPT] = (size_t)(L1 * M * G * R) * saved_row_bytes(c);
+    t->keep[MST_ROW_MLP_KEPT] = (size_t)(L1 * M * Gh * R) * saved_row_bytes(c);
     t->exact[MST_ROW_MLP_KEPT] = exact_saved;
     t->run[MST_ROW_MLP_DEV_PAGES] = r->dev_pages_bytes;
     t->run[MST_ROW_MLP_HOST_PAGES] = r->host_pages_bytes;
@@ -343,7 +401,12 @@ static mst_status memory_table(mst_model* m, mst_train_result* res) {
     res->max_rows = R;
     res->n_layers = L1;
     res->n_groups = G;
-    return weights_hash(m, &res->weights_hash);
+    res->world = m->dist.world;
+    res->mem_max = *t;
+    MST_TRY(weights_hash(m, &res->weights_hash, &res->replicated_hash));
+    if (!m->dist.ep) return MST_OK;
+    MST_TRY(ranks_max(m, t, &res->mem_max));
+    return ranks_hash(m, &res->weights_hash);
 }
 
 /* ---- the loop ------------------------------------------------------------------ */
@@ -370,8 +433,8 @@ static mst_status alloc_result(mst_train_result* res, int64_t steps) {
 
 static mst_status train_loop(mst_model* m, mst_data* d, mst_data* e, const mst_train_config* cfg, FILE* progress,
                              mst_train_result* res) {
-    const int64_t per = cfg->model.batch * (cfg->model.seq + 2);
-    const double tokens = (double)(cfg->model.batch * cfg->model.seq * cfg->microbatches);
+    const int64_t per = cfg->model.batch * (cfg->model.seq + 2) * m->dist.world; /* the global batch's */
+    const double tokens = (double)(cfg->model.batch * cfg->model.seq * cfg->microbatches) * m->dist.world;
     const int64_t every = cfg->log_every > 0 ? cfg->log_every : 1;
     int32_t* tok = (int32_t*)malloc(sizeof(int32_t) * (size_t)(per * cfg->microbatches));
     if (!tok) return mst_set_error(MST_ERR_OOM, "token batch");
@@ -446,6 +509,10 @@ static mst_status plan_budget(mst_ctx_t* ctx, const mst_train_config** cfg, mst_
 mst_status mst_train_run(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* progress,
                          mst_train_result* res) {
     if (cfg->steps < 1) return mst_set_error(MST_ERR_INVALID, "--steps %lld: expected >= 1", (long long)cfg->steps);
+    const char* one_rank = cfg->save_dir ? "--save" : cfg->resume_dir ? "--resume" : cfg->timeline_path ? "--timeline" : NULL;
+    if (cfg->dist.ep && one_rank)
+        return mst_set_error(MST_ERR_INVALID, "%s: not on %d ranks (checkpoints and the timeline are one rank's)",
+                             one_rank, cfg->dist.world);
     MST_TRY(mst_model_config_check(&cfg->model));
     MST_TRY(alloc_result(res, cfg->steps));
     mst_data d, e = {0};
@@ -457,7 +524,7 @@ mst_status mst_train_run(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* prog
     if (st == MST_OK && cfg->memory_budget) st = plan_budget(ctx, &cfg, &planned, &d, res);
     mst_ctx_mem_reset_peak(ctx); /* this run's peak */
     mst_model* m = NULL;
-    if (st == MST_OK) st = mst_model_create(ctx, &cfg->model, cfg->microbatches, &cfg->mem, &m);
+    if (st == MST_OK) st = mst_model_create_dist(ctx, &cfg->model, cfg->microbatches, &cfg->mem, &cfg->dist, &m);
     if (st == MST_OK && cfg->resume_dir) st = resume(m, cfg, &d, res);
     if (st == MST_OK) st = train_loop(m, &d, e.bytes ? &e : NULL, cfg, progress, res);
     mst_model_destroy(m);
@@ -504,7 +571,7 @@ mst_status mst_train_compare(mst_ctx_t* ctx, const mst_train_config* runs, const
         mst_train_result r = {0};
         st = mst_train_run(ctx, &runs[i], NULL, &r);
         if (st != MST_OK) {
-            fprintf(out, "check-policies: %s FAILED: %s\n", labels[i], mst_last_error());
+            if (out) fprintf(out, "check-policies: %s FAILED: %s\n", labels[i], mst_last_error());
             mst_train_result_free(&r);
             break;
         }
@@ -512,7 +579,8 @@ mst_status mst_train_compare(mst_ctx_t* ctx, const mst_train_config* runs, const
                               memcmp(r.loss, base.loss, sizeof(double) * (size_t)r.steps) == 0 &&
                               memcmp(r.mtp_loss, base.mtp_loss, sizeof(double) * (size_t)r.steps) == 0);
         bad |= !same;
-        fprintf(out, "check-policies: %s loss %.6f, weights %016llx, reruns %lld: %s\n", labels[i],
+        if (out)
+            fprintf(out, "check-policies: %s loss %.6f, weights %016llx, reruns %lld: %s\n", labels[i],
                 r.loss[r.steps - 1], (unsigned long long)r.weights_hash, (long long)r.reruns,
                 i == 0 ? "reference" : same ? "bit-identical" : "DIFFERS");
         if (json) json_run(json, i, labels[i], &r, i == 0 ? "reference" : same ? "bit-identical" : "DIFFERS");
@@ -550,10 +618,10 @@ mst_status mst_train_check_policies(mst_ctx_t* ctx, const mst_train_config* cfg,
 
 static double mib(size_t b) { return (double)b / (1 << 20); }
 
-void mst_train_print_memory(FILE* f, const mst_train_result* r) {
-    const mst_mem_table* t = &r->mem;
+/* One table: t's rows and totals. */
+static void print_table(FILE* f, const char* title, const mst_mem_table* t) {
     size_t tot[3] = {0, 0, 0};
-    fprintf(f, "\nmemory (MiB)                          this run   KEEP, static max_rows   exact shapes\n");
+    fprintf(f, "\n%-37s this run   KEEP, static max_rows   exact shapes\n", title);
     for (int k = 0; k < MST_N_ROWS; k++) {
         fprintf(f, "  %-34s %10.2f   %21.2f   %12.2f", mst_mem_row_str(k), mib(t->run[k]), mib(t->keep[k]),
                 mib(t->exact[k]));
@@ -566,6 +634,14 @@ void mst_train_print_memory(FILE* f, const mst_train_result* r) {
         tot[2] += t->exact[k];
     }
     fprintf(f, "  %-34s %10.2f   %21.2f   %12.2f\n", "total", mib(tot[0]), mib(tot[1]), mib(tot[2]));
+}
+
+void mst_train_print_memory(FILE* f, const mst_train_result* r) {
+    const mst_mem_table* t = &r->mem;
+    char title[64];
+    if (r->world > 1) snprintf(title, sizeof title, "memory (MiB), rank 0 of %d", (int)r->world);
+    print_table(f, r->world > 1 ? title : "memory (MiB)", t);
+    if (r->world > 1) print_table(f, "memory (MiB), max over the ranks", &r->mem_max);
     if (t->manager.recompute_bytes)
         fprintf(f, "  not saved (recomputed in backward): %.2f MiB of KEEP buffers\n", mib(t->manager.recompute_bytes));
     fprintf(f, "  max_rows %lld per group; peak rows per group over the run, by layer:", (long long)r->max_rows);

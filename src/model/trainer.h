@@ -41,6 +41,13 @@ typedef struct mst_train_config {
                                   category (this run; FILE-keep.svg: KEEP)     */
     size_t memory_budget;      /* bytes: the memory plan that fits it replaces
                                   mem's policy and recompute (planner.h); 0: none */
+    mst_dist dist;             /* the ranks of the run (model.h): each rank
+                                  calls mst_train_run with its own context,
+                                  rank and communicator (mst_model_ep_config of
+                                  model, world); model.batch is per rank, the
+                                  global batch W B; dist.ep NULL: one rank.
+                                  W ranks do not save, resume or draw the
+                                  timeline                                      */
 } mst_train_config;
 
 /* Memory of the run by row of the table, with the same routing's needs under
@@ -77,8 +84,14 @@ typedef struct mst_train_result {
     int64_t max_rows;         /* static R per group                            */
     int32_t* peak_rows;       /* [L+1, G] peak rows per group                  */
     int64_t n_layers, n_groups; /* L+1, G                                      */
-    uint64_t weights_hash;    /* FNV-1a of the final fp32 master and bf16 weights */
-    mst_mem_table mem;
+    uint64_t weights_hash;    /* FNV-1a of the final fp32 master and bf16 weights
+                                 (W ranks: of the ranks' hashes in rank order,
+                                 the same on every rank)                       */
+    uint64_t replicated_hash; /* the same of the parameters every rank holds
+                                 (all but the experts on W ranks): this rank's */
+    mst_mem_table mem;        /* this rank's                                   */
+    mst_mem_table mem_max;    /* W ranks: each entry's max over the ranks      */
+    int32_t world;            /* W (1: one rank)                               */
     double seconds;
     struct mst_plan_report* plan; /* --memory-budget: the plan and its predictions */
 } mst_train_result;
@@ -91,6 +104,14 @@ uint64_t mst_fnv1a(uint64_t h, const void* p, size_t n);
 /* Runs the training; progress lines go to `progress` (NULL: none). */
 mst_status mst_train_run(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* progress,
                          mst_train_result* res);
+/* Runs cfg (dist empty) on `world` ranks as threads of this process
+ * (train_ranks.c): CPU contexts over the CPU twin, or CUDA contexts on GPUs
+ * 0 .. world-1 over NCCL; res [world] gets each rank's result (losses and
+ * hash the same on every rank); rank 0's progress lines go to `out`.
+ * check_policies: mst_train_check_policies on every rank instead (rank 0
+ * writes `out` and `json`; res may be NULL). A failure names its rank. */
+mst_status mst_train_ranks(mst_backend_kind kind, const mst_train_config* cfg, int32_t world, int check_policies,
+                           FILE* out, FILE* json, mst_train_result* res);
 void mst_train_result_free(mst_train_result* res);
 void mst_train_print_memory(FILE* f, const mst_train_result* res);
 mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
@@ -100,6 +121,7 @@ mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
  * final weights differ in a bit from the keep run's. */
 mst_status mst_train_check_policies(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* out, FILE* json);
 /* The runs of --check-policies: trains runs[0 .. n), one line each to `out`
+ * (NULL: none)
  * (labels[i], last loss, weights hash, verdict against runs[0]) and, when
  * json is not NULL, one JSON document of every run's losses, hash, reruns
  * and verdict;

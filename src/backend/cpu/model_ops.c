@@ -149,7 +149,7 @@ mst_status mst_cpu_sumsq(mst_ctx_t* ctx, const mst_sumsq_args* a) {
         for (int64_t i = b; i < e; i++) part += a->x[i] * a->x[i];
         a->partial[p] = part;
     }
-    float total = 0.0f;
+    float total = a->base ? *a->base : 0.0f;
     for (int64_t p = 0; p < MST_SUMSQ_PARTS; p++) total += a->partial[p];
     *a->out = total;
     return MST_OK;
@@ -199,6 +199,7 @@ const mst_model_backend mst_model_backend_cpu = {
     .attn_backward = mst_cpu_attn_backward,
     .route_forward = mst_cpu_route_forward,
     .route_backward = mst_cpu_route_backward,
+    .route_aux = mst_cpu_route_aux,
     .rows_gather = mst_cpu_rows_gather,
     .rows_sum = mst_cpu_rows_sum,
     .sumsq = mst_cpu_sumsq,

@@ -30,7 +30,7 @@ static mst_status route_plan(const mst_route_args* a) {
         for (int32_t e = g * EG; e < (g + 1) * EG; e++) total += a->load[e];
         const int over = total > R;
         if (over) *a->flag |= MST_FLAG_COUNTS;
-        if (total > a->peak_rows[g]) a->peak_rows[g] = (int32_t)total;
+        if (a->peak_rows && total > a->peak_rows[g]) a->peak_rows[g] = (int32_t)total;
         for (int32_t e = g * EG; e < (g + 1) * EG; e++) {
             a->counts[e] = over ? 0 : a->load[e];
             next[e] = over ? -1 : (int32_t)base;
@@ -45,14 +45,17 @@ static mst_status route_plan(const mst_route_args* a) {
     return MST_OK;
 }
 
+/* Tokens the load-balancing statistics span: N, or N on each of W ranks. */
+static int64_t stat_tok(const mst_route_args* a) { return a->n_tok * (a->world > 1 ? a->world : 1); }
+
 static void route_aux(const mst_route_args* a) {
     const int32_t E = a->n_experts;
-    const double NK = (double)a->n_tok * a->top_k;
+    const double NK = (double)stat_tok(a) * a->top_k;
     float aux = 0.0f;
     for (int32_t e = 0; e < E; e++) {
         float pe = 0.0f;
         for (int64_t t = 0; t < a->n_tok; t++) pe += a->probs[t * E + e];
-        aux += (float)(a->load[e] / NK) * (pe / (float)a->n_tok);
+        aux += (float)(a->load[e] / NK) * (pe / (float)stat_tok(a));
     }
     *a->aux_loss = a->aux_coef * (float)E * aux;
 }
@@ -65,18 +68,31 @@ mst_status mst_cpu_route_forward(mst_ctx_t* ctx, const mst_route_args* a) {
     return MST_OK;
 }
 
+/* Peak rows per group from the (summed) loads, then the loss. */
+mst_status mst_cpu_route_aux(mst_ctx_t* ctx, const mst_route_args* a) {
+    (void)ctx;
+    const int32_t EG = a->n_experts / a->n_groups;
+    for (int32_t g = 0; a->peak_rows && g < a->n_groups; g++) {
+        int64_t total = 0;
+        for (int32_t e = g * EG; e < (g + 1) * EG; e++) total += a->load[e];
+        if (total > a->peak_rows[g]) a->peak_rows[g] = (int32_t)total;
+    }
+    route_aux(a);
+    return MST_OK;
+}
+
 /* dp[e] = sum of dtopk_w over slots choosing e + coef E f_e / N;
  * dlogits = p (dp - sum_j p_j dp_j). */
 mst_status mst_cpu_route_backward(mst_ctx_t* ctx, const mst_route_args* a) {
     (void)ctx;
     const int32_t E = a->n_experts, K = a->top_k;
-    const float NK = (float)a->n_tok * (float)K;
+    const float NK = (float)stat_tok(a) * (float)K;
     float* dp = (float*)malloc(sizeof(float) * (size_t)E);
     if (!dp) return mst_set_error(MST_ERR_OOM, "cpu router scratch");
     for (int64_t t = 0; t < a->n_tok; t++) {
         const float* p = a->probs + t * E;
         for (int32_t e = 0; e < E; e++)
-            dp[e] = a->aux_coef * (float)E * ((float)a->load[e] / NK) / (float)a->n_tok;
+            dp[e] = a->aux_coef * (float)E * ((float)a->load[e] / NK) / (float)stat_tok(a);
         for (int32_t s = 0; s < K; s++) dp[a->topk_idx[t * K + s]] += a->dtopk_w[t * K + s];
         float dot = 0.0f;
         for (int32_t e = 0; e < E; e++) dot += p[e] * dp[e];

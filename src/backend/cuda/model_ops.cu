@@ -238,7 +238,7 @@ __global__ void sumsq_chunks_kernel(mst_sumsq_args a, int64_t chunk) {
 }
 
 __global__ void sumsq_total_kernel(mst_sumsq_args a) {
-    float s = 0.0f;
+    float s = a.base ? *a.base : 0.0f;
     for (int p = 0; p < MST_SUMSQ_PARTS; p++) s += a.partial[p];
     *a.out = s;
 }
@@ -346,6 +346,7 @@ extern "C" const mst_model_backend mst_model_backend_cuda = {
     .attn_backward = mst_cuda_attn_backward,
     .route_forward = mst_cuda_route_forward,
     .route_backward = mst_cuda_route_backward,
+    .route_aux = mst_cuda_route_aux,
     .rows_gather = mst_cuda_rows_gather,
     .rows_sum = mst_cuda_rows_sum,
     .sumsq = mst_cuda_sumsq,

@@ -10,6 +10,9 @@
  *     load-balancing loss. Deterministic: each
  *     expert's warp walks the entries in order; no atomics but the flag's
  *     atomicOr.
+ *   route_aux_kernel (one block): peak rows and the load-balancing loss from
+ *     loads summed over the ranks (the trainer on W ranks), the same block
+ *     code as the plan's;
  *   route_backward_kernel: d(router logits), one thread per token.
  *   rows gather / sum: dispatch and combine, one thread per element.
  */
@@ -54,6 +57,38 @@ __device__ void plan_walk(const mst_route_args& a, int32_t* tile, int32_t* next,
     }
 }
 
+/* Tokens the load-balancing statistics span: N, or N on each of W ranks. */
+__device__ int64_t stat_tok(const mst_route_args& a) { return a.n_tok * (a.world > 1 ? a.world : 1); }
+
+/* The load-balancing loss from load (shared or global memory), by the whole
+ * block: P_e over tokens in S = blockDim / E interleaved slices (each in
+ * token order), the slices in order, then experts in order. part: [blockDim]
+ * shared scratch; pe: [E] shared. */
+__device__ void route_aux_block(const mst_route_args& a, const int32_t* load, float* part, float* pe) {
+    const int32_t E = a.n_experts;
+    const double NK = (double)stat_tok(a) * a.top_k;
+    const int32_t S = max(1, (int32_t)blockDim.x / E);
+    __syncthreads(); /* part may be reused scratch */
+    if ((int32_t)threadIdx.x < S * E) {
+        const int32_t e = threadIdx.x % E, sl = threadIdx.x / E;
+        float s = 0.0f;
+        for (int64_t t = sl; t < a.n_tok; t += S) s += a.probs[t * E + e];
+        part[threadIdx.x] = s;
+    }
+    __syncthreads();
+    for (int32_t e = threadIdx.x; e < E; e += blockDim.x) {
+        float s = 0.0f;
+        for (int32_t sl = 0; sl < S; sl++) s += part[sl * E + e];
+        pe[e] = (float)(load[e] / NK) * (s / (float)stat_tok(a));
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float aux = 0.0f;
+        for (int32_t e = 0; e < E; e++) aux += pe[e];
+        *a.aux_loss = a.aux_coef * (float)E * aux;
+    }
+}
+
 __global__ void route_plan_kernel(mst_route_args a) {
     __shared__ int32_t tile[PLAN_TILE];
     __shared__ int32_t load[MAX_EXPERTS], next[MAX_EXPERTS];
@@ -70,7 +105,7 @@ __global__ void route_plan_kernel(mst_route_args a) {
             for (int32_t e = g * EG; e < (g + 1) * EG; e++) total += load[e];
             const int over = total > R;
             if (over) mst_dev_flag(a.flag, MST_FLAG_COUNTS);
-            if (total > a.peak_rows[g]) a.peak_rows[g] = (int32_t)total;
+            if (a.peak_rows && total > a.peak_rows[g]) a.peak_rows[g] = (int32_t)total;
             for (int32_t e = g * EG; e < (g + 1) * EG; e++) {
                 a.counts[e] = over ? 0 : load[e];
                 a.load[e] = load[e];
@@ -80,31 +115,28 @@ __global__ void route_plan_kernel(mst_route_args a) {
         }
     }
     plan_walk(a, tile, next, load, 1);
-    /* load-balancing loss: P_e over tokens in S = blockDim / E interleaved
-     * slices (each in token order), the slices in order, then experts in
-     * order */
-    const double NK = (double)a.n_tok * a.top_k;
-    const int32_t S = max(1, (int32_t)blockDim.x / E);
-    __syncthreads(); /* tile is reused for the slice sums */
-    float* part = (float*)tile;
-    if ((int32_t)threadIdx.x < S * E) {
-        const int32_t e = threadIdx.x % E, sl = threadIdx.x / E;
-        float s = 0.0f;
-        for (int64_t t = sl; t < a.n_tok; t += S) s += a.probs[t * E + e];
-        part[threadIdx.x] = s;
-    }
-    __syncthreads();
-    for (int32_t e = threadIdx.x; e < E; e += blockDim.x) {
-        float s = 0.0f;
-        for (int32_t sl = 0; sl < S; sl++) s += part[sl * E + e];
-        pe[e] = (float)(load[e] / NK) * (s / (float)a.n_tok);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float aux = 0.0f;
-        for (int32_t e = 0; e < E; e++) aux += pe[e];
-        *a.aux_loss = a.aux_coef * (float)E * aux;
-    }
+    route_aux_block(a, load, (float*)tile, pe); /* tile is reused for the slice sums */
+}
+
+/* Peak rows per group from the (summed) loads, then the loss: one block. */
+__global__ void route_aux_kernel(mst_route_args a) {
+    __shared__ float part[PLAN_THREADS], pe[MAX_EXPERTS];
+    const int32_t EG = a.n_experts / a.n_groups;
+    if (threadIdx.x == 0 && a.peak_rows)
+        for (int32_t g = 0; g < a.n_groups; g++) {
+            int64_t total = 0;
+            for (int32_t e = g * EG; e < (g + 1) * EG; e++) total += a.load[e];
+            if (total > a.peak_rows[g]) a.peak_rows[g] = (int32_t)total;
+        }
+    route_aux_block(a, a.load, part, pe);
+}
+
+extern "C" mst_status mst_cuda_route_aux(mst_ctx_t* ctx, const mst_route_args* a) {
+    if (a->n_experts > MAX_EXPERTS)
+        return mst_set_error(MST_ERR_INVALID, "router: %d experts, at most %d", a->n_experts, (int)MAX_EXPERTS);
+    route_aux_kernel<<<1, PLAN_THREADS, 0, mst_cuda(ctx)->stream>>>(*a);
+    MST_CUDA_LAUNCHED();
+    return MST_OK;
 }
 
 extern "C" mst_status mst_cuda_route_forward(mst_ctx_t* ctx, const mst_route_args* a) {
@@ -124,14 +156,14 @@ __global__ void route_backward_kernel(mst_route_args a) {
     const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= a.n_tok) return;
     const int32_t E = a.n_experts, K = a.top_k;
-    const float NK = (float)a.n_tok * (float)K;
+    const float NK = (float)stat_tok(a) * (float)K;
     const float* p = a.probs + t * E;
     const int32_t* idx = a.topk_idx + t * K;
     const float* dw = a.dtopk_w + t * K;
     float dot = 0.0f;
     for (int pass = 0; pass < 2; pass++)
         for (int32_t e = 0; e < E; e++) {
-            float dp = a.aux_coef * (float)E * ((float)a.load[e] / NK) / (float)a.n_tok;
+            float dp = a.aux_coef * (float)E * ((float)a.load[e] / NK) / (float)stat_tok(a);
             for (int32_t s = 0; s < K; s++)
                 if (idx[s] == e) dp += dw[s];
             if (pass == 0) dot += p[e] * dp;
