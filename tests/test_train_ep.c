@@ -24,9 +24,11 @@
  * another order); from then on a weight differs by a bf16 ulp (2^-8
  * relative) and the runs drift apart as two runs of different seeds of
  * rounding do: 2e-5 .. 1e-3 relative within 20 steps in this model, over
- * seeds and learning rates. So the check is: the first step's loss
- * bit-identical, and 20 steps within 1e-3 relative; the worst difference
- * is printed.
+ * seeds and learning rates (on two H200s: 9.8e-4, lr 3e-3). The
+ * load-balancing loss counts tokens per expert and drifts more (a token
+ * whose top-k flips moves it). So the check is: the first step's loss
+ * bit-identical (CPU), 20 steps within 1e-3 relative (losses) and 1e-2
+ * (load-balancing loss); the worst differences are printed.
  * Between runs on W ranks every bit is promised: every rank gets the same
  * losses and hash, and holds the same bits of every replicated parameter, KEEP and STASH give the same bits, a step forced over
  * budget gives the bits of the run without it.
@@ -39,7 +41,8 @@
  * layers after it record other peaks and size the exact rerun otherwise); a
  * forced over-budget step; CUDA: --graph on against off on 2 ranks (the
  * whole step, dispatch and combine with new routing every step, replayed
- * from one graph per rank), bit for bit.
+ * from one graph per rank), bit for bit; and the trainer's GPU default
+ * size on 2 ranks against one (losses, tokens per second).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -95,16 +98,18 @@ static void free_ranks(mst_train_result* res, int32_t W) {
 
 static double rel(double a, double b) { return fabs(a - b) / fabs(b); }
 
-/* Largest relative difference of the losses, MTP losses and load-balancing
- * losses of a and b. */
-static double worst_rel(const mst_train_result* a, const mst_train_result* b) {
-    double w = 0;
+/* Largest relative differences over the steps of a and b: w[0] the losses
+ * and MTP losses, w[1] the load-balancing losses. The load-balancing loss
+ * counts tokens per expert: a token whose top-k flips between two experts
+ * of nearly equal probability moves it in a step, so once the weights
+ * differ by rounding it drifts more than the losses. */
+static void worst_rel(const mst_train_result* a, const mst_train_result* b, double w[2]) {
+    w[0] = w[1] = 0;
     for (int64_t i = 0; i < a->steps; i++) {
         const double d[3] = {rel(a->loss[i], b->loss[i]), rel(a->mtp_loss[i], b->mtp_loss[i]),
                              rel(a->aux_loss[i], b->aux_loss[i])};
-        for (int k = 0; k < 3; k++) w = d[k] > w || isnan(d[k]) ? d[k] : w;
+        for (int k = 0; k < 3; k++) w[k / 2] = d[k] > w[k / 2] || isnan(d[k]) ? d[k] : w[k / 2];
     }
-    return w;
 }
 
 static void same_bits(const mst_train_result* a, const mst_train_result* b, const char* what) {
@@ -125,15 +130,18 @@ static void against_one_rank(int32_t W, float capacity_factor, const char* what)
     CHECK_OK(one_rank(&one, &ref));
     CHECK_OK(ranks(&d, W, res));
     if (ref.loss && res[0].loss) {
-        const double w = worst_rel(&res[0], &ref);
-        printf("  %-34s W %d: loss %.5f -> %.5f, worst relative difference %.2e over 20 steps (losses, mtp, aux); "
-               "step 1 loss %s; reruns %lld (one rank %lld)\n", what, W, res[0].loss[0], res[0].loss[19], w,
+        double w[2];
+        worst_rel(&res[0], &ref, w);
+        printf("  %-34s W %d: loss %.5f -> %.5f, worst relative difference over 20 steps %.2e (losses), %.2e "
+               "(load-balancing); step 1 loss %s; reruns %lld (one rank %lld)\n", what, W, res[0].loss[0], res[0].loss[19], w[0], w[1],
                res[0].loss[0] == ref.loss[0] ? "bit-identical" : "differs in the last bits", (long long)res[0].reruns,
                (long long)ref.reruns);
-        CHECK(w <= 1e-3, "%s W %d: losses differ from one rank by %.3g relative (step 1: %.17g vs %.17g)", what, W, w,
-              res[0].loss[0], ref.loss[0]);
-        CHECK(rel(res[0].loss[0], ref.loss[0]) < 1e-12, "%s W %d: step 1 loss %.17g vs %.17g: the forward must be "
-              "the one rank's but for the order of the loss sum", what, W, res[0].loss[0], ref.loss[0]);
+        CHECK(w[0] <= 1e-3 && w[1] <= 1e-2, "%s W %d: losses differ from one rank by %.3g relative, load-balancing "
+              "losses by %.3g (step 1: %.17g vs %.17g)", what, W, w[0], w[1], res[0].loss[0], ref.loss[0]);
+        /* CUDA: the GEMMs of N and W N rows may be other kernels (cuBLAS): not promised there */
+        if (kind == MST_BACKEND_CPU)
+            CHECK(rel(res[0].loss[0], ref.loss[0]) < 1e-12, "%s W %d: step 1 loss %.17g vs %.17g: the forward must "
+                  "be the one rank's but for the order of the loss sum", what, W, res[0].loss[0], ref.loss[0]);
         const int dropless = capacity_factor >= (float)W;
         CHECK(dropless ? res[0].reruns == 0 : res[0].over_budget >= d.steps, "%s W %d: %lld reruns (%lld over budget)",
               what, W, (long long)res[0].reruns, (long long)res[0].over_budget);
@@ -185,13 +193,47 @@ static void graph_on_two_ranks(void) {
     CHECK_OK(ranks(&c, 2, graph));
     if (eager[0].loss && graph[0].loss) {
         same_bits(&eager[0], &graph[0], "2 ranks, graph on vs off");
-        CHECK(graph[0].captures >= 1 && graph[0].replays >= c.steps - 2, "graph: %lld captures, %lld replays",
-              (long long)graph[0].captures, (long long)graph[0].replays);
+        /* steps 1 (measuring) and 2 (sizing the workspaces) run eagerly; a
+         * stash overflow's rerun drops the graph and costs one more eager step */
+        CHECK(graph[0].captures >= 1 && graph[0].replays >= c.steps - 2 - graph[0].reruns,
+              "graph: %lld captures, %lld replays, %lld reruns", (long long)graph[0].captures,
+              (long long)graph[0].replays, (long long)graph[0].reruns);
         printf("  %-34s 2 ranks: %lld captures, %lld replays, bit-identical to eager\n", "graph", (long long)graph[0].captures,
                (long long)graph[0].replays);
     }
     free_ranks(eager, 2);
     free_ranks(graph, 2);
+}
+
+/* CUDA: the trainer's GPU defaults (H 512, F 1024, 8 heads, T 256, 4
+ * layers, 16 experts top-2) for 10 steps, B 16 a rank, graphs on: 2 ranks
+ * against one rank of B 32 with --ep 2; tokens per second of both. */
+static void gpu_size_on_two_ranks(void) {
+    mst_train_config d = small(2, 16, 10), one;
+    mst_model_config* m = &d.model;
+    m->hidden = 512, m->ffn = 1024, m->n_head = 8, m->seq = 256, m->layers = 4, m->experts = 16;
+    d.optim.lr = 1e-3f;
+    d.graph_from = 1;
+    one = d;
+    one.model.batch = 32;
+    mst_train_result ref = {0}, res[2];
+    memset(res, 0, sizeof res);
+    CHECK_OK(one_rank(&one, &ref));
+    CHECK_OK(ranks(&d, 2, res));
+    if (ref.loss && res[0].loss) {
+        double w[2], t1 = 0, t2 = 0;
+        worst_rel(&res[0], &ref, w);
+        for (int i = 5; i < 10; i++) t1 += ref.tok_per_s[i] / 5, t2 += res[0].tok_per_s[i] / 5;
+        printf("  %-34s 2 ranks of B 16 vs one rank of B 32: loss %.4f -> %.4f (one rank %.4f -> %.4f), worst relative "
+               "difference %.2e (losses), %.2e (load-balancing) over 10 steps; step 1 loss %.17g vs %.17g; %.0f tok/s "
+               "on 2 GPUs, %.0f on one (steps 6-10); %lld captures, %lld replays\n", "GPU default size, graphs on",
+               res[0].loss[0], res[0].loss[9], ref.loss[0], ref.loss[9], w[0], w[1], res[0].loss[0], ref.loss[0], t2, t1,
+               (long long)res[0].captures, (long long)res[0].replays);
+        CHECK(w[0] <= 1e-3 && w[1] <= 1e-2, "GPU size: losses differ from one rank by %.3g relative, load-balancing "
+              "losses by %.3g", w[0], w[1]);
+    }
+    mst_train_result_free(&ref);
+    free_ranks(res, 2);
 }
 
 static int n_devices(void) {
@@ -215,6 +257,7 @@ int main(int argc, char** argv) {
     against_one_rank(2, 0.6f, "capacity factor 0.6 (over budget)");
     bits_on_two_ranks();
     if (kind == MST_BACKEND_CUDA) graph_on_two_ranks();
+    if (kind == MST_BACKEND_CUDA) gpu_size_on_two_ranks();
     printf("%s: %d passed, %d failed\n", argv[0], mst_test_checks - mst_test_failures, mst_test_failures);
     return mst_test_failures ? 1 : 0;
 }

@@ -704,7 +704,7 @@ mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
     if (cfg->data_path) json_string(f, cfg->data_path);
     else fprintf(f, "\"synthetic\"");
     fprintf(f, "},\n");
-    fprintf(f, "  \"first_step\": %lld,\n", (long long)r->first_step);
+    fprintf(f, "  \"first_step\": %lld,\n  \"ranks\": %d,\n", (long long)r->first_step, r->world > 1 ? (int)r->world : 1);
     json_array(f, "loss", r->loss, r->first_step, r->steps);
     json_array(f, "mtp_loss", r->mtp_loss, r->first_step, r->steps);
     json_array(f, "aux_loss", r->aux_loss, r->first_step, r->steps);

@@ -58,6 +58,11 @@ bad "--hidden '65536" train --hidden 65536 --heads 8
 bad "--seq '8192 --batch 4096': needs at least" train --seq 8192 --batch 4096
 bad "--resume" train --resume "$tmp/no-checkpoint"
 bad "--recompute-granularity 'half'" train --recompute-granularity half
+# train on N ranks
+bad "--gpus '0'" train --backend cpu --gpus 0
+bad "--ep '3': on --gpus N ranks" train --backend cpu --gpus 2 --ep 3
+bad "--save '$tmp/ck': not with --gpus" train --backend cpu --gpus 2 --save "$tmp/ck"
+bad "--experts 6" train --backend cpu --gpus 4 --experts 6
 bad "--save-every '3': needs --save" train --save-every 3
 bad "--checkpoint" sample --prompt x
 bad "--prompt" sample --checkpoint "$tmp"
@@ -132,6 +137,8 @@ good "usage: moestash train" train --help
 good "step" bench --help
 good "usage: moestash bench step" help bench step
 good "selfcheck cpu : grouped linear forward" selfcheck --backend=cpu
+good "memory (MiB), max over the ranks" train --backend cpu --gpus 2 --steps 2 --seq 8 --batch 1 --layers 1
+good "bit-identical" train --backend cpu --gpus 2 --check-policies --steps 2 --seq 8 --batch 1 --layers 1
 corpus=$tmp/a\"corpus.txt # a quote in the name: escaped in the JSON
 for i in $(seq 200); do echo "the quick brown fox jumps over the lazy dog $i"; done >"$corpus"
 good "loss" train --backend=cpu --steps=2 --seq=8 --batch=2 --layers=1 --quiet --data="$corpus" --json="$tmp/run.json"

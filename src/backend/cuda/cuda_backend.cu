@@ -130,8 +130,11 @@ static mst_status cuda_sync(mst_ctx_t* ctx) {
 
 /* Global capture mode: an allocation, a host sync or a blocking copy by
  * this thread while it captures is an error, never a silent slowdown. */
+/* Thread-local mode: an allocation, a host sync or a blocking copy on this
+ * thread inside the capture fails it, and other threads of the process
+ * (ranks as threads, each capturing its own step) go on undisturbed. */
 static mst_status cuda_capture_begin(mst_ctx_t* ctx) {
-    MST_CUDA_TRY(cudaStreamBeginCapture(mst_cuda(ctx)->stream, cudaStreamCaptureModeGlobal));
+    MST_CUDA_TRY(cudaStreamBeginCapture(mst_cuda(ctx)->stream, cudaStreamCaptureModeThreadLocal));
     return MST_OK;
 }
 
