@@ -325,7 +325,7 @@ static int consistent(const train_cli* t) {
         if (one) return mst_cli_bad("moestash train", one, c->save_dir ? c->save_dir : c->resume_dir ? c->resume_dir : c->timeline_path,
                                     "not with --gpus (checkpoints and the timeline are one rank's)");
         if (t->kind == MST_BACKEND_CUDA)
-            return bad_value("--gpus", t->gpus, "--backend cuda: one process per GPU needs the launcher (not built yet)");
+            return bad_value("--gpus", t->gpus, "--backend cuda: the launcher (launch.h) is not wired into train yet; --backend cpu runs N rank threads");
     }
     return 0;
 }

@@ -124,7 +124,7 @@ static mst_status local_allreduce(mst_ep_t* ep, void* data, int64_t count, mst_e
     const size_t n_bytes = (size_t)count * mst_ep_reduce_size(kind);
     void* acc = malloc(n_bytes);
     const int oom = acc == NULL;
-    const mst_ep_plane me = {data, acc, n_bytes, 0, NULL, 0};
+    const mst_ep_plane me = {.send = data, .recv = acc, .block_bytes = n_bytes};
     g->planes[ep->rank] = &me;
     g->n_planes[ep->rank] = -1 - (int)kind; /* not an exchange: checked below */
     mst_status st = group_wait(g, ep->rank);

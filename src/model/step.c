@@ -5,7 +5,9 @@
  * flag and the loss sums, summed on the backend). The same function runs
  * eagerly on every backend; on a backend that captures (CUDA) a sized step
  * is captured once into a graph and replayed. Between two steps the host
- * only uploads the static inputs and reads the record.
+ * only uploads the static inputs and reads the record. On W ranks the
+ * step also all-reduces the replicated gradients, the flag word and the
+ * record's loss sums (inside the graph: NCCL's all-reduce captures).
  */
 #include "model.h"
 #include "ops.h"
