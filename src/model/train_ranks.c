@@ -52,6 +52,18 @@ static void* rank_main(void* p) {
     return NULL;
 }
 
+/* CPU: rank r, whose thread did not start, joins the group and leaves it
+ * at once, so the ranks that run fail their first wait instead of hanging. */
+static void leave(const mst_train_config* cfg, mst_ep_group_t* g, int32_t r, int32_t world) {
+    mst_ctx_t* ctx = NULL;
+    mst_ep_t* ep = NULL;
+    mst_ep_config ec;
+    if (mst_model_ep_config(&cfg->model, world, &ec) == MST_OK && mst_ctx_create(MST_BACKEND_CPU, 0, &ctx) == MST_OK)
+        mst_ep_create_local(ctx, &ec, g, r, &ep);
+    mst_ep_destroy(ep);
+    mst_ctx_destroy(ctx);
+}
+
 mst_status mst_train_ranks(mst_backend_kind kind, const mst_train_config* cfg, int32_t world, int check_policies,
                            FILE* out, FILE* json, mst_train_result* res) {
     if (world < 1 || world > 1024) return mst_set_error(MST_ERR_INVALID, "--gpus %d: expected 1 .. 1024", world);
@@ -64,12 +76,14 @@ mst_status mst_train_ranks(mst_backend_kind kind, const mst_train_config* cfg, i
     pthread_t* th = (pthread_t*)calloc((size_t)world, sizeof *th);
     mst_status st = jobs && th ? MST_OK : mst_set_error(MST_ERR_OOM, "%d rank threads", world);
     int32_t started = 0;
-    for (; st == MST_OK && started < world; started++) {
+    while (st == MST_OK && started < world) {
         const int32_t r = started;
         jobs[r] = (rank_job){.cfg = cfg, .kind = kind, .group = g, .id = &id, .rank = r, .world = world, .check_policies = check_policies,
                              .out = r == 0 ? out : NULL, .json = r == 0 ? json : NULL, .res = res ? &res[r] : NULL};
         if (pthread_create(&th[r], NULL, rank_main, &jobs[r]) != 0) st = mst_set_error(MST_ERR_OOM, "rank thread %d", r);
+        else started++;
     }
+    if (started < world && g) leave(cfg, g, started, world); /* the started ranks stop waiting for it */
     for (int32_t r = 0; r < started; r++) pthread_join(th[r], NULL);
     /* the first rank that failed of itself (others may only have seen it leave) */
     int32_t bad = -1;
