@@ -324,6 +324,8 @@ static int consistent(const train_cli* t) {
         const char* one = c->save_dir ? "--save" : c->resume_dir ? "--resume" : c->timeline_path ? "--timeline" : NULL;
         if (one) return mst_cli_bad("moestash train", one, c->save_dir ? c->save_dir : c->resume_dir ? c->resume_dir : c->timeline_path,
                                     "not with --gpus (checkpoints and the timeline are one rank's)");
+        if (c->memory_budget)
+            return bad_value("--memory-budget", (int64_t)c->memory_budget, "not with --gpus (the planner's probe is one rank's)");
         if (t->kind == MST_BACKEND_CUDA)
             return bad_value("--gpus", t->gpus, "--backend cuda: the launcher (launch.h) is not wired into train yet; --backend cpu runs N rank threads");
     }

@@ -143,7 +143,7 @@ static mst_status probe(mst_ctx_t* ctx, const mst_train_config* cfg, mst_data* d
     mem.layer_policy = NULL;
     mem.chunk_start = NULL;
     mst_budget_model* bm = &out->bm;
-    bm->max_rows = mst_model_max_rows(&cfg->model) * cfg->model.ep;
+    bm->max_rows = mst_model_max_rows(&cfg->model, 1) * cfg->model.ep;
     bm->hidden = cfg->model.hidden;
     bm->ffn = cfg->model.ffn;
     int64_t cols = 0;

@@ -509,10 +509,11 @@ static mst_status plan_budget(mst_ctx_t* ctx, const mst_train_config** cfg, mst_
 mst_status mst_train_run(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* progress,
                          mst_train_result* res) {
     if (cfg->steps < 1) return mst_set_error(MST_ERR_INVALID, "--steps %lld: expected >= 1", (long long)cfg->steps);
-    const char* one_rank = cfg->save_dir ? "--save" : cfg->resume_dir ? "--resume" : cfg->timeline_path ? "--timeline" : NULL;
+    const char* one_rank = cfg->save_dir ? "--save" : cfg->resume_dir ? "--resume" : cfg->timeline_path ? "--timeline"
+                           : cfg->memory_budget ? "--memory-budget" : NULL;
     if (cfg->dist.ep && one_rank)
-        return mst_set_error(MST_ERR_INVALID, "%s: not on %d ranks (checkpoints and the timeline are one rank's)",
-                             one_rank, cfg->dist.world);
+        return mst_set_error(MST_ERR_INVALID, "%s: not on %d ranks (checkpoints, the timeline and the planner's probe "
+                             "are one rank's)", one_rank, cfg->dist.world);
     MST_TRY(mst_model_config_check(&cfg->model));
     MST_TRY(alloc_result(res, cfg->steps));
     mst_data d, e = {0};

@@ -63,6 +63,7 @@ bad "--gpus '0'" train --backend cpu --gpus 0
 bad "--ep '3': on --gpus N ranks" train --backend cpu --gpus 2 --ep 3
 bad "--save '$tmp/ck': not with --gpus" train --backend cpu --gpus 2 --save "$tmp/ck"
 bad "--experts 6" train --backend cpu --gpus 4 --experts 6
+bad "--memory-budget '1048576': not with --gpus" train --backend cpu --gpus 2 --memory-budget 1MiB
 bad "--save-every '3': needs --save" train --save-every 3
 bad "--checkpoint" sample --prompt x
 bad "--prompt" sample --checkpoint "$tmp"
