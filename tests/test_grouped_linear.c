@@ -18,6 +18,7 @@ typedef struct gl_case {
     int64_t R;       /* max_rows >= total         */
     double skew;     /* 0 balanced .. 1 Zipf-like */
     int bias, scale; /* optional inputs present   */
+    const int32_t* fixed; /* [E] counts summing to total, or NULL: random */
 } gl_case;
 
 /* Host copies of one case's inputs and its float64 references. */
@@ -242,10 +243,12 @@ static void run_case(mst_ctx_t* ctx, mst_rng* rng, const gl_case* c) {
     gl_host h = {0};
     h.counts = (int32_t*)malloc(sizeof(int32_t) * E);
     h.off = (int64_t*)malloc(sizeof(int64_t) * (E + 1));
-    mst_rng_counts(rng, h.counts, E, c->total, c->skew);
+    if (c->fixed) memcpy(h.counts, c->fixed, sizeof(int32_t) * E);
+    else mst_rng_counts(rng, h.counts, E, c->total, c->skew);
     h.off[0] = 0;
     for (int g = 0; g < E; g++) h.off[g + 1] = h.off[g] + h.counts[g];
     const int64_t n = h.off[E];
+    CHECK(n == c->total, "case counts sum to %lld, expected %lld", (long long)n, (long long)c->total);
     h.x = (uint16_t*)malloc(2 * R * I);
     h.w = (uint16_t*)malloc(2 * E * O * I);
     h.b = (uint16_t*)malloc(2 * E * O);
@@ -539,22 +542,32 @@ static void run(mst_ctx_t* ctx) {
     mst_rng rng = {0x5eed1234};
     int gpu = mst_ctx_backend(ctx) == MST_BACKEND_CUDA;
     const gl_case cases[] = {
-        {1, 32, 48, 100, 128, 0.0, 1, 1},    /* one group                      */
-        {4, 64, 40, 3, 64, 0.0, 1, 0},       /* mostly zero-size groups        */
-        {8, 72, 96, 517, 700, 1.0, 0, 1},    /* ragged, skewed                 */
-        {8, 48, 56, 300, 300, 0.3, 1, 1},    /* max_rows == sum(counts)        */
-        {128, 40, 24, 900, 1400, 1.0, 1, 1}, /* many groups, many of them empty */
-        {64, 128, 128, 2000, 3000, 0.5, 0, 0},
+        {1, 32, 48, 100, 128, 0.0, 1, 1, NULL},    /* one group                      */
+        {4, 64, 40, 3, 64, 0.0, 1, 0, NULL},       /* mostly zero-size groups        */
+        {8, 72, 96, 517, 700, 1.0, 0, 1, NULL},    /* ragged, skewed                 */
+        {8, 48, 56, 300, 300, 0.3, 1, 1, NULL},    /* max_rows == sum(counts)        */
+        {128, 40, 24, 900, 1400, 1.0, 1, 1, NULL}, /* many groups, many of them empty */
+        {64, 128, 128, 2000, 3000, 0.5, 0, 0, NULL},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(ctx, &rng, &cases[i]);
     if (gpu) { /* tile-edge shapes only the GPU runs quickly */
+        /* counts at the Hopper kernel's 128-row tile edges: a last tile of
+         * at most 64 rows (1, 63, 64, 129, 191, 192, 257: its second
+         * warpgroup idles) or of more (65, 127, 193), whole tiles (128),
+         * an empty group; groups start off the 64-row k-block grid (wgrad's
+         * K tails and heads) */
+        static const int32_t edges[12] = {1, 63, 64, 65, 0, 127, 128, 129, 191, 192, 193, 257};
+        /* one group holds every row, fifteen are empty: most CTAs draw no tile */
+        static const int32_t one[16] = {0, 0, 0, 0, 0, 1500, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
         const gl_case big[] = {
-            {4, 1024, 2048, 3001, 4500, 0.7, 1, 1},
-            {8, 7168, 256, 1337, 2000, 0.0, 0, 1},
-            {1, 2048, 7168, 777, 1000, 0.0, 1, 0},
-            {128, 256, 384, 9000, 13000, 1.0, 0, 0},
-            {8, 1001, 203, 2500, 3000, 0.5, 1, 1}, /* rows not 16-byte aligned: the mma.sync path */
-            {6144, 16, 8, 5000, 6000, 0.0, 1, 1},  /* the most groups the schedule kernel takes */
+            {12, 320, 384, 1410, 1500, 0.0, 1, 1, edges},
+            {16, 512, 264, 1500, 1600, 0.0, 1, 0, one},
+            {4, 1024, 2048, 3001, 4500, 0.7, 1, 1, NULL},
+            {8, 7168, 256, 1337, 2000, 0.0, 0, 1, NULL},
+            {1, 2048, 7168, 777, 1000, 0.0, 1, 0, NULL},
+            {128, 256, 384, 9000, 13000, 1.0, 0, 0, NULL},
+            {8, 1001, 203, 2500, 3000, 0.5, 1, 1, NULL}, /* rows not 16-byte aligned: the mma.sync path */
+            {6144, 16, 8, 5000, 6000, 0.0, 1, 1, NULL},  /* the most groups the schedule kernel takes */
         };
         for (size_t i = 0; i < sizeof big / sizeof big[0]; i++) run_case(ctx, &rng, &big[i]);
     }

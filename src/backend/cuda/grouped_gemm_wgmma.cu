@@ -5,7 +5,9 @@
  * 128-byte swizzle) completing on mbarriers; warpgroups 1 and 2 multiply
  * with wgmma straight from shared memory (M/N-major operands through the
  * descriptor's transpose bit). Both consumers share one 128 x 256 tile (64
- * rows each, wgmma.m64n256k16).
+ * rows each, wgmma.m64n256k16); in forward and dgrad a consumer whose 64
+ * rows all lie past the group's count skips its MMAs and stores, so a tile
+ * of at most 64 rows (a small group, a group's last rows) costs half.
  * Tiles come from the device schedule (see "tile hand-out").
  *
  * Output goes through shared memory: each consumer stages its 64 x 256
@@ -392,6 +394,10 @@ __global__ void __launch_bounds__(THREADS, 1)
         gg_tile t = gg_decode(p, s, ti, BM, BN);
         const int head = OP == GG_WGRAD ? gg_align_k(t) : 0;
         const int nk = gg_cdiv(t.k_len, BK);
+        /* forward / dgrad: a warpgroup whose 64 rows all lie past the
+         * group's count (a tile of at most 64 rows) multiplies nothing and
+         * stores nothing; the other then has the tensor cores to itself */
+        const int idle = OP != GG_WGRAD && t.m0 + 64 * cw >= t.m_lim;
         load_bias<OP>(p, t, cw, ct & 127, fb);
 #pragma unroll
         for (int i = 0; i < 128; i++) acc[i] = 0.0f;
@@ -404,9 +410,11 @@ __global__ void __launch_bounds__(THREADS, 1)
             const int lo = kb ? 0 : head, hi = min(t.k_len - kb * BK, BK);
             if (OP == GG_WGRAD && hi < BK) zero_rows(a, b, lo, hi, ct);
             else if (OP == GG_WGRAD && lo > 0) zero_head(a, lo, cw, ct & 127);
-            wgmma_fence();
-            mma_block<OP>(acc, mst_smem_u32(a), mst_smem_u32(b), cw);
-            wgmma_commit();
+            if (!idle) {
+                wgmma_fence();
+                mma_block<OP>(acc, mst_smem_u32(a), mst_smem_u32(b), cw);
+                wgmma_commit();
+            }
             wgmma_wait<1>(); /* the previous stage's MMAs are done: hand it back */
             fence_acc(acc);
             if (prev >= 0 && lane == 0) mst_mbar_arrive(&empty[prev]);
@@ -419,6 +427,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         /* forward / dgrad rows past the group's count must not be written:
          * a warpgroup with such rows stores from registers, masked */
         const int staged = OP == GG_WGRAD || (p.staged_out && t.m0 + 64 * (cw + 1) <= t.m_lim);
+        if (idle) continue;
         if (staged) epilogue_tma<OP>(p, &map_c, t, acc, fb, out);
         else epilogue<OP>(p, t, acc, fb, cw, ct & 127);
     }
