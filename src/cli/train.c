@@ -11,6 +11,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "launch.h"
 #include "model/checkpoint.h"
 #include "model/planner.h"
 
@@ -52,7 +53,9 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            "  --gpus N                  ranks (1): the experts sharded over N ranks (--ep is N), the rest data-\n"
            "                            parallel; --batch per rank (global batch N B, equal to one rank with\n"
            "                            batch N B and --ep N); cpu: N threads of this process over shared\n"
-           "                            memory (the CPU twin); cuda: N processes, one GPU each, over NCCL\n"
+           "                            memory (the CPU twin); cuda: N processes, one GPU each, over NCCL,\n"
+           "                            started by this one (or by torchrun --no-python --nproc-per-node N\n"
+           "                            moestash train ...: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT)\n"
            "  --capacity-factor C       max_rows per group = ceil(C * tokens * K / G); a group routed more\n"
            "                            rows is over budget and the step reruns with exact shapes\n"
            "                            (default: --ep, the dropless worst case: never over budget)\n"
@@ -137,7 +140,8 @@ typedef struct train_cli {
     const char* recompute; /* --recompute as given */
     const char* budget;    /* --memory-budget as given */
     int quiet, check_policies;
-    int64_t gpus;          /* --gpus: ranks */
+    int64_t gpus;          /* --gpus: ranks (a launched rank: WORLD_SIZE) */
+    mst_launch l;          /* the launcher environment (launch.h)          */
 } train_cli;
 
 /* --memory-budget SIZE: bytes, or a number with a unit B, KB, MB, GB, TB
@@ -326,8 +330,9 @@ static int consistent(const train_cli* t) {
                                     "not with --gpus (checkpoints and the timeline are one rank's)");
         if (c->memory_budget)
             return bad_value("--memory-budget", (int64_t)c->memory_budget, "not with --gpus (the planner's probe is one rank's)");
-        if (t->kind == MST_BACKEND_CUDA)
-            return bad_value("--gpus", t->gpus, "--backend cuda: the launcher (launch.h) is not wired into train yet; --backend cpu runs N rank threads");
+        if (t->kind == MST_BACKEND_CPU && t->l.launched)
+            return mst_cli_bad(t->l.who, "--backend", "cpu", "ranks as processes (RANK, WORLD_SIZE set) need --backend cuda; "
+                               "on the CPU --gpus N runs N rank threads of one process");
     }
     return 0;
 }
@@ -368,6 +373,24 @@ static mst_status train_ranks(const train_cli* t, mst_train_result* res) {
     return st;
 }
 
+/* A launched rank of several (one process per GPU): its communicator for
+ * the model (rendezvous, NCCL) into *ep and the run's dist; 0, or 1 after
+ * the line. Not launched, or alone: *ep NULL. */
+static int rank_comm(train_cli* t, mst_ctx_t* ctx, mst_ep_t** ep) {
+    *ep = NULL;
+    if (!t->l.launched || t->l.world == 1) return 0;
+    mst_ep_config ec;
+    mst_status st = mst_model_ep_config(&t->cfg.model, t->l.world, &ec);
+    if (st == MST_OK) st = mst_launch_ep(&t->l, ctx, &ec, ep);
+    if (st != MST_OK) {
+        fprintf(stderr, "%s: the ranks' communicator: %s\n", t->l.who, mst_last_error());
+        return 1;
+    }
+    mst_launch_fail_point(&t->l, "run");
+    t->cfg.dist = (mst_dist){.rank = t->l.rank, .world = t->l.world, .ep = *ep};
+    return 0;
+}
+
 int mst_cmd_train(int argc, char** argv) {
     for (int i = 0; i < argc; i++)
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
@@ -381,6 +404,9 @@ int mst_cmd_train(int argc, char** argv) {
     t.kind = !backend ? mst_default_backend() : strcmp(backend, "cuda") == 0 ? MST_BACKEND_CUDA : MST_BACKEND_CPU;
     mst_train_defaults(&t.cfg, t.kind);
     if (parse(argc, argv, &t)) return 2;
+    if (mst_launch_env("moestash train", &t.l)) return 2;
+    if (t.l.launched && t.gpus && mst_launch_check_gpus(&t.l, (int32_t)t.gpus)) return 2;
+    if (t.l.launched) t.gpus = t.l.world;
     t.cfg.optim.steps = t.cfg.steps;
     static mst_ckpt_meta meta; /* the strings of a resumed configuration live here */
     if (t.cfg.resume_dir && resumed(argc, argv, &t, &meta)) return 2;
@@ -395,20 +421,33 @@ int mst_cmd_train(int argc, char** argv) {
         return 2;
     }
     const mst_backend_kind kind = t.kind;
+    if (t.gpus > 1 && kind == MST_BACKEND_CUDA && !t.l.launched) { /* this process launches the ranks */
+        if (mst_launch_check_devices("moestash train", (int32_t)t.gpus)) return 2;
+        return mst_launch_spawn("moestash train", "train", (int)t.gpus, argc, argv);
+    }
+    mst_launch_fail_point(&t.l, "start");
     mst_ctx_t* ctx = NULL;
-    if (mst_ctx_create(kind, 0, &ctx) != MST_OK) {
-        fprintf(stderr, "moestash train: --backend '%s': %s\n", kind == MST_BACKEND_CUDA ? "cuda" : "cpu", mst_last_error());
+    if (mst_ctx_create(kind, t.l.local_rank, &ctx) != MST_OK) {
+        fprintf(stderr, "%s: --backend '%s': %s\n", t.l.who, kind == MST_BACKEND_CUDA ? "cuda" : "cpu", mst_last_error());
         return 2;
     }
     if (fits(ctx, &t.cfg.model)) {
         mst_ctx_destroy(ctx);
         return 2;
     }
+    mst_ep_t* ep = NULL; /* the communicator of a launched rank (one process per GPU) */
+    if (rank_comm(&t, ctx, &ep)) {
+        mst_ctx_destroy(ctx);
+        return 1;
+    }
+    const int rank0 = t.l.rank == 0;
+    FILE* out = rank0 ? stdout : NULL; /* only rank 0 prints */
     const mst_model_config* m = &t.cfg.model;
-    if (!t.quiet)
+    if (!t.quiet && rank0)
         printf("moestash train on %s%s\n  H=%lld F=%lld heads=%lld T=%lld B=%lld M=%d L=%d E=%d k=%d ep=%d cf=%g "
                "max_rows=%lld mtp-weight=%g steps=%lld data=%s\n  schedule %s, policy %s, recompute %s, graph %s\n",
-               mst_ctx_describe(ctx), t.gpus > 1 ? ", ranks as threads (--gpus): B per rank" : "",
+               mst_ctx_describe(ctx), ep ? ", one process per GPU: B per rank"
+                                      : t.gpus > 1 ? ", ranks as threads (--gpus): B per rank" : "",
                (long long)m->hidden, (long long)m->ffn, (long long)m->n_head,
                (long long)m->seq, (long long)m->batch, t.cfg.microbatches, m->layers, m->experts,
                m->top_k, m->ep, (double)m->capacity_factor, (long long)mst_model_max_rows(m, t.gpus > 1 ? (int32_t)t.gpus : 1),
@@ -419,25 +458,27 @@ int mst_cmd_train(int argc, char** argv) {
     mst_status st = MST_OK;
     int rc = 0;
     if (t.check_policies) {
-        FILE* json = t.json ? fopen(t.json, "w") : NULL;
-        if (t.json && !json) {
+        FILE* json = t.json && rank0 ? fopen(t.json, "w") : NULL;
+        if (t.json && rank0 && !json) {
+            mst_ep_destroy(ep);
             mst_ctx_destroy(ctx);
-            return mst_cli_bad("moestash train", "--json", t.json, "cannot open for writing");
+            return mst_cli_bad(t.l.who, "--json", t.json, "cannot open for writing");
         }
-        st = t.gpus > 1 ? mst_train_ranks(MST_BACKEND_CPU, &t.cfg, (int32_t)t.gpus, 1, stdout, json, NULL)
-                        : mst_train_check_policies(ctx, &t.cfg, stdout, json);
+        st = t.gpus > 1 && !ep ? mst_train_ranks(MST_BACKEND_CPU, &t.cfg, (int32_t)t.gpus, 1, stdout, json, NULL)
+                               : mst_train_check_policies(ctx, &t.cfg, out, json);
         if (json && fclose(json) != 0 && st == MST_OK) st = mst_set_error(MST_ERR_IO, "--json '%s': write failed", t.json);
         if (st == MST_ERR_STATE) {
-            fprintf(stderr, "moestash train: --check-policies: %s\n", mst_last_error());
+            fprintf(stderr, "%s: --check-policies: %s\n", t.l.who, mst_last_error());
+            mst_ep_destroy(ep);
             mst_ctx_destroy(ctx);
             return 1;
         }
-    } else if (t.gpus > 1) {
+    } else if (t.gpus > 1 && !ep) {
         st = train_ranks(&t, &res);
     } else {
-        st = mst_train_run(ctx, &t.cfg, t.quiet ? NULL : stdout, &res);
+        st = mst_train_run(ctx, &t.cfg, t.quiet ? NULL : out, &res);
     }
-    if (st == MST_OK && !t.check_policies) {
+    if (st == MST_OK && !t.check_policies && rank0) {
         if (!t.quiet) mst_train_print_memory(stdout, &res);
         if (res.plan) mst_plan_print(stdout, res.plan, &res, &t.cfg);
         const int64_t f = res.first_step - 1;
@@ -452,9 +493,10 @@ int mst_cmd_train(int argc, char** argv) {
     if (st != MST_OK) {
         /* input problems (a data file that is missing or empty) are exit 2 */
         rc = st == MST_ERR_IO || st == MST_ERR_INVALID ? 2 : 1;
-        fprintf(stderr, "moestash train: %s\n", mst_last_error());
+        fprintf(stderr, "%s: %s\n", t.l.who, mst_last_error());
     }
     mst_train_result_free(&res);
+    mst_ep_destroy(ep);
     mst_ctx_destroy(ctx);
     return rc;
 }

@@ -11,7 +11,9 @@
 #     takes every other rank down: the launcher exits 1 within a bound, naming
 #     the rank and its status, and no rank process is left;
 #   - SIGTERM to the launcher stops every rank;
-#   - a rendezvous that never completes ends by its timeout, naming the rank.
+#   - a rendezvous that never completes ends by its timeout, naming the rank;
+#   - train reads the same environment (bad values, --gpus against
+#     WORLD_SIZE, CPU ranks as processes refused, a world of one trains).
 # usage: test_launch.sh MOESTASH
 set -uo pipefail
 bin=$1
@@ -137,6 +139,27 @@ rdzv "rank 0: moestash ep-hello: rendezvous: rank 0: 1 of 2 ranks joined at 127.
 rdzv "no connection to rank 0 at 127.0.0.1:29501 within 1000 ms" RANK=1 LOCAL_RANK=0 MASTER_PORT=29500 TORCHELASTIC_USE_AGENT_STORE=True
 rdzv "no connection to rank 0 at 127.0.0.1:31001 within 1000 ms" RANK=1 LOCAL_RANK=0 MASTER_PORT=29500 TORCHELASTIC_USE_AGENT_STORE=True MOESTASH_RDZV_PORT=31001
 bad_env "MOESTASH_RDZV_PORT='0': must be in [1, 65535]" $(with RANK=0) MOESTASH_RDZV_PORT=0
+
+# train reads the same environment
+train_bad() { # WANT ENV... -- ARGS...
+  local want=$1; shift
+  local envs=()
+  while [ "$1" != -- ]; do envs+=("$1"); shift; done; shift
+  env "${envs[@]}" timeout 20 "$bin" train --backend cpu "$@" >"$tmp/out" 2>"$tmp/err"
+  local rc=$? lines; lines=$(wc -l <"$tmp/err")
+  if [ $rc = 2 ] && [ "$lines" = 1 ] && grep -qF -- "$want" "$tmp/err" && [ ! -s "$tmp/out" ]; then ok
+  else no "env ${envs[*]} train --backend cpu $* -> exit $rc, $lines stderr lines (want 2, one line \"$want\", no stdout)"; fi
+}
+train_bad "moestash train: environment MASTER_PORT='0': must be in [1, 65535]" $(with MASTER_PORT=0) --
+train_bad "moestash train: environment LOCAL_RANK='': not set, but RANK is" $(with LOCAL_RANK) --
+train_bad "rank 0: moestash train: --gpus '4': contradicts the launcher's WORLD_SIZE = 2" "${all[@]}" -- --gpus 4
+train_bad "rank 0: moestash train: --backend 'cpu': ranks as processes (RANK, WORLD_SIZE set) need --backend cuda" "${all[@]}" --
+# a launched world of one rank trains as one process
+env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=$(port) timeout 120 "$bin" train --backend cpu \
+  --steps 2 --quiet >"$tmp/out" 2>"$tmp/err"
+rc=$?
+if [ $rc = 0 ] && grep -qE '^loss [0-9.]+ -> [0-9.]+ .* in 2 steps' "$tmp/out"; then ok
+else no "train as the one rank of WORLD_SIZE=1 -> exit $rc (want 0 and the loss line)"; fi
 
 echo "launch: $passed passed, $failed failed"
 [ $failed = 0 ]
