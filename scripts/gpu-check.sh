@@ -116,20 +116,10 @@ if [ "$what" = ep ]; then
     timeout 900 compute-sanitizer --tool memcheck --error-exitcode 1 ./build-gpu/test_ep --backend cuda >"$out/ep-memcheck.log" 2>&1
     summary+=("test_ep memcheck: $([ $? = 0 ] && echo clean || echo "ERRORS (see ep-memcheck.log)")")
   fi
-  # the launch path on every GPU: this program's own --gpus N, torchrun, and a
-  # rank that crashes mid-run taking the others down (exit 1, bounded)
-  if [ "$n_gpu" -ge 2 ]; then
-    timeout 120 ./build-gpu/moestash ep-hello --gpus "$n_gpu" --rounds 200 >"$out/ep-hello.log" 2>&1
-    summary+=("ep-hello --gpus $n_gpu: $([ $? = 0 ] && tail -1 "$out/ep-hello.log" || echo 'FAILED (see ep-hello.log)')")
-    if command -v torchrun >/dev/null; then
-      timeout 120 torchrun --no-python --nproc-per-node "$n_gpu" ./build-gpu/moestash ep-hello --rounds 200 >"$out/ep-torchrun.log" 2>&1
-      summary+=("torchrun ep-hello: $([ $? = 0 ] && grep '^ep-hello:' "$out/ep-torchrun.log" || echo 'FAILED (see ep-torchrun.log)')")
-    fi
-    s0=$SECONDS
-    MOESTASH_FAIL_RANK=1 MOESTASH_FAIL_AT=run timeout 120 ./build-gpu/moestash ep-hello --gpus "$n_gpu" --rounds 1000000 >"$out/ep-fail.log" 2>&1
-    rc=$?
-    summary+=("ep-hello, rank 1 aborts mid-run: exit $rc after $((SECONDS - s0)) s (want 1 within ~15 s): $(grep -m1 'failed (' "$out/ep-fail.log")")
-  fi
+  # the launch path (tests/cli/test_launch_gpu.sh): ep-hello by --gpus N and
+  # torchrun, a rank crashing or killed mid-run, train --gpus 2 vs --ep 2
+  timeout 900 bash tests/cli/test_launch_gpu.sh ./build-gpu/moestash >"$out/launch-gpu.log" 2>&1
+  summary+=("launch_gpu: $(tail -1 "$out/launch-gpu.log")")
   if ./build-gpu/moestash bench ep --help >/dev/null 2>&1; then
     timeout 900 ./build-gpu/moestash bench ep --json "$out/bench-ep.json" >"$out/bench-ep.log" 2>&1
     summary+=("bench ep: $([ $? = 0 ] && echo ok || echo 'FAILED (see bench-ep.log)')")
