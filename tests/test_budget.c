@@ -46,6 +46,13 @@ static void make(fixture* x, mst_rng* r, int32_t L1, int32_t M, mst_schedule_kin
     b->host_bw = 1e10 * (1 + mst_rng_uniform(r));
 }
 
+/* A plan of L1 layers with policy q for every (layer, name), evaluated. */
+static void every(const mst_budget_model* b, int32_t L1, mst_policy q, mst_budget_plan* p) {
+    CHECK_OK(mst_budget_plan_alloc(L1, p));
+    for (int i = 0; i < L1 * MST_N_SAVED; i++) p->policy[i] = q;
+    CHECK_OK(mst_budget_eval(b, p));
+}
+
 static size_t all_rows(void) { return RB[0] + RB[1] + RB[2] + RB[3]; }
 static size_t a256(size_t b) { return (b + 255) / 256 * 256; }
 static int64_t pages(int64_t rows) { return (rows + PR - 1) / PR; }
@@ -101,9 +108,7 @@ static void all_stashed(mst_rng* r) {
     make(&x, r, L1, M, MST_SCHEDULE_PLAIN);
     const mst_budget_model* b = &x.bm;
     mst_budget_plan p;
-    CHECK_OK(mst_budget_plan_alloc(L1, &p));
-    for (int i = 0; i < L1 * MST_N_SAVED; i++) p.policy[i] = MST_POLICY_STASH;
-    CHECK_OK(mst_budget_eval(b, &p));
+    every(b, L1, MST_POLICY_STASH, &p);
     int64_t pg = 0, max_rows = 0;
     size_t exact = 0;
     double copies = 0;
@@ -151,9 +156,7 @@ static void all_offloaded(mst_rng* r) {
     make(&x, r, L1, M, MST_SCHEDULE_1F1B);
     const mst_budget_model* b = &x.bm;
     mst_budget_plan p;
-    CHECK_OK(mst_budget_plan_alloc(L1, &p));
-    for (int i = 0; i < L1 * MST_N_SAVED; i++) p.policy[i] = MST_POLICY_OFFLOAD;
-    CHECK_OK(mst_budget_eval(b, &p));
+    every(b, L1, MST_POLICY_OFFLOAD, &p);
     size_t at_meas = 0;
     for (int n = 0; n < MST_N_SAVED; n++) at_meas += 2 * a256((size_t)R * RB[n]);
     const size_t common = b->fixed + (L1 * b->layer_acts + b->mtp_input + b->mtp_module) + R * all_rows(); /* one set */

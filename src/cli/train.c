@@ -452,7 +452,8 @@ int mst_cmd_train(int argc, char** argv) {
                (long long)m->seq, (long long)m->batch, t.cfg.microbatches, m->layers, m->experts,
                m->top_k, m->ep, (double)m->capacity_factor, (long long)mst_model_max_rows(m, t.gpus > 1 ? (int32_t)t.gpus : 1),
                (double)m->mtp_weight, (long long)t.cfg.steps, t.cfg.data_path ? t.cfg.data_path : "synthetic",
-               mst_schedule_kind_str(t.cfg.mem.schedule), t.cfg.mem.policy, t.recompute ? t.recompute : "none",
+               mst_schedule_kind_str(t.cfg.mem.schedule), t.cfg.memory_budget ? "planned (--memory-budget)" : t.cfg.mem.policy,
+               t.cfg.memory_budget ? "planned" : t.recompute ? t.recompute : "none",
                t.cfg.graph_from ? "on" : "off");
     mst_train_result res = {0};
     mst_status st = MST_OK;
