@@ -2,7 +2,7 @@
  * test_planner.c — `train --memory-budget` end to end (src/model/planner.c):
  * for budgets between the all-OFFLOAD and the all-KEEP peaks, the planned
  * run's measured backend peak is within the budget, the plan's predicted
- * peak is within 5 % of the measured one, and the losses, MTP losses and
+ * peak is within 5 % of the measured one (KEEP's and all-OFFLOAD's too), and the losses, MTP losses and
  * final weights are bit-identical to KEEP's (the step graph on where the
  * backend captures); a budget below the smallest peak is refused
  * (MST_ERR_INVALID) naming that peak, and that peak fits.
@@ -63,6 +63,13 @@ static void run(mst_ctx_t* ctx) {
         CHECK(same_run(&keep, &r), "budget %zu: losses or weights differ from KEEP's", b.memory_budget);
         const double kp = (double)r.plan->keep.peak, km = (double)keep.mem.peak;
         CHECK(kp >= 0.95 * km && kp <= 1.05 * km, "KEEP: predicted peak %.0f, measured %.0f", kp, km);
+        mst_budget_plan o; /* all-OFFLOAD as the planner sees it: no device copies in the measuring step */
+        CHECK_OK(mst_budget_plan_alloc(r.plan->bm.n_layers, &o));
+        for (int32_t i = 0; i < r.plan->bm.n_layers * MST_N_SAVED; i++) o.policy[i] = MST_POLICY_OFFLOAD;
+        CHECK_OK(mst_budget_eval(&r.plan->bm, &o));
+        CHECK(o.peak >= 0.95 * (double)lo && o.peak <= 1.05 * (double)lo, "all-OFFLOAD: predicted peak %zu, measured %zu",
+              o.peak, lo);
+        mst_budget_plan_free(&o);
         smallest = r.plan->smallest;
         mst_train_result_free(&r);
     }
