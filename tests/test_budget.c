@@ -171,11 +171,11 @@ static void all_offloaded(mst_rng* r) {
 
 /* Every plan of a 2-layer model: per layer, recomputed or one of the 108
  * policy combinations; both granularities. */
-typedef struct best { double t; size_t min_peak; } best;
+typedef struct best { double t, worst; size_t min_peak; } best;
 
 static best exhaustive(const mst_budget_model* b, size_t budget) {
     static const mst_policy ch[4] = {MST_POLICY_KEEP, MST_POLICY_STASH, MST_POLICY_OFFLOAD, MST_POLICY_RECOMPUTE};
-    best out = {1e300, SIZE_MAX};
+    best out = {1e300, 0, SIZE_MAX};
     mst_budget_plan p;
     CHECK_OK(mst_budget_plan_alloc(2, &p));
     for (int full = 0; full < 2; full++)
@@ -194,6 +194,7 @@ static best exhaustive(const mst_budget_model* b, size_t budget) {
                 CHECK_OK(mst_budget_eval(b, &p));
                 if (p.peak < out.min_peak) out.min_peak = p.peak;
                 if (p.peak <= budget && p.step_s < out.t) out.t = p.step_s;
+                if (p.peak <= budget && p.step_s > out.worst) out.worst = p.step_s;
             }
     mst_budget_plan_free(&p);
     return out;
@@ -205,6 +206,7 @@ static void search(mst_rng* r) {
     mst_budget_model* b = &x.bm;
     b->reads_pages[MST_SAVED_ACT_INPUT] = 1; /* claims: stashing h costs no copy */
     b->t_layer = 2e-5;                       /* a rerun about as dear as moving a few tensors */
+    b->t_step = 1e-4;                        /* the choices matter: plans that fit differ 10x and more */
     mst_budget_plan keep, p;
     CHECK_OK(mst_budget_plan_alloc(2, &keep));
     CHECK_OK(mst_budget_plan_alloc(2, &p));
@@ -219,6 +221,8 @@ static void search(mst_rng* r) {
         if (st != MST_OK) continue;
         CHECK(p.peak <= budget, "budget %zu: plan peak %zu", budget, p.peak);
         CHECK(p.step_s <= 1.10 * ex.t, "budget %zu: plan %.9f s, the fastest that fits %.9f s", budget, p.step_s, ex.t);
+        CHECK(k == 0 || ex.worst > 2 * ex.t, "budget %zu: every plan that fits within 2x of the fastest (%.9f, %.9f s): "
+              "the check above could not fail", budget, ex.worst, ex.t);
         mst_budget_plan check;
         CHECK_OK(mst_budget_plan_alloc(2, &check));
         mst_budget_plan_copy(2, &check, &p);
