@@ -38,7 +38,6 @@ static void make(fixture* x, mst_rng* r, int32_t L1, int32_t M, mst_schedule_kin
     b->layer_out = 8192;
     b->mtp_input = 8192;
     b->mtp_module = 30000 + (size_t)mst_rng_int(r, 0, 999);
-    b->z_workspace = (size_t)R * F * 2;
     b->t_step = 0.1 + 0.01 * mst_rng_uniform(r);
     b->t_layer = 0.004 * (1 + mst_rng_uniform(r));
     b->t_mtp = 0.001;

@@ -36,19 +36,23 @@ static int same_run(const mst_train_result* a, const mst_train_result* b) {
            mst_first_diff(a->mtp_loss, b->mtp_loss, sizeof(double) * STEPS) < 0 && a->weights_hash == b->weights_hash;
 }
 
-static void run(mst_ctx_t* ctx) {
+/* Budgets at fractions `at` of the way from the all-OFFLOAD to the all-KEEP
+ * peak under schedule `sched`; returns the smallest peak the planner said it
+ * reaches, and KEEP's run in *keep. */
+static size_t budgets(mst_ctx_t* ctx, mst_schedule_kind sched, const double* at, int n_at, mst_train_result* keep) {
     mst_train_config cfg = tiny();
-    mst_train_result keep = {0}, off = {0};
-    CHECK_OK(mst_train_run(ctx, &cfg, NULL, &keep));
+    cfg.mem.schedule = sched;
+    mst_train_result off = {0};
+    CHECK_OK(mst_train_run(ctx, &cfg, NULL, keep));
     cfg.mem.policy = "offload";
     CHECK_OK(mst_train_run(ctx, &cfg, NULL, &off));
-    const size_t hi = keep.mem.peak, lo = off.mem.peak;
-    CHECK(lo < hi && same_run(&keep, &off), "all-OFFLOAD peak %zu, all-KEEP %zu (bits %s)", lo, hi,
-          same_run(&keep, &off) ? "same" : "differ");
+    const size_t hi = keep->mem.peak, lo = off.mem.peak;
+    CHECK(lo < hi && same_run(keep, &off), "%s: all-OFFLOAD peak %zu, all-KEEP %zu (bits %s)",
+          mst_schedule_kind_str(sched), lo, hi, same_run(keep, &off) ? "same" : "differ");
     size_t smallest = 0;
-    const double at[] = {0.25, 0.6, 0.9};
-    for (size_t k = 0; k < sizeof at / sizeof at[0]; k++) {
+    for (int k = 0; k < n_at; k++) {
         mst_train_config b = tiny();
+        b.mem.schedule = sched;
         b.memory_budget = lo + (size_t)((double)(hi - lo) * at[k]);
         mst_train_result r = {0};
         CHECK_OK(mst_train_run(ctx, &b, NULL, &r));
@@ -58,23 +62,35 @@ static void run(mst_ctx_t* ctx) {
         }
         const double pred = (double)r.plan->plan.peak, meas = (double)r.mem.peak;
         CHECK(r.mem.peak <= b.memory_budget, "budget %zu: measured peak %zu", b.memory_budget, r.mem.peak);
-        CHECK(pred >= 0.95 * meas && pred <= 1.05 * meas, "budget %zu: predicted peak %.0f, measured %.0f",
-              b.memory_budget, pred, meas);
-        CHECK(same_run(&keep, &r), "budget %zu: losses or weights differ from KEEP's", b.memory_budget);
-        const double kp = (double)r.plan->keep.peak, km = (double)keep.mem.peak;
-        CHECK(kp >= 0.95 * km && kp <= 1.05 * km, "KEEP: predicted peak %.0f, measured %.0f", kp, km);
+        CHECK(pred >= 0.95 * meas && pred <= 1.05 * meas, "%s, budget %zu: predicted peak %.0f, measured %.0f",
+              mst_schedule_kind_str(sched), b.memory_budget, pred, meas);
+        CHECK(same_run(keep, &r), "budget %zu: losses or weights differ from KEEP's", b.memory_budget);
+        const double kp = (double)r.plan->keep.peak, km = (double)keep->mem.peak;
+        CHECK(kp >= 0.95 * km && kp <= 1.05 * km, "%s, KEEP: predicted peak %.0f, measured %.0f",
+              mst_schedule_kind_str(sched), kp, km);
         mst_budget_plan o; /* all-OFFLOAD as the planner sees it: no device copies in the measuring step */
         CHECK_OK(mst_budget_plan_alloc(r.plan->bm.n_layers, &o));
         for (int32_t i = 0; i < r.plan->bm.n_layers * MST_N_SAVED; i++) o.policy[i] = MST_POLICY_OFFLOAD;
         CHECK_OK(mst_budget_eval(&r.plan->bm, &o));
-        CHECK(o.peak >= 0.95 * (double)lo && o.peak <= 1.05 * (double)lo, "all-OFFLOAD: predicted peak %zu, measured %zu",
-              o.peak, lo);
+        CHECK(o.peak >= 0.95 * (double)lo && o.peak <= 1.05 * (double)lo, "%s, all-OFFLOAD: predicted peak %zu, "
+              "measured %zu", mst_schedule_kind_str(sched), o.peak, lo);
         mst_budget_plan_free(&o);
         smallest = r.plan->smallest;
         mst_train_result_free(&r);
     }
     CHECK(smallest > 0 && smallest <= lo, "smallest peak %zu, all-OFFLOAD's %zu", smallest, lo);
+    mst_train_result_free(&off);
+    return smallest;
+}
+
+static void run(mst_ctx_t* ctx) {
+    mst_train_result keep = {0};
+    const double plain[] = {0.25, 0.9}, one_f_one_b[] = {0.5};
+    budgets(ctx, MST_SCHEDULE_PLAIN, plain, 2, &keep);
+    mst_train_result_free(&keep);
+    const size_t smallest = budgets(ctx, MST_SCHEDULE_1F1B, one_f_one_b, 1, &keep); /* one activation set */
     mst_train_config b = tiny();
+    b.mem.schedule = MST_SCHEDULE_1F1B;
     b.memory_budget = smallest - 1;
     mst_train_result r = {0};
     CHECK_STATUS(mst_train_run(ctx, &b, NULL, &r), MST_ERR_INVALID);
@@ -88,7 +104,6 @@ static void run(mst_ctx_t* ctx) {
     CHECK(r.mem.peak <= smallest && same_run(&keep, &r), "at the smallest peak %zu: measured %zu", smallest, r.mem.peak);
     mst_train_result_free(&r);
     mst_train_result_free(&keep);
-    mst_train_result_free(&off);
 }
 
 int main(int argc, char** argv) { return mst_test_main(argc, argv, run); }

@@ -17,6 +17,12 @@ static double now_s(void) {
 
 static double mib(size_t b) { return (double)b / (1 << 20); }
 
+/* The probe: the run's model with every saved tensor stashed (pages for
+ * the microbatches in flight only) but z, which is recomputed (so the
+ * grouped MLP's workspace for it is made now: workspaces are the context's
+ * and stay, a part of every later peak), no layer recompute. */
+#define PROBE_POLICY "fc1_input=stash,act_input=stash,fc2_input=recompute,probs=stash"
+
 /* ---- the probe ------------------------------------------------------------------ */
 
 /* Forward entries' time (after_entry: the backend synced after each entry). */
@@ -96,9 +102,9 @@ static mst_status bandwidths(mst_ctx_t* ctx, size_t bytes, double* dev_bw, doubl
 
 /* Sizes of the budget model from the probe's memory: the model's categories
  * give a layer's activations per set and the MTP module's; the rest of what
- * is in use (fixed) is what the probe's own plan (every tensor stashed)
- * does not explain, and the KEEP step's time is the probe's less what its
- * plan costs. */
+ * is in use (fixed) is what the probe's own plan (PROBE_POLICY) does not
+ * explain, and the KEEP step's time is the probe's less what its plan
+ * costs. */
 static mst_status probe_sizes(mst_model* m, mst_budget_model* bm, int64_t* rows, double t_probe) {
     const mst_model_config* c = &m->cfg;
     const int32_t L1 = bm->n_layers, M = bm->n_micro;
@@ -117,27 +123,25 @@ static mst_status probe_sizes(mst_model* m, mst_budget_model* bm, int64_t* rows,
         return mst_set_error(MST_ERR_STATE, "probe: activations of %zu bytes over %d layers and %zu activation sets, "
                              "MTP module %zu", layers, c->layers, S, mtp);
     bm->mtp_module = mtp - bm->layer_acts - NH2;
-    bm->z_workspace = (size_t)bm->max_rows * (size_t)c->ffn * sizeof(uint16_t);
-    mst_budget_plan stash;
-    MST_TRY(mst_budget_plan_alloc(L1, &stash));
-    for (int32_t i = 0; i < L1 * MST_N_SAVED; i++) stash.policy[i] = MST_POLICY_STASH;
+    mst_budget_plan pp; /* the probe's plan */
+    MST_TRY(mst_budget_plan_alloc(L1, &pp));
+    for (int32_t i = 0; i < L1 * MST_N_SAVED; i++)
+        pp.policy[i] = i % MST_N_SAVED == MST_SAVED_FC2_INPUT ? MST_POLICY_RECOMPUTE : MST_POLICY_STASH;
     bm->fixed = 0, bm->t_step = 0;
-    mst_status st = mst_budget_eval(bm, &stash);
+    mst_status st = mst_budget_eval(bm, &pp);
     size_t in_use = 0;
     mst_ctx_mem(m->ctx, &in_use, NULL);
-    if (st == MST_OK && in_use < stash.peak_sized)
-        st = mst_set_error(MST_ERR_STATE, "probe: %zu bytes in use, its plan alone %zu", in_use, stash.peak_sized);
-    bm->fixed = in_use - stash.peak_sized;
-    bm->t_step = t_probe > stash.step_s ? t_probe - stash.step_s : 0;
-    mst_budget_plan_free(&stash);
+    if (st == MST_OK && in_use < pp.peak_sized)
+        st = mst_set_error(MST_ERR_STATE, "probe: %zu bytes in use, its plan alone %zu", in_use, pp.peak_sized);
+    bm->fixed = in_use - pp.peak_sized;
+    bm->t_step = t_probe > pp.step_s ? t_probe - pp.step_s : 0;
+    mst_budget_plan_free(&pp);
     return st;
 }
 
-/* The probe: the run's model with every saved tensor stashed (pages for
- * the microbatches in flight only) and no layer recompute. */
 static mst_status probe(mst_ctx_t* ctx, const mst_train_config* cfg, mst_data* d, mst_plan_report* out) {
     mst_mem_config mem = cfg->mem;
-    mem.policy = "stash";
+    mem.policy = PROBE_POLICY;
     mem.recompute = (mst_recompute_config){MST_RECOMPUTE_NONE, 0};
     mem.recompute_mtp = 0;
     mem.layer_policy = NULL;

@@ -4,7 +4,8 @@
  * turns its plan into the run's memory configuration.
  *
  * The probe: the same model with every saved tensor stashed (pages only for
- * the microbatches in flight, no layer recompute) runs the run's first
+ * the microbatches in flight) but fc2_input, recomputed (the workspace for
+ * it is the context's: made by the probe, it stays), no layer recompute, runs the run's first
  * batches once as a measuring step (the rows each (layer, microbatch) saves
  * are the first step's: the weights are the run's initial ones) and twice
  * more sized and timed (the faster counts: the step, and its forward entries:

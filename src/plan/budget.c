@@ -8,11 +8,11 @@
  *             microbatch in flight holds one; a layer recomputed whole
  *             keeps only its output, the MTP layer not even that; one shared
  *             slot of a layer's activations, and of the MTP module when it
- *             is recomputed) + KEEP buffers [R, cols] per (layer, mb, name) +
+ *             is recomputed) + KEEP buffers [R, cols] per (layer, set, name) +
  *             one compute buffer per name that some layer does not keep (or
  *             any layer recomputed) + rerun buffers (one per name when a
- *             layer is recomputed) + the recomputed-z workspace (fc2_input
- *             RECOMPUTE somewhere)
+ *             layer is recomputed). The ops' workspaces live as long as the
+ *             context: they are in fixed
  *   measuring common + restore buffers of R rows (both parities) of every
  *             paged name + the exact copies of STASHed tensors alive at once
  *             (OFFLOADed ones are in host memory)
@@ -39,7 +39,9 @@
  * tensor of one layer, one name on every layer, or one layer recomputed),
  * until the plan fits; then undo what is no longer needed, most expensive
  * first. Also every uniform plan (one policy per name on every layer, the
- * first N layers recomputed). The fastest fitting plan wins.
+ * first N layers recomputed). The fastest fitting plan wins. The smallest
+ * peak reported is found apart, the same whatever the budget: the least of
+ * every uniform plan and of the greedy descent taken as far as it goes.
  */
 #include <math.h>
 #include <string.h>
@@ -134,7 +136,6 @@ typedef struct name_use {
     int not_kept;   /* some layer does not keep it                   */
     int paged;      /* some layer stashes or offloads it             */
     int pool[2];    /* some layer puts it into pool kind 0 (stash) / 1 (offload) */
-    int recomputed; /* fc2_input: some layer recomputes it           */
 } name_use;
 
 static void uses(const mst_budget_model* bm, const mst_budget_plan* p, name_use u[MST_N_SAVED]) {
@@ -145,7 +146,6 @@ static void uses(const mst_budget_model* bm, const mst_budget_plan* p, name_use 
             u[n].not_kept |= q != MST_POLICY_KEEP;
             u[n].paged |= is_paged(q);
             if (is_paged(q)) u[n].pool[q == MST_POLICY_OFFLOAD] = 1;
-            u[n].recomputed |= q == MST_POLICY_RECOMPUTE;
         }
 }
 
@@ -298,13 +298,13 @@ static void eval_with(const mst_budget_model* bm, mst_budget_plan* p, unsigned c
     size_t mgr = 0;
     for (int32_t l = 0; l < L1; l++)
         for (int n = 0; n < MST_N_SAVED && !rec(p, l); n++)
-            if (pol(p, l, n) == MST_POLICY_KEEP) mgr += (size_t)M * R * row_bytes(bm, n);
+            if (pol(p, l, n) == MST_POLICY_KEEP) mgr += (size_t)bm->n_sets * R * row_bytes(bm, n);
     for (int n = 0; n < MST_N_SAVED; n++) {
         if (u[n].not_kept || any_rec) mgr += R * row_bytes(bm, n); /* compute buffer */
         if (any_rec) mgr += R * row_bytes(bm, n);                   /* rerun buffer   */
     }
     const size_t common_acts = model_acts(bm, p) + mgr;
-    const size_t common = bm->fixed + common_acts + (u[MST_SAVED_FC2_INPUT].recomputed ? bm->z_workspace : 0);
+    const size_t common = bm->fixed + common_acts;
     int paged[MST_N_SAVED], restored[MST_N_SAVED];
     for (int n = 0; n < MST_N_SAVED; n++) {
         paged[n] = u[n].paged;
@@ -352,12 +352,13 @@ typedef struct search {
     unsigned char* ic;     /* [L1 M] eval scratch          */
     mst_budget_plan cur, trial, best;
     int have_best;
+    int track;             /* the pass that finds the smallest peak */
     size_t smallest;
 } search;
 
 static void consider(search* s, mst_budget_plan* p) {
     eval_with(s->bm, p, s->ic);
-    if (p->peak < s->smallest) s->smallest = p->peak;
+    if (s->track && p->peak < s->smallest) s->smallest = p->peak;
     if (p->peak <= s->budget && (!s->have_best || p->step_s < s->best.step_s)) {
         mst_budget_plan_copy(s->bm->n_layers, &s->best, p);
         s->have_best = 1;
@@ -478,19 +479,27 @@ mst_status mst_budget_solve(const mst_budget_model* bm, size_t budget, mst_budge
     MST_TRY(mst_budget_model_check(bm));
     if (!out || !out->chunk_start || !out->policy) return mst_set_error(MST_ERR_INVALID, "out is NULL or not allocated");
     const int32_t L1 = bm->n_layers;
-    search s = {bm, budget, NULL, {0}, {0}, {0}, 0, SIZE_MAX};
+    search s = {bm, 0, NULL, {0}, {0}, {0}, 0, 1, SIZE_MAX};
     s.ic = (unsigned char*)malloc((size_t)L1 * (size_t)bm->n_micro);
     mst_status st = s.ic ? MST_OK : mst_set_error(MST_ERR_OOM, "budget search scratch");
     if (st == MST_OK) st = mst_budget_plan_alloc(L1, &s.cur);
     if (st == MST_OK) st = mst_budget_plan_alloc(L1, &s.trial);
     if (st == MST_OK) st = mst_budget_plan_alloc(L1, &s.best);
-    for (int32_t full = 1; full >= 0 && st == MST_OK; full--) {
-        uniform_plans(&s, full);
-        mst_budget_plan_keep(L1, &s.cur);
-        s.cur.full = full;
-        descend(&s);
-        polish(&s);
-        consider(&s, &s.cur);
+    /* first the smallest peak, whatever the budget: every uniform plan and
+     * the descent all the way down; then the search for the budget */
+    for (int pass = 0; pass < 2 && st == MST_OK; pass++) {
+        s.track = pass == 0;
+        s.budget = pass == 0 ? 0 : budget;
+        s.have_best = 0;
+        for (int32_t full = 1; full >= 0; full--) {
+            if (pass) uniform_plans(&s, full);
+            mst_budget_plan_keep(L1, &s.cur);
+            s.cur.full = full;
+            descend(&s);
+            if (pass) polish(&s);
+            consider(&s, &s.cur);
+        }
+        if (pass == 0) uniform_plans(&s, 1), uniform_plans(&s, 0);
     }
     if (smallest) *smallest = s.smallest;
     if (st == MST_OK && s.have_best) mst_budget_plan_copy(L1, out, &s.best);

@@ -37,14 +37,14 @@ typedef struct mst_budget_model {
     int reads_pages[MST_N_SAVED]; /* a STASHed name is read from its pages in place      */
     /* bytes */
     size_t fixed;                /* what no choice changes: weights, gradients, optimizer
-                                    state, embedding and head, compute buffers, op
-                                    workspaces and the context                          */
+                                    state, embedding and head, compute buffers, the ops'
+                                    workspaces (the context's, made once, kept) and the
+                                    context                                             */
     size_t layer_acts;           /* one layer's own activations (attention, norms,
                                     router), one activation set                         */
     size_t layer_out;            /* of which its output [N, H]                           */
     size_t mtp_input;            /* the MTP module's kept input (next tokens' embedding) */
     size_t mtp_module;           /* the rest of the MTP module's activations             */
-    size_t z_workspace;          /* [R, F] bf16: the grouped MLP's recomputed z          */
     /* costs */
     double t_step;               /* the step with every tensor kept (KEEP), seconds      */
     double t_layer;              /* one layer's forward for one microbatch (a rerun)     */
