@@ -325,9 +325,9 @@ static int consistent(const train_cli* t) {
         return bad_value("--force-over-budget", t->cfg.force_over_budget, "after the last step (--steps)");
     if (t->gpus > 1) {
         const mst_train_config* c = &t->cfg;
-        const char* one = c->save_dir ? "--save" : c->resume_dir ? "--resume" : c->timeline_path ? "--timeline" : NULL;
-        if (one) return mst_cli_bad("moestash train", one, c->save_dir ? c->save_dir : c->resume_dir ? c->resume_dir : c->timeline_path,
-                                    "not with --gpus (checkpoints and the timeline are one rank's)");
+        if (c->save_dir || c->resume_dir)
+            return mst_cli_bad("moestash train", c->save_dir ? "--save" : "--resume", c->save_dir ? c->save_dir : c->resume_dir,
+                               "not with --gpus (checkpoints are one rank's)");
         if (c->memory_budget)
             return bad_value("--memory-budget", (int64_t)c->memory_budget, "not with --gpus (the planner's probe is one rank's)");
         if (t->kind == MST_BACKEND_CPU && t->l.launched)

@@ -256,9 +256,10 @@ static mst_status timeline(mst_model* m, const mst_train_config* cfg, const mst_
     snprintf(keep, sizeof keep, "%.*s-keep.svg", stem, cfg->timeline_path);
     char title[160];
     snprintf(title, sizeof title, "backend memory over one step: this run (policy %s)", cfg->mem.policy ? cfg->mem.policy : "keep");
-    if (st == MST_OK)
+    const int draws = m->dist.rank == 0; /* W ranks: every rank runs the step, rank 0 draws its own memory */
+    if (st == MST_OK && draws)
         st = draw_timeline(cfg->timeline_path, title, m, res->mem.run, &p, (double)res->mem.run[MST_ROW_MLP_DEV_PAGES]);
-    if (st == MST_OK) st = draw_timeline(keep, "backend memory over one step: KEEP (static max_rows buffers)", m, res->mem.keep, NULL, 0);
+    if (st == MST_OK && draws) st = draw_timeline(keep, "backend memory over one step: KEEP (static max_rows buffers)", m, res->mem.keep, NULL, 0);
     free(p.dev), free(p.host);
     return st;
 }
@@ -467,7 +468,7 @@ static mst_status train_loop(mst_model* m, mst_data* d, mst_data* e, const mst_t
     res->seconds = now_s() - t0;
     free(tok);
     if (st == MST_OK && cfg->save_dir) st = save(m, cfg, cfg->steps, rng, 1);
-    if (st == MST_OK && cfg->plot_path) st = plot(cfg, res);
+    if (st == MST_OK && cfg->plot_path && m->dist.rank == 0) st = plot(cfg, res); /* W ranks: the same curves */
     if (st == MST_OK) st = mst_memmgr_check(m->mm);
     if (st == MST_OK) st = memory_table(m, res);
     if (st == MST_OK && cfg->timeline_path) st = timeline(m, cfg, res);
@@ -509,11 +510,11 @@ static mst_status plan_budget(mst_ctx_t* ctx, const mst_train_config** cfg, mst_
 mst_status mst_train_run(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* progress,
                          mst_train_result* res) {
     if (cfg->steps < 1) return mst_set_error(MST_ERR_INVALID, "--steps %lld: expected >= 1", (long long)cfg->steps);
-    const char* one_rank = cfg->save_dir ? "--save" : cfg->resume_dir ? "--resume" : cfg->timeline_path ? "--timeline"
-                           : cfg->memory_budget ? "--memory-budget" : NULL;
+    const char* one_rank = cfg->save_dir ? "--save" : cfg->resume_dir ? "--resume" : cfg->memory_budget ? "--memory-budget"
+                           : NULL;
     if (cfg->dist.ep && one_rank)
-        return mst_set_error(MST_ERR_INVALID, "%s: not on %d ranks (checkpoints, the timeline and the planner's probe "
-                             "are one rank's)", one_rank, cfg->dist.world);
+        return mst_set_error(MST_ERR_INVALID, "%s: not on %d ranks (checkpoints and the planner's probe are one rank's)",
+                             one_rank, cfg->dist.world);
     MST_TRY(mst_model_config_check(&cfg->model));
     MST_TRY(alloc_result(res, cfg->steps));
     mst_data d, e = {0};

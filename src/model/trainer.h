@@ -46,8 +46,8 @@ typedef struct mst_train_config {
                                   rank and communicator (mst_model_ep_config of
                                   model, world); model.batch is per rank, the
                                   global batch W B; dist.ep NULL: one rank.
-                                  W ranks do not save, resume, draw the
-                                  timeline or plan a memory budget              */
+                                  W ranks do not save, resume or plan a memory
+                                  budget; rank 0 draws the timeline             */
 } mst_train_config;
 
 /* Memory of the run by row of the table, with the same routing's needs under

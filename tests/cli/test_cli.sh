@@ -138,7 +138,10 @@ good "usage: moestash train" train --help
 good "step" bench --help
 good "usage: moestash bench step" help bench step
 good "selfcheck cpu : grouped linear forward" selfcheck --backend=cpu
-good "memory (MiB), max over the ranks" train --backend cpu --gpus 2 --steps 2 --seq 8 --batch 1 --layers 1
+good "memory (MiB), max over the ranks" train --backend cpu --gpus 2 --steps 2 --seq 8 --batch 1 --layers 1 \
+  --timeline "$tmp/ranks-tl.svg" --plot "$tmp/ranks-loss.svg"
+if [ -s "$tmp/ranks-tl.svg" ] && [ -s "$tmp/ranks-tl-keep.svg" ] && [ -s "$tmp/ranks-loss.svg" ] &&
+  grep -q "</svg>" "$tmp/ranks-loss.svg"; then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL: --gpus 2 --timeline/--plot: no SVGs"; fi
 good "bit-identical" train --backend cpu --gpus 2 --check-policies --steps 2 --seq 8 --batch 1 --layers 1
 corpus=$tmp/a\"corpus.txt # a quote in the name: escaped in the JSON
 for i in $(seq 200); do echo "the quick brown fox jumps over the lazy dog $i"; done >"$corpus"
