@@ -137,6 +137,8 @@ WRAP_MODEL(embed_backward, mst_embed_args)
 WRAP_MODEL(xent, mst_xent_args)
 WRAP_MODEL(attn_forward, mst_attn_args)
 WRAP_MODEL(attn_backward, mst_attn_args)
+WRAP_MODEL(attn_flash_forward, mst_attn_args)
+WRAP_MODEL(attn_flash_backward, mst_attn_args)
 WRAP_MODEL(route_forward, mst_route_args)
 WRAP_MODEL(route_backward, mst_route_args)
 WRAP_MODEL(rows_gather, mst_rows_args)
@@ -193,7 +195,8 @@ static mst_status op_table(mst_ctx_t* ctx, const mst_train_config* cfg, const ch
 #define SET(t, slot, w) if (t.slot) t.slot = w##_##slot
         SET(wm, mm, wm); SET(wm, norm_forward, wm); SET(wm, norm_backward, wm); SET(wm, add, wm);
         SET(wm, embed_forward, wm); SET(wm, embed_backward, wm); SET(wm, xent, wm); SET(wm, attn_forward, wm);
-        SET(wm, attn_backward, wm); SET(wm, route_forward, wm); SET(wm, route_backward, wm);
+        SET(wm, attn_backward, wm); SET(wm, attn_flash_forward, wm); SET(wm, attn_flash_backward, wm);
+        SET(wm, route_forward, wm); SET(wm, route_backward, wm);
         SET(wm, rows_gather, wm); SET(wm, rows_sum, wm); SET(wm, sumsq, wm); SET(wm, adamw, wm); SET(wm, sum, wm);
         SET(wb, gl_forward, wl); SET(wb, gl_dgrad, wl); SET(wb, gl_wgrad, wl); SET(wb, act_forward, wl);
         SET(wb, act_backward, wl); SET(wb, stash_reset, wl); SET(wb, stash_save, wl); SET(wb, stash_restore, wl);

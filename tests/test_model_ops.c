@@ -2,7 +2,9 @@
  * test_model_ops.c — every model op of the backend named by --backend
  * against a float64 reference on the host: matmul (each transpose, strides,
  * bf16 and fp32 outputs, accumulate), RMSNorm forward/backward, add,
- * embedding gather / scatter-add, cross-entropy, attention forward/backward,
+ * embedding gather / scatter-add, cross-entropy, attention forward/backward
+ * (both contracts; flash also against the probabilities contract, run to
+ * run and on graph replays bit for bit, tail blocks of T, head dims 64, 128),
  * router (softmax, top-k with ties to the lower expert id, dropless plan,
  * over budget, load-balancing loss) and its backward, rows gather / sum, sum
  * of squares, AdamW (and its skip on a raised flag). Fresh random inputs,
@@ -248,12 +250,18 @@ static void test_xent(mst_ctx_t* ctx) {
 
 /* ---- attention --------------------------------------------------------------- */
 
-static void test_attn(mst_ctx_t* ctx) {
-    const int64_t B = 2, T = 13, NH = 3, D = 8, H = NH * D, N = B * T;
-    uint16_t *qkv = rand_bf16((size_t)(N * 3 * H), 1), *dout = rand_bf16((size_t)(N * H), 1);
-    double* P = (double*)calloc((size_t)(B * NH * T * T), sizeof(double));
-    double *out = (double*)calloc((size_t)(N * H), sizeof(double)), *dqkv = (double*)calloc((size_t)(N * 3 * H), sizeof(double));
+typedef struct attn_dims {
+    int64_t B, T, NH, D;
+} attn_dims;
+
+/* float64 causal attention of qkv [B*T, 3H] and dout [B*T, H]: out [B*T, H],
+ * P [B, NH, T, T] (0 above the diagonal), lse [B, NH, T], dqkv [B*T, 3H]
+ * (all zeroed by the caller). */
+static void attn_ref(attn_dims z, const uint16_t* qkv, const uint16_t* dout, double* out, double* P, double* lse,
+                     double* dqkv) {
+    const int64_t B = z.B, T = z.T, NH = z.NH, D = z.D, H = NH * D;
     const double sc = 1 / sqrt((double)D);
+    double* dp = (double*)malloc(sizeof(double) * (size_t)T);
 #define Q(b, t, h, d) bf(qkv[((b) * T + (t)) * 3 * H + (h) * D + (d)])
 #define K_(b, t, h, d) bf(qkv[((b) * T + (t)) * 3 * H + H + (h) * D + (d)])
 #define V_(b, t, h, d) bf(qkv[((b) * T + (t)) * 3 * H + 2 * H + (h) * D + (d)])
@@ -270,10 +278,10 @@ static void test_attn(mst_ctx_t* ctx) {
                     mx = fmax(mx, a * sc);
                 }
                 for (int64_t j = 0; j <= i; j++) s += (p[i * T + j] = exp(p[i * T + j] - mx));
+                lse[(b * NH + h) * T + i] = mx + log(s);
                 for (int64_t j = 0; j <= i; j++) p[i * T + j] /= s;
                 for (int64_t d = 0; d < D; d++)
                     for (int64_t j = 0; j <= i; j++) out[(b * T + i) * H + h * D + d] += p[i * T + j] * V_(b, j, h, d);
-                double* dp = (double*)malloc(sizeof(double) * (size_t)T);
                 for (int64_t j = 0; j <= i; j++) {
                     dp[j] = 0;
                     for (int64_t d = 0; d < D; d++) dp[j] += G(b, i, h, d) * V_(b, j, h, d);
@@ -287,30 +295,195 @@ static void test_attn(mst_ctx_t* ctx) {
                         dqkv[(b * T + j) * 3 * H + 2 * H + h * D + d] += p[i * T + j] * G(b, i, h, d);
                     }
                 }
-                free(dp);
             }
         }
-    mst_guarded gq = up(ctx, qkv, sizeof(uint16_t) * (size_t)(N * 3 * H));
-    mst_guarded gp = up(ctx, NULL, sizeof(float) * (size_t)(B * NH * T * T));
-    mst_guarded go = up(ctx, NULL, sizeof(uint16_t) * (size_t)(N * H)), gd = up(ctx, dout, sizeof(uint16_t) * (size_t)(N * H));
-    mst_guarded gdq = up(ctx, NULL, sizeof(uint16_t) * (size_t)(N * 3 * H));
-    mst_guarded g32 = up(ctx, NULL, sizeof(float) * (size_t)(B * NH * T * T));
-    mst_guarded g16 = up(ctx, NULL, sizeof(uint16_t) * (size_t)(B * NH * T * T));
-    mst_attn_args a = {.batch = B, .seq = T, .n_head = NH, .head_dim = D, .qkv = (uint16_t*)gq.data,
-                       .probs = (float*)gp.data, .out = (uint16_t*)go.data, .dout = (uint16_t*)gd.data,
-                       .dqkv = (uint16_t*)gdq.data, .scratch32 = (float*)g32.data, .scratch16 = (uint16_t*)g16.data};
-    CHECK_OK(ops(ctx)->attn_forward(ctx, &a));
-    expect_bf16(ctx, &go, out, (size_t)(N * H), "attention forward out");
-    expect_fp32(ctx, &gp, P, (size_t)(B * NH * T * T), MST_TOL_FP32, "attention forward probs (0 above the diagonal)");
-    CHECK_OK(ops(ctx)->attn_backward(ctx, &a));
-    expect_bf16(ctx, &gdq, dqkv, (size_t)(N * 3 * H), "attention backward dqkv");
-    mst_guarded* all[] = {&gq, &gp, &go, &gd, &gdq, &g32, &g16};
-    for (size_t i = 0; i < sizeof all / sizeof *all; i++) mst_guarded_free(ctx, all[i]);
-    free(qkv), free(dout), free(P), free(out), free(dqkv);
+    free(dp);
 #undef Q
 #undef K_
 #undef V_
 #undef G
+}
+
+/* Host inputs and float64 references of one attention case. */
+typedef struct attn_case {
+    attn_dims z;
+    int64_t N, H;
+    uint16_t *qkv, *dout;
+    double *out, *P, *lse, *dqkv;
+} attn_case;
+
+static attn_case attn_case_make(attn_dims z) {
+    attn_case c = {.z = z, .N = z.B * z.T, .H = z.NH * z.D};
+    const size_t rows = (size_t)(z.B * z.NH * z.T);
+    c.qkv = rand_bf16((size_t)(c.N * 3 * c.H), 2);
+    c.dout = rand_bf16((size_t)(c.N * c.H), 1);
+    c.out = (double*)calloc((size_t)(c.N * c.H), sizeof(double));
+    c.P = (double*)calloc(rows * (size_t)z.T, sizeof(double));
+    c.lse = (double*)calloc(rows, sizeof(double));
+    c.dqkv = (double*)calloc((size_t)(c.N * 3 * c.H), sizeof(double));
+    attn_ref(z, c.qkv, c.dout, c.out, c.P, c.lse, c.dqkv);
+    return c;
+}
+
+static void attn_case_free(attn_case* c) {
+    free(c->qkv), free(c->dout), free(c->out), free(c->P), free(c->lse), free(c->dqkv);
+}
+
+/* Backend buffers of one call of either contract (outputs poisoned). */
+typedef struct attn_bufs {
+    mst_guarded qkv, dout, out, dqkv, probs, lse, delta, s32, s16;
+    mst_attn_args a;
+} attn_bufs;
+
+static attn_bufs attn_bufs_make(mst_ctx_t* ctx, const attn_case* c, int flash) {
+    const attn_dims z = c->z;
+    const size_t rows = (size_t)(z.B * z.NH * z.T), tt = flash ? 1 : rows * (size_t)z.T;
+    attn_bufs g;
+    g.qkv = up(ctx, c->qkv, sizeof(uint16_t) * (size_t)(c->N * 3 * c->H));
+    g.dout = up(ctx, c->dout, sizeof(uint16_t) * (size_t)(c->N * c->H));
+    g.out = up(ctx, NULL, sizeof(uint16_t) * (size_t)(c->N * c->H));
+    g.dqkv = up(ctx, NULL, sizeof(uint16_t) * (size_t)(c->N * 3 * c->H));
+    g.probs = up(ctx, NULL, sizeof(float) * tt);
+    g.lse = up(ctx, NULL, sizeof(float) * rows);
+    g.delta = up(ctx, NULL, sizeof(float) * rows);
+    g.s32 = up(ctx, NULL, sizeof(float) * tt);
+    g.s16 = up(ctx, NULL, sizeof(uint16_t) * tt);
+    mst_attn_args a = {.batch = z.B, .seq = z.T, .n_head = z.NH, .head_dim = z.D, .qkv = (uint16_t*)g.qkv.data,
+                       .probs = flash ? NULL : (float*)g.probs.data, .lse = flash ? (float*)g.lse.data : NULL,
+                       .out = (uint16_t*)g.out.data, .dout = (uint16_t*)g.dout.data, .dqkv = (uint16_t*)g.dqkv.data,
+                       .delta = flash ? (float*)g.delta.data : NULL, .scratch32 = flash ? NULL : (float*)g.s32.data,
+                       .scratch16 = flash ? NULL : (uint16_t*)g.s16.data};
+    g.a = a;
+    return g;
+}
+
+static void attn_bufs_free(mst_ctx_t* ctx, attn_bufs* g) {
+    mst_guarded* all[] = {&g->qkv, &g->dout, &g->out, &g->dqkv, &g->probs, &g->lse, &g->delta, &g->s32, &g->s16};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++) mst_guarded_free(ctx, all[i]);
+}
+
+/* Forward then backward of either contract. */
+static mst_status attn_run(mst_ctx_t* ctx, const mst_attn_args* a, int flash) {
+    const mst_model_backend* o = ops(ctx);
+    MST_TRY(flash ? o->attn_flash_forward(ctx, a) : o->attn_forward(ctx, a));
+    return flash ? o->attn_flash_backward(ctx, a) : o->attn_backward(ctx, a);
+}
+
+static void test_attn(mst_ctx_t* ctx) {
+    attn_case c = attn_case_make((attn_dims){2, 13, 3, 8});
+    attn_bufs g = attn_bufs_make(ctx, &c, 0);
+    CHECK_OK(ops(ctx)->attn_forward(ctx, &g.a));
+    expect_bf16(ctx, &g.out, c.out, (size_t)(c.N * c.H), "attention forward out");
+    expect_fp32(ctx, &g.probs, c.P, (size_t)(c.z.B * c.z.NH * c.z.T * c.z.T), MST_TOL_FP32,
+                "attention forward probs (0 above the diagonal)");
+    CHECK_OK(ops(ctx)->attn_backward(ctx, &g.a));
+    expect_bf16(ctx, &g.dqkv, c.dqkv, (size_t)(c.N * 3 * c.H), "attention backward dqkv");
+    attn_bufs_free(ctx, &g);
+    attn_case_free(&c);
+}
+
+/* The bits of out, lse and dqkv after a run (the outputs poisoned before). */
+typedef struct attn_bits {
+    void *out, *lse, *dqkv;
+} attn_bits;
+
+static attn_bits attn_take(mst_ctx_t* ctx, attn_bufs* g, const char* what) {
+    attn_bits b = {down(ctx, &g->out, what), down(ctx, &g->lse, what), down(ctx, &g->dqkv, what)};
+    return b;
+}
+
+static void attn_poison(mst_ctx_t* ctx, attn_bufs* g) {
+    mst_guarded* outs[] = {&g->out, &g->lse, &g->dqkv, &g->delta};
+    for (size_t i = 0; i < sizeof outs / sizeof *outs; i++) mst_guarded_put(ctx, outs[i], NULL);
+}
+
+static void attn_same_bits(const attn_bufs* g, const attn_bits* x, const attn_bits* y, const char* what) {
+    CHECK(memcmp(x->out, y->out, g->out.n_bytes) == 0, "%s: out not bit-identical", what);
+    CHECK(memcmp(x->lse, y->lse, g->lse.n_bytes) == 0, "%s: lse not bit-identical", what);
+    CHECK(memcmp(x->dqkv, y->dqkv, g->dqkv.n_bytes) == 0, "%s: dqkv not bit-identical", what);
+}
+
+static void attn_bits_free(attn_bits* b) { free(b->out), free(b->lse), free(b->dqkv); }
+
+/* Flash contract of one case: against the float64 reference, against the
+ * probabilities contract of the same backend, bit-identical on a second run
+ * and (backends that capture) on a graph replay. A head dim the backend does
+ * not take must be refused as unsupported, naming it. */
+static void attn_flash_case(mst_ctx_t* ctx, attn_dims z) {
+    const mst_model_backend* o = ops(ctx);
+    char what[128];
+    snprintf(what, sizeof what, "flash attention B %lld T %lld heads %lld D %lld", (long long)z.B, (long long)z.T,
+             (long long)z.NH, (long long)z.D);
+    const mst_attn_args probe = {.batch = z.B, .seq = z.T, .n_head = z.NH, .head_dim = z.D};
+    if (o->attn_flash_check && o->attn_flash_check(ctx, &probe) != MST_OK) {
+        CHECK(strstr(mst_last_error(), "head_dim") != NULL, "%s: refused without naming head_dim: %s", what,
+              mst_last_error());
+        CHECK(z.D != 64 && z.D != 128, "%s: refused: %s", what, mst_last_error());
+        return;
+    }
+    attn_case c = attn_case_make(z);
+    const size_t rows = (size_t)(z.B * z.NH * z.T);
+    attn_bufs g = attn_bufs_make(ctx, &c, 1);
+    CHECK_OK(o->attn_flash_forward(ctx, &g.a));
+    char w[192];
+    snprintf(w, sizeof w, "%s: forward out", what);
+    expect_bf16(ctx, &g.out, c.out, (size_t)(c.N * c.H), w);
+    snprintf(w, sizeof w, "%s: forward lse", what);
+    expect_fp32(ctx, &g.lse, c.lse, rows, MST_TOL_FP32, w);
+    CHECK_OK(o->attn_flash_backward(ctx, &g.a));
+    snprintf(w, sizeof w, "%s: backward dqkv", what);
+    expect_bf16(ctx, &g.dqkv, c.dqkv, (size_t)(c.N * 3 * c.H), w);
+    attn_bits first = attn_take(ctx, &g, what);
+    /* the probabilities contract of the same backend, as the reference */
+    attn_bufs r = attn_bufs_make(ctx, &c, 0);
+    CHECK_OK(attn_run(ctx, &r.a, 0));
+    uint16_t *ro = (uint16_t*)down(ctx, &r.out, what), *rd = (uint16_t*)down(ctx, &r.dqkv, what);
+    double *ref_o = (double*)malloc(sizeof(double) * (size_t)(c.N * c.H)),
+           *ref_d = (double*)malloc(sizeof(double) * (size_t)(c.N * 3 * c.H));
+    for (int64_t i = 0; i < c.N * c.H; i++) ref_o[i] = bf(ro[i]);
+    for (int64_t i = 0; i < c.N * 3 * c.H; i++) ref_d[i] = bf(rd[i]);
+    snprintf(w, sizeof w, "%s: out against the probabilities contract", what);
+    expect_bf16(ctx, &g.out, ref_o, (size_t)(c.N * c.H), w);
+    snprintf(w, sizeof w, "%s: dqkv against the probabilities contract", what);
+    expect_bf16(ctx, &g.dqkv, ref_d, (size_t)(c.N * 3 * c.H), w);
+    free(ro), free(rd), free(ref_o), free(ref_d);
+    attn_bufs_free(ctx, &r);
+    /* run to run */
+    attn_poison(ctx, &g);
+    CHECK_OK(attn_run(ctx, &g.a, 1));
+    attn_bits again = attn_take(ctx, &g, what);
+    snprintf(w, sizeof w, "%s: second run", what);
+    attn_same_bits(&g, &first, &again, w);
+    attn_bits_free(&again);
+    /* captured once, replayed twice */
+    const mst_backend* be = ctx->be;
+    if (be->capture_begin) {
+        void* graph = NULL;
+        CHECK_OK(be->capture_begin(ctx));
+        mst_status st = attn_run(ctx, &g.a, 1);
+        CHECK_OK(be->capture_end(ctx, &graph));
+        CHECK_OK(st);
+        for (int k = 0; graph && k < 2; k++) {
+            attn_poison(ctx, &g);
+            CHECK_OK(be->graph_launch(ctx, graph));
+            CHECK_OK(mst_ctx_sync(ctx));
+            attn_bits rep = attn_take(ctx, &g, what);
+            snprintf(w, sizeof w, "%s: graph replay %d", what, k + 1);
+            attn_same_bits(&g, &first, &rep, w);
+            attn_bits_free(&rep);
+        }
+        if (graph) be->graph_destroy(ctx, graph);
+    }
+    attn_bits_free(&first);
+    attn_bufs_free(ctx, &g);
+    attn_case_free(&c);
+}
+
+static void test_attn_flash(mst_ctx_t* ctx) {
+    /* T past whole blocks of 64 (77, 200, 333), a whole number of them (128),
+     * the head dims of the configs (64, 128) and one the CUDA kernels refuse */
+    const attn_dims cases[] = {{2, 13, 3, 8}, {2, 77, 3, 64}, {1, 333, 2, 64}, {2, 128, 1, 128}, {1, 200, 2, 128}};
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) attn_flash_case(ctx, cases[i]);
 }
 
 /* ---- router ------------------------------------------------------------------ */
@@ -591,6 +764,7 @@ static void run(mst_ctx_t* ctx) {
     test_add_embed(ctx);
     test_xent(ctx);
     test_attn(ctx);
+    test_attn_flash(ctx);
     test_route(ctx);
     test_rows(ctx);
     test_optim(ctx);

@@ -188,8 +188,8 @@ static void check_policies(mst_ctx_t* ctx) {
 /* --graph on against --graph off: bit-identical losses and final weights
  * under every policy, schedule and layer recompute, and with forced reruns
  * (after which the step is captured again). On a backend that captures
- * (CUDA) sized steps are replayed from the graph; elsewhere the same step
- * function runs eagerly. */
+ * (CUDA) sized steps are replayed from the graph, with the flash attention
+ * (head dim 64); elsewhere the same step function runs eagerly. */
 static void graph_vs_eager(mst_ctx_t* ctx) {
     static const struct { const char* policy; mst_schedule_kind sched; const char* recompute; int64_t over, flow; } cases[] = {
         {"keep", MST_SCHEDULE_PLAIN, "none", 0, 0},
@@ -212,6 +212,11 @@ static void graph_vs_eager(mst_ctx_t* ctx) {
         cfg.mem.virtual_stages = cases[i].sched == MST_SCHEDULE_INTERLEAVED ? 2 : 1;
         cfg.force_over_budget = cases[i].over;
         cfg.force_overflow = cases[i].flow;
+        if (capturing) { /* a head dim the flash kernels take, so they run in the graph */
+            cfg.model.hidden = 64;
+            cfg.model.n_head = 1;
+            cfg.model.attention = MST_ATTN_FLASH;
+        }
         CHECK_OK(mst_recompute_parse(cases[i].recompute, &cfg.mem.recompute));
         mst_train_result eager = {0}, graph = {0};
         CHECK_OK(mst_train_run(ctx, &cfg, NULL, &eager));

@@ -77,15 +77,25 @@ typedef struct mst_xent_args {
 } mst_xent_args;
 
 /* Causal multi-head attention, heads of width D = H / n_head;
- * qkv row t = [q | k | v], head h at columns [h D, (h+1) D) of each part. */
+ * qkv row t = [q | k | v], head h at columns [h D, (h+1) D) of each part.
+ * Two contracts for what forward saves for backward:
+ *   attn_forward / attn_backward: the probabilities (probs);
+ *   attn_flash_*: nothing T x T: the output (out) and each row's logsumexp
+ *   (lse); backward recomputes the probabilities from them. */
 typedef struct mst_attn_args {
     int64_t batch, seq, n_head, head_dim; /* B, T, NH, D                     */
     const uint16_t* qkv;   /* [B*T, 3H] bf16                                 */
-    float* probs;          /* [B, NH, T, T] fp32 softmax (saved by forward,
+    float* probs;          /* [B, NH, T, T] fp32 softmax (attn_*: saved by
+                              forward, read by backward)                     */
+    float* lse;            /* [B, NH, T] fp32 log sum_j exp(q_i k_j / sqrt(D))
+                              over j <= i (attn_flash_*: saved by forward,
                               read by backward)                              */
-    uint16_t* out;         /* [B*T, H] bf16 (forward)                        */
+    uint16_t* out;         /* [B*T, H] bf16 (written by forward; attn_flash_
+                              backward reads it)                             */
     const uint16_t* dout;  /* [B*T, H] bf16 (backward)                       */
     uint16_t* dqkv;        /* [B*T, 3H] bf16 (backward)                      */
+    float* delta;          /* [B, NH, T] fp32 scratch of attn_flash_backward:
+                              rowsum(dout * out) per head                    */
     float* scratch32;      /* [B, NH, T, T] fp32 scratch, or NULL where the
                               table's attn_scratch is 0 (CUDA: dP)           */
     uint16_t* scratch16;   /* [B, NH, T, T] bf16 scratch, likewise (CUDA: P, dS) */
@@ -195,6 +205,11 @@ typedef struct mst_model_backend {
     mst_status (*xent)(mst_ctx_t* ctx, const mst_xent_args* a);
     mst_status (*attn_forward)(mst_ctx_t* ctx, const mst_attn_args* a);
     mst_status (*attn_backward)(mst_ctx_t* ctx, const mst_attn_args* a);
+    /* (optional) flash attention: whether it takes a's dims (MST_OK, or
+     * MST_ERR_UNSUPPORTED with the reason), forward, backward */
+    mst_status (*attn_flash_check)(mst_ctx_t* ctx, const mst_attn_args* a);
+    mst_status (*attn_flash_forward)(mst_ctx_t* ctx, const mst_attn_args* a);
+    mst_status (*attn_flash_backward)(mst_ctx_t* ctx, const mst_attn_args* a);
     mst_status (*route_forward)(mst_ctx_t* ctx, const mst_route_args* a);
     mst_status (*route_backward)(mst_ctx_t* ctx, const mst_route_args* a);
     /* the load-balancing loss and peak rows per group from `load` as given

@@ -14,6 +14,7 @@ static const mst_bench_entry benches[] = {
     {"gemm", "grouped linear fwd/dgrad/wgrad TFLOP/s, graph-replayed, vs cuBLAS loop/grouped/dense (CUDA)", mst_bench_gemm},
     {"step", "memory-manager step per policy: time and activation memory vs keep and exact shapes", mst_bench_step},
     {"train", "the trainer's whole step, eager vs graph-replayed: tokens/s, model TFLOP/s, MFU, peak memory (CUDA)", mst_bench_train},
+    {"attn", "causal attention fwd/bwd: flash against the cuBLAS probabilities path, ms, TFLOP/s, saved bytes", mst_bench_attn},
     {"ep", "expert-parallel dispatch/combine GB/s per GPU over NCCL vs NCCL all-to-all (CUDA, >= 1 GPU)", mst_bench_ep},
     {"plan", "train --memory-budget's plan vs the fastest fitting point of a grid of policies and recompute: step time, peak", mst_bench_plan},
     {NULL, NULL, NULL},

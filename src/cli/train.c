@@ -82,6 +82,9 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            "  --data FILE               train on a text file (default: built-in synthetic corpus)\n"
            "  --seed S                  seed of weights and data (%llu)\n"
            "  --graph on|off            replay each sized step from one captured CUDA graph (cpu: off / cuda: on)\n"
+           "  --attention A             flash: fused, saves the output and row logsumexp | cublas: saves the T x T\n"
+           "                            probabilities (cuBLAS on cuda) | auto: flash where the backend takes the\n"
+           "                            head dim (cuda: H / heads 64 or 128), else cublas (auto)\n"
            "  --log-every N             a progress line every N steps (1)\n"
            "  --preset h100             H 2048, 16 heads, 8 layers, 64 experts top-4, F 1024, T 2048, B 2, ep 1,\n"
            "                            8 microbatches, 1f1b\n"
@@ -172,7 +175,8 @@ static int parse_size(mst_args* a, size_t* out) {
 
 /* The current flag with its value; returns 0 or the exit code 2. */
 static int parse_flag(train_cli* t, mst_args* a) {
-    static const char* const on_off[] = {"off", "on", NULL}, *const granularity[] = {"moe", "full", NULL};
+    static const char* const on_off[] = {"off", "on", NULL}, *const granularity[] = {"moe", "full", NULL},
+                             *const attention[] = {"auto", "flash", "cublas", NULL};
     mst_model_config* m = &t->cfg.model;
     int64_t x = 0;
     int rc = 0, i = 0;
@@ -220,6 +224,7 @@ static int parse_flag(train_cli* t, mst_args* a) {
     if (mst_args_is(a, "--backend")) return mst_args_backend(a, &t->kind);
     if (mst_args_is(a, "--preset")) return mst_train_preset(a, &t->cfg, &v);
     if (mst_args_is(a, "--graph")) return (rc = mst_args_choice(a, on_off, &i)) ? rc : (t->graph = on_off[i], 0);
+    if (mst_args_is(a, "--attention")) return (rc = mst_args_choice(a, attention, &i)) ? rc : (m->attention = i, 0);
     if (mst_args_is(a, "--recompute-granularity"))
         return (rc = mst_args_choice(a, granularity, &i)) ? rc : (t->cfg.mem.recompute_full = i, 0);
     if (mst_args_is(a, "--json")) return mst_args_out_file(a, &t->json);
@@ -357,7 +362,7 @@ static int fits(mst_ctx_t* ctx, const mst_model_config* m) {
     else snprintf(v, sizeof v, "%lld (with --ffn %lld --experts %d --layers %d)", (long long)m->hidden, (long long)m->ffn,
                   m->experts, m->layers);
     snprintf(why, sizeof why, "needs at least %.1f GiB (%s), the backend has %.1f GiB", need / 1073741824.0,
-             attn ? "one layer's attention probabilities" : "parameters, gradients and AdamW state",
+             attn ? "one layer's attention, the head's logits" : "parameters, gradients and AdamW state",
              (double)have / 1073741824.0);
     return mst_cli_bad("moestash train", attn ? "--seq" : "--hidden", v, why);
 }
@@ -431,6 +436,13 @@ int mst_cmd_train(int argc, char** argv) {
         fprintf(stderr, "%s: --backend '%s': %s\n", t.l.who, kind == MST_BACKEND_CUDA ? "cuda" : "cpu", mst_last_error());
         return 2;
     }
+    int flash = 0;
+    char attn_note[256];
+    if (mst_model_attention(ctx, &t.cfg.model, &flash, attn_note, sizeof attn_note) != MST_OK) {
+        fprintf(stderr, "%s: %s\n", t.l.who, mst_last_error());
+        mst_ctx_destroy(ctx);
+        return 2;
+    }
     if (fits(ctx, &t.cfg.model)) {
         mst_ctx_destroy(ctx);
         return 2;
@@ -445,7 +457,8 @@ int mst_cmd_train(int argc, char** argv) {
     const mst_model_config* m = &t.cfg.model;
     if (!t.quiet && rank0)
         printf("moestash train on %s%s\n  H=%lld F=%lld heads=%lld T=%lld B=%lld M=%d L=%d E=%d k=%d ep=%d cf=%g "
-               "max_rows=%lld mtp-weight=%g steps=%lld data=%s\n  schedule %s, policy %s, recompute %s, graph %s\n",
+               "max_rows=%lld mtp-weight=%g steps=%lld data=%s\n  schedule %s, policy %s, recompute %s, graph %s, "
+               "attention %s%s%s\n",
                mst_ctx_describe(ctx), ep ? ", one process per GPU: B per rank"
                                       : t.gpus > 1 ? ", ranks as threads (--gpus): B per rank" : "",
                (long long)m->hidden, (long long)m->ffn, (long long)m->n_head,
@@ -454,7 +467,7 @@ int mst_cmd_train(int argc, char** argv) {
                (double)m->mtp_weight, (long long)t.cfg.steps, t.cfg.data_path ? t.cfg.data_path : "synthetic",
                mst_schedule_kind_str(t.cfg.mem.schedule), t.cfg.memory_budget ? "planned (--memory-budget)" : t.cfg.mem.policy,
                t.cfg.memory_budget ? "planned" : t.recompute ? t.recompute : "none",
-               t.cfg.graph_from ? "on" : "off");
+               t.cfg.graph_from ? "on" : "off", flash ? "flash" : "cublas", attn_note[0] ? "; " : "", attn_note);
     mst_train_result res = {0};
     mst_status st = MST_OK;
     int rc = 0;

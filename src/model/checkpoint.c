@@ -293,6 +293,7 @@ static const field fields[] = {
     FLD("model.capacity_factor", F_F32, model.capacity_factor), FLD("model.mtp_weight", F_F32, model.mtp_weight),
     FLD("model.aux_coef", F_F32, model.aux_coef), FLD("model.norm_eps", F_F32, model.norm_eps),
     FLD("model.init_std", F_F32, model.init_std), FLD("model.seed", F_U64, model.seed),
+    FLD("model.attention", F_I32, model.attention),
     FLD("optim.lr", F_F32, optim.lr), FLD("optim.min_lr_frac", F_F32, optim.min_lr_frac),
     FLD("optim.beta1", F_F32, optim.beta1), FLD("optim.beta2", F_F32, optim.beta2), FLD("optim.eps", F_F32, optim.eps),
     FLD("optim.weight_decay", F_F32, optim.weight_decay), FLD("optim.clip", F_F32, optim.clip),

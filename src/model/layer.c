@@ -10,9 +10,15 @@
 static mst_attn_args attn_args(const mst_model* m, const mst_layer_acts* a) {
     const mst_model_config* c = &m->cfg;
     mst_attn_args r = {.batch = c->batch, .seq = c->seq, .n_head = c->n_head,
-                       .head_dim = c->hidden / c->n_head, .qkv = a->qkv, .probs = a->attp,
-                       .scratch32 = m->att32, .scratch16 = m->att16};
+                       .head_dim = c->hidden / c->n_head, .qkv = a->qkv, .probs = a->attp, .lse = a->lse,
+                       .out = a->att, .delta = m->att_delta, .scratch32 = m->att32, .scratch16 = m->att16};
     return r;
+}
+
+/* The attention op of the model's contract (flash, or the probabilities). */
+static mst_status attention(const mst_model* m, const mst_attn_args* a, int backward) {
+    if (m->flash) return backward ? MST_MODEL_OP(m, attn_flash_backward, a) : MST_MODEL_OP(m, attn_flash_forward, a);
+    return backward ? MST_MODEL_OP(m, attn_backward, a) : MST_MODEL_OP(m, attn_forward, a);
 }
 
 mst_status mst_layer_forward(mst_model* m, int32_t l, mst_layer_acts* a, const uint16_t* in,
@@ -24,8 +30,7 @@ mst_status mst_layer_forward(mst_model* m, int32_t l, mst_layer_acts* a, const u
     MST_TRY(mst_op_norm(m, N, H, c->norm_eps, in, m->w + p->ln1, a->a, a->rstd1));
     MST_TRY(mst_op_linear(m, N, H, 3 * H, a->a, m->w + p->wqkv, a->qkv));
     mst_attn_args at = attn_args(m, a);
-    at.out = a->att;
-    MST_TRY(MST_MODEL_OP(m, attn_forward, &at));
+    MST_TRY(attention(m, &at, 0));
     MST_TRY(mst_op_linear(m, N, H, H, a->att, m->w + p->wo, a->x1));
     MST_TRY(mst_op_add(m, N * H, a->x1, in, a->x1));
     MST_TRY(mst_op_norm(m, N, H, c->norm_eps, a->x1, m->w + p->ln2, a->b, a->rstd2));
@@ -47,7 +52,7 @@ mst_status mst_layer_backward(mst_model* m, int32_t l, mst_layer_acts* a, const 
     mst_attn_args at = attn_args(m, a);
     at.dout = m->t1;
     at.dqkv = m->dqkv;
-    MST_TRY(MST_MODEL_OP(m, attn_backward, &at));
+    MST_TRY(attention(m, &at, 1));
     MST_TRY(mst_op_linear_wgrad(m, N, H, 3 * H, m->dqkv, a->a, m->grad + p->wqkv, H));
     MST_TRY(mst_op_linear_dgrad(m, N, H, 3 * H, m->dqkv, m->w + p->wqkv, H, m->t1));
     MST_TRY(mst_op_norm_bwd(m, N, H, a->in, m->w + p->ln1, a->rstd1, m->t1, m->t2, m->grad + p->ln1));

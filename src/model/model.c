@@ -29,9 +29,16 @@ mst_status mst_model_config_check(const mst_model_config* c) {
         return BAD("--capacity-factor %g: expected > 0 and <= 1024", (double)c->capacity_factor);
     if (!(c->mtp_weight >= 0.0f) || c->mtp_weight > 100.0f)
         return BAD("--mtp-weight %g: expected 0 .. 100", (double)c->mtp_weight);
+    if (c->attention < MST_ATTN_AUTO || c->attention > MST_ATTN_CUBLAS)
+        return BAD("--attention %d: expected auto, flash or cublas", c->attention);
     if (c->batch * c->seq * c->top_k > INT32_MAX / 4)
         return BAD("--batch %lld x --seq %lld: too many tokens", (long long)c->batch, (long long)c->seq);
     return MST_OK;
+}
+
+const char* mst_attn_kind_str(int32_t kind) {
+    static const char* const names[] = {"auto", "flash", "cublas"};
+    return kind >= 0 && kind <= MST_ATTN_CUBLAS ? names[kind] : "?";
 }
 
 mst_mem_config mst_mem_config_default(void) {
@@ -118,7 +125,10 @@ mst_status mst_model_bytes_at_least(const mst_model_config* c, double* total_byt
     layout(&m); /* the parameter count, as the model lays them out */
     free(m.lp);
     *params_bytes = (double)m.n_params * (2 + 4 + 3 * 4);
-    *total_bytes = *params_bytes + 4.0 * (double)c->batch * (double)c->n_head * (double)c->seq * (double)c->seq;
+    const double N = (double)c->batch * (double)c->seq, rows = N * (double)c->n_head;
+    const double attn = c->attention == MST_ATTN_CUBLAS ? 4.0 * rows * (double)c->seq
+                                                        : 8.0 * N * (double)c->hidden + 4.0 * rows;
+    *total_bytes = *params_bytes + attn + 6.0 * N * (double)c->vocab;
     return MST_OK;
 }
 
@@ -230,7 +240,8 @@ static mst_status alloc_layer(mst_model* m, mst_layer_acts* a, const mst_layer_a
     ACT(Nm, a, slot, a, N * H, own, ref);
     ACT(Nm, a, slot, rstd1, N, own, ref);
     ACT(A, a, slot, qkv, N * 3 * H, own, ref);
-    ACT(A, a, slot, attp, c->batch * c->n_head * c->seq * c->seq, own, ref);
+    if (m->flash) ACT(A, a, slot, lse, c->batch * c->n_head * c->seq, own, ref);
+    else ACT(A, a, slot, attp, c->batch * c->n_head * c->seq * c->seq, own, ref);
     ACT(A, a, slot, att, N * H, own, ref);
     ACT(Nm, a, slot, x1, N * H, own, ref);
     ACT(Nm, a, slot, b, N * H, own, ref);
@@ -372,7 +383,8 @@ static mst_status alloc_acts(mst_model* m) {
     BUF(C, m->drl, N * c->experts);
     BUF(C, m->emb_order, V + 1 + N);
     BUF(C, m->dqkv, N * 3 * H);
-    if (m->ops->attn_scratch) {
+    if (m->flash) BUF(C, m->att_delta, c->batch * c->n_head * c->seq);
+    else if (m->ops->attn_scratch) {
         BUF(C, m->att32, c->batch * c->n_head * c->seq * c->seq);
         BUF(C, m->att16, c->batch * c->n_head * c->seq * c->seq);
     }
@@ -380,6 +392,28 @@ static mst_status alloc_acts(mst_model* m) {
     BUF(C, m->t1, N * H);
     BUF(C, m->t2, N * H);
     BUF(C, m->t3, N * H);
+    return MST_OK;
+}
+
+mst_status mst_model_attention(mst_ctx_t* ctx, const mst_model_config* c, int* flash, char* note, size_t note_size) {
+    const mst_model_backend* ops;
+    MST_TRY(mst_model_backend_of(ctx, &ops));
+    const mst_attn_args a = {.batch = c->batch, .seq = c->seq, .n_head = c->n_head, .head_dim = c->hidden / c->n_head};
+    *flash = 0;
+    if (note_size) note[0] = 0;
+    if (c->attention == MST_ATTN_CUBLAS) return MST_OK;
+    mst_status st = !ops->attn_flash_forward || !ops->attn_flash_backward
+                        ? mst_set_error(MST_ERR_UNSUPPORTED, "backend %s has no flash attention", ops->name)
+                    : ops->attn_flash_check ? ops->attn_flash_check(ctx, &a)
+                                            : MST_OK;
+    if (st == MST_OK) {
+        *flash = 1;
+        return MST_OK;
+    }
+    char why[200];
+    snprintf(why, sizeof why, "%s", mst_last_error());
+    if (c->attention == MST_ATTN_FLASH) return mst_set_error(st, "--attention flash: %s", why);
+    if (note_size) snprintf(note, note_size, "attention: the probabilities path (%s)", why);
     return MST_OK;
 }
 
@@ -538,6 +572,7 @@ mst_status mst_model_create_dist(mst_ctx_t* ctx, const mst_model_config* cfg, in
     m->static_rows = mst_model_max_rows(cfg, d.world);
     m->lp = (mst_layer_params*)calloc((size_t)cfg->layers + 1, sizeof *m->lp);
     mst_status st = m->lp ? MST_OK : mst_set_error(MST_ERR_OOM, "layer parameter table");
+    if (st == MST_OK) st = mst_model_attention(ctx, cfg, &m->flash, m->attn_note, sizeof m->attn_note);
     if (st == MST_OK) st = make_schedule(m);
     if (st == MST_OK) {
         layout(m);

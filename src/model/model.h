@@ -23,6 +23,12 @@
 #include "../core/context.h"
 #include "../backend/model_backend.h"
 
+/* Attention: what forward saves for backward (model_backend.h). AUTO: the
+ * flash contract (output and row logsumexp) where the backend takes the
+ * head dims, else the probabilities (the reason in mst_model.attn_note). */
+typedef enum { MST_ATTN_AUTO = 0, MST_ATTN_FLASH, MST_ATTN_CUBLAS } mst_attn_kind;
+const char* mst_attn_kind_str(int32_t kind);
+
 typedef struct mst_model_config {
     int64_t vocab;          /* V (256: bytes)                                   */
     int64_t hidden, ffn;    /* H, F                                             */
@@ -37,6 +43,7 @@ typedef struct mst_model_config {
     float norm_eps;
     float init_std;
     uint64_t seed;
+    int32_t attention;      /* mst_attn_kind (0: AUTO)                          */
 } mst_model_config;
 
 /* The model on W ranks (one context each): the experts sharded, rank r
@@ -77,6 +84,12 @@ typedef struct mst_mem_config {
  * set), pool factor 1.10. */
 mst_mem_config mst_mem_config_default(void);
 
+/* The attention contract a model of config c takes on ctx's backend:
+ * *flash 1 (the flash contract) or 0 (the probabilities); under AUTO, why
+ * not flash in note ("" when flash); MST_ATTN_FLASH where the backend has
+ * no flash attention for these dims is an error naming --attention. */
+mst_status mst_model_attention(mst_ctx_t* ctx, const mst_model_config* c, int* flash, char* note, size_t note_size);
+
 /* Checks sizes (each failure names the flag and its value). */
 mst_status mst_model_config_check(const mst_model_config* c);
 /* R: rows of one group, ceil(cf * tokens * k / G), the tokens of every
@@ -86,8 +99,11 @@ int64_t mst_model_max_rows(const mst_model_config* c, int32_t world);
  * with c->batch sequences (c->ep must be world). */
 mst_status mst_model_ep_config(const mst_model_config* c, int32_t world, mst_ep_config* out);
 /* What a model of config c surely needs, before any allocation: its
- * parameters with their gradients and AdamW state (18 bytes each) and one
- * layer's attention probabilities; *params_bytes is the parameters' part. */
+ * parameters with their gradients and AdamW state (18 bytes each), one
+ * layer's saved attention (MST_ATTN_CUBLAS: the probabilities; else qkv, the
+ * output and the row logsumexp: AUTO's smaller case) and the head's logits
+ * with the two loss gradients ([N, V] bf16 each); *params_bytes is the
+ * parameters' part. */
 mst_status mst_model_bytes_at_least(const mst_model_config* c, double* total_bytes, double* params_bytes);
 
 /* Element offsets of one transformer layer's parameters in the flat buffers. */
@@ -107,7 +123,8 @@ typedef struct mst_layer_acts {
     uint16_t* a;         /* [N, H] norm1 output                             */
     float* rstd1;        /* [N]                                             */
     uint16_t* qkv;       /* [N, 3H]                                         */
-    float* attp;         /* [B, NH, T, T] attention probabilities           */
+    float* attp;         /* [B, NH, T, T] attention probabilities (NULL: flash) */
+    float* lse;          /* [B, NH, T] attention row logsumexp (flash; else NULL) */
     uint16_t* att;       /* [N, H] attention output (before Wo)             */
     uint16_t* x1;        /* [N, H] residual after attention                 */
     uint16_t* b;         /* [N, H] norm2 output (router and MLP input)      */
@@ -160,6 +177,9 @@ typedef struct mst_model {
     mst_ctx_t* ctx;
     const mst_model_backend* ops; /* ctx's model ops (mst_model_backend_of)     */
     mst_model_config cfg;
+    int flash;               /* attention: 1 flash contract (att, lse saved),
+                                0 probabilities (attp saved)                  */
+    char attn_note[256];     /* why AUTO took the probabilities ("" if not)   */
     mst_mem_config mem_cfg;
     /* (optional) called after each schedule entry of a step, eagerly (the
      * memory picture of --timeline); NULL in every other step */
@@ -221,8 +241,10 @@ typedef struct mst_model {
     uint16_t* drl;           /* [N, E] d(router logits)                       */
     int32_t* emb_order;      /* [V + 1 + N] embedding backward scratch        */
     uint16_t* dqkv;          /* [N, 3H]                                       */
-    float* att32;            /* [B, NH, T, T] attention scratch (ops->attn_scratch) */
-    uint16_t* att16;         /* [B, NH, T, T] attention scratch (ops->attn_scratch) */
+    float* att32;            /* [B, NH, T, T] attention scratch (probabilities
+                                contract, ops->attn_scratch)                  */
+    uint16_t* att16;         /* [B, NH, T, T] likewise                        */
+    float* att_delta;        /* [B, NH, T] flash backward scratch             */
     uint16_t *dm, *t1, *t2, *t3; /* [N, H] gradient and scratch               */
     size_t mem[MST_N_MEM];   /* bytes allocated by category                   */
     size_t mem_keep[MST_N_MEM]; /* the same with every layer keeping its

@@ -55,7 +55,7 @@ bad "--steps 'abc'" train --steps=abc
 bad "--steps '0'" train --steps 0
 bad "--steps ''" train --steps
 bad "--hidden '65536" train --hidden 65536 --heads 8
-bad "--seq '8192 --batch 4096': needs at least" train --seq 8192 --batch 4096
+bad "--seq '8192 --batch 16384': needs at least" train --seq 8192 --batch 16384
 bad "--resume" train --resume "$tmp/no-checkpoint"
 bad "--recompute-granularity 'half'" train --recompute-granularity half
 # train on N ranks
@@ -64,6 +64,7 @@ bad "--ep '3': on --gpus N ranks" train --backend cpu --gpus 2 --ep 3
 bad "--save '$tmp/ck': not with --gpus" train --backend cpu --gpus 2 --save "$tmp/ck"
 bad "--experts 6" train --backend cpu --gpus 4 --experts 6
 bad "--memory-budget '1048576': not with --gpus" train --backend cpu --gpus 2 --memory-budget 1MiB
+bad "--attention 'fast'" train --attention fast
 bad "--save-every '3': needs --save" train --save-every 3
 bad "--checkpoint" sample --prompt x
 bad "--prompt" sample --checkpoint "$tmp"

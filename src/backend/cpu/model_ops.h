@@ -21,6 +21,8 @@ mst_status mst_cpu_sum(mst_ctx_t* ctx, const mst_sum_args* a);
 /* model_ops_attn.c */
 mst_status mst_cpu_attn_forward(mst_ctx_t* ctx, const mst_attn_args* a);
 mst_status mst_cpu_attn_backward(mst_ctx_t* ctx, const mst_attn_args* a);
+mst_status mst_cpu_attn_flash_forward(mst_ctx_t* ctx, const mst_attn_args* a);
+mst_status mst_cpu_attn_flash_backward(mst_ctx_t* ctx, const mst_attn_args* a);
 /* model_ops_route.c */
 mst_status mst_cpu_route_forward(mst_ctx_t* ctx, const mst_route_args* a);
 mst_status mst_cpu_route_backward(mst_ctx_t* ctx, const mst_route_args* a);

@@ -62,33 +62,13 @@ __device__ __forceinline__ void load_tile(uint16_t* dst, const uint16_t* src, in
     }
 }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const uint16_t* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(mst_smem_u32(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_t(uint32_t (&r)[4], const uint16_t* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(mst_smem_u32(p)));
-}
-
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 /* A fragment (16 x 16 at m, k) from a K-major [m][k] or M-major [k][m] tile. */
 template <bool KMAJOR>
 __device__ __forceinline__ void frag_a(uint32_t (&r)[4], const uint16_t* t, int m, int k, int lane) {
     constexpr int LD = op_tile<KMAJOR, BM>::LD;
     int i = lane >> 3, j = lane & 7;
-    if (KMAJOR) ldmatrix_x4(r, t + (m + j + (i & 1) * 8) * LD + k + (i >> 1) * 8);
-    else ldmatrix_x4_t(r, t + (k + j + (i >> 1) * 8) * LD + m + (i & 1) * 8);
+    if (KMAJOR) mst_ldmatrix_x4(r, t + (m + j + (i & 1) * 8) * LD + k + (i >> 1) * 8);
+    else mst_ldmatrix_x4_t(r, t + (k + j + (i >> 1) * 8) * LD + m + (i & 1) * 8);
 }
 
 /* B fragments of two n8 tiles (16 x 16 at n, k): r[0..1] tile n, r[2..3] tile n + 8. */
@@ -96,8 +76,8 @@ template <bool KMAJOR>
 __device__ __forceinline__ void frag_b(uint32_t (&r)[4], const uint16_t* t, int n, int k, int lane) {
     constexpr int LD = op_tile<KMAJOR, BN>::LD;
     int i = lane >> 3, j = lane & 7;
-    if (KMAJOR) ldmatrix_x4(r, t + (n + j + (i >> 1) * 8) * LD + k + (i & 1) * 8);
-    else ldmatrix_x4_t(r, t + (k + j + (i & 1) * 8) * LD + n + (i >> 1) * 8);
+    if (KMAJOR) mst_ldmatrix_x4(r, t + (n + j + (i >> 1) * 8) * LD + k + (i & 1) * 8);
+    else mst_ldmatrix_x4_t(r, t + (k + j + (i & 1) * 8) * LD + n + (i >> 1) * 8);
 }
 
 template <int OP>
@@ -181,7 +161,7 @@ __global__ void __launch_bounds__(THREADS) mma_kernel(const gg_problem p, const 
                 for (int i = 0; i < MT; i++)
 #pragma unroll
                     for (int j = 0; j < NT; j++)
-                        mma_bf16(acc[i][j], fa[i], fb[j / 2][(j & 1) * 2], fb[j / 2][(j & 1) * 2 + 1]);
+                        mst_mma_bf16(acc[i][j], fa[i], fb[j / 2][(j & 1) * 2], fb[j / 2][(j & 1) * 2 + 1]);
             }
         }
         mst_cp_async_wait<0>();

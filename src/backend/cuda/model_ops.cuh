@@ -24,6 +24,10 @@ mst_status mst_cuda_sum(mst_ctx_t* ctx, const mst_sum_args* a);
 /* model_ops_attn.cu */
 mst_status mst_cuda_attn_forward(mst_ctx_t* ctx, const mst_attn_args* a);
 mst_status mst_cuda_attn_backward(mst_ctx_t* ctx, const mst_attn_args* a);
+/* model_ops_flash.cu */
+mst_status mst_cuda_attn_flash_check(mst_ctx_t* ctx, const mst_attn_args* a);
+mst_status mst_cuda_attn_flash_forward(mst_ctx_t* ctx, const mst_attn_args* a);
+mst_status mst_cuda_attn_flash_backward(mst_ctx_t* ctx, const mst_attn_args* a);
 /* model_ops_route.cu */
 mst_status mst_cuda_route_forward(mst_ctx_t* ctx, const mst_route_args* a);
 mst_status mst_cuda_route_backward(mst_ctx_t* ctx, const mst_route_args* a);

@@ -1,8 +1,9 @@
 /*
  * ptx.cuh — the inline PTX the CUDA kernels share: shared-memory addresses,
- * cp.async (sm_80), mbarriers, TMA tensor copies and plain bulk copies
- * (sm_90), and the proxy fences between them. The grouped GEMM kernels and
- * the stash's bulk copy use these and no asm of their own for them.
+ * cp.async, ldmatrix and mma.sync (sm_80), mbarriers, TMA tensor copies
+ * and plain bulk copies (sm_90), and the proxy fences between them. The
+ * grouped GEMM kernels, the flash attention and the stash's bulk copy use
+ * these and no asm of their own for them.
  */
 #ifndef MST_CUDA_PTX_CUH
 #define MST_CUDA_PTX_CUH
@@ -21,6 +22,29 @@ __device__ __forceinline__ void mst_cp_async_commit() { asm volatile("cp.async.c
 /* Waits until at most N of this thread's cp.async groups are pending. */
 template <int N>
 __device__ __forceinline__ void mst_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+/* ---- tensor cores: ldmatrix and mma.sync m16n8k16 (bf16 in, fp32 accumulate) ---- */
+/* Four 8 x 8 b16 matrices from shared memory: lanes 8i .. 8i+7 give the row
+ * addresses of matrix i; r[i] holds row lane / 4, elements 2 (lane % 4), +1
+ * (.trans: column lane / 4, rows 2 (lane % 4), +1). */
+__device__ __forceinline__ void mst_ldmatrix_x4(uint32_t (&r)[4], const uint16_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(mst_smem_u32(p)));
+}
+__device__ __forceinline__ void mst_ldmatrix_x4_t(uint32_t (&r)[4], const uint16_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(mst_smem_u32(p)));
+}
+/* d [16 x 8] += a [16 x 16] b [16 x 8] (a row-major fragment, b column-major). */
+__device__ __forceinline__ void mst_mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 
 /* ---- mbarriers (shared::cta) ---- */
 __device__ __forceinline__ void mst_mbar_init(uint64_t* bar, uint32_t count) {
