@@ -79,6 +79,21 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
+/* One step of a double-buffered loop: the copy of the next step's tiles
+ * started (has_next: load_next issues it), this step's awaited, the block
+ * synced. */
+template <typename F>
+__device__ __forceinline__ void pipe_step(bool has_next, F load_next) {
+    if (has_next) {
+        load_next();
+        mst_cp_async_commit();
+        mst_cp_async_wait<1>();
+    } else {
+        mst_cp_async_wait<0>();
+    }
+    __syncthreads();
+}
+
 /* A fragment of rows [m, m + 16) x cols [k, k + 16) of a row-major tile. */
 template <int LD>
 __device__ __forceinline__ void frag_a(uint32_t (&r)[4], const uint16_t* t, int m, int k, int lane) {
@@ -201,15 +216,10 @@ __global__ void __launch_bounds__(THREADS, 2) flash_fwd_kernel(fa_args p) {
     uint32_t qf[D / 16][4];
     for (int j = 0; j < nkb; j++) {
         const int cur = j & 1;
-        if (j + 1 < nkb) {
+        pipe_step(j + 1 < nkb, [&] {
             load_rows<BC, D>(sK + (cur ^ 1) * BC * LD, k, ld, (j + 1) * BC, p.T);
             load_rows<BC, D>(sV + (cur ^ 1) * BC * LD, v, ld, (j + 1) * BC, p.T);
-            mst_cp_async_commit();
-            mst_cp_async_wait<1>();
-        } else {
-            mst_cp_async_wait<0>();
-        }
-        __syncthreads();
+        });
         if (j == 0) {
 #pragma unroll
             for (int kk = 0; kk < D / 16; kk++) frag_a<LD>(qf[kk], sQ, warp * 16, kk * 16, lane);
@@ -328,14 +338,7 @@ __global__ void __launch_bounds__(THREADS, 2) flash_dkv_kernel(fa_args p) {
         for (int e = 0; e < 4; e++) dk[i][e] = dv[i][e] = 0.0f;
     for (int i = first; i < nqb; i++) {
         const int cur = (i - first) & 1;
-        if (i + 1 < nqb) {
-            load_q(i + 1, cur ^ 1);
-            mst_cp_async_commit();
-            mst_cp_async_wait<1>();
-        } else {
-            mst_cp_async_wait<0>();
-        }
-        __syncthreads();
+        pipe_step(i + 1 < nqb, [&] { load_q(i + 1, cur ^ 1); });
         const uint16_t *Q = sQ + cur * BQ * LD, *G = sG + cur * BQ * LD;
         const float *L = sL + cur * BQ, *Dl = sD + cur * BQ;
         float s[NT][4], dp[NT][4];
@@ -392,15 +395,10 @@ __global__ void __launch_bounds__(THREADS, 2) flash_dq_kernel(fa_args p) {
     for (int i = 0; i < DT; i++) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.0f;
     for (int j = 0; j < nkb; j++) {
         const int cur = j & 1;
-        if (j + 1 < nkb) {
+        pipe_step(j + 1 < nkb, [&] {
             load_rows<BC, D>(sK + (cur ^ 1) * BC * LD, k, ld, (j + 1) * BC, p.T);
             load_rows<BC, D>(sV + (cur ^ 1) * BC * LD, v, ld, (j + 1) * BC, p.T);
-            mst_cp_async_commit();
-            mst_cp_async_wait<1>();
-        } else {
-            mst_cp_async_wait<0>();
-        }
-        __syncthreads();
+        });
         const uint16_t *K = sK + cur * BC * LD, *V = sV + cur * BC * LD;
         float s[NT][4], dp[NT][4];
         mma_abt<NT, D, LD>(s, sQ, warp * 16, K, lane);
