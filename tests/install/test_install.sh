@@ -16,6 +16,8 @@ prefix=$tmp/prefix
 "$cmake" --install "$build" --prefix "$prefix" >"$tmp/install.log" || { cat "$tmp/install.log"; exit 1; }
 libdir=$(dirname "$(find "$prefix" -name moestash.pc)")/..
 so=$(find "$prefix" -name 'libmoestash.so.*.*.*')
+# the licence travels with the package
+[ -n "$(find "$prefix/share/doc" -name LICENSE 2>/dev/null)" ] || { echo "FAIL: no LICENSE under $prefix/share/doc"; exit 1; }
 
 # exports == MST_API functions of the installed header
 nm -D --defined-only "$so" | awk '{print $3}' | sort >"$tmp/exported"
