@@ -278,7 +278,8 @@ static int parse(int argc, char** argv, train_cli* t) {
  * the run; the learning-rate schedule stays the stored one). */
 static int resumed(int argc, char** argv, train_cli* t, mst_ckpt_meta* meta) {
     static const char* const ok[] = {"--resume", "--steps", "--backend", "--save", "--save-every", "--json", "--plot",
-                                     "--graph", "--log-every", "--quiet", "--eval-every", "--eval-batches", "--timeline"};
+                                     "--graph", "--log-every", "--quiet", "--eval-every", "--eval-batches", "--timeline",
+                                     "--gpus"};
     mst_args a;
     mst_args_init(&a, "moestash train", argc, argv);
     while (mst_args_next(&a)) {
@@ -289,6 +290,13 @@ static int resumed(int argc, char** argv, train_cli* t, mst_ckpt_meta* meta) {
     }
     if (mst_ckpt_read_meta(t->cfg.resume_dir, meta) != MST_OK)
         return mst_cli_bad("moestash train", "--resume", t->cfg.resume_dir, mst_last_error());
+    const int64_t W = t->gpus > 1 ? t->gpus : 1;
+    if (meta->ranks != W) {
+        char why[96];
+        snprintf(why, sizeof why, "saved by %d rank%s, this run has %lld", meta->ranks, meta->ranks == 1 ? "" : "s",
+                 (long long)W);
+        return mst_cli_bad("moestash train", "--resume", t->cfg.resume_dir, why);
+    }
     mst_train_config c = meta->cfg;
     if (mst_args_find(argc, argv, "--steps")) c.steps = t->cfg.steps;
     c.resume_dir = t->cfg.resume_dir, c.save_dir = t->cfg.save_dir, c.save_every = t->cfg.save_every;
@@ -330,9 +338,6 @@ static int consistent(const train_cli* t) {
         return bad_value("--force-over-budget", t->cfg.force_over_budget, "after the last step (--steps)");
     if (t->gpus > 1) {
         const mst_train_config* c = &t->cfg;
-        if (c->save_dir || c->resume_dir)
-            return mst_cli_bad("moestash train", c->save_dir ? "--save" : "--resume", c->save_dir ? c->save_dir : c->resume_dir,
-                               "not with --gpus (checkpoints are one rank's)");
         if (c->memory_budget)
             return bad_value("--memory-budget", (int64_t)c->memory_budget, "not with --gpus (the planner's probe is one rank's)");
         if (t->kind == MST_BACKEND_CPU && t->l.launched)

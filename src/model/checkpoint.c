@@ -39,7 +39,7 @@ static void add(param* out, int* n, const char* prefix, const char* name, int64_
  * count. Layer L is the MTP module's transformer layer. */
 static int params_of(const mst_model* m, param* out) {
     const mst_model_config* c = &m->cfg;
-    const int64_t H = c->hidden, F = c->ffn, E = c->experts;
+    const int64_t H = c->hidden, F = c->ffn, E = c->experts, El = m->n_local; /* W ranks: this rank's E / W */
     int n = 0;
     add(out, &n, "", "embed.weight", m->emb, 2, c->vocab, H, 0);
     add(out, &n, "", "mtp.proj.weight", m->proj, 2, H, 2 * H, 0);
@@ -51,8 +51,8 @@ static int params_of(const mst_model* m, param* out) {
         add(out, &n, pre, "attn.wqkv", q->wqkv, 2, 3 * H, H, 0);
         add(out, &n, pre, "attn.wo", q->wo, 2, H, H, 0);
         add(out, &n, pre, "router.weight", q->wr, 2, E, H, 0);
-        add(out, &n, pre, "experts.w1", q->w1, 3, E, 2 * F, H);
-        add(out, &n, pre, "experts.w2", q->w2, 3, E, H, F);
+        add(out, &n, pre, "experts.w1", q->w1, 3, El, 2 * F, H);
+        add(out, &n, pre, "experts.w2", q->w2, 3, El, H, F);
     }
     for (int32_t l = 0; l <= c->layers; l++) {
         if (l < c->layers) snprintf(pre, sizeof pre, "layers.%d.", l);
@@ -356,8 +356,8 @@ static mst_status plain_string(const char* what, const char* s) {
     return MST_OK;
 }
 
-static mst_status write_meta(const char* path, const mst_train_config* c, int64_t step, uint64_t data_rng,
-                             uint64_t h_model, uint64_t h_optim) {
+static mst_status write_meta(const char* path, const mst_train_config* c, int32_t ranks, int64_t step,
+                             uint64_t data_rng, uint64_t h_model, uint64_t h_optim) {
     MST_TRY(plain_string("--policy", c->mem.policy ? c->mem.policy : ""));
     MST_TRY(plain_string("--data", c->data_path ? c->data_path : ""));
     MST_TRY(plain_string("--eval-data", c->eval_path ? c->eval_path : ""));
@@ -365,7 +365,8 @@ static mst_status write_meta(const char* path, const mst_train_config* c, int64_
     if (!f) return mst_set_error(MST_ERR_IO, "checkpoint '%s': %s", path, strerror(errno));
     fprintf(f, "{\n  \"format\": \"moestash-checkpoint\",\n  \"version\": %d,\n  \"library\": \"%s\",\n", MST_CKPT_VERSION,
             version());
-    fprintf(f, "  \"step\": %lld,\n  \"data_rng\": \"%016llx\",\n", (long long)step, (unsigned long long)data_rng);
+    fprintf(f, "  \"ranks\": %d,\n  \"step\": %lld,\n  \"data_rng\": \"%016llx\",\n", ranks, (long long)step,
+            (unsigned long long)data_rng);
     fprintf(f, "  \"model_fnv1a\": \"%016llx\",\n  \"optimizer_fnv1a\": \"%016llx\",\n", (unsigned long long)h_model,
             (unsigned long long)h_optim);
     for (int i = 0; i < N_FIELDS; i++) write_field(f, c, &fields[i]);
@@ -411,6 +412,11 @@ static mst_status parse_meta(const char* path, const mst_json* j, mst_ckpt_meta*
         return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': format version %lld, this build reads version %d", path,
                              (long long)version, MST_CKPT_VERSION);
     mst_ckpt_meta* o = out;
+    int64_t ranks = 1; /* absent: one rank */
+    const int32_t tr = mst_json_get(j, 0, "ranks");
+    if (tr >= 0 && (mst_json_i64(j, tr, &ranks) || ranks < 1 || ranks > 1024))
+        return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': ranks not a count of 1 .. 1024", path);
+    o->ranks = (int32_t)ranks;
     for (int i = 0; i < N_FIELDS; i++)
         if (read_field(j, &o->cfg, &fields[i]))
             return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': config.%s missing or not a number", path, fields[i].name);
@@ -435,9 +441,17 @@ static mst_status parse_meta(const char* path, const mst_json* j, mst_ckpt_meta*
     return MST_OK;
 }
 
+/* dir/trainer.json, or dir/rank-0/trainer.json when only that one is there. */
+static void meta_path(const char* dir, char* path, size_t cap) {
+    snprintf(path, cap, "%s/rank-0/trainer.json", dir);
+    FILE* f = fopen(path, "rb");
+    if (f) fclose(f);
+    if (!f) snprintf(path, cap, "%s/trainer.json", dir);
+}
+
 mst_status mst_ckpt_read_meta(const char* dir, mst_ckpt_meta* out) {
     char path[4200];
-    snprintf(path, sizeof path, "%s/trainer.json", dir);
+    meta_path(dir, path, sizeof path);
     memset(out, 0, sizeof *out);
     out->cfg.mem = mst_mem_config_default();
     char* text = NULL;
@@ -505,7 +519,7 @@ mst_status mst_ckpt_save(mst_model* m, const mst_train_config* cfg, int64_t step
     if (st == MST_OK) st = write_tensors(m->ctx, tmp[1], p, np, o, 3, &ho);
     if (st == MST_OK) st = commit(tmp[0], fin[0]);
     if (st == MST_OK) st = commit(tmp[1], fin[1]);
-    if (st == MST_OK) st = write_meta(tmp[2], cfg, step, data_rng, hm, ho);
+    if (st == MST_OK) st = write_meta(tmp[2], cfg, m->dist.ep ? m->dist.world : 1, step, data_rng, hm, ho);
     if (st == MST_OK) st = commit(tmp[2], fin[2]);
     free(p);
     return st;

@@ -13,6 +13,12 @@
  *                          ("config.<field>") and an FNV-1a hash of the data
  *                          of each tensor file
  *
+ * A run on W > 1 ranks writes one such directory per rank, DIR/rank-R, each
+ * with that rank's tensors (the replicated ones, and its shard of the
+ * experts: "layers.l.experts.w1" [E / W, 2F, H] holding experts
+ * [R E / W, (R + 1) E / W)) and a trainer.json naming W ("ranks"); it
+ * resumes on W ranks only.
+ *
  * trainer.json is written last, each file under a temporary name renamed
  * into place: a directory without it is not a checkpoint. Loading checks the
  * format version, every tensor's name, dtype and shape against the model, the
@@ -33,6 +39,7 @@ enum { MST_CKPT_VERSION = 1 };
 typedef struct mst_ckpt_meta {
     mst_train_config cfg;
     int64_t step;             /* optimizer steps done                      */
+    int32_t ranks;            /* W of the run that wrote it (1: one rank)  */
     uint64_t data_rng;        /* mst_data.rng after `step` steps           */
     char policy[512];         /* cfg.mem.policy ("" when NULL)             */
     char data_path[4096];     /* cfg.data_path ("" when synthetic)         */
@@ -43,7 +50,8 @@ typedef struct mst_ckpt_meta {
  * parent, when missing). */
 mst_status mst_ckpt_save(mst_model* m, const mst_train_config* cfg, int64_t step, uint64_t data_rng,
                          const char* dir);
-/* Reads dir/trainer.json. */
+/* Reads dir/trainer.json, or dir/rank-0/trainer.json where the run had
+ * several ranks. */
 mst_status mst_ckpt_read_meta(const char* dir, mst_ckpt_meta* out);
 /* Loads the tensors of dir into m (built from the checkpoint's config). */
 mst_status mst_ckpt_load(mst_model* m, const char* dir);

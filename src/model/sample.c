@@ -61,6 +61,9 @@ mst_status mst_sampler_create(const char* dir, int64_t max_tokens, mst_sampler**
         return mst_set_error(MST_ERR_INVALID, "sample: %lld tokens: expected 1 .. %d", (long long)max_tokens, 1 << 24);
     mst_ckpt_meta meta;
     MST_TRY(mst_ckpt_read_meta(dir, &meta));
+    if (meta.ranks > 1)
+        return mst_set_error(MST_ERR_UNSUPPORTED, "checkpoint '%s': saved by %d ranks (each holds a shard of the "
+                             "experts); sampling reads a one-rank checkpoint", dir, meta.ranks);
     mst_sampler* s = (mst_sampler*)calloc(1, sizeof *s);
     if (!s) return mst_set_error(MST_ERR_OOM, "sampler");
     s->cfg = meta.cfg.model;

@@ -153,9 +153,10 @@ static mst_status evaluate(mst_model* m, mst_data* e, const mst_train_config* cf
 /* DIR/step-N (or DIR/final) of the run after `step`; rng: the sampler's
  * state before the next step's batches were drawn. */
 static mst_status save(mst_model* m, const mst_train_config* cfg, int64_t step, uint64_t rng, int final) {
-    char dir[4200];
-    if (final) snprintf(dir, sizeof dir, "%s/final", cfg->save_dir);
-    else snprintf(dir, sizeof dir, "%s/step-%lld", cfg->save_dir, (long long)step);
+    char dir[4200], rank[16] = "";
+    if (m->dist.ep) snprintf(rank, sizeof rank, "/rank-%d", m->dist.rank); /* W ranks: a directory each */
+    if (final) snprintf(dir, sizeof dir, "%s/final%s", cfg->save_dir, rank);
+    else snprintf(dir, sizeof dir, "%s/step-%lld%s", cfg->save_dir, (long long)step, rank);
     return mst_ckpt_save(m, cfg, step, rng, dir);
 }
 
@@ -480,7 +481,14 @@ static mst_status train_loop(mst_model* m, mst_data* d, mst_data* e, const mst_t
  * its step. */
 static mst_status resume(mst_model* m, const mst_train_config* cfg, mst_data* d, mst_train_result* res) {
     mst_ckpt_meta meta;
-    MST_TRY(mst_ckpt_read_meta(cfg->resume_dir, &meta));
+    const int32_t W = m->dist.ep ? m->dist.world : 1;
+    char dir[4200];
+    if (W > 1) snprintf(dir, sizeof dir, "%s/rank-%d", cfg->resume_dir, m->dist.rank);
+    else snprintf(dir, sizeof dir, "%s", cfg->resume_dir);
+    MST_TRY(mst_ckpt_read_meta(dir, &meta));
+    if (meta.ranks != W)
+        return mst_set_error(MST_ERR_INVALID, "--resume '%s': saved by %d rank%s, this run has %d", cfg->resume_dir,
+                             meta.ranks, meta.ranks == 1 ? "" : "s", W);
     if (memcmp(&meta.cfg.model, &cfg->model, sizeof cfg->model) != 0 || meta.cfg.microbatches != cfg->microbatches ||
         meta.cfg.eval_fraction != cfg->eval_fraction)
         return mst_set_error(MST_ERR_INVALID, "--resume '%s': the checkpoint is of another configuration (model, "
@@ -488,7 +496,7 @@ static mst_status resume(mst_model* m, const mst_train_config* cfg, mst_data* d,
     if (meta.step >= cfg->steps)
         return mst_set_error(MST_ERR_INVALID, "--resume '%s': the checkpoint is at step %lld, --steps %lld leaves "
                              "nothing to do", cfg->resume_dir, (long long)meta.step, (long long)cfg->steps);
-    MST_TRY(mst_ckpt_load(m, cfg->resume_dir));
+    MST_TRY(mst_ckpt_load(m, dir));
     d->rng = meta.data_rng;
     res->first_step = meta.step + 1;
     return MST_OK;
@@ -510,11 +518,9 @@ static mst_status plan_budget(mst_ctx_t* ctx, const mst_train_config** cfg, mst_
 mst_status mst_train_run(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* progress,
                          mst_train_result* res) {
     if (cfg->steps < 1) return mst_set_error(MST_ERR_INVALID, "--steps %lld: expected >= 1", (long long)cfg->steps);
-    const char* one_rank = cfg->save_dir ? "--save" : cfg->resume_dir ? "--resume" : cfg->memory_budget ? "--memory-budget"
-                           : NULL;
-    if (cfg->dist.ep && one_rank)
-        return mst_set_error(MST_ERR_INVALID, "%s: not on %d ranks (checkpoints and the planner's probe are one rank's)",
-                             one_rank, cfg->dist.world);
+    if (cfg->dist.ep && cfg->memory_budget)
+        return mst_set_error(MST_ERR_INVALID, "--memory-budget: not on %d ranks (the planner's probe is one rank's)",
+                             cfg->dist.world);
     MST_TRY(mst_model_config_check(&cfg->model));
     MST_TRY(alloc_result(res, cfg->steps));
     mst_data d, e = {0};

@@ -61,7 +61,6 @@ bad "--recompute-granularity 'half'" train --recompute-granularity half
 # train on N ranks
 bad "--gpus '0'" train --backend cpu --gpus 0
 bad "--ep '3': on --gpus N ranks" train --backend cpu --gpus 2 --ep 3
-bad "--save '$tmp/ck': not with --gpus" train --backend cpu --gpus 2 --save "$tmp/ck"
 bad "--experts 6" train --backend cpu --gpus 4 --experts 6
 bad "--memory-budget '1048576': not with --gpus" train --backend cpu --gpus 2 --memory-budget 1MiB
 bad "--attention 'fast'" train --attention fast
@@ -144,6 +143,21 @@ good "memory (MiB), max over the ranks" train --backend cpu --gpus 2 --steps 2 -
 if [ -s "$tmp/ranks-tl.svg" ] && [ -s "$tmp/ranks-tl-keep.svg" ] && [ -s "$tmp/ranks-loss.svg" ] &&
   grep -q "</svg>" "$tmp/ranks-loss.svg"; then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL: --gpus 2 --timeline/--plot: no SVGs"; fi
 good "bit-identical" train --backend cpu --gpus 2 --check-policies --steps 2 --seq 8 --batch 1 --layers 1
+# checkpoints on 2 ranks: a directory per rank; the run resumed from step 2 ends with the losses of steps
+# 3-4 and the weights hash of the run that went through; another rank count or sampling is refused
+r2="--backend cpu --gpus 2 --seq 8 --batch 1 --layers 1 --quiet"
+if timeout 120 "$bin" train $r2 --steps 4 --save "$tmp/ck2" --save-every 2 --json "$tmp/ck2-a.json" >/dev/null 2>&1 &&
+  [ -s "$tmp/ck2/step-2/rank-1/model.safetensors" ] &&
+  timeout 120 "$bin" train --backend cpu --gpus 2 --resume "$tmp/ck2/step-2" --quiet --json "$tmp/ck2-b.json" >/dev/null 2>&1 &&
+  python3 -c "import json,sys; a=json.load(open('$tmp/ck2-a.json')); b=json.load(open('$tmp/ck2-b.json')); sys.exit(0 if a['loss'][2:]==b['loss'][-2:] and len(b['loss'])>=2 and a['weights_hash']==b['weights_hash'] else 1)"; then
+  passed=$((passed + 1))
+else
+  failed=$((failed + 1))
+  echo "FAIL: train --gpus 2 --save, then --resume step-2: not the losses and weights of the run that went through"
+fi
+bad "saved by 2 ranks, this run has 1" train --backend cpu --resume "$tmp/ck2/step-2"
+bad "saved by 2 ranks, this run has 4" train --backend cpu --gpus 4 --resume "$tmp/ck2/step-2"
+bad "saved by 2 ranks" sample --checkpoint "$tmp/ck2/final" --prompt ab --tokens 2
 corpus=$tmp/a\"corpus.txt # a quote in the name: escaped in the JSON
 for i in $(seq 200); do echo "the quick brown fox jumps over the lazy dog $i"; done >"$corpus"
 good "loss" train --backend=cpu --steps=2 --seq=8 --batch=2 --layers=1 --quiet --data="$corpus" --json="$tmp/run.json"
