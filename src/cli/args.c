@@ -248,3 +248,9 @@ const char* mst_args_find(int argc, char** argv, const char* name) {
     }
     return NULL;
 }
+
+int mst_args_help(int argc, char** argv) {
+    for (int i = 0; i < argc; i++)
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) return 1;
+    return 0;
+}

@@ -85,5 +85,8 @@ const char* mst_backend_unavailable_why(mst_backend_kind kind);
  * flag read before the others (train's --backend picks the defaults); NULL
  * when absent. */
 const char* mst_args_find(int argc, char** argv, const char* name);
+/* 1 when --help or -h stands anywhere in argv (asked for before the other
+ * flags are checked). */
+int mst_args_help(int argc, char** argv);
 
 #endif

@@ -54,11 +54,10 @@ static int parse(int argc, char** argv, sample_cli* s) {
 }
 
 int mst_cmd_sample(int argc, char** argv) {
-    for (int i = 0; i < argc; i++)
-        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
-            help();
-            return 0;
-        }
+    if (mst_args_help(argc, argv)) {
+        help();
+        return 0;
+    }
     sample_cli s = {NULL, NULL, 100, 40, 1, 0.8};
     if (parse(argc, argv, &s)) return 2;
     const int64_t n_prompt = (int64_t)strlen(s.prompt);

@@ -290,13 +290,8 @@ static int resumed(int argc, char** argv, train_cli* t, mst_ckpt_meta* meta) {
     }
     if (mst_ckpt_read_meta(t->cfg.resume_dir, meta) != MST_OK)
         return mst_cli_bad("moestash train", "--resume", t->cfg.resume_dir, mst_last_error());
-    const int64_t W = t->gpus > 1 ? t->gpus : 1;
-    if (meta->ranks != W) {
-        char why[96];
-        snprintf(why, sizeof why, "saved by %d rank%s, this run has %lld", meta->ranks, meta->ranks == 1 ? "" : "s",
-                 (long long)W);
-        return mst_cli_bad("moestash train", "--resume", t->cfg.resume_dir, why);
-    }
+    if (mst_ckpt_check_ranks(meta, t->cfg.resume_dir, t->gpus > 1 ? (int32_t)t->gpus : 1) != MST_OK)
+        return mst_cli_bad("moestash train", "--resume", t->cfg.resume_dir, mst_last_error());
     mst_train_config c = meta->cfg;
     if (mst_args_find(argc, argv, "--steps")) c.steps = t->cfg.steps;
     c.resume_dir = t->cfg.resume_dir, c.save_dir = t->cfg.save_dir, c.save_every = t->cfg.save_every;
@@ -402,11 +397,10 @@ static int rank_comm(train_cli* t, mst_ctx_t* ctx, mst_ep_t** ep) {
 }
 
 int mst_cmd_train(int argc, char** argv) {
-    for (int i = 0; i < argc; i++)
-        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
-            mst_train_help();
-            return 0;
-        }
+    if (mst_args_help(argc, argv)) {
+        mst_train_help();
+        return 0;
+    }
     train_cli t = {0};
     /* --backend first: it picks the defaults the other flags override (and
      * parse() checks its value) */

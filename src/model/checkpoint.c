@@ -449,6 +449,12 @@ static void meta_path(const char* dir, char* path, size_t cap) {
     if (!f) snprintf(path, cap, "%s/trainer.json", dir);
 }
 
+mst_status mst_ckpt_check_ranks(const mst_ckpt_meta* meta, const char* dir, int32_t ranks) {
+    if (meta->ranks == ranks) return MST_OK;
+    return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': saved by %d rank%s, this run has %d", dir, meta->ranks,
+                         meta->ranks == 1 ? "" : "s", ranks);
+}
+
 mst_status mst_ckpt_read_meta(const char* dir, mst_ckpt_meta* out) {
     char path[4200];
     meta_path(dir, path, sizeof path);

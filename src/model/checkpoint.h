@@ -53,6 +53,9 @@ mst_status mst_ckpt_save(mst_model* m, const mst_train_config* cfg, int64_t step
 /* Reads dir/trainer.json, or dir/rank-0/trainer.json where the run had
  * several ranks. */
 mst_status mst_ckpt_read_meta(const char* dir, mst_ckpt_meta* out);
+/* MST_ERR_INVALID naming dir unless the checkpoint was saved by `ranks`
+ * ranks (its meta's). */
+mst_status mst_ckpt_check_ranks(const mst_ckpt_meta* meta, const char* dir, int32_t ranks);
 /* Loads the tensors of dir into m (built from the checkpoint's config). */
 mst_status mst_ckpt_load(mst_model* m, const char* dir);
 /* One bf16 weight of dir/model.safetensors by name, n elements, as fp32

@@ -486,9 +486,7 @@ static mst_status resume(mst_model* m, const mst_train_config* cfg, mst_data* d,
     if (W > 1) snprintf(dir, sizeof dir, "%s/rank-%d", cfg->resume_dir, m->dist.rank);
     else snprintf(dir, sizeof dir, "%s", cfg->resume_dir);
     MST_TRY(mst_ckpt_read_meta(dir, &meta));
-    if (meta.ranks != W)
-        return mst_set_error(MST_ERR_INVALID, "--resume '%s': saved by %d rank%s, this run has %d", cfg->resume_dir,
-                             meta.ranks, meta.ranks == 1 ? "" : "s", W);
+    MST_TRY(mst_ckpt_check_ranks(&meta, cfg->resume_dir, W));
     if (memcmp(&meta.cfg.model, &cfg->model, sizeof cfg->model) != 0 || meta.cfg.microbatches != cfg->microbatches ||
         meta.cfg.eval_fraction != cfg->eval_fraction)
         return mst_set_error(MST_ERR_INVALID, "--resume '%s': the checkpoint is of another configuration (model, "
