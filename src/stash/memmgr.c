@@ -312,7 +312,7 @@ mst_status mst_memmgr_saved_rows(const mst_memmgr_t* m, int32_t layer, int32_t m
     MST_TRY(mst_mm_check_layer_mb(m, layer, mb));
     *rows = 0;
     for (int n = 0; n < MST_N_SAVED; n++) {
-        const int64_t r = m->slots[((int64_t)layer * m->cfg.n_microbatches + mb) * MST_N_SAVED + n].n_rows;
+        const int64_t r = slot_of(m, layer, mb, (mst_saved_name)n)->n_rows;
         *rows = r > *rows ? r : *rows;
     }
     return MST_OK;

@@ -170,7 +170,7 @@ static inline size_t buf_bytes(const mst_memmgr_t* m, mst_saved_name n) {
 static inline mst_policy policy_of(const mst_memmgr_t* m, int32_t l, mst_saved_name n) {
     return m->policy[l * MST_N_SAVED + n];
 }
-static inline slot* slot_of(mst_memmgr_t* m, int32_t l, int32_t mb, mst_saved_name n) {
+static inline slot* slot_of(const mst_memmgr_t* m, int32_t l, int32_t mb, mst_saved_name n) {
     return &m->slots[((int64_t)l * m->cfg.n_microbatches + mb) * MST_N_SAVED + n];
 }
 /* The KEEP buffer of (layer, mb, name): its activation set's. */
