@@ -16,23 +16,16 @@
  * two more (q k^T and dO v^T again in its dq pass) that are not counted.
  * Memory: what forward saves for backward, and the backward's scratch.
  */
-#define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <time.h>
 
 #include "backend/model_backend.h"
 #include "cli/args.h"
 #include "cli/cli.h"
+#include "core/clock.h"
 #include "core/context.h"
 #include "core/rng.h"
-
-static double now_s(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 typedef struct attn_fig {
     int64_t T;
@@ -103,10 +96,10 @@ static mst_status time_op(mst_ctx_t* ctx, mst_status (*op)(mst_ctx_t*, const mst
                           const mst_attn_args* a, int reps, double* ms) {
     MST_TRY(op(ctx, a));
     MST_TRY(mst_ctx_sync(ctx));
-    const double t0 = now_s();
+    const double t0 = mst_clock_s();
     for (int i = 0; i < reps; i++) MST_TRY(op(ctx, a));
     MST_TRY(mst_ctx_sync(ctx));
-    *ms = 1e3 * (now_s() - t0) / reps;
+    *ms = 1e3 * (mst_clock_s() - t0) / reps;
     return MST_OK;
 }
 

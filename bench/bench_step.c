@@ -17,15 +17,14 @@
  * beside it, so that clocks and temperature drift out of the ratio.
  * --only LABEL runs KEEP and the case of that label only (e.g. "offload").
  */
-#define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "cli/args.h"
 #include "cli/cli.h"
+#include "core/clock.h"
 #include "core/context.h"
 #include "core/rng.h"
 #include "mlp_stack.h"
@@ -70,12 +69,6 @@ typedef struct step_result {
     mst_mem_report_t rep;
     uint64_t hash;         /* of main_grads and dprobs                         */
 } step_result;
-
-static double now_ms(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
-}
 
 static int cmp_double(const void* a, const void* b) {
     double x = *(const double*)a, y = *(const double*)b;
@@ -129,10 +122,10 @@ static mst_status prepare_case(mst_ctx_t* ctx, mst_stack* s, const mst_sched_ent
     MST_TRY(mst_memmgr_create(ctx, &mc, &run->mm));
     s->mm = run->mm;
     MST_TRY(mst_memmgr_set_policy_spec(s->mm, c->policy));
-    double t0 = now_ms();
+    double t0 = 1e3 * mst_clock_s();
     MST_TRY(mst_stack_step(s, sch, n, 1));
     MST_TRY(mst_ctx_sync(ctx));
-    r->exact_ms = now_ms() - t0;
+    r->exact_ms = 1e3 * mst_clock_s() - t0;
     MST_TRY(mst_memmgr_step_check(s->mm));
 #ifdef MST_HAVE_CUDA
     if (mst_ctx_backend(ctx) == MST_BACKEND_CUDA) {
@@ -176,10 +169,10 @@ static mst_status replay(mst_ctx_t* ctx, mst_stack* s, const mst_sched_entry* sc
     }
 #endif
     s->mm = run->mm;
-    double t0 = now_ms();
+    double t0 = 1e3 * mst_clock_s();
     MST_TRY(mst_stack_step(s, sch, n, 0));
     MST_TRY(mst_ctx_sync(ctx));
-    *ms = now_ms() - t0;
+    *ms = 1e3 * mst_clock_s() - t0;
     return MST_OK;
 }
 
@@ -246,11 +239,11 @@ static void pinned_roof(mst_ctx_t* ctx, double* d2h, double* h2d) {
     for (int dir = 0; dir < 2; dir++) {
         double best = 1e30;
         for (int i = 0; i < 4; i++) {
-            double t0 = now_ms();
+            double t0 = 1e3 * mst_clock_s();
             if (dir) cudaMemcpyAsync(d, h, n, cudaMemcpyHostToDevice, st);
             else cudaMemcpyAsync(h, d, n, cudaMemcpyDeviceToHost, st);
             cudaStreamSynchronize(st);
-            double t = now_ms() - t0;
+            double t = 1e3 * mst_clock_s() - t0;
             if (i && t < best) best = t;
         }
         *(dir ? h2d : d2h) = n / best / 1e6;

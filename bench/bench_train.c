@@ -23,24 +23,17 @@
  * (bf16 in, fp32 accumulate) measured in the same run. --ops adds a per-op
  * time table of one eager sized step for each run (see op_table).
  */
-#define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "cli/args.h"
 #include "cli/cli.h"
+#include "core/clock.h"
 #include "core/context.h"
 #include "backend/model_backend.h"
 #include "model/model.h"
 #include "model/trainer.h"
-
-static double now_s(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 static int cmp_double(const void* a, const void* b) {
     double x = *(const double*)a, y = *(const double*)b;
@@ -77,12 +70,12 @@ static mst_status dense_tflops(mst_ctx_t* ctx, double* out) {
     for (int i = 0; i < 23 && st == MST_OK; i++) {
         if (i == 3) {
             st = mst_ctx_sync(ctx);
-            t0 = now_s();
+            t0 = mst_clock_s();
         }
         if (st == MST_OK) st = ops->mm(ctx, &g);
     }
     if (st == MST_OK) st = mst_ctx_sync(ctx);
-    if (st == MST_OK) *out = 20 * 2.0 * (double)n * n * n / (now_s() - t0) / 1e12;
+    if (st == MST_OK) *out = 20 * 2.0 * (double)n * n * n / (mst_clock_s() - t0) / 1e12;
     mst_free(ctx, a), mst_free(ctx, b), mst_free(ctx, c);
     return st;
 }
@@ -118,10 +111,10 @@ static void op_add(const char* name, double s) {
 #define TIMED(name, call)                       \
     do {                                        \
         g_be->sync(ctx);                        \
-        const double t0_ = now_s();             \
+        const double t0_ = mst_clock_s();             \
         const mst_status st_ = (call);          \
         g_be->sync(ctx);                        \
-        op_add(name, now_s() - t0_);            \
+        op_add(name, mst_clock_s() - t0_);            \
         return st_;                             \
     } while (0)
 #define WRAP_MODEL(slot, T) \
@@ -182,10 +175,10 @@ static mst_status op_table(mst_ctx_t* ctx, const mst_train_config* cfg, const ch
     double whole = 0;
     for (int i = 0; i < 3 && st == MST_OK; i++) {
         st = mst_model_upload(m, 0);
-        const double t0 = now_s();
+        const double t0 = mst_clock_s();
         if (st == MST_OK) st = mst_step_run(m, &cfg->optim, i == 0);
         if (st == MST_OK) st = mst_ctx_sync(ctx);
-        whole = now_s() - t0;
+        whole = mst_clock_s() - t0;
     }
     mst_backend wb;
     mst_model_backend wm;

@@ -21,6 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "core/clock.h"
 #include "args.h"
 #include "cli.h"
 #include "launch.h"
@@ -32,12 +33,6 @@ typedef struct hello {
     mst_backend_kind kind;
     int32_t gpus, rounds;
 } hello;
-
-static double now_s(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + t.tv_nsec * 1e-9;
-}
 
 static uint64_t fnv(const void* p, size_t n) {
     uint64_t h = 1469598103934665603ull;
@@ -55,7 +50,7 @@ static int run_cpu(hello* h) {
     mst_ep_id id;
     memset(&id, 0, sizeof id);
     if (h->l.rank == 0) {
-        const uint64_t seed[2] = {(uint64_t)now_s() * 1000003u, (uint64_t)getpid()};
+        const uint64_t seed[2] = {(uint64_t)mst_clock_s() * 1000003u, (uint64_t)getpid()};
         for (size_t i = 0; i < sizeof id.bytes; i++) id.bytes[i] = (char)(fnv(seed, sizeof seed) >> (i % 8 * 8)) + (char)i;
     }
     if (h->l.world > 1 && mst_ep_id_share(&id, h->l.rank, h->l.world, h->l.addr, h->l.port, h->l.timeout_ms) != MST_OK)

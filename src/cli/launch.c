@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "backend/backend.h" /* mst_cuda_device_count */
+#include "core/clock.h"
 #include "ep/ep.h"           /* mst_ep_free_port */
 
 enum { GRACE_MS = 5000, POLL_MS = 20, DEFAULT_RDZV_S = 300 };
@@ -129,12 +130,6 @@ void mst_launch_fail_point(const mst_launch* l, const char* where) {
 
 /* ---- the ranks this process starts -------------------------------------- */
 
-static int64_t now_ms(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
-}
-
 static void nap_ms(int ms) {
     struct timespec t = {ms / 1000, (long)(ms % 1000) * 1000000};
     nanosleep(&t, NULL);
@@ -206,7 +201,7 @@ static void stop_ranks(ranks* rs) {
     if (rs->kill_at >= 0) return;
     for (int r = 0; r < rs->n; r++)
         if (rs->pid[r] > 0) kill(rs->pid[r], SIGTERM);
-    rs->kill_at = now_ms() + GRACE_MS;
+    rs->kill_at = mst_clock_ms() + GRACE_MS;
 }
 
 /* Rank r has ended with status: the first failure stops the others. */
@@ -256,7 +251,7 @@ static void wait_ranks(ranks* rs) {
             continue;
         }
         if (p < 0 && errno != EINTR) return; /* no children left */
-        if (rs->kill_at >= 0 && now_ms() >= rs->kill_at) {
+        if (rs->kill_at >= 0 && mst_clock_ms() >= rs->kill_at) {
             for (int r = 0; r < rs->n; r++)
                 if (rs->pid[r] > 0) kill(rs->pid[r], SIGKILL);
             rs->kill_at = INT64_MAX; /* once */

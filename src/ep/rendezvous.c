@@ -20,20 +20,15 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../core/clock.h"
 #include "ep.h"
 
 enum { HELLO_MAGIC = 0x6d737465 /* "mste" */ };
 
-static int64_t now_ms(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
-}
-
 /* Waits until fd is ready for `events` or the deadline passes: 1 ready, 0 not. */
 static int wait_fd(int fd, short events, int64_t deadline) {
     for (;;) {
-        const int64_t left = deadline - now_ms();
+        const int64_t left = deadline - mst_clock_ms();
         if (left <= 0) return 0;
         struct pollfd p = {fd, events, 0};
         const int r = poll(&p, 1, (int)(left > 1000 ? 1000 : left));
@@ -134,7 +129,7 @@ static mst_status share_peer(mst_ep_id* id, int rank, int world, const char* hos
                                  host, port, timeout_ms);
         }
         if (fd >= 0) close(fd);
-        if (now_ms() >= deadline)
+        if (mst_clock_ms() >= deadline)
             return mst_set_error(MST_ERR_IO, "rank %d: no connection to rank 0 at %s:%d within %d ms", rank, host,
                                  port, timeout_ms);
         struct timespec nap = {0, 50 * 1000 * 1000};
@@ -163,7 +158,7 @@ mst_status mst_ep_id_share(mst_ep_id* id, int rank, int world, const char* host,
     if (port < 1 || port > 65535) return mst_set_error(MST_ERR_INVALID, "port = %d: must be in [1, 65535]", port);
     if (timeout_ms < 1) return mst_set_error(MST_ERR_INVALID, "timeout_ms = %d: must be >= 1", timeout_ms);
     if (world == 1) return MST_OK;
-    const int64_t deadline = now_ms() + timeout_ms;
+    const int64_t deadline = mst_clock_ms() + timeout_ms;
     return rank == 0 ? share_root(id, world, host, port, deadline, timeout_ms)
                      : share_peer(id, rank, world, host, port, deadline, timeout_ms);
 }

@@ -5,15 +5,9 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
+#include "../core/clock.h"
 #include "planner.h"
-
-static double now_s(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 static double mib(size_t b) { return (double)b / (1 << 20); }
 
@@ -33,7 +27,7 @@ typedef struct entry_clock {
 static mst_status tick(mst_model* m, int32_t entry, void* user) {
     entry_clock* c = (entry_clock*)user;
     MST_TRY(mst_ctx_sync(m->ctx));
-    const double t = now_s();
+    const double t = mst_clock_s();
     if (!m->sched[entry].backward) c->forward += t - c->last;
     c->last = t;
     return MST_OK;
@@ -59,12 +53,12 @@ static mst_status probe_steps(mst_model* m, const mst_train_config* cfg, mst_dat
     for (int k = 0; k < 4 && st == MST_OK; k++) { /* measuring, a warm-up, the least of two timed */
         st = mst_model_upload(m, 0);
         if (st == MST_OK) st = mst_ctx_sync(m->ctx);
-        entry_clock c = {now_s(), 0};
+        entry_clock c = {mst_clock_s(), 0};
         m->after_entry = k >= 2 ? tick : NULL, m->after_entry_user = &c;
-        const double t0 = now_s();
+        const double t0 = mst_clock_s();
         if (st == MST_OK) st = mst_step_run(m, &cfg->optim, k == 0);
         if (st == MST_OK) st = mst_ctx_sync(m->ctx);
-        const double t = now_s() - t0;
+        const double t = mst_clock_s() - t0;
         m->after_entry = NULL;
         if (k >= 2 && (k == 2 || t < *t_step)) *t_step = t, forward = c.forward;
         if (st == MST_OK) st = mst_memmgr_step_check(m->mm);
@@ -86,11 +80,11 @@ static mst_status bandwidths(mst_ctx_t* ctx, size_t bytes, double* dev_bw, doubl
     for (int rep = 0; rep < 3 && st == MST_OK; rep++) /* the first is a warm-up */
         for (int k = 0; k < 3 && st == MST_OK; k++) {
             st = mst_ctx_sync(ctx);
-            const double t0 = now_s();
+            const double t0 = mst_clock_s();
             if (st == MST_OK) st = k == 0 ? mst_copy_b2b(ctx, b, a, bytes) : k == 1 ? mst_copy_b2h(ctx, h, a, bytes)
                                                                                     : mst_copy_h2b(ctx, b, h, bytes);
             if (st == MST_OK) st = mst_ctx_sync(ctx);
-            if (rep) t[k] += now_s() - t0;
+            if (rep) t[k] += mst_clock_s() - t0;
         }
     *dev_bw = 2.0 * (double)bytes / (t[0] > 0 ? t[0] : 1e-9);
     *host_bw = 4.0 * (double)bytes / (t[1] + t[2] > 0 ? t[1] + t[2] : 1e-9);

@@ -14,18 +14,12 @@
  */
 #include <math.h>
 #include <string.h>
-#include <time.h>
 
+#include "../core/clock.h"
 #include "checkpoint.h"
 #include "planner.h"
 #include "plot.h"
 #include "trainer.h"
-
-static double now_s(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 /* The largest group of any layer so far (host read: the rerun path only). */
 static mst_status exact_rows(mst_model* m, int64_t* rows) {
@@ -440,15 +434,15 @@ static mst_status train_loop(mst_model* m, mst_data* d, mst_data* e, const mst_t
     const int64_t every = cfg->log_every > 0 ? cfg->log_every : 1;
     int32_t* tok = (int32_t*)malloc(sizeof(int32_t) * (size_t)(per * cfg->microbatches));
     if (!tok) return mst_set_error(MST_ERR_OOM, "token batch");
-    const double t0 = now_s();
+    const double t0 = mst_clock_s();
     mst_status st = stage_next(m, d, cfg, tok, res->first_step);
     uint64_t rng = d->rng; /* the sampler before the next step's batches */
     for (int64_t i = res->first_step - 1; i < cfg->steps && st == MST_OK; i++) {
-        double ts = now_s();
+        double ts = mst_clock_s();
         rng = d->rng;
         st = one_step(m, d, cfg, tok, i + 1, res);
         if (st != MST_OK) break;
-        res->tok_per_s[i] = tokens / (now_s() - ts);
+        res->tok_per_s[i] = tokens / (mst_clock_s() - ts);
         if (e && ((cfg->eval_every > 0 && (i + 1) % cfg->eval_every == 0) || i + 1 == cfg->steps))
             st = evaluate(m, e, cfg, tok, i + 1, res, &res->eval_loss[i]);
         if (st == MST_OK && cfg->save_dir && cfg->save_every > 0 && (i + 1) % cfg->save_every == 0)
@@ -466,7 +460,7 @@ static mst_status train_loop(mst_model* m, mst_data* d, mst_data* e, const mst_t
             fflush(progress);
         }
     }
-    res->seconds = now_s() - t0;
+    res->seconds = mst_clock_s() - t0;
     free(tok);
     if (st == MST_OK && cfg->save_dir) st = save(m, cfg, cfg->steps, rng, 1);
     if (st == MST_OK && cfg->plot_path && m->dist.rank == 0) st = plot(cfg, res); /* W ranks: the same curves */
