@@ -6,7 +6,8 @@
 # files); a short table is printed last.
 # usage: scripts/gpu-check.sh [tests|bench|python|all|ep] [bench names...]   (default: all)
 #   ep: expert parallelism on this machine's GPUs (needs >= 2): the EP tests
-#   over NCCL and `bench ep` (see the ep section below).
+#   over NCCL, the trainer on all GPUs (scripts/ep-train-check.sh) and
+#   `bench ep` (see the ep section below).
 # MST_SANITIZE_GPU="test_a test_b" runs compute-sanitizer memcheck over those
 # GPU tests (MST_SANITIZE_GPU=1: every one).
 set -uo pipefail
@@ -112,7 +113,7 @@ if [ "$what" = ep ]; then
   rc=$?
   tail -14 "$out/ep-test.log"
   summary+=("test_ep cuda: $(case $rc in 0) echo ok;; 77) echo "SKIPPED (fewer than 2 GPUs)";; *) echo "FAILED rc $rc (see ep-test.log)";; esac) $(tail -1 "$out/ep-test.log")")
-  if [ $rc = 0 ]; then
+  if [ $rc = 0 ] && [ "${MST_EP_MEMCHECK:-1}" = 1 ]; then  # MST_EP_MEMCHECK=0 skips it
     timeout 900 compute-sanitizer --tool memcheck --error-exitcode 1 ./build-gpu/test_ep --backend cuda >"$out/ep-memcheck.log" 2>&1
     summary+=("test_ep memcheck: $([ $? = 0 ] && echo clean || echo "ERRORS (see ep-memcheck.log)")")
   fi
@@ -120,6 +121,10 @@ if [ "$what" = ep ]; then
   # torchrun, a rank crashing or killed mid-run, train --gpus 2 vs --ep 2
   timeout 900 bash tests/cli/test_launch_gpu.sh ./build-gpu/moestash >"$out/launch-gpu.log" 2>&1
   summary+=("launch_gpu: $(tail -1 "$out/launch-gpu.log")")
+  # the trainer on all GPUs: loss against one GPU, STASH vs KEEP, resume, torchrun
+  scripts/ep-train-check.sh ./build-gpu/moestash >"$out/ep-train-check.log" 2>&1
+  summary+=("ep-train-check: $([ $? = 0 ] && echo ok || echo 'FAILED (see ep-train-check.log)')")
+  cat "$out/ep-train-check.log"
   if ./build-gpu/moestash bench ep --help >/dev/null 2>&1; then
     timeout 900 ./build-gpu/moestash bench ep --json "$out/bench-ep.json" >"$out/bench-ep.log" 2>&1
     summary+=("bench ep: $([ $? = 0 ] && echo ok || echo 'FAILED (see bench-ep.log)')")

@@ -727,6 +727,10 @@ mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
     json_mem(f, "run", r->mem.run);
     json_mem(f, "keep_static", r->mem.keep);
     json_mem(f, "exact_shapes", r->mem.exact);
+    if (r->world > 1) { /* each entry's max over the ranks */
+        json_mem(f, "run_max_over_ranks", r->mem_max.run);
+        fprintf(f, "    \"backend_peak_max_over_ranks\": %zu,\n", r->mem_max.peak);
+    }
     const mst_mem_report_t* q = &r->mem.manager;
     fprintf(f, "    \"dev_pages_peak\": %zu,\n    \"host_pages_peak\": %zu,\n    \"backend_peak\": %zu,\n",
             r->mem.dev_pages_peak, r->mem.host_pages_peak, r->mem.peak);

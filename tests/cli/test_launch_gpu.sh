@@ -7,7 +7,8 @@
 #   - a rank that aborts mid-run, or is killed from outside, while the others
 #     wait for it inside NCCL: the launcher exits 1 within 30 s naming it, and
 #     no rank process is left;
-#   - train --gpus 2 against one GPU with the same global batch and --ep 2:
+#   - train --gpus N (all GPUs) against one GPU with the same global batch
+#     and --ep N:
 #     the losses of 10 steps agree within 1e-3 relative (the contract of
 #     test_train_ep: the replicated gradients are summed in another order,
 #     so the runs drift apart by rounding).
@@ -60,17 +61,17 @@ kill "$guard" 2>/dev/null
 if [ $rc = 1 ] && [ $dt -le 30 ] && grep -qF "rank 1 of $n failed (killed by signal 9" "$tmp/err" && gone $(rank_pids); then ok
 else no "kill -9 of rank 1 mid-run -> launcher exit $rc after $dt s (want 1 within 30 s, no rank left)"; fi
 
-# train on 2 GPUs against one GPU with the same global batch and --ep 2
+# train on N GPUs against one GPU with the same global batch and --ep N
 common=(train --backend cuda --steps 10 --log-every 10 --layers 2 --hidden 256 --ffn 512 --heads 4 --seq 128)
-timeout 300 "$bin" "${common[@]}" --gpus 2 --batch 4 --json "$tmp/two.json" >"$tmp/out" 2>"$tmp/err"
+timeout 300 "$bin" "${common[@]}" --gpus "$n" --batch 4 --json "$tmp/two.json" >"$tmp/out" 2>"$tmp/err"
 rc2=$?
-timeout 300 "$bin" "${common[@]}" --ep 2 --batch 8 --json "$tmp/one.json" >>"$tmp/out" 2>>"$tmp/err"
+timeout 300 "$bin" "${common[@]}" --ep "$n" --batch $((4 * n)) --json "$tmp/one.json" >>"$tmp/out" 2>>"$tmp/err"
 rc1=$?
 losses() { tr -d '\n ' <"$1" | grep -oE '"loss":\[[^]]*\]' | head -1 | sed 's/.*\[//; s/\]//' | tr ',' '\n'; }
 if [ $rc2 = 0 ] && [ $rc1 = 0 ] && [ "$(losses "$tmp/two.json" | wc -l)" = 10 ] &&
   paste <(losses "$tmp/two.json") <(losses "$tmp/one.json") |
   awk '{ d = $1 - $2; if (d < 0) d = -d; r = d / ($2 < 0 ? -$2 : $2); if (r > m) m = r } END { print "  max relative loss difference " m; exit !(m <= 1e-3) }'; then ok
-else no "train --gpus 2 (exit $rc2) vs --ep 2 on one GPU (exit $rc1): 10 losses within 1e-3 relative"; fi
+else no "train --gpus $n (exit $rc2) vs --ep $n on one GPU (exit $rc1): 10 losses within 1e-3 relative"; fi
 
 echo "launch_gpu: $passed passed, $failed failed"
 [ $failed = 0 ]

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The trainer on this machine's GPUs (N = all of them, >= 2), one process per
+# GPU; a measurement, not a CTest (tests/cli/test_launch_gpu.sh is the test):
+#   loss:    train --gpus N against one GPU with the same global batch and
+#            --ep N, 20 steps at the CUDA default size, graphs on: the max
+#            relative loss difference (bf16 weights: the replicated gradients
+#            are summed in another order, so the runs drift by rounding);
+#   policy:  keep and stash on N GPUs, 30 steps, graphs on: median tokens/s
+#            of steps 11-30, STASH/KEEP step time and the peak over the ranks;
+#   resume:  --save at step 2 of 4, --resume: steps 3-4 and the weights hash
+#            against the run that went straight through;
+#   torchrun: the same binary under torchrun --no-python (when installed).
+# Prints one line per check and exits 1 when a run failed.
+# usage: scripts/ep-train-check.sh MOESTASH
+set -uo pipefail
+bin=$1
+n=$(nvidia-smi -L 2>/dev/null | wc -l)
+[ "$n" -ge 2 ] || { echo "skipped: $n GPUs"; exit 77; }
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+bad=0
+run() { # name, args...: a train run, its JSON in $tmp/name.json
+  local name=$1
+  shift
+  if ! timeout 600 "$bin" train --backend cuda "$@" --json "$tmp/$name.json" >"$tmp/$name.out" 2>"$tmp/$name.err"; then
+    echo "FAILED: train $* (exit $?)"
+    tail -5 "$tmp/$name.err"
+    bad=1
+    return 1
+  fi
+}
+field() { python3 -c "import json,sys; d=json.load(open('$tmp/$1.json')); print($2)"; }
+
+# ---- loss: N GPUs vs one GPU with --ep N ----
+if run gpus --gpus "$n" --batch 4 --steps 20 --log-every 20 && run one --ep "$n" --batch $((4 * n)) --steps 20 --log-every 20; then
+  python3 - "$tmp/gpus.json" "$tmp/one.json" "$n" <<'EOF'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+rel = [abs(x - y) / abs(y) for x, y in zip(a["loss"], b["loss"])]
+print(f"loss: train --gpus {sys.argv[3]} vs one GPU --ep {sys.argv[3]}, 20 steps: step 1 "
+      f"{'bit-identical' if a['loss'][0] == b['loss'][0] else 'differs'}, max relative loss difference "
+      f"{max(rel):.2e} (step {rel.index(max(rel)) + 1}); loss {b['loss'][0]:.4f} -> {b['loss'][-1]:.4f} (one GPU), "
+      f"{a['loss'][-1]:.4f} ({a['ranks']} GPUs); captures {a['captures']}, replays {a['replays']}, reruns {a['reruns']}")
+EOF
+fi
+
+# ---- policy: STASH against KEEP on N GPUs ----
+for p in keep stash; do run "$p" --gpus "$n" --steps 30 --log-every 30 --policy "$p"; done
+if [ -f "$tmp/keep.json" ] && [ -f "$tmp/stash.json" ]; then
+  python3 - "$tmp/keep.json" "$tmp/stash.json" "$n" <<'EOF'
+import json, statistics, sys
+k, s = (json.load(open(p)) for p in sys.argv[1:3])
+tk, ts = (statistics.median(d["tokens_per_s"][10:]) for d in (k, s))
+def peak(d): return d["memory_bytes"]["backend_peak_max_over_ranks"] / 2**30
+def mlp(d): return sum(v for r, v in d["memory_bytes"]["run_max_over_ranks"].items() if "grouped MLP" in r) / 2**20
+print(f"policy on {sys.argv[3]} GPUs (CUDA default size, batch 16 per rank, graphs on, median of steps 11-30): "
+      f"keep {tk:,.0f} tok/s, stash {ts:,.0f} tok/s, STASH/KEEP step time {tk / ts:.3f}; peak over ranks "
+      f"keep {peak(k):.2f} GiB, stash {peak(s):.2f} GiB; grouped-MLP saved keep {mlp(k):.1f} MiB, stash {mlp(s):.1f} MiB; "
+      f"losses {'bit-identical' if k['loss'] == s['loss'] else 'DIFFER'}; weights hash "
+      f"{'same' if k['weights_hash'] == s['weights_hash'] else 'DIFFERS'}; captures {k['captures']}/{s['captures']}, "
+      f"reruns {k['reruns']}/{s['reruns']}")
+EOF
+fi
+
+# ---- resume: checkpoints of N ranks ----
+small=(--gpus "$n" --batch 4 --layers 2 --log-every 4)
+if run straight "${small[@]}" --steps 4 && run first "${small[@]}" --steps 4 --save "$tmp/ck" --save-every 2 &&
+  run second --resume "$tmp/ck/step-2" --steps 4 --log-every 4 --gpus "$n"; then
+  python3 - "$tmp/straight.json" "$tmp/second.json" "$n" <<'EOF'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+same = a["loss"][2:] == b["loss"][-2:] and a["weights_hash"] == b["weights_hash"]
+print(f"resume on {sys.argv[3]} GPUs: saved at step 2, resumed to 4: losses of steps 3-4 and the weights hash "
+      f"{'bit-identical to' if same else 'DIFFER from'} the run straight through "
+      f"({a['loss'][2:]} vs {b['loss'][-2:]}, {a['weights_hash']} vs {b['weights_hash']})")
+  if not same: sys.exit(1)
+EOF
+  [ $? = 0 ] || bad=1
+fi
+
+# ---- torchrun ----
+if command -v torchrun >/dev/null; then
+  if timeout 300 torchrun --no-python --nproc-per-node "$n" "$bin" train --backend cuda --batch 4 --steps 5 \
+    --log-every 5 >"$tmp/tr.out" 2>"$tmp/tr.err"; then
+    echo "torchrun --nproc-per-node $n: ok, $(grep -E '^loss ' "$tmp/tr.out" | tail -1)"
+  else
+    echo "FAILED: torchrun --nproc-per-node $n moestash train (exit $?)"
+    tail -5 "$tmp/tr.err"
+    bad=1
+  fi
+fi
+exit $bad
