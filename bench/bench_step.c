@@ -118,7 +118,7 @@ static mst_status prepare_case(mst_ctx_t* ctx, mst_stack* s, const mst_sched_ent
     memset(run, 0, sizeof *run);
     r->c = c;
     mst_memmgr_config mc = {sh->layers, sh->micro, 1, s->max_rows, sh->hidden, sh->ffn, sch, n, 64,
-                            c->dev_factor, c->host_factor};
+                            c->dev_factor, c->host_factor, NULL, NULL};
     MST_TRY(mst_memmgr_create(ctx, &mc, &run->mm));
     s->mm = run->mm;
     MST_TRY(mst_memmgr_set_policy_spec(s->mm, c->policy));

@@ -569,6 +569,13 @@ typedef struct mst_memmgr_config {
     int32_t page_rows;               /* rows per page, default 64                */
     double dev_factor;               /* device pool size over peak, default 1.10 */
     double host_factor;              /* host pool size over peak, default 0      */
+    /* (optional) Called at the end of every measuring step with the n sizes
+     * (rows, pages) it measured, before the pools are sized from them; may
+     * raise each, e.g. to its max over the ranks of a data-parallel group,
+     * so that every rank sizes its pools for the largest load any rank saw.
+     * Called on every rank at the same point (every rank measures alike). */
+    mst_status (*share_needs)(void* user, int64_t* needs, int32_t n);
+    void* share_user;                /* its first argument                       */
 } mst_memmgr_config;
 
 /* Bytes by category, for the trainer to print. */

@@ -55,9 +55,11 @@ k, s = (json.load(open(p)) for p in sys.argv[1:3])
 tk, ts = (statistics.median(d["tokens_per_s"][10:]) for d in (k, s))
 def peak(d): return d["memory_bytes"]["backend_peak_max_over_ranks"] / 2**30
 def mlp(d): return sum(v for r, v in d["memory_bytes"]["run_max_over_ranks"].items() if "grouped MLP" in r) / 2**20
+def total(d): return sum(d["memory_bytes"]["run_max_over_ranks"].values()) / 2**30
 print(f"policy on {sys.argv[3]} GPUs (CUDA default size, batch 16 per rank, graphs on, median of steps 11-30): "
-      f"keep {tk:,.0f} tok/s, stash {ts:,.0f} tok/s, STASH/KEEP step time {tk / ts:.3f}; peak over ranks "
-      f"keep {peak(k):.2f} GiB, stash {peak(s):.2f} GiB; grouped-MLP saved keep {mlp(k):.1f} MiB, stash {mlp(s):.1f} MiB; "
+      f"keep {tk:,.0f} tok/s, stash {ts:,.0f} tok/s, STASH/KEEP step time {tk / ts:.3f}; backend peak, max over ranks: "
+      f"keep {peak(k):.2f} GiB, stash {peak(s):.2f} GiB; memory table total (sized steps), max over ranks: keep "
+      f"{total(k):.2f} GiB, stash {total(s):.2f} GiB; grouped-MLP saved keep {mlp(k):.1f} MiB, stash {mlp(s):.1f} MiB; "
       f"losses {'bit-identical' if k['loss'] == s['loss'] else 'DIFFER'}; weights hash "
       f"{'same' if k['weights_hash'] == s['weights_hash'] else 'DIFFERS'}; captures {k['captures']}/{s['captures']}, "
       f"reruns {k['reruns']}/{s['reruns']}")
@@ -75,7 +77,7 @@ same = a["loss"][2:] == b["loss"][-2:] and a["weights_hash"] == b["weights_hash"
 print(f"resume on {sys.argv[3]} GPUs: saved at step 2, resumed to 4: losses of steps 3-4 and the weights hash "
       f"{'bit-identical to' if same else 'DIFFER from'} the run straight through "
       f"({a['loss'][2:]} vs {b['loss'][-2:]}, {a['weights_hash']} vs {b['weights_hash']})")
-  if not same: sys.exit(1)
+sys.exit(0 if same else 1)
 EOF
   [ $? = 0 ] || bad=1
 fi

@@ -113,7 +113,7 @@ static grads run_setup(mst_ctx_t* ctx, mst_stack* s, const setup* su, const int3
     mst_sched_entry* sch = (mst_sched_entry*)malloc(sizeof *sch * (size_t)n);
     CHECK_OK(mst_schedule_make(&su->sched, sch, n));
     mst_memmgr_config mc = {L, M, su->sched.virtual_stages, R, H, F, sch, n, PAGE,
-                            su->dev_factor ? su->dev_factor : 1.10, su->host_factor};
+                            su->dev_factor ? su->dev_factor : 1.10, su->host_factor, NULL, NULL};
     CHECK_OK(mst_memmgr_create(ctx, &mc, &s->mm));
     if (su->cycles) CHECK_OK(mst_memmgr_debug_slow(s->mm, su->slow, su->cycles));
     if (su->policy) CHECK_OK(mst_memmgr_set_policy_spec(s->mm, su->policy));
@@ -404,7 +404,7 @@ static void bad_input(mst_ctx_t* ctx) {
     mst_schedule_config sc = {MST_SCHEDULE_1F1B, 2, 0, 2, 1};
     mst_sched_entry sch[4];
     CHECK_OK(mst_schedule_make(&sc, sch, 4));
-    mst_memmgr_config mc = {2, 2, 1, 64, 16, 8, sch, 4, 16, 0, 0};
+    mst_memmgr_config mc = {2, 2, 1, 64, 16, 8, sch, 4, 16, 0, 0, NULL, NULL};
     mst_memmgr_t* m = NULL;
     mc.n_schedule = 3;
     CHECK_STATUS(mst_memmgr_create(ctx, &mc, &m), MST_ERR_INVALID);
@@ -454,6 +454,116 @@ static void bad_input(mst_ctx_t* ctx) {
     mst_memmgr_destroy(m);
 }
 
+/* ---- sizing after a measuring step: growth, cfg.share_needs ---- */
+
+/* share_needs of the tests: logs the needs it is given, then multiplies them
+ * by `scale` (another rank that needed more). */
+typedef struct share_log {
+    int calls;
+    int32_t n;
+    int64_t seen[1 + 2 * MST_N_SAVED];
+    int64_t scale;
+} share_log;
+
+static mst_status share_scaled(void* user, int64_t* needs, int32_t n) {
+    share_log* g = (share_log*)user;
+    g->calls++;
+    g->n = n;
+    for (int32_t i = 0; i < n && i < 1 + 2 * MST_N_SAVED; i++) g->seen[i] = needs[i], needs[i] *= g->scale;
+    return MST_OK;
+}
+
+/* A STASH manager of 1F1B on one stage into s->mm, sharing needs through
+ * share (NULL: none). */
+static void stash_mm(mst_ctx_t* ctx, mst_stack* s, const mst_sched_entry* sch, int n, share_log* share) {
+    mst_memmgr_config mc = {L, M, 1, R, H, F, sch, n, PAGE, 1.10, 0, share ? share_scaled : NULL, share};
+    CHECK_OK(mst_memmgr_create(ctx, &mc, &s->mm));
+    CHECK_OK(mst_memmgr_set_policy_spec(s->mm, "stash"));
+}
+
+static size_t dev_pages_bytes(const mst_memmgr_t* mm) {
+    mst_mem_report_t r;
+    CHECK_OK(mst_mem_report(mm, &r));
+    return r.dev_pages_bytes;
+}
+
+static void measure(mst_stack* s, const int32_t* counts, const mst_sched_entry* sch, int n) {
+    CHECK_OK(mst_stack_route(s, counts, 11));
+    CHECK_OK(mst_stack_step(s, sch, n, 1));
+    CHECK_OK(mst_memmgr_step_check(s->mm));
+}
+
+/* Pools a measuring step finds short grow by half at least (the load grew
+ * by 30 %: sized from the new peak alone they would grow by 30 %), and a
+ * later measuring step on lighter routing does not shrink them. */
+static void pool_growth(mst_ctx_t* ctx, mst_stack* s, mst_rng* rng) {
+    int32_t light[L * M * E], heavier[L * M * E];
+    random_counts(rng, light, 0.3);
+    for (int l = 0; l < L; l++) /* every count 30 % up; each (layer, mb) the same total, as route wants */
+        for (int mb = 0; mb < M; mb++) {
+            int32_t *c = heavier + ((int64_t)l * M + mb) * E, total = 0, got = 0;
+            for (int g = 0; g < E; g++) total += light[mb * E + g]; /* layer 0's total */
+            for (int g = 0; g < E; g++) got += c[g] = light[((int64_t)l * M + mb) * E + g] * 13 / 10;
+            c[0] += (total * 13 + 9) / 10 - got;
+        }
+    const mst_schedule_config sc = {MST_SCHEDULE_1F1B, 4, 0, M, 1};
+    mst_sched_entry sch[2 * M];
+    CHECK_OK(mst_schedule_make(&sc, sch, 2 * M));
+    stash_mm(ctx, s, sch, 2 * M, NULL);
+    measure(s, light, sch, 2 * M);
+    const size_t before = dev_pages_bytes(s->mm);
+    CHECK_OK(mst_stack_route(s, heavier, 22));
+    CHECK_OK(sized_step(ctx, s, sch, 2 * M));
+    CHECK_STATUS(mst_memmgr_step_check(s->mm), MST_ERR_OVERFLOW);
+    CHECK_OK(mst_stack_step(s, sch, 2 * M, 1)); /* the rerun, measuring */
+    CHECK_OK(mst_memmgr_step_check(s->mm));
+    const size_t after = dev_pages_bytes(s->mm);
+    CHECK(2 * after >= 3 * before, "pools of %zu bytes found short grew to %zu: less than half again", before, after);
+    measure(s, light, sch, 2 * M);
+    CHECK(dev_pages_bytes(s->mm) == after, "a measuring step on light routing resized %zu bytes of pools to %zu",
+          after, dev_pages_bytes(s->mm));
+    CHECK_OK(mst_memmgr_check(s->mm));
+    mst_memmgr_destroy(s->mm);
+    s->mm = NULL;
+}
+
+/* cfg.share_needs gets the largest saved rows and every pool's peak pages
+ * as the test's own page model counts them, once per measuring step, and
+ * what it returns sizes the pools. */
+static void shared_needs(mst_ctx_t* ctx, mst_stack* s, mst_rng* rng) {
+    int32_t a[L * M * E];
+    random_counts(rng, a, 0.6);
+    int64_t rows[M], peak[MST_N_SAVED], sum[MST_N_SAVED], most = 0;
+    for (int mb = 0; mb < M; mb++) {
+        rows[mb] = 0;
+        for (int g = 0; g < E; g++) rows[mb] += a[(int64_t)mb * E + g]; /* layer 0; every layer alike */
+        most = rows[mb] > most ? rows[mb] : most;
+    }
+    const mst_schedule_config sc = {MST_SCHEDULE_1F1B, 4, 0, M, 1};
+    mst_sched_entry sch[2 * M];
+    CHECK_OK(mst_schedule_make(&sc, sch, 2 * M));
+    model_peaks(sch, 2 * M, 1, rows, peak, sum);
+    for (int64_t scale = 1; scale <= 3; scale += 2) {
+        share_log lg = {.scale = scale};
+        stash_mm(ctx, s, sch, 2 * M, &lg);
+        measure(s, a, sch, 2 * M);
+        CHECK(lg.calls == 1 && lg.n == 1 + 2 * MST_N_SAVED, "share_needs: %d calls of %d needs, want 1 of %d",
+              lg.calls, lg.n, 1 + 2 * MST_N_SAVED);
+        CHECK(lg.seen[0] == most, "share_needs saw %lld saved rows, want %lld", (long long)lg.seen[0], (long long)most);
+        size_t want = 0;
+        for (int n = 0; n < MST_N_SAVED; n++) {
+            CHECK(lg.seen[1 + 2 * n] == peak[n] && lg.seen[2 + 2 * n] == 0,
+                  "share_needs saw %lld device / %lld host pages of %s, want %lld / 0", (long long)lg.seen[1 + 2 * n],
+                  (long long)lg.seen[2 + 2 * n], mst_saved_name_str((mst_saved_name)n), (long long)peak[n]);
+            want += (size_t)ceil((double)(peak[n] * scale) * 1.10) * PAGE * saved_row_bytes[n];
+        }
+        CHECK(dev_pages_bytes(s->mm) == want, "needs x %lld: pools of %zu bytes, want ceil(%lld peak x 1.10) = %zu",
+              (long long)scale, dev_pages_bytes(s->mm), (long long)scale, want);
+        mst_memmgr_destroy(s->mm);
+        s->mm = NULL;
+    }
+}
+
 static void run(mst_ctx_t* ctx) {
     mst_rng rng = {77};
     mst_mlp_config mlp = mst_mlp_config_default(E, H, F);
@@ -461,6 +571,8 @@ static void run(mst_ctx_t* ctx) {
     CHECK_OK(mst_stack_create(ctx, &mlp, L, M, 1, R, 5, &s));
     pool_sizing(ctx, &mlp, &rng);
     overflow_rerun(ctx, &s, &rng);
+    pool_growth(ctx, &s, &rng);
+    shared_needs(ctx, &s, &rng);
     host_spill(ctx, &s, &rng);
     mst_stack_destroy(&s);
     policies_and_schedules(ctx, &mlp, &rng, MST_STREAM_MAIN, 0);

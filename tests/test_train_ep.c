@@ -175,6 +175,11 @@ static void bits_on_two_ranks(void) {
                  runs[i].policy, runs[i].recompute, (long long)runs[i].over, (long long)runs[i].overflow);
         same_bits(&base[0], &r[0], what);
         CHECK(r[0].reruns >= (runs[i].over || runs[i].overflow), "%s: %lld reruns", what, (long long)r[0].reruns);
+        if (!strcmp(runs[i].policy, "stash")) /* sized for the larger need of the two: alike */
+            CHECK(r[0].mem.manager.dev_pages_bytes > 0 &&
+                      r[0].mem.manager.dev_pages_bytes == r[1].mem.manager.dev_pages_bytes,
+                  "%s: stash pools of %zu and %zu bytes on the two ranks, want the same (the needs shared)", what,
+                  r[0].mem.manager.dev_pages_bytes, r[1].mem.manager.dev_pages_bytes);
         printf("  %-34s %s: bit-identical to keep\n", "policies", what);
         free_ranks(r, 2);
     }

@@ -456,6 +456,19 @@ static mst_status set_layer_plan(mst_model* m, mst_memmgr_t* mm) {
     return mc->chunk_start ? mst_memmgr_set_recompute_plan(mm, mc->chunk_start) : MST_OK;
 }
 
+/* mst_memmgr_config.share_needs on W ranks: every rank sizes its pools for
+ * the largest need any rank measured (a rank's rows change from step to
+ * step; its own peak alone left each rank to overflow in its turn). */
+static mst_status share_needs(void* user, int64_t* needs, int32_t n) {
+    mst_model* m = (mst_model*)user;
+    double v[64];
+    MST_ASSERT(n <= 64);
+    for (int32_t i = 0; i < n; i++) v[i] = (double)needs[i];
+    MST_TRY(mst_model_max_over_ranks(m, v, n));
+    for (int32_t i = 0; i < n; i++) needs[i] = (int64_t)v[i];
+    return MST_OK;
+}
+
 /* A manager for rows of R per group (G R in all), with the run's policies. */
 static mst_status make_memmgr(mst_model* m, int64_t R, mst_memmgr_t** out) {
     const mst_model_config* c = &m->cfg;
@@ -463,7 +476,8 @@ static mst_status make_memmgr(mst_model* m, int64_t R, mst_memmgr_t** out) {
                             .virtual_stages = m->mem_cfg.virtual_stages, .max_rows = R * m->row_groups,
                             .hidden = c->hidden, .ffn = c->ffn, .schedule = m->sched,
                             .n_schedule = m->n_sched, .page_rows = 64,
-                            .dev_factor = m->mem_cfg.pool_factor, .host_factor = 0.0};
+                            .dev_factor = m->mem_cfg.pool_factor, .host_factor = 0.0,
+                            .share_needs = m->dist.ep ? share_needs : NULL, .share_user = m};
     MST_TRY(mst_memmgr_create(m->ctx, &mc, out));
     const char* spec = m->mem_cfg.policy ? m->mem_cfg.policy : "keep";
     const char* flag = "--policy";
@@ -545,6 +559,17 @@ static mst_status check_dist(const mst_model_config* cfg, const mst_dist* dist, 
 
 mst_status mst_model_allreduce(mst_model* m, void* data, int64_t count, mst_ep_reduce kind) {
     return m->dist.ep ? mst_ep_allreduce(m->dist.ep, data, count, kind) : MST_OK;
+}
+
+mst_status mst_model_max_over_ranks(mst_model* m, double* v, int64_t n) {
+    if (!m->dist.ep || n == 0) return MST_OK;
+    void* dev = NULL; /* [n] f64 */
+    MST_TRY(mst_alloc(m->ctx, sizeof(double) * (size_t)n, &dev));
+    mst_status st = mst_copy_h2b(m->ctx, dev, v, sizeof(double) * (size_t)n);
+    if (st == MST_OK) st = mst_model_allreduce(m, dev, n, MST_EP_MAX_F64);
+    if (st == MST_OK) st = mst_copy_b2h(m->ctx, v, dev, sizeof(double) * (size_t)n);
+    mst_free(m->ctx, dev);
+    return st;
 }
 
 mst_status mst_model_create_dist(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t n_micro,

@@ -336,12 +336,7 @@ static mst_status ranks_max(mst_model* m, const mst_mem_table* t, mst_mem_table*
     for (int k = 0; k < MST_N_ROWS; k++) v[k] = (double)t->run[k], v[MST_N_ROWS + k] = (double)t->keep[k],
                                          v[2 * MST_N_ROWS + k] = (double)t->exact[k];
     v[N - 3] = (double)t->dev_pages_peak, v[N - 2] = (double)t->host_pages_peak, v[N - 1] = (double)t->peak;
-    void* dev = NULL;
-    MST_TRY(mst_alloc(m->ctx, sizeof v, &dev));
-    mst_status st = mst_copy_h2b(m->ctx, dev, v, sizeof v);
-    if (st == MST_OK) st = mst_model_allreduce(m, dev, N, MST_EP_MAX_F64); /* bytes: exact in a double */
-    if (st == MST_OK) st = mst_copy_b2h(m->ctx, v, dev, sizeof v);
-    mst_free(m->ctx, dev);
+    mst_status st = mst_model_max_over_ranks(m, v, N);
     *out = *t;
     for (int k = 0; k < MST_N_ROWS; k++) out->run[k] = (size_t)v[k], out->keep[k] = (size_t)v[MST_N_ROWS + k],
                                          out->exact[k] = (size_t)v[2 * MST_N_ROWS + k];

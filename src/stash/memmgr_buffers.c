@@ -156,12 +156,26 @@ mst_status mst_memmgr_keep_buffer(mst_memmgr_t* m, int32_t layer, int32_t mb, ms
 
 /* ---- pool sizing --------------------------------------------------------------- */
 
+/* A size after a measuring step, from the measured need (with its
+ * headroom) and the size before (0: none): never smaller, and when the need
+ * passes it, at least half as much again. A load that drifts up from step
+ * to step (a rank's rows on N ranks while the router learns; on one GPU the
+ * rows of a layer are N k every step) then costs a few overflow reruns, not
+ * one every step or two. */
+static int64_t grown(int64_t need, int64_t have) {
+    if (need <= have) return have;
+    if (have <= 0) return need;
+    const int64_t half_again = have + (have + 1) / 2;
+    return need > half_again ? need : half_again;
+}
+
 /* Rows of the restore buffers and handles after a measuring step: the
- * largest rows saved with the pools' headroom, a page multiple, at most
- * max_rows. */
+ * largest rows saved with the pools' headroom (grown() over the last
+ * sizing's), a page multiple, at most max_rows. */
 static int64_t sized_restore_rows(const mst_memmgr_t* m) {
     const int64_t pr = m->cfg.page_rows;
     int64_t rows = (int64_t)ceil((double)m->max_saved_rows * (m->cfg.dev_factor + m->cfg.host_factor));
+    rows = grown(rows, m->sized_rows);
     rows = (rows + pr - 1) / pr * pr;
     if (rows < pr) rows = pr;
     return rows < m->cfg.max_rows ? rows : m->cfg.max_rows;
@@ -177,6 +191,10 @@ static mst_status ensure_pool(mst_memmgr_t* m, mst_saved_name n, int k, const ms
         mst_mm_free_handles(m, n, k);
         mst_pool_destroy(*pool);
         *pool = NULL;
+        mst_pool_config g = *pc; /* it overflowed: grow by half at least */
+        g.n_dev_pages = grown(pc->n_dev_pages, have.n_dev_pages);
+        g.n_host_pages = grown(pc->n_host_pages, have.n_host_pages);
+        return mst_pool_create(m->ctx, dtype_of(m, n), cols_of(m, n), &g, pool);
     }
     return mst_pool_create(m->ctx, dtype_of(m, n), cols_of(m, n), pc, pool);
 }
@@ -211,10 +229,29 @@ static mst_status ensure_handles(mst_memmgr_t* m, mst_saved_name n, int k) {
     return MST_OK;
 }
 
+/* The measured needs through cfg.share_needs (when set): the largest rows
+ * saved, then the peak pages of every (name, kind). */
+static mst_status share_needs(mst_memmgr_t* m) {
+    if (!m->cfg.share_needs) return MST_OK;
+    enum { N = 1 + 2 * MST_N_SAVED };
+    int64_t v[N];
+    v[0] = m->max_saved_rows;
+    for (int n = 0; n < MST_N_SAVED; n++)
+        for (int k = 0; k < 2; k++) v[1 + 2 * n + k] = m->peak_pages[n][k];
+    MST_TRY(m->cfg.share_needs(m->cfg.share_user, v, N));
+    m->max_saved_rows = v[0];
+    for (int n = 0; n < MST_N_SAVED; n++)
+        for (int k = 0; k < 2; k++) m->peak_pages[n][k] = v[1 + 2 * n + k];
+    return MST_OK;
+}
+
 /* Restore buffers and handles of sized_restore_rows, pools of ceil(peak *
- * factor) pages of the peak the measuring step counted. */
+ * factor) pages of the peak the measuring step counted (the needs shared
+ * first). */
 mst_status mst_mm_size_pools(mst_memmgr_t* m) {
-    MST_TRY(mst_mm_ensure_arena(m, sized_restore_rows(m), 1));
+    MST_TRY(share_needs(m));
+    m->sized_rows = sized_restore_rows(m);
+    MST_TRY(mst_mm_ensure_arena(m, m->sized_rows, 1));
     for (int n = 0; n < MST_N_SAVED; n++)
         for (int k = 0; k < 2; k++) {
             const mst_saved_name nm = (mst_saved_name)n;

@@ -127,6 +127,7 @@ struct mst_memmgr {
     size_t arena_bytes;           /* its size                                      */
     int64_t restore_rows;         /* rows of each restore buffer and handle; 0: none */
     int arena_sized;              /* the arena holds views of restored names only */
+    int64_t sized_rows;           /* restore rows of the last sizing; 0: none yet  */
     int pages_read[MST_N_SAVED];  /* the backward reads name n from its pages as they are */
     int64_t max_saved_rows;       /* measuring: largest rows of a paged tensor     */
     void* ev_main;                /* event: main stream reached a side operation   */
