@@ -15,9 +15,12 @@
  *
  * Validated first: dispatch, then combine of the rows as they came (identity
  * experts, no probs) gives bf16(k x) for every token, bit for bit (k is a
- * power of two). GB/s per GPU = N k H 2 bytes (this rank's token copies) /
- * time, for dispatch, combine, one captured CUDA graph of both (per op), and
- * the NCCL all-to-all of the same rows. Rank 0's figures; ratio to NCCL.
+ * power of two), for dispatch into the caller's rows and into the
+ * communicator's window rows (mst_ep_window_rows: direct on lsa, no
+ * unpack). GB/s per GPU = N k H 2 bytes (this rank's token copies) / time,
+ * for dispatch both ways, combine, one captured CUDA graph of dispatch and
+ * combine (per op), and the NCCL all-to-all of the same rows. Rank 0's
+ * figures; ratio to NCCL.
  */
 #include <math.h>
 #include <pthread.h>
@@ -48,7 +51,9 @@ typedef struct ep_result {
     const ep_case* c;
     char path[80];                    /* mst_ep_path of rank 0             */
     double bytes;                     /* N k H 2 per rank                  */
-    double dispatch_ms, combine_ms;   /* eager, per call                   */
+    double dispatch_ms, combine_ms;   /* eager, per call (dispatch into the
+                                         caller's rows: exchange + unpack)  */
+    double window_ms;                 /* dispatch into the window rows     */
     double graph_ms;                  /* replay of dispatch + combine      */
     double a2a_ms;                    /* NCCL all-to-all, host sizes       */
     int ok;
@@ -76,6 +81,7 @@ typedef struct rank_state {
     mst_ep_t* ep;
     mst_ep_handle_t* h;
     void *x, *idx, *rows, *counts, *y, *a2a_send, *a2a_recv; /* backend memory */
+    mst_tensor win;                                          /* the window rows [R, H] */
     uint16_t* hx;  /* [N, H] host copy of x */
     int32_t* hidx; /* [N, k] */
 } rank_state;
@@ -128,9 +134,11 @@ static mst_status setup(rank_state* st) {
     if (ncclCommInitRank(&st->comm, w->world, w->id, st->rank) != ncclSuccess)
         FAIL(MST_ERR_BACKEND, "ncclCommInitRank failed");
     mst_ep_config cfg = {.n_experts = c->experts, .top_k = c->top_k, .hidden = H, .max_tokens = N,
-                         .max_rows = w->max_rows, .pair_rows = w->pair_cap, .path = w->path};
+                         .max_rows = w->max_rows, .pair_rows = w->pair_cap, .path = w->path,
+                         .window_rows = w->max_rows};
     TRY(mst_ep_create_nccl(st->ctx, &cfg, st->comm, &st->ep));
     TRY(mst_ep_handle_create(st->ep, &st->h));
+    TRY(mst_ep_window_rows(st->ep, &st->win, NULL));
     make_inputs(st);
     TRY(mst_alloc(st->ctx, (size_t)(N * H) * 2, &st->x));
     TRY(mst_alloc(st->ctx, (size_t)NK * 4, &st->idx));
@@ -147,21 +155,32 @@ static mst_status setup(rank_state* st) {
     return MST_OK;
 }
 
-static mst_status dispatch(rank_state* st) {
+/* The rows dispatch writes and combine reads: the window's or the caller's. */
+static mst_tensor rows_of(rank_state* st, int window) {
+    if (window) return st->win;
+    return mst_tensor_make(st->rows, MST_DTYPE_BF16, st->w->max_rows, st->w->c->hidden);
+}
+
+static mst_status dispatch_into(rank_state* st, int window) {
     const ep_case* c = st->w->c;
     mst_tensor x = mst_tensor_make(st->x, MST_DTYPE_BF16, c->tokens, c->hidden);
     mst_tensor idx = mst_tensor_make(st->idx, MST_DTYPE_INT32, c->tokens, c->top_k);
-    mst_tensor rows = mst_tensor_make(st->rows, MST_DTYPE_BF16, st->w->max_rows, c->hidden);
+    mst_tensor rows = rows_of(st, window);
     mst_tensor counts = mst_tensor_make(st->counts, MST_DTYPE_INT32, c->experts / st->w->world, 1);
     return mst_ep_dispatch(st->ep, st->h, &x, &idx, NULL, &rows, NULL, &counts);
 }
 
-static mst_status combine(rank_state* st) {
+static mst_status dispatch(rank_state* st) { return dispatch_into(st, 0); }
+static mst_status dispatch_window(rank_state* st) { return dispatch_into(st, 1); }
+
+static mst_status combine_from(rank_state* st, int window) {
     const ep_case* c = st->w->c;
-    mst_tensor rows = mst_tensor_make(st->rows, MST_DTYPE_BF16, st->w->max_rows, c->hidden);
+    mst_tensor rows = rows_of(st, window);
     mst_tensor y = mst_tensor_make(st->y, MST_DTYPE_BF16, c->tokens, c->hidden);
     return mst_ep_combine(st->ep, st->h, &rows, NULL, &y);
 }
+
+static mst_status combine(rank_state* st) { return combine_from(st, 0); }
 
 /* NCCL all-to-all of the same token rows, sizes known on the host. */
 static mst_status a2a(rank_state* st) {
@@ -180,11 +199,14 @@ static mst_status a2a(rank_state* st) {
     return MST_OK;
 }
 
-static mst_status validate(rank_state* st) {
+/* Dispatch (into the window rows or the caller's) and combine of what
+ * came give bf16(k x). */
+static mst_status validate(rank_state* st, int window) {
     const ep_case* c = st->w->c;
     const int64_t n = c->tokens * c->hidden;
-    TRY(dispatch(st));
-    TRY(combine(st));
+    TRY(mst_fill(st->ctx, st->y, 0xFF, (size_t)n * 2));
+    TRY(dispatch_into(st, window));
+    TRY(combine_from(st, window));
     TRY(mst_ctx_check(st->ctx));
     uint16_t* y = malloc((size_t)n * 2);
     TRY(mst_copy_b2h(st->ctx, y, st->y, (size_t)n * 2));
@@ -192,7 +214,9 @@ static mst_status validate(rank_state* st) {
     for (int64_t i = 0; i < n && bad < 0; i++)
         if (y[i] != mst_fp32_to_bf16((float)c->top_k * mst_bf16_to_fp32(st->hx[i]))) bad = i;
     free(y);
-    if (bad >= 0) FAIL(MST_ERR_STATE, "validation: combine of the dispatched rows differs at element %lld", (long long)bad);
+    if (bad >= 0)
+        FAIL(MST_ERR_STATE, "validation: combine of the rows dispatched into the %s rows differs at element %lld",
+             window ? "window" : "caller's", (long long)bad);
     return MST_OK;
 }
 
@@ -237,8 +261,10 @@ static mst_status capture(rank_state* st, cudaGraphExec_t* exec) {
 static mst_status run_rank(rank_state* st, ep_result* r) {
     TRY(setup(st));
     pthread_barrier_wait(&st->w->bar); /* pair_rows complete */
-    TRY(validate(st));
+    TRY(validate(st, 0));
+    TRY(validate(st, 1));
     TRY(time_phase(st, dispatch, NULL, &r->dispatch_ms));
+    TRY(time_phase(st, dispatch_window, NULL, &r->window_ms));
     TRY(time_phase(st, combine, NULL, &r->combine_ms));
     cudaGraphExec_t exec;
     TRY(capture(st, &exec));
@@ -246,7 +272,8 @@ static mst_status run_rank(rank_state* st, ep_result* r) {
     cudaGraphExecDestroy(exec);
     TRY(rc);
     TRY(mst_ctx_check(st->ctx));
-    TRY(validate(st)); /* still right after the replays */
+    TRY(validate(st, 0)); /* still right after the replays */
+    TRY(validate(st, 1));
     return time_phase(st, a2a, NULL, &r->a2a_ms);
 }
 
@@ -510,12 +537,12 @@ static void write_layer_json(FILE* f, const layer_result* res, int n) {
 
 static void print_result(const bench_world* w, const ep_result* r) {
     const double gb = r->bytes / 1e9;
-    printf("%-4s %-3s N %5lld H %5lld E %3d k %d  dispatch %7.1f GB/s  combine %7.1f GB/s  graph (per op) %7.1f GB/s"
-           "  nccl a2a %7.1f GB/s  dispatch/a2a %.2f  combine/a2a %.2f\n",
+    printf("%-4s %-3s N %5lld H %5lld E %3d k %d  dispatch %7.1f GB/s (window rows %7.1f)  combine %7.1f GB/s  "
+           "graph (per op) %7.1f GB/s  nccl a2a %7.1f GB/s  dispatch/a2a %.2f (window rows %.2f)  combine/a2a %.2f\n",
            r->c->name, strstr(r->path, "device") ? "lsa" : "p2p", (long long)r->c->tokens, (long long)r->c->hidden,
-           r->c->experts, r->c->top_k,
-           gb / (r->dispatch_ms / 1e3), gb / (r->combine_ms / 1e3), gb / (r->graph_ms / 2e3), gb / (r->a2a_ms / 1e3),
-           r->a2a_ms / r->dispatch_ms, r->a2a_ms / r->combine_ms);
+           r->c->experts, r->c->top_k, gb / (r->dispatch_ms / 1e3), gb / (r->window_ms / 1e3),
+           gb / (r->combine_ms / 1e3), gb / (r->graph_ms / 2e3), gb / (r->a2a_ms / 1e3), r->a2a_ms / r->dispatch_ms,
+           r->a2a_ms / r->window_ms, r->a2a_ms / r->combine_ms);
     (void)w;
 }
 
@@ -528,13 +555,15 @@ static void write_json(FILE* f, const char* device, const bench_world* w, const 
         const ep_result* r = &res[i];
         const double gb = r->bytes / 1e9;
         fprintf(f, "    {\"case\": \"%s\", \"path\": \"%s\", \"tokens\": %lld, \"hidden\": %lld, \"experts\": %d, \"top_k\": %d, "
-                   "\"ok\": %s, \"dispatch_ms\": %.4f, \"combine_ms\": %.4f, \"graph_ms\": %.4f, \"a2a_ms\": %.4f, "
-                   "\"dispatch_gbs\": %.2f, \"combine_gbs\": %.2f, \"a2a_gbs\": %.2f, "
-                   "\"dispatch_over_a2a\": %.3f, \"combine_over_a2a\": %.3f}%s\n",
+                   "\"ok\": %s, \"dispatch_ms\": %.4f, \"dispatch_window_ms\": %.4f, \"combine_ms\": %.4f, "
+                   "\"graph_ms\": %.4f, \"a2a_ms\": %.4f, "
+                   "\"dispatch_gbs\": %.2f, \"dispatch_window_gbs\": %.2f, \"combine_gbs\": %.2f, \"a2a_gbs\": %.2f, "
+                   "\"dispatch_over_a2a\": %.3f, \"dispatch_window_over_a2a\": %.3f, \"combine_over_a2a\": %.3f}%s\n",
                 r->c->name, r->path, (long long)r->c->tokens, (long long)r->c->hidden, r->c->experts, r->c->top_k,
-                r->ok ? "true" : "false", r->dispatch_ms, r->combine_ms, r->graph_ms, r->a2a_ms,
-                gb / (r->dispatch_ms / 1e3), gb / (r->combine_ms / 1e3), gb / (r->a2a_ms / 1e3),
-                r->a2a_ms / r->dispatch_ms, r->a2a_ms / r->combine_ms, i + 1 < n ? "," : "");
+                r->ok ? "true" : "false", r->dispatch_ms, r->window_ms, r->combine_ms, r->graph_ms, r->a2a_ms,
+                gb / (r->dispatch_ms / 1e3), gb / (r->window_ms / 1e3), gb / (r->combine_ms / 1e3),
+                gb / (r->a2a_ms / 1e3), r->a2a_ms / r->dispatch_ms, r->a2a_ms / r->window_ms,
+                r->a2a_ms / r->combine_ms, i + 1 < n ? "," : "");
     }
     fprintf(f, "  ]%s\n", n_layer ? "," : "");
     if (n_layer) write_layer_json(f, layer, n_layer);
@@ -639,6 +668,8 @@ int mst_bench_ep(int argc, char** argv) {
            NCCL_MINOR, NCCL_PATCH, w.capacity, w.iters);
     printf("p2p: ncclSend/ncclRecv of the whole C-row blocks; lsa: NCCL device API, the valid rows stored into peers\n");
     printf("GB/s per GPU = N k H 2 bytes of this rank's token copies / time (rank 0); a2a: NCCL send/recv with host sizes\n");
+    printf("dispatch: into the caller's rows (exchange + unpack); window rows: into mst_ep_window_rows (lsa: direct, "
+           "no unpack; p2p: unpacked there)\n");
     for (int i = 0; i < n; i++)
         if (res[i].ok) print_result(&w, &res[i]);
     layer_result layer[8];

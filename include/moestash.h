@@ -704,6 +704,12 @@ typedef struct mst_ep_config {
     int64_t pair_rows;  /* C: most rows one rank sends to one rank (0: N k,
                            which no routing can pass)                         */
     int32_t path;       /* mst_ep_path_kind (0: auto)                         */
+    int64_t window_rows; /* 0: none; else the communicator holds dispatch
+                           outputs of up to this many rows (rows [., H] bf16,
+                           row_probs [.] fp32) for mst_ep_window_rows: in the
+                           symmetric window on the lsa path, where dispatch
+                           into them stores each row straight at its expert
+                           row on the receiver (no unpack)                   */
 } mst_ep_config;
 
 /* An NCCL unique id: rank 0 makes it, every rank gets a copy (e.g. through
@@ -748,6 +754,20 @@ MST_API const char* mst_ep_path(const mst_ep_t* ep);
  * dispatches and combines after it: every rank the same, between steps,
  * never inside a capture. No buffer depends on R. */
 MST_API mst_status mst_ep_set_max_rows(mst_ep_t* ep, int64_t max_rows);
+
+/* The dispatch outputs the communicator holds (cfg.window_rows > 0):
+ * rows [R, H] bf16 and row_probs [R, 1] fp32 (row_probs may be NULL), R =
+ * max_rows now (MST_ERR_INVALID when R > cfg.window_rows). Their contents
+ * are valid until the next dispatch of this communicator (any handle): the
+ * peers write into them then. A dispatch whose rows (and row_probs, when
+ * given) are exactly these takes the direct path where the transport has one
+ * (lsa, and the CPU twin, which mirrors it): each sender stores its rows at
+ * their final expert rows in the receiver's window, with no receive blocks
+ * and no unpack; elsewhere (p2p, builds without NCCL's device API) they are
+ * ordinary backend memory and dispatch unpacks into them as into any rows.
+ * Collective: every rank of a dispatch passes these or none. Same bits
+ * either way. */
+MST_API mst_status mst_ep_window_rows(mst_ep_t* ep, mst_tensor* rows, mst_tensor* row_probs);
 
 /* All-reduce over the ranks, in place, enqueued on the context's stream
  * (capturable over NCCL): every rank ends with the same bits. Sums run in a

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ep/ep.h" /* the receive blocks and transport of the window pass's checks */
 #include "harness.h"
 
 enum { ROUTE_RANDOM, ROUTE_SKIP_LAST_RANK, ROUTE_ONE_EXPERT, ROUTE_TO_LAST_RANK, ROUTE_BAD_ID };
@@ -53,6 +54,9 @@ typedef struct rank_io {
     uint16_t* dx;       /* [N, H] dispatch backward */
     float* dprobs_d;    /* [N, k] */
     int guards_ok;
+    int tail_ok;        /* window pass: the window's rows past R stay poisoned */
+    int direct;         /* window pass: the transport stores into the window */
+    int blocks_ok;      /* window pass, direct: the receive blocks stay poisoned */
     mst_status st;      /* first failing call, or MST_OK */
     char err[256];
     mst_status check;   /* mst_ctx_check after the calls */
@@ -65,7 +69,9 @@ typedef struct world_run {
     mst_ep_path_kind path;
     mst_ep_group_t* group; /* CPU twin */
     mst_ep_id id;          /* NCCL */
-    rank_io* io;           /* [W] */
+    rank_io* io;           /* [W] dispatch into the caller's rows */
+    rank_io* io_w;         /* [W] the same calls again, dispatch into the
+                              communicator's window rows (the inputs are io's) */
 } world_run;
 
 typedef struct rank_arg {
@@ -114,9 +120,14 @@ static void make_inputs(const scen* s, rank_io* io, int rank) {
     mst_rng_fp32(&r, io->drp, (size_t)R, -1.0, 1.0);
 }
 
-static void free_io(rank_io* io) {
-    void* p[] = {io->x, io->idx, io->p, io->out, io->dy, io->drows, io->drp, io->rows, io->rowp,
-                 io->counts, io->y, io->y_id, io->y_sum, io->d_rows, io->dprobs_c, io->dx, io->dprobs_d};
+static void free_inputs(rank_io* io) {
+    void* p[] = {io->x, io->idx, io->p, io->out, io->dy, io->drows, io->drp};
+    for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) free(p[i]);
+}
+
+static void free_results(rank_io* io) {
+    void* p[] = {io->rows, io->rowp, io->counts, io->y, io->y_id, io->y_sum, io->d_rows, io->dprobs_c, io->dx,
+                 io->dprobs_d};
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) free(p[i]);
 }
 
@@ -128,30 +139,103 @@ typedef struct rank_bufs {
 
 #define T(g, dt, r, c) mst_tensor_make((g).data, dt, r, c)
 
-static mst_status rank_calls(mst_ep_t* ep, mst_ep_handle_t* h, const scen* s, rank_bufs* b) {
+static int all_poison(const void* p, size_t n_bytes) {
+    const unsigned char* b = (const unsigned char*)p;
+    for (size_t i = 0; i < n_bytes; i++)
+        if (b[i] != MST_POISON) return 0;
+    return 1;
+}
+
+/* Rows the window holds past R: they must stay poisoned. */
+enum { WIN_TAIL = 5 };
+
+/* The receive blocks of a transport with a direct path, right after a
+ * dispatch into the window rows: still poisoned (nothing went through them). */
+static mst_status check_blocks(mst_ctx_t* ctx, mst_ep_t* ep, const scen* s, rank_io* w) {
+    w->direct = ep->tr->dispatch_direct != NULL;
+    if (!w->direct) return MST_OK;
+    const size_t WC = (size_t)s->W * (size_t)pair_rows(s), n_rows = WC * (size_t)s->H * 2;
+    unsigned char* host = malloc(n_rows + WC * 4);
+    mst_status st = mst_copy_b2h(ctx, host, ep->recv, n_rows);
+    if (st == MST_OK) st = mst_copy_b2h(ctx, host + n_rows, ep->recv_p, WC * 4);
+    w->blocks_ok = st == MST_OK && all_poison(host, n_rows + WC * 4);
+    free(host);
+    return st;
+}
+
+/* Every call of one pass, dispatch into rows / rowp; w: the window pass
+ * (the receive blocks are checked right after its dispatch). */
+static mst_status rank_calls(mst_ctx_t* ctx, mst_ep_t* ep, mst_ep_handle_t* h, const scen* s, rank_bufs* b,
+                             mst_tensor* rows, mst_tensor* rowp, rank_io* w) {
     const int64_t N = s->N, H = s->H, R = s->R, k = s->k, El = s->E / s->W;
     mst_tensor x = T(b->x, MST_DTYPE_BF16, N, H), idx = T(b->idx, MST_DTYPE_INT32, N, k),
-               p = T(b->p, MST_DTYPE_FP32, N, k), rows = T(b->rows, MST_DTYPE_BF16, R, H),
-               rowp = T(b->rowp, MST_DTYPE_FP32, R, 1), counts = T(b->counts, MST_DTYPE_INT32, El, 1),
+               p = T(b->p, MST_DTYPE_FP32, N, k), counts = T(b->counts, MST_DTYPE_INT32, El, 1),
                out = T(b->out, MST_DTYPE_BF16, R, H), y = T(b->y, MST_DTYPE_BF16, N, H),
                y_id = T(b->y_id, MST_DTYPE_BF16, N, H), y_sum = T(b->y_sum, MST_DTYPE_BF16, N, H),
                dy = T(b->dy, MST_DTYPE_BF16, N, H), d_rows = T(b->d_rows, MST_DTYPE_BF16, R, H),
                dpc = T(b->dpc, MST_DTYPE_FP32, N, k), drows = T(b->drows, MST_DTYPE_BF16, R, H),
                drp = T(b->drp, MST_DTYPE_FP32, R, 1), dx = T(b->dx, MST_DTYPE_BF16, N, H),
                dpd = T(b->dpd, MST_DTYPE_FP32, N, k);
-    mst_status st = mst_ep_dispatch(ep, h, &x, &idx, &p, &rows, &rowp, &counts);
+    mst_status st = mst_ep_dispatch(ep, h, &x, &idx, &p, rows, rowp, &counts);
+    if (st == MST_OK && w) st = check_blocks(ctx, ep, s, w);
     if (st == MST_OK) st = mst_ep_combine(ep, h, &out, &p, &y);
-    if (st == MST_OK) st = mst_ep_combine(ep, h, &rows, &p, &y_id);
+    if (st == MST_OK) st = mst_ep_combine(ep, h, rows, &p, &y_id);
     if (st == MST_OK) st = mst_ep_combine(ep, h, &out, NULL, &y_sum);
     if (st == MST_OK) st = mst_ep_combine_backward(ep, h, &dy, &p, &out, &d_rows, &dpc);
     if (st == MST_OK) st = mst_ep_dispatch_backward(ep, h, &drows, &drp, &dx, &dpd);
     return st;
 }
 
-static void* download(mst_ctx_t* ctx, const mst_guarded* g) {
-    void* h = malloc(g->n_bytes);
-    mst_guarded_get(ctx, g, h);
+static void* download(mst_ctx_t* ctx, const void* src, size_t n_bytes) {
+    void* h = malloc(n_bytes);
+    mst_copy_b2h(ctx, h, src, n_bytes);
     return h;
+}
+
+/* What a pass returned: its dispatch outputs rows [R, H] and rowp [R], and
+ * the rest from the buffers. */
+static void download_results(mst_ctx_t* ctx, const scen* s, const rank_bufs* b, const mst_tensor* rows,
+                             const mst_tensor* rowp, rank_io* io) {
+    io->rows = download(ctx, rows->data, (size_t)(s->R * s->H) * 2);
+    io->rowp = download(ctx, rowp->data, (size_t)s->R * 4);
+    io->counts = download(ctx, b->counts.data, b->counts.n_bytes);
+    io->y = download(ctx, b->y.data, b->y.n_bytes);
+    io->y_id = download(ctx, b->y_id.data, b->y_id.n_bytes);
+    io->y_sum = download(ctx, b->y_sum.data, b->y_sum.n_bytes);
+    io->d_rows = download(ctx, b->d_rows.data, b->d_rows.n_bytes);
+    io->dprobs_c = download(ctx, b->dpc.data, b->dpc.n_bytes);
+    io->dx = download(ctx, b->dx.data, b->dx.n_bytes);
+    io->dprobs_d = download(ctx, b->dpd.data, b->dpd.n_bytes);
+}
+
+/* The calls again with dispatch into the window rows (poisoned, WIN_TAIL
+ * rows past R included), the other outputs and the receive blocks poisoned
+ * afresh. */
+static void window_pass(mst_ctx_t* ctx, mst_ep_t* ep, mst_ep_handle_t* h, const scen* s, rank_bufs* b,
+                        rank_io* w) {
+    const size_t Rw = (size_t)(s->R + WIN_TAIL), row = (size_t)s->H * 2;
+    const size_t WC = (size_t)s->W * (size_t)pair_rows(s);
+    mst_tensor rows, rowp;
+    w->st = mst_ep_window_rows(ep, &rows, &rowp);
+    if (w->st == MST_OK) {
+        mst_guarded* out[] = {&b->counts, &b->y, &b->y_id, &b->y_sum, &b->d_rows, &b->dpc, &b->dx, &b->dpd};
+        for (size_t i = 0; i < sizeof out / sizeof out[0]; i++) mst_guarded_put(ctx, out[i], NULL);
+        mst_fill(ctx, rows.data, MST_POISON, Rw * row);
+        mst_fill(ctx, rowp.data, MST_POISON, Rw * 4);
+        mst_fill(ctx, ep->recv, MST_POISON, WC * row);
+        mst_fill(ctx, ep->recv_p, MST_POISON, WC * 4);
+        w->st = rank_calls(ctx, ep, h, s, b, &rows, &rowp, w);
+    }
+    if (w->st != MST_OK) {
+        snprintf(w->err, sizeof w->err, "%s", mst_last_error());
+        return;
+    }
+    w->check = mst_ctx_check(ctx);
+    download_results(ctx, s, b, &rows, &rowp, w);
+    unsigned char* tail = download(ctx, (char*)rows.data + (size_t)s->R * row, WIN_TAIL * row);
+    float* tail_p = download(ctx, (float*)rowp.data + s->R, WIN_TAIL * 4);
+    w->tail_ok = all_poison(tail, WIN_TAIL * row) && all_poison(tail_p, WIN_TAIL * 4);
+    free(tail), free(tail_p);
 }
 
 static mst_status make_ep(world_run* w, mst_ctx_t* ctx, const mst_ep_config* cfg, int rank, mst_ep_t** ep) {
@@ -163,27 +247,29 @@ static void* rank_main(void* argp) {
     rank_arg* ra = (rank_arg*)argp;
     world_run* w = ra->w;
     const scen* s = w->s;
-    rank_io* io = &w->io[ra->rank];
+    rank_io *io = &w->io[ra->rank], *io_w = &w->io_w[ra->rank];
     const int64_t N = s->N, H = s->H, R = s->R, k = s->k, El = s->E / s->W;
     mst_ctx_t* ctx = NULL;
-    io->st = mst_ctx_create(w->kind, w->kind == MST_BACKEND_CPU ? 0 : ra->rank, &ctx);
+    io->st = io_w->st = mst_ctx_create(w->kind, w->kind == MST_BACKEND_CPU ? 0 : ra->rank, &ctx);
     if (io->st != MST_OK) {
         snprintf(io->err, sizeof io->err, "%s", mst_last_error());
         return NULL;
     }
     mst_ep_config cfg = {.n_experts = s->E, .top_k = s->k, .hidden = H, .max_tokens = N, .max_rows = R,
-                         .pair_rows = s->C, .path = w->path};
+                         .pair_rows = s->C, .path = w->path, .window_rows = R + WIN_TAIL};
     mst_ep_t* ep = NULL;
     mst_ep_handle_t* h = NULL;
     io->st = make_ep(w, ctx, &cfg, ra->rank, &ep);
     if (io->st == MST_OK) io->st = mst_ep_handle_create(ep, &h);
     if (io->st != MST_OK) {
         snprintf(io->err, sizeof io->err, "%s", mst_last_error());
+        io_w->st = io->st;
         mst_ep_destroy(ep);
         mst_ctx_destroy(ctx);
         return NULL;
     }
     snprintf(io->path, sizeof io->path, "%s", mst_ep_path(ep));
+    snprintf(io_w->path, sizeof io_w->path, "%s", mst_ep_path(ep));
     rank_bufs b;
     mst_guarded* all = (mst_guarded*)&b;
     const size_t n_bufs = sizeof b / sizeof b.x;
@@ -197,21 +283,15 @@ static void* rank_main(void* argp) {
     mst_guarded_put(ctx, &b.dy, io->dy);
     mst_guarded_put(ctx, &b.drows, io->drows);
     mst_guarded_put(ctx, &b.drp, io->drp);
-    io->st = rank_calls(ep, h, s, &b);
+    mst_tensor rows = T(b.rows, MST_DTYPE_BF16, R, H), rowp = T(b.rowp, MST_DTYPE_FP32, R, 1);
+    io->st = rank_calls(ctx, ep, h, s, &b, &rows, &rowp, NULL);
     if (io->st != MST_OK) snprintf(io->err, sizeof io->err, "%s", mst_last_error());
     io->check = mst_ctx_check(ctx);
-    io->rows = download(ctx, &b.rows);
-    io->rowp = download(ctx, &b.rowp);
-    io->counts = download(ctx, &b.counts);
-    io->y = download(ctx, &b.y);
-    io->y_id = download(ctx, &b.y_id);
-    io->y_sum = download(ctx, &b.y_sum);
-    io->d_rows = download(ctx, &b.d_rows);
-    io->dprobs_c = download(ctx, &b.dpc);
-    io->dx = download(ctx, &b.dx);
-    io->dprobs_d = download(ctx, &b.dpd);
+    download_results(ctx, s, &b, &rows, &rowp, io);
+    window_pass(ctx, ep, h, s, &b, io_w);
     io->guards_ok = 1;
     for (size_t i = 0; i < n_bufs; i++) io->guards_ok &= mst_guarded_intact(ctx, &all[i]);
+    io_w->guards_ok = io->guards_ok;
     for (size_t i = 0; i < n_bufs; i++) mst_guarded_free(ctx, &all[i]);
     mst_ep_handle_destroy(h);
     mst_ep_destroy(ep);
@@ -219,9 +299,10 @@ static void* rank_main(void* argp) {
     return NULL;
 }
 
-/* Runs every rank of scenario s on its thread; io [W] holds the inputs. */
-static int run_world(const scen* s, mst_backend_kind kind, mst_ep_path_kind path, rank_io* io) {
-    world_run w = {.s = s, .kind = kind, .path = path, .io = io};
+/* Runs every rank of scenario s on its thread; io [W] holds the inputs,
+ * io_w [W] gets the window pass's results. */
+static int run_world(const scen* s, mst_backend_kind kind, mst_ep_path_kind path, rank_io* io, rank_io* io_w) {
+    world_run w = {.s = s, .kind = kind, .path = path, .io = io, .io_w = io_w};
     if (kind == MST_BACKEND_CPU) {
         if (mst_ep_group_create(s->W, &w.group) != MST_OK) return 0;
     } else if (mst_ep_id_create(&w.id) != MST_OK) {
@@ -303,13 +384,6 @@ static void ref_free(ref_t* rf) {
 }
 
 /* ---- checks ---- */
-
-static int all_poison(const void* p, size_t n_bytes) {
-    const unsigned char* b = (const unsigned char*)p;
-    for (size_t i = 0; i < n_bytes; i++)
-        if (b[i] != MST_POISON) return 0;
-    return 1;
-}
 
 static void check_dispatch(const scen* s, rank_io* io, const ref_t* rf) {
     const int64_t H = s->H, NK = s->N * s->k;
@@ -426,12 +500,18 @@ static void check_combine_backward(const scen* s, rank_io* io, const ref_t* rf) 
     }
 }
 
-static void check_outputs(const scen* s, rank_io* io) {
+/* Returns 1 when a receiver is over max_rows (the combines and backwards of
+ * its tokens read whatever the receive blocks held: meaningless). */
+static int check_outputs(const scen* s, rank_io* io, int verbose) {
     ref_t rf;
     ref_build(s, io, &rf);
-    printf("    rows received:");
-    for (int r = 0; r < s->W; r++) printf(" %lld%s", (long long)rf.total[r], rf.flag[r] ? " (flag)" : "");
-    printf("\n");
+    if (verbose) {
+        printf("    rows received:");
+        for (int r = 0; r < s->W; r++) printf(" %lld%s", (long long)rf.total[r], rf.flag[r] ? " (flag)" : "");
+        printf("\n");
+    }
+    int recv_over = 0;
+    for (int r = 0; r < s->W; r++) recv_over |= rf.recv_over[r];
     for (int r = 0; r < s->W; r++) {
         CHECK(io[r].st == MST_OK, "%s rank %d: %s (%s)", s->name, r, mst_status_str(io[r].st), io[r].err);
         const mst_status want = rf.flag[r] ? MST_ERR_COUNTS : MST_OK;
@@ -446,18 +526,42 @@ static void check_outputs(const scen* s, rank_io* io) {
     check_token_sum(s, io, &rf, "dispatch backward dx", offsetof(rank_io, dx), val_drows, 0);
     check_combine_backward(s, io, &rf);
     ref_free(&rf);
+    return recv_over;
 }
 
-/* Same bits in two runs of the same inputs. */
-static void check_same_bits(const scen* s, rank_io* a, rank_io* b) {
-    const int64_t N = s->N, H = s->H, R = s->R, k = s->k;
+/* Same bits in every output of two runs of the same inputs (what: which
+ * two), the poisoned rows past the counts included; dispatch's only
+ * (dispatch_only) when the rest is meaningless and the runs' receive
+ * blocks held different things. */
+static void check_same_bits(const scen* s, rank_io* a, rank_io* b, const char* what, int dispatch_only) {
+    const size_t NH = (size_t)(s->N * s->H) * 2, RH = (size_t)(s->R * s->H) * 2, Nk = (size_t)(s->N * s->k) * 4;
     for (int r = 0; r < s->W; r++) {
-        int same = !memcmp(a[r].rows, b[r].rows, (size_t)(R * H) * 2) && !memcmp(a[r].y, b[r].y, (size_t)(N * H) * 2) &&
-                   !memcmp(a[r].d_rows, b[r].d_rows, (size_t)(R * H) * 2) &&
-                   !memcmp(a[r].dprobs_c, b[r].dprobs_c, (size_t)(N * k) * 4) &&
-                   !memcmp(a[r].dx, b[r].dx, (size_t)(N * H) * 2);
-        CHECK(same, "%s rank %d: two runs differ", s->name, r);
+        const int same = !memcmp(a[r].rows, b[r].rows, RH) && !memcmp(a[r].rowp, b[r].rowp, (size_t)s->R * 4) &&
+                         !memcmp(a[r].counts, b[r].counts, (size_t)(s->E / s->W) * 4) &&
+                         (dispatch_only || (!memcmp(a[r].y, b[r].y, NH) &&
+                         !memcmp(a[r].y_id, b[r].y_id, NH) && !memcmp(a[r].y_sum, b[r].y_sum, NH) &&
+                         !memcmp(a[r].d_rows, b[r].d_rows, RH) && !memcmp(a[r].dprobs_c, b[r].dprobs_c, Nk) &&
+                         !memcmp(a[r].dx, b[r].dx, NH) && !memcmp(a[r].dprobs_d, b[r].dprobs_d, Nk)));
+        CHECK(same, "%s rank %d: %s differ", s->name, r, what);
     }
+}
+
+/* The window pass: the window's rows past R untouched; where the
+ * transport stores into the window, the receive blocks too. */
+static void check_window(const scen* s, rank_io* w) {
+    for (int r = 0; r < s->W; r++) {
+        CHECK(w[r].tail_ok, "%s rank %d: window rows past max_rows = %lld were written", s->name, r, (long long)s->R);
+        CHECK(!w[r].direct || w[r].blocks_ok, "%s rank %d: dispatch into the window rows went through the receive "
+              "blocks (direct path: nothing goes there)", s->name, r);
+    }
+}
+
+/* Every rank returned its results (else the checks have nothing to read). */
+static int have_results(const scen* s, rank_io* io, const char* what) {
+    int ok = 1;
+    for (int r = 0; r < s->W; r++) ok &= io[r].rows != NULL;
+    CHECK(ok, "%s (%s): a rank returned nothing: %s", s->name, what, io[0].err);
+    return ok;
 }
 
 static int n_devices(mst_backend_kind kind) {
@@ -472,25 +576,89 @@ static int n_devices(mst_backend_kind kind) {
     return n;
 }
 
+/* Every scenario twice (same bits), each run two passes on the same
+ * communicator: dispatch into the caller's rows, then into the window rows
+ * (direct where the transport has it): both against the reference, and the
+ * same bits. */
 static void run_scen(const scen* s, mst_backend_kind kind, mst_ep_path_kind path) {
-    rank_io io[2][16];
+    rank_io io[2][16], io_w[2][16];
     memset(io, 0, sizeof io);
-    for (int round = 0; round < 2; round++) {
+    memset(io_w, 0, sizeof io_w);
+    int started = 1;
+    for (int round = 0; round < 2 && started; round++) {
         for (int r = 0; r < s->W; r++) make_inputs(s, &io[round][r], r);
-        if (!run_world(s, kind, path, io[round])) {
-            CHECK(0, "%s: the world did not start", s->name);
-            return;
+        started = run_world(s, kind, path, io[round], io_w[round]);
+        for (int r = 0; r < s->W; r++) { /* the window pass ran on the same inputs */
+            rank_io* w = &io_w[round][r];
+            const rank_io* u = &io[round][r];
+            w->x = u->x, w->idx = u->idx, w->p = u->p, w->out = u->out, w->dy = u->dy, w->drows = u->drows,
+            w->drp = u->drp;
         }
     }
-    printf("  %-28s W %d, E %d, k %d, N %lld, R %lld, C %lld: path %s\n", s->name, s->W, s->E, s->k,
-           (long long)s->N, (long long)s->R, (long long)pair_rows(s), io[0][0].path);
-    check_outputs(s, io[0]);
-    check_same_bits(s, io[0], io[1]);
+    CHECK(started, "%s: the world did not start", s->name);
+    printf("  %-28s W %d, E %d, k %d, N %lld, R %lld, C %lld: path %s%s\n", s->name, s->W, s->E, s->k,
+           (long long)s->N, (long long)s->R, (long long)pair_rows(s), io[0][0].path,
+           io_w[0][0].direct ? " (window rows: direct)" : " (window rows: unpacked)");
+    if (started && have_results(s, io[0], "caller's rows") && have_results(s, io_w[0], "window rows") &&
+        have_results(s, io[1], "caller's rows, again") && have_results(s, io_w[1], "window rows, again")) {
+        scen sw = *s;
+        char name[96];
+        snprintf(name, sizeof name, "%s, window rows", s->name);
+        sw.name = name;
+        const int recv_over = check_outputs(s, io[0], 1);
+        check_outputs(&sw, io_w[0], 0);
+        check_window(&sw, io_w[0]);
+        check_same_bits(s, io[0], io[1], "two runs", 0);
+        /* the window pass poisoned the receive blocks first */
+        check_same_bits(s, io[0], io_w[0], "the caller's rows and the window rows", recv_over);
+        check_same_bits(&sw, io_w[0], io_w[1], "two runs", 0);
+    }
     for (int round = 0; round < 2; round++)
-        for (int r = 0; r < s->W; r++) free_io(&io[round][r]);
+        for (int r = 0; r < s->W; r++) {
+            free_inputs(&io[round][r]);
+            free_results(&io[round][r]);
+            free_results(&io_w[round][r]);
+        }
 }
 
 /* ---- argument errors (one rank: nothing waits on a peer) ---- */
+
+/* cfg.window_rows and the window rows of a communicator of one rank. */
+static void check_bad_window(mst_ctx_t* ctx, const mst_ep_config* base) {
+    mst_ep_config cfg = *base;
+    mst_ep_group_t* g;
+    mst_ep_t* ep = NULL;
+    CHECK_OK(mst_ep_group_create(1, &g));
+    cfg.window_rows = -3;
+    CHECK_STATUS(mst_ep_create_local(ctx, &cfg, g, 0, &ep), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "cfg.window_rows = -3") != NULL, "message names window_rows: %s", mst_last_error());
+    cfg.window_rows = cfg.max_rows + 8;
+    CHECK_OK(mst_ep_create_local(ctx, &cfg, g, 0, &ep));
+    mst_tensor rows, rowp;
+    CHECK_STATUS(mst_ep_window_rows(ep, NULL, &rowp), MST_ERR_INVALID);
+    CHECK_OK(mst_ep_window_rows(ep, &rows, &rowp));
+    CHECK(rows.rows == cfg.max_rows && rows.cols == cfg.hidden && rowp.rows == cfg.max_rows && rowp.cols == 1,
+          "window rows [%lld, %lld], probs [%lld, %lld]", (long long)rows.rows, (long long)rows.cols,
+          (long long)rowp.rows, (long long)rowp.cols);
+    CHECK_OK(mst_ep_set_max_rows(ep, cfg.window_rows + 1));
+    CHECK_STATUS(mst_ep_window_rows(ep, &rows, &rowp), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "window_rows") != NULL, "message names window_rows: %s", mst_last_error());
+    /* rows at the window's start, more rows than it holds */
+    mst_ep_handle_t* h;
+    CHECK_OK(mst_ep_handle_create(ep, &h));
+    void* buf;
+    CHECK_OK(mst_alloc(ctx, 1 << 16, &buf));
+    const int64_t N = cfg.max_tokens, k = cfg.top_k, H = cfg.hidden;
+    mst_tensor x = mst_tensor_make(buf, MST_DTYPE_BF16, N, H), idx = mst_tensor_make(buf, MST_DTYPE_INT32, N, k),
+               cnt = mst_tensor_make(buf, MST_DTYPE_INT32, cfg.n_experts, 1),
+               big = mst_tensor_make(rows.data, MST_DTYPE_BF16, cfg.window_rows + 1, H);
+    CHECK_STATUS(mst_ep_dispatch(ep, h, &x, &idx, NULL, &big, NULL, &cnt), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "window_rows") != NULL, "message names window_rows: %s", mst_last_error());
+    mst_free(ctx, buf);
+    mst_ep_handle_destroy(h);
+    mst_ep_destroy(ep);
+    mst_ep_group_destroy(g);
+}
 
 static void check_bad_args(void) {
     mst_ctx_t* ctx;
@@ -535,10 +703,14 @@ static void check_bad_args(void) {
     CHECK(strstr(mst_last_error(), "counts") != NULL, "message names counts: %s", mst_last_error());
     mst_ep_id id;
     CHECK_STATUS(mst_ep_create(ctx, &cfg, &id, 0, 1, &ep2), MST_ERR_UNSUPPORTED); /* CPU context */
+    mst_tensor wr;
+    CHECK_STATUS(mst_ep_window_rows(ep, &wr, NULL), MST_ERR_INVALID); /* no window rows */
+    CHECK(strstr(mst_last_error(), "window_rows = 0") != NULL, "message names window_rows: %s", mst_last_error());
     mst_free(ctx, buf);
     mst_ep_handle_destroy(h);
     mst_ep_destroy(ep);
     mst_ep_group_destroy(g);
+    check_bad_window(ctx, &cfg);
     mst_ctx_destroy(ctx);
 }
 

@@ -23,7 +23,10 @@
  *           r = the expert row of slot (j, i).
  *   repack: blk[j][i] = rows[r], blk_p[j][i] = rows_p[r].
  * Outputs not named (NULL) are not written; rows of a slot past its block's
- * total are not touched.
+ * total are not touched. Direct dispatch (no receive blocks, no unpack: the
+ * sender stores each row at its expert row on the receiver) shares its
+ * offset math below between the transports (mst_ep_direct_shift,
+ * mst_ep_direct_row).
  */
 #ifndef MST_EP_OPS_H
 #define MST_EP_OPS_H
@@ -131,6 +134,46 @@ MST_HD int64_t mst_ep_slot_row(const mst_ep_args* a, int32_t j, int64_t i) {
         else hi = mid;
     }
     return a->row_base[j * El + lo] + (i - bo[lo]);
+}
+
+/* Direct dispatch (the sender stores each row at its final expert row on
+ * the receiver, no receive blocks): from every rank's send counts,
+ * gathered [W, W, El] (gathered[(r W + d) El + e] = rows rank r sends to
+ * local expert e of rank d), the shift of this sender's rows for
+ * destination d: slot i of local expert e in its block d lands on row
+ * shift[e] + i of d's rows. d's layout is plan's: for each expert, the rows
+ * from rank 0, then rank 1, ..., so shift[e] = (rows of d's experts before
+ * e, every rank) + (rows of e from ranks before this one) - (slot of e in
+ * block d). Every shift is -1 when d receives more than max_rows rows: no
+ * rank writes to it (its plan flags it and zeroes its counts). */
+MST_HD void mst_ep_direct_shift(const mst_ep_args* a, const int32_t* gathered, int32_t d, int32_t* shift) {
+    const int32_t W = a->world, El = a->n_local;
+    int64_t off = 0, slot = 0; /* d's rows before expert e; e's slot in block d */
+    for (int32_t e = 0; e < El; e++) {
+        int64_t before = 0, all = 0; /* e's rows from ranks before this one; from every rank */
+        for (int32_t r = 0; r < W; r++) {
+            const int32_t n = gathered[((int64_t)r * W + d) * El + e];
+            all += n;
+            before += r < a->rank ? n : 0;
+        }
+        shift[e] = (int32_t)(off + before - slot);
+        off += all;
+        slot += gathered[((int64_t)a->rank * W + d) * El + e];
+    }
+    if (off > a->max_rows)
+        for (int32_t e = 0; e < El; e++) shift[e] = -1;
+}
+
+/* The row on its destination *d of routing entry u (< N k) of the direct
+ * dispatch, by shift [W, El] (mst_ep_direct_shift of each destination); -1
+ * when the entry moves nothing (skipped by route, or its destination over
+ * max_rows). */
+MST_HD int64_t mst_ep_direct_row(const mst_ep_args* a, const int32_t* shift, int64_t u, int32_t* d) {
+    const int32_t pos = a->send_pos[u];
+    if (pos < 0) return -1;
+    *d = (int32_t)(pos / a->pair_rows);
+    const int32_t e = a->topk_idx[u] - *d * a->n_local, s = shift[*d * a->n_local + e];
+    return s < 0 ? -1 : s + pos % a->pair_rows;
 }
 
 #ifdef __cplusplus

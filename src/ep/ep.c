@@ -8,6 +8,11 @@
  *                      probs | plan, unpack
  * (a transport that gathers — lsa — stores the rows straight from the
  * tokens or the expert rows into the peers' blocks: no pack, no repack)
+ *   direct dispatch:   route | counts to every rank, rows and probs
+ *                      straight to their expert rows in the peers' window
+ *                      rows | plan (into the window rows of
+ *                      mst_ep_window_rows, on a transport with
+ *                      dispatch_direct: no blocks, no unpack)
  *   combine:           repack | exchange rows | gather (weighted sum)
  *   combine backward:  pack (dy, probs) | exchange | unpack (dy p, dot with
  *                      the outputs) | exchange the dots | gather (dprobs)
@@ -46,6 +51,9 @@ mst_status mst_ep_check_config(const mst_ep_config* c, int world) {
     if (C < 1 || C > INT32_MAX / world)
         return mst_set_error(MST_ERR_INVALID, "cfg.pair_rows = %lld: must be 0 or in [1, %d] (world %d)",
                              (long long)c->pair_rows, INT32_MAX / world, world);
+    if (c->window_rows < 0 || c->window_rows > INT32_MAX)
+        return mst_set_error(MST_ERR_INVALID, "cfg.window_rows = %lld: must be in [0, %d]",
+                             (long long)c->window_rows, INT32_MAX);
     if (c->path < MST_EP_PATH_AUTO || c->path > MST_EP_PATH_LSA)
         return mst_set_error(MST_ERR_INVALID, "cfg.path = %d: must be a mst_ep_path_kind (0 auto, 1 p2p, 2 lsa)",
                              c->path);
@@ -68,18 +76,37 @@ static mst_status alloc_zeroed(mst_ctx_t* ctx, size_t n_bytes, void** out) {
 
 static size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
-/* The receive block: rows [W, C, H], probs [W, C], counts [W, El], zeroed
- * (a slot read after an over-budget step holds zeros or old rows). */
+/* Carves n_bytes (256-aligned) for *out at *off of the receive block. */
+static void carve(mst_ep_t* ep, size_t* off, size_t n_bytes, void** out) {
+    *out = (char*)ep->recv_block + *off;
+    *off += align256(n_bytes);
+}
+
+/* The receive block: rows [W, C, H], probs [W, C], counts [W, El], the
+ * gathered counts [W, W, El] and the window rows [window_rows, H] and probs
+ * [window_rows] (none when cfg.window_rows is 0), zeroed (a slot read after
+ * an over-budget step holds zeros or old rows). Every rank has the same
+ * layout (the same config): a buffer's offset in the block is its offset
+ * in every peer's. */
 static mst_status alloc_recv(mst_ep_t* ep) {
-    const size_t WC = (size_t)ep->world * (size_t)ep->cfg.pair_rows;
-    const size_t rows_bytes = align256(WC * (size_t)ep->cfg.hidden * 2), p_bytes = align256(WC * sizeof(float));
-    const size_t n_bytes = rows_bytes + p_bytes + (size_t)ep->world * (size_t)ep->n_local * sizeof(int32_t);
+    const size_t WC = (size_t)ep->world * (size_t)ep->cfg.pair_rows, WEl = (size_t)ep->world * (size_t)ep->n_local;
+    const size_t Rw = (size_t)ep->cfg.window_rows, row = (size_t)ep->cfg.hidden * 2;
+    const size_t sizes[] = {WC * row, WC * sizeof(float), WEl * sizeof(int32_t), (size_t)ep->world * WEl * sizeof(int32_t),
+                            Rw * row, Rw * sizeof(float)};
+    size_t n_bytes = 0;
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) n_bytes += align256(sizes[i]);
     ep->recv_by_tr = ep->tr && ep->tr->recv_alloc;
     if (ep->recv_by_tr) MST_TRY(ep->tr->recv_alloc(ep, n_bytes, &ep->recv_block));
     else MST_TRY(mst_alloc(ep->ctx, n_bytes, &ep->recv_block));
-    ep->recv = (uint16_t*)ep->recv_block;
-    ep->recv_p = (float*)((char*)ep->recv_block + rows_bytes);
-    ep->recv_counts = (int32_t*)((char*)ep->recv_block + rows_bytes + p_bytes);
+    void* at[6];
+    size_t off = 0;
+    for (int i = 0; i < 6; i++) carve(ep, &off, sizes[i], &at[i]);
+    ep->recv = (uint16_t*)at[0];
+    ep->recv_p = (float*)at[1];
+    ep->recv_counts = (int32_t*)at[2];
+    ep->gathered = (int32_t*)at[3];
+    ep->win_rows = Rw ? (uint16_t*)at[4] : NULL;
+    ep->win_p = Rw ? (float*)at[5] : NULL;
     return mst_fill(ep->ctx, ep->recv_block, 0, n_bytes);
 }
 
@@ -145,6 +172,20 @@ mst_status mst_ep_set_max_rows(mst_ep_t* ep, int64_t max_rows) {
     if (max_rows < 1 || max_rows > INT32_MAX)
         return mst_set_error(MST_ERR_INVALID, "max_rows = %lld: must be in [1, %d]", (long long)max_rows, INT32_MAX);
     ep->cfg.max_rows = max_rows;
+    return MST_OK;
+}
+
+mst_status mst_ep_window_rows(mst_ep_t* ep, mst_tensor* rows, mst_tensor* row_probs) {
+    if (!ep) return mst_set_error(MST_ERR_INVALID, "ep is NULL");
+    if (!rows) return mst_set_error(MST_ERR_INVALID, "rows is NULL");
+    if (!ep->win_rows)
+        return mst_set_error(MST_ERR_INVALID, "cfg.window_rows = 0: the communicator holds no dispatch outputs");
+    const int64_t R = ep->cfg.max_rows;
+    if (R > ep->cfg.window_rows)
+        return mst_set_error(MST_ERR_INVALID, "max_rows = %lld: more than cfg.window_rows = %lld", (long long)R,
+                             (long long)ep->cfg.window_rows);
+    *rows = mst_tensor_make(ep->win_rows, MST_DTYPE_BF16, R, ep->cfg.hidden);
+    if (row_probs) *row_probs = mst_tensor_make(ep->win_p, MST_DTYPE_FP32, R, 1);
     return MST_OK;
 }
 
@@ -314,6 +355,22 @@ static mst_status move_rows(mst_ep_t* ep, const mst_ep_handle_t* h, mst_ep_args*
 
 /* ---- dispatch ------------------------------------------------------------ */
 
+/* *direct = 1 when dispatch's outputs rows (and row_probs, or NULL) are the
+ * window's (mst_ep_window_rows) and the transport stores into them
+ * directly; MST_ERR_INVALID when one starts the window but has more rows
+ * than it holds. */
+static mst_status window_outputs(const mst_ep_t* ep, const mst_tensor* rows, const mst_tensor* row_probs,
+                                 int* direct) {
+    const int in_rows = ep->win_rows && rows->data == (void*)ep->win_rows;
+    const int in_p = ep->win_p && row_probs && row_probs->data == (void*)ep->win_p;
+    if ((in_rows || in_p) && ep->cfg.max_rows > ep->cfg.window_rows)
+        return mst_set_error(MST_ERR_INVALID, "%s is the communicator's window, which holds cfg.window_rows = %lld "
+                             "rows, fewer than max_rows = %lld", in_rows ? "rows" : "row_probs",
+                             (long long)ep->cfg.window_rows, (long long)ep->cfg.max_rows);
+    *direct = ep->tr->dispatch_direct && in_rows && (!row_probs || in_p);
+    return MST_OK;
+}
+
 mst_status mst_ep_dispatch(mst_ep_t* ep, mst_ep_handle_t* h, const mst_tensor* x,
                            const mst_tensor* topk_idx, const mst_tensor* probs, mst_tensor* rows,
                            mst_tensor* row_probs, mst_tensor* counts) {
@@ -334,6 +391,8 @@ mst_status mst_ep_dispatch(mst_ep_t* ep, mst_ep_handle_t* h, const mst_tensor* x
         MST_TRY(check(row_probs, "row_probs", MST_DTYPE_FP32, c->max_rows, 1));
     }
     MST_TRY(check(counts, "counts", MST_DTYPE_INT32, ep->n_local, 1));
+    int direct = 0;
+    MST_TRY(window_outputs(ep, rows, with_p ? row_probs : NULL, &direct));
 
     h->n_tok = N;
     mst_ep_args a = args_of(ep, h);
@@ -342,7 +401,12 @@ mst_status mst_ep_dispatch(mst_ep_t* ep, mst_ep_handle_t* h, const mst_tensor* x
     a.tok_p = with_p ? (const float*)probs->data : NULL;
     a.blk = ep->send;
     a.blk_p = with_p ? ep->send_p : NULL;
+    a.counts = (int32_t*)counts->data;
     MST_TRY(ep->ops->route(ep->ctx, &a));
+    if (direct) { /* the rows land at their expert rows: the receiver only plans */
+        MST_TRY(ep->tr->dispatch_direct(ep, &a));
+        return ep->ops->plan(ep->ctx, &a);
+    }
     const int gathers = ep->tr->gathers; /* no pack: the exchange reads x and probs itself */
     if (!gathers) MST_TRY(ep->ops->pack(ep->ctx, &a));
     const size_t El4 = (size_t)ep->n_local * sizeof(int32_t);
@@ -356,7 +420,6 @@ mst_status mst_ep_dispatch(mst_ep_t* ep, mst_ep_handle_t* h, const mst_tensor* x
         pl[2] = gathered(pl[2], a.tok_p, MST_EP_SRC_TOKENS, 1, &a);
     }
     MST_TRY(ep->tr->exchange(ep, pl, with_p ? 3 : 2));
-    a.counts = (int32_t*)counts->data;
     MST_TRY(ep->ops->plan(ep->ctx, &a));
     a.blk = ep->recv;
     a.blk_p = with_p ? ep->recv_p : NULL;

@@ -57,6 +57,15 @@ typedef struct mst_ep_transport {
     int gathers; /* 1: takes planes with src != BLOCKS (no pack before it) */
     /* in place over count elements (mst_ep_allreduce); ordered like exchange */
     mst_status (*allreduce)(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind);
+    /* (optional) dispatch's exchange on the direct path, ordered like
+     * exchange: once every peer is in it (done reading its window rows),
+     * this rank's send_counts [W, El] go to every peer's `gathered` (row
+     * `rank`) and block d of them to peer d's recv_counts (as the counts
+     * plane); once every peer's have landed, each row of a->tok (prob of
+     * a->tok_p, when given) goes straight to its row of the destination's
+     * win_rows (win_p) by mst_ep_direct_shift / mst_ep_direct_row; then it
+     * waits for every peer's rows. NULL: no direct path (dispatch unpacks). */
+    mst_status (*dispatch_direct)(mst_ep_t* ep, const mst_ep_args* a);
 } mst_ep_transport;
 
 /* Bytes of one element of kind k. */
@@ -72,12 +81,19 @@ struct mst_ep {
     int32_t n_local;             /* El = E / W                                    */
     uint16_t* send;              /* [W, C, H] bf16 exchange buffers               */
     float* send_p;               /* [W, C] fp32                                   */
-    void* recv_block;            /* the three receive buffers, one allocation     */
+    void* recv_block;            /* the receive buffers and the window rows, one
+                                    allocation                                    */
     int recv_by_tr;              /* 1: recv_block came from tr->recv_alloc (the
                                     transport frees it), 0: from mst_alloc        */
     uint16_t* recv;              /* [W, C, H] bf16, in recv_block                 */
     float* recv_p;               /* [W, C] fp32, in recv_block                    */
     int32_t* recv_counts;        /* [W, El] rows got from (rank, local expert)    */
+    int32_t* gathered;           /* [W, W, El] every rank's send_counts (direct
+                                    dispatch), in recv_block                      */
+    uint16_t* win_rows;          /* [window_rows, H] bf16 dispatch outputs held
+                                    for the caller (mst_ep_window_rows), in
+                                    recv_block; NULL when cfg.window_rows is 0    */
+    float* win_p;                /* [window_rows] fp32, likewise                  */
     int32_t* scratch;            /* [ceil(N k / MST_EP_CHUNK), E] route scratch    */
 };
 

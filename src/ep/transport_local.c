@@ -6,7 +6,9 @@
  * (block = peer), and waits again so that no rank reuses its send buffers
  * before every peer has read them. Copies the valid rows of each block only
  * (as the NCCL device-API path moves them), so counts that undercount the
- * rows a block holds lose rows here too.
+ * rows a block holds lose rows here too. Direct dispatch stores into the
+ * peers' window rows as the lsa kernel does (the same offset math,
+ * ep_ops.h), a wait for each of its barriers.
  */
 #include <pthread.h>
 #include <string.h>
@@ -27,6 +29,8 @@ struct mst_ep_group {
     const mst_ep_plane** planes;  /* [W] each rank's planes while it exchanges */
     int* n_planes;                /* [W]                                       */
     int* joined;                  /* [W] 1 once a communicator took the rank   */
+    mst_ep_t** eps;               /* [W] each rank's communicator (its window:
+                                     direct dispatch stores into the peers')    */
     pthread_mutex_t mu;           /* guards joined                             */
 };
 
@@ -44,8 +48,9 @@ mst_status mst_ep_group_create(int world, mst_ep_group_t** out) {
     g->planes = (const mst_ep_plane**)calloc((size_t)world, sizeof *g->planes);
     g->n_planes = (int*)calloc((size_t)world, sizeof *g->n_planes);
     g->joined = (int*)calloc((size_t)world, sizeof *g->joined);
-    if (!g->planes || !g->n_planes || !g->joined) {
-        free(g->planes), free(g->n_planes), free(g->joined), free(g);
+    g->eps = (mst_ep_t**)calloc((size_t)world, sizeof *g->eps);
+    if (!g->planes || !g->n_planes || !g->joined || !g->eps) {
+        free(g->planes), free(g->n_planes), free(g->joined), free(g->eps), free(g);
         return mst_set_error(MST_ERR_OOM, "ep group");
     }
     pthread_mutex_init(&g->wait_mu, NULL);
@@ -61,7 +66,7 @@ void mst_ep_group_destroy(mst_ep_group_t* g) {
     pthread_mutex_destroy(&g->wait_mu);
     pthread_cond_destroy(&g->wait_cv);
     pthread_mutex_destroy(&g->mu);
-    free(g->planes), free(g->n_planes), free(g->joined), free(g);
+    free(g->planes), free(g->n_planes), free(g->joined), free(g->eps), free(g);
 }
 
 /* Waits for every rank; MST_ERR_STATE when a rank left the group before
@@ -161,11 +166,44 @@ static mst_status local_allreduce(mst_ep_t* ep, void* data, int64_t count, mst_e
     return MST_OK;
 }
 
+/* Direct dispatch as the lsa kernel runs it, a wait for each of its
+ * barriers: this rank's send counts into every peer's gathered and
+ * recv_counts, then each row (and prob) straight into its expert row of the
+ * destination's window. */
+static mst_status local_dispatch_direct(mst_ep_t* ep, const mst_ep_args* a) {
+    mst_ep_group_t* g = ((local_comm*)ep->comm)->group;
+    const int me = ep->rank, W = g->world, El = ep->n_local;
+    MST_TRY(group_wait(g, me)); /* every peer is in dispatch: done with its window rows */
+    for (int d = 0; d < W; d++) {
+        mst_ep_t* peer = g->eps[d];
+        memcpy(peer->gathered + (int64_t)me * W * El, a->send_counts, (size_t)W * (size_t)El * sizeof(int32_t));
+        memcpy(peer->recv_counts + (int64_t)me * El, a->send_counts + (int64_t)d * El, (size_t)El * sizeof(int32_t));
+    }
+    MST_TRY(group_wait(g, me)); /* every peer's counts are in ep->gathered */
+    int32_t* shift = (int32_t*)malloc((size_t)W * (size_t)El * sizeof(int32_t)); /* [W, El] */
+    for (int d = 0; shift && d < W; d++) mst_ep_direct_shift(a, ep->gathered, d, shift + (int64_t)d * El);
+    const int64_t H = a->cols;
+    for (int64_t u = 0; shift && u < a->n_tok * a->top_k; u++) {
+        int32_t d;
+        const int64_t r = mst_ep_direct_row(a, shift, u, &d);
+        if (r < 0) continue;
+        mst_ep_t* peer = g->eps[d];
+        MST_ASSERT(peer->win_rows && r < peer->cfg.window_rows);
+        memcpy(peer->win_rows + r * H, a->tok + (u / a->top_k) * H, (size_t)H * 2);
+        if (a->tok_p) peer->win_p[r] = a->tok_p[u];
+    }
+    const int oom = shift == NULL;
+    free(shift);
+    MST_TRY(group_wait(g, me)); /* every peer's rows have landed */
+    return oom ? mst_set_error(MST_ERR_OOM, "ep direct dispatch (rank %d): shift table", me) : MST_OK;
+}
+
 static void local_destroy(mst_ep_t* ep) {
     local_comm* lc = (local_comm*)ep->comm;
     if (!lc) return;
     pthread_mutex_lock(&lc->group->mu);
     lc->group->joined[ep->rank] = 0;
+    lc->group->eps[ep->rank] = NULL;
     pthread_mutex_unlock(&lc->group->mu);
     group_leave(lc->group, ep->rank);
     free(lc);
@@ -177,6 +215,7 @@ const mst_ep_transport mst_ep_transport_local = {
     .exchange = local_exchange,
     .destroy = local_destroy,
     .allreduce = local_allreduce,
+    .dispatch_direct = local_dispatch_direct,
 };
 
 /* Takes `rank` of the group for ep; MST_ERR_INVALID when it is taken. */
@@ -186,6 +225,7 @@ static mst_status join(mst_ep_t* ep, mst_ep_group_t* g, int rank) {
     pthread_mutex_lock(&g->mu);
     const int taken = g->joined[rank];
     g->joined[rank] = 1;
+    if (!taken) g->eps[rank] = ep;
     pthread_mutex_unlock(&g->mu);
     if (taken) {
         free(lc);

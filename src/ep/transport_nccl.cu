@@ -8,7 +8,12 @@
  *        routing, the expert rows by their slots: no pack or repack before
  *        it) into its place in the peer's window over NVLink (counts read on
  *        the device: only the rows that exist move), and meets the peers at
- *        a second barrier.
+ *        a second barrier. Direct dispatch (into the window rows of
+ *        mst_ep_window_rows) is one more kernel of three barriers: every
+ *        rank's send counts to every rank, then each CTA works out where its
+ *        rows go on each peer (mst_ep_direct_shift) and stores them at their
+ *        final expert rows in the peer's window rows: no receive blocks, no
+ *        unpack.
  *   p2p: one group of ncclSend/ncclRecv per exchange, every block at its
  *        full, fixed size (C rows per rank pair): host sizes that never
  *        depend on the routing.
@@ -147,21 +152,27 @@ __device__ __forceinline__ bool gathered_row(const lsa_args& a, const lsa_plane&
     return true;
 }
 
-/* Every row of gathered plane pl: a warp per row for rows of 512 bytes or
- * more, else a thread per row. */
-__device__ void copy_gathered(const lsa_args& a, const lsa_plane& pl) {
-    const int64_t n = pl.src == MST_EP_SRC_TOKENS ? a.map.n_tok * a.map.top_k : (int64_t)a.world * a.map.pair_rows;
-    const bool by_warp = pl.row_bytes >= 512;
+/* f(u, lane, width) for every u < n over the grid: a warp per u (width 32)
+ * for rows of 512 bytes or more, else a thread per u (width 1). */
+template <class F>
+__device__ void each_row(int64_t n, size_t row_bytes, F f) {
+    const bool by_warp = row_bytes >= 512;
     const int width = by_warp ? 32 : 1;
     const int64_t first = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / width;
     const int64_t stride = (int64_t)gridDim.x * blockDim.x / width;
     const size_t lane = by_warp ? threadIdx.x % 32 : 0;
-    for (int64_t u = first; u < n; u += stride) {
+    for (int64_t u = first; u < n; u += stride) f(u, lane, width);
+}
+
+/* Every row of gathered plane pl. */
+__device__ void copy_gathered(const lsa_args& a, const lsa_plane& pl) {
+    const int64_t n = pl.src == MST_EP_SRC_TOKENS ? a.map.n_tok * a.map.top_k : (int64_t)a.world * a.map.pair_rows;
+    each_row(n, pl.row_bytes, [&](int64_t u, size_t lane, int width) {
         const char* src;
         int d;
         int64_t i;
         if (gathered_row(a, pl, u, &src, &d, &i)) copy_bytes(peer_row(a, pl, d, i), src, pl.row_bytes, lane, width);
-    }
+    });
 }
 
 /* The valid rows of every send block of pl to its peer, every thread of the
@@ -189,6 +200,13 @@ __global__ void __launch_bounds__(LSA_THREADS) lsa_exchange_kernel(lsa_args a) {
     bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel); /* every peer's rows have landed */
 }
 
+/* Offset of p (in this rank's window) in the window: the same buffer's
+ * offset in every peer's. */
+static size_t win_off(const nccl_state* ns, const void* p) {
+    MST_ASSERT((const char*)p >= (const char*)ns->win_base);
+    return (size_t)((const char*)p - (const char*)ns->win_base);
+}
+
 static mst_status lsa_exchange(mst_ep_t* ep, const mst_ep_plane* pl, int n) {
     nccl_state* ns = (nccl_state*)ep->comm;
     MST_ASSERT(n <= LSA_MAX_PLANES);
@@ -196,13 +214,96 @@ static mst_status lsa_exchange(mst_ep_t* ep, const mst_ep_plane* pl, int n) {
     memset(&a, 0, sizeof a);
     a.n_planes = n, a.world = ep->world, a.rank = ep->rank, a.win = ns->win, a.dev = ns->dev;
     for (int p = 0; p < n; p++) {
-        MST_ASSERT((const char*)pl[p].recv >= (const char*)ns->win_base);
-        a.pl[p] = lsa_plane{(const char*)pl[p].send, (size_t)((const char*)pl[p].recv - (const char*)ns->win_base),
+        a.pl[p] = lsa_plane{(const char*)pl[p].send, win_off(ns, pl[p].recv),
                             pl[p].block_bytes, pl[p].row_bytes, pl[p].valid, pl[p].valid_stride, (int)pl[p].src,
                             pl[p].src_div};
         if (pl[p].src != MST_EP_SRC_BLOCKS) a.map = *pl[p].map; /* every gathered plane of a call has one map */
     }
     lsa_exchange_kernel<<<LSA_CTAS, LSA_THREADS, 0, mst_cuda(ep->ctx)->stream>>>(a);
+    MST_CUDA_LAUNCHED();
+    return MST_OK;
+}
+
+/* ---- lsa direct dispatch: rows straight to their expert rows ---- */
+
+typedef struct lsa_direct_args {
+    mst_ep_args map;          /* route's send_pos and send_counts; topk_idx, tok,
+                                 tok_p (NULL: no probs)                         */
+    const int32_t* gathered;  /* [W, W, El] this rank's gathered counts (window) */
+    size_t gathered_off, counts_off, rows_off, p_off; /* in the window: gathered,
+                                 recv_counts [W, El], win_rows [., H], win_p [.] */
+    ncclWindow_t win;
+    ncclDevComm dev;
+} lsa_direct_args;
+
+/* This rank's send counts [W, El] into every peer's window: all to its
+ * gathered row `rank`, block d to peer d's recv_counts row `rank`. Every CTA
+ * writes them all (the same values): the barrier after it pairs each CTA
+ * with the same CTA of the peers only, so each must see every count from
+ * its own partners. */
+__device__ void put_counts(const lsa_direct_args& a) {
+    const mst_ep_args& m = a.map;
+    const int64_t El = m.n_local, WEl = (int64_t)m.world * El;
+    for (int64_t j = threadIdx.x; j < m.world * WEl; j += blockDim.x) {
+        const int d = (int)(j / WEl);
+        const size_t q = (size_t)(j % WEl);
+        *(int32_t*)ncclGetPeerPointer(a.win, a.gathered_off + ((size_t)m.rank * WEl + q) * 4, d) = m.send_counts[q];
+    }
+    for (int64_t j = threadIdx.x; j < WEl; j += blockDim.x)
+        *(int32_t*)ncclGetPeerPointer(a.win, a.counts_off + ((size_t)m.rank * El + (size_t)(j % El)) * 4,
+                                      (int)(j / El)) = m.send_counts[j];
+}
+
+/* Row u / src_div of src (row_bytes each) for every routing entry u, to its
+ * expert row of the destination's window buffer at `off`. */
+__device__ void store_direct(const lsa_direct_args& a, const int32_t* shift, const char* src, size_t row_bytes,
+                             int64_t src_div, size_t off) {
+    each_row(a.map.n_tok * a.map.top_k, row_bytes, [&](int64_t u, size_t lane, int width) {
+        int32_t d;
+        const int64_t r = mst_ep_direct_row(&a.map, shift, u, &d);
+        if (r >= 0)
+            copy_bytes((char*)ncclGetPeerPointer(a.win, off + (size_t)r * row_bytes, d),
+                       src + (size_t)(u / src_div) * row_bytes, row_bytes, lane, width);
+    });
+}
+
+/* Three barriers: peers done with their window rows | counts landed | rows
+ * landed. Between the second and the third each CTA turns the gathered
+ * counts into its own shift table (shared memory) and stores its share of
+ * the rows. */
+__global__ void __launch_bounds__(LSA_THREADS) lsa_direct_kernel(lsa_direct_args a) {
+    extern __shared__ int32_t sh[]; /* gathered [W, W, El], shift [W, El] */
+    const mst_ep_args& m = a.map;
+    const int64_t WEl = (int64_t)m.world * m.n_local;
+    int32_t *gathered = sh, *shift = sh + m.world * WEl;
+    ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), a.dev, ncclTeamTagLsa(), blockIdx.x};
+    bar.sync(ncclCoopCta(), cuda::memory_order_acquire); /* every peer is done reading its window rows */
+    put_counts(a);
+    bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel); /* every peer's counts have landed */
+    for (int64_t j = threadIdx.x; j < m.world * WEl; j += blockDim.x) gathered[j] = __ldcg(a.gathered + j);
+    __syncthreads();
+    for (int32_t d = threadIdx.x; d < m.world; d += blockDim.x) mst_ep_direct_shift(&m, gathered, d, shift + d * m.n_local);
+    __syncthreads();
+    store_direct(a, shift, (const char*)m.tok, (size_t)m.cols * 2, m.top_k, a.rows_off);
+    if (m.tok_p) store_direct(a, shift, (const char*)m.tok_p, sizeof(float), 1, a.p_off);
+    bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel); /* every peer's rows have landed */
+}
+
+static mst_status lsa_dispatch_direct(mst_ep_t* ep, const mst_ep_args* m) {
+    nccl_state* ns = (nccl_state*)ep->comm;
+    lsa_direct_args a;
+    memset(&a, 0, sizeof a);
+    a.map = *m, a.gathered = ep->gathered, a.win = ns->win, a.dev = ns->dev;
+    a.gathered_off = win_off(ns, ep->gathered), a.counts_off = win_off(ns, ep->recv_counts);
+    a.rows_off = win_off(ns, ep->win_rows), a.p_off = win_off(ns, ep->win_p);
+    const size_t smem = (size_t)m->n_experts * (size_t)(m->world + 1) * sizeof(int32_t);
+    if (smem > 48 * 1024 && cudaFuncSetAttribute(lsa_direct_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 (int)smem) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return mst_set_error(MST_ERR_UNSUPPORTED, "ep direct dispatch: the counts of %d experts on %d ranks "
+                             "(%zu bytes) do not fit in shared memory", m->n_experts, m->world, smem);
+    }
+    lsa_direct_kernel<<<LSA_CTAS, LSA_THREADS, smem, mst_cuda(ep->ctx)->stream>>>(a);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
@@ -251,12 +352,12 @@ static void nccl_destroy(mst_ep_t* ep) {
 }
 
 const mst_ep_transport mst_ep_transport_nccl = {
-    "nccl send/recv, fixed-capacity blocks", p2p_exchange, nccl_destroy, NULL, 0, nccl_allreduce,
+    "nccl send/recv, fixed-capacity blocks", p2p_exchange, nccl_destroy, NULL, 0, nccl_allreduce, NULL,
 };
 #ifdef MST_HAVE_NCCL_DEVICE
 const mst_ep_transport mst_ep_transport_lsa = {
     "nccl device API (symmetric window, NVLink stores of the valid rows)", lsa_exchange, nccl_destroy,
-    lsa_recv_alloc, 1, nccl_allreduce,
+    lsa_recv_alloc, 1, nccl_allreduce, lsa_dispatch_direct,
 };
 #endif
 
