@@ -57,6 +57,7 @@ typedef struct rank_io {
     int tail_ok;        /* window pass: the window's rows past R stay poisoned */
     int direct;         /* window pass: the transport stores into the window */
     int blocks_ok;      /* window pass, direct: the receive blocks stay poisoned */
+    int rows_only_ok;   /* window pass: dispatch without probs gave the rows */
     mst_status st;      /* first failing call, or MST_OK */
     char err[256];
     mst_status check;   /* mst_ctx_check after the calls */
@@ -211,19 +212,44 @@ static void download_results(mst_ctx_t* ctx, const scen* s, const rank_bufs* b, 
 /* The calls again with dispatch into the window rows (poisoned, WIN_TAIL
  * rows past R included), the other outputs and the receive blocks poisoned
  * afresh. */
-static void window_pass(mst_ctx_t* ctx, mst_ep_t* ep, mst_ep_handle_t* h, const scen* s, rank_bufs* b,
-                        rank_io* w) {
+static void poison_window(mst_ctx_t* ctx, mst_ep_t* ep, const scen* s, const mst_tensor* rows,
+                          const mst_tensor* rowp) {
     const size_t Rw = (size_t)(s->R + WIN_TAIL), row = (size_t)s->H * 2;
     const size_t WC = (size_t)s->W * (size_t)pair_rows(s);
+    mst_fill(ctx, rows->data, MST_POISON, Rw * row);
+    mst_fill(ctx, rowp->data, MST_POISON, Rw * 4);
+    mst_fill(ctx, ep->recv, MST_POISON, WC * row);
+    mst_fill(ctx, ep->recv_p, MST_POISON, WC * 4);
+}
+
+/* Dispatch without probs into the (poisoned) window rows: the rows of the
+ * caller's-rows pass, the same flag; the window's probs untouched. */
+static mst_status window_rows_only(mst_ctx_t* ctx, mst_ep_t* ep, mst_ep_handle_t* h, const scen* s,
+                                   rank_bufs* b, const mst_tensor* rows, const mst_tensor* rowp,
+                                   const rank_io* io, rank_io* w) {
+    const int64_t N = s->N, H = s->H, k = s->k, El = s->E / s->W;
+    mst_tensor x = T(b->x, MST_DTYPE_BF16, N, H), idx = T(b->idx, MST_DTYPE_INT32, N, k),
+               counts = T(b->counts, MST_DTYPE_INT32, El, 1);
+    poison_window(ctx, ep, s, rows, rowp);
+    MST_TRY(mst_ep_dispatch(ep, h, &x, &idx, NULL, (mst_tensor*)rows, NULL, &counts));
+    uint16_t* got = download(ctx, rows->data, (size_t)(s->R * H) * 2);
+    float* got_p = download(ctx, rowp->data, (size_t)s->R * 4);
+    w->rows_only_ok = !memcmp(got, io->rows, (size_t)(s->R * H) * 2) && all_poison(got_p, (size_t)s->R * 4) &&
+                      mst_ctx_check(ctx) == io->check;
+    free(got), free(got_p);
+    return MST_OK;
+}
+
+static void window_pass(mst_ctx_t* ctx, mst_ep_t* ep, mst_ep_handle_t* h, const scen* s, rank_bufs* b,
+                        const rank_io* io, rank_io* w) {
+    const size_t row = (size_t)s->H * 2;
     mst_tensor rows, rowp;
     w->st = mst_ep_window_rows(ep, &rows, &rowp);
+    if (w->st == MST_OK) w->st = window_rows_only(ctx, ep, h, s, b, &rows, &rowp, io, w);
     if (w->st == MST_OK) {
         mst_guarded* out[] = {&b->counts, &b->y, &b->y_id, &b->y_sum, &b->d_rows, &b->dpc, &b->dx, &b->dpd};
         for (size_t i = 0; i < sizeof out / sizeof out[0]; i++) mst_guarded_put(ctx, out[i], NULL);
-        mst_fill(ctx, rows.data, MST_POISON, Rw * row);
-        mst_fill(ctx, rowp.data, MST_POISON, Rw * 4);
-        mst_fill(ctx, ep->recv, MST_POISON, WC * row);
-        mst_fill(ctx, ep->recv_p, MST_POISON, WC * 4);
+        poison_window(ctx, ep, s, &rows, &rowp);
         w->st = rank_calls(ctx, ep, h, s, b, &rows, &rowp, w);
     }
     if (w->st != MST_OK) {
@@ -288,7 +314,7 @@ static void* rank_main(void* argp) {
     if (io->st != MST_OK) snprintf(io->err, sizeof io->err, "%s", mst_last_error());
     io->check = mst_ctx_check(ctx);
     download_results(ctx, s, &b, &rows, &rowp, io);
-    window_pass(ctx, ep, h, s, &b, io_w);
+    window_pass(ctx, ep, h, s, &b, io, io_w);
     io->guards_ok = 1;
     for (size_t i = 0; i < n_bufs; i++) io->guards_ok &= mst_guarded_intact(ctx, &all[i]);
     io_w->guards_ok = io->guards_ok;
@@ -551,6 +577,8 @@ static void check_same_bits(const scen* s, rank_io* a, rank_io* b, const char* w
 static void check_window(const scen* s, rank_io* w) {
     for (int r = 0; r < s->W; r++) {
         CHECK(w[r].tail_ok, "%s rank %d: window rows past max_rows = %lld were written", s->name, r, (long long)s->R);
+        CHECK(w[r].rows_only_ok, "%s rank %d: dispatch without probs into the window rows: not the rows (and flag) "
+              "of the caller's rows, or it wrote the window's probs", s->name, r);
         CHECK(!w[r].direct || w[r].blocks_ok, "%s rank %d: dispatch into the window rows went through the receive "
               "blocks (direct path: nothing goes there)", s->name, r);
     }
