@@ -243,15 +243,14 @@ typedef struct lsa_direct_args {
  * its own partners. */
 __device__ void put_counts(const lsa_direct_args& a) {
     const mst_ep_args& m = a.map;
-    const int64_t El = m.n_local, WEl = (int64_t)m.world * El;
-    for (int64_t j = threadIdx.x; j < m.world * WEl; j += blockDim.x) {
-        const int d = (int)(j / WEl);
-        const size_t q = (size_t)(j % WEl);
-        *(int32_t*)ncclGetPeerPointer(a.win, a.gathered_off + ((size_t)m.rank * WEl + q) * 4, d) = m.send_counts[q];
+    const size_t El4 = (size_t)m.n_local * 4, WEl4 = (size_t)m.world * El4;
+    const char* counts = (const char*)m.send_counts;
+    for (int d = 0; d < m.world; d++) { /* 16-byte stores where El allows */
+        copy_bytes((char*)ncclGetPeerPointer(a.win, a.gathered_off + (size_t)m.rank * WEl4, d), counts, WEl4,
+                   threadIdx.x, blockDim.x);
+        copy_bytes((char*)ncclGetPeerPointer(a.win, a.counts_off + (size_t)m.rank * El4, d), counts + d * El4, El4,
+                   threadIdx.x, blockDim.x);
     }
-    for (int64_t j = threadIdx.x; j < WEl; j += blockDim.x)
-        *(int32_t*)ncclGetPeerPointer(a.win, a.counts_off + ((size_t)m.rank * El + (size_t)(j % El)) * 4,
-                                      (int)(j / El)) = m.send_counts[j];
 }
 
 /* Row u / src_div of src (row_bytes each) for every routing entry u, to its
