@@ -71,7 +71,8 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            "  --memory-budget SIZE      choose keep/stash/offload/recompute per layer and tensor so that the peak\n"
            "                            fits SIZE (20GiB, 512MiB, 1.5GB, bytes) with the least predicted step time;\n"
            "                            prints the plan, predicted and measured peak and step time (replaces\n"
-           "                            --policy, --recompute)\n"
+           "                            --policy, --recompute); on --gpus N one plan for every rank, from the\n"
+           "                            max over the ranks of what each rank's probe measured\n"
            "  --check-policies          train --steps under every policy and layer recompute; check losses and\n"
            "                            final weights are bit-identical; one line each, exit 1 if not\n"
            "  --pool-factor X           stash pool pages over the measured peak (1.1; below 1 forces overflows)\n"
@@ -331,14 +332,9 @@ static int consistent(const train_cli* t) {
         return bad_value("--force-overflow", t->cfg.force_overflow, "after the last step (--steps)");
     if (t->cfg.force_over_budget > t->cfg.steps)
         return bad_value("--force-over-budget", t->cfg.force_over_budget, "after the last step (--steps)");
-    if (t->gpus > 1) {
-        const mst_train_config* c = &t->cfg;
-        if (c->memory_budget)
-            return bad_value("--memory-budget", (int64_t)c->memory_budget, "not with --gpus (the planner's probe is one rank's)");
-        if (t->kind == MST_BACKEND_CPU && t->l.launched)
-            return mst_cli_bad(t->l.who, "--backend", "cpu", "ranks as processes (RANK, WORLD_SIZE set) need --backend cuda; "
-                               "on the CPU --gpus N runs N rank threads of one process");
-    }
+    if (t->gpus > 1 && t->kind == MST_BACKEND_CPU && t->l.launched)
+        return mst_cli_bad(t->l.who, "--backend", "cpu", "ranks as processes (RANK, WORLD_SIZE set) need --backend cuda; "
+                           "on the CPU --gpus N runs N rank threads of one process");
     return 0;
 }
 

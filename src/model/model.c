@@ -561,15 +561,20 @@ mst_status mst_model_allreduce(mst_model* m, void* data, int64_t count, mst_ep_r
     return m->dist.ep ? mst_ep_allreduce(m->dist.ep, data, count, kind) : MST_OK;
 }
 
-mst_status mst_model_max_over_ranks(mst_model* m, double* v, int64_t n) {
-    if (!m->dist.ep || n == 0) return MST_OK;
-    void* dev = NULL; /* [n] f64 */
-    MST_TRY(mst_alloc(m->ctx, sizeof(double) * (size_t)n, &dev));
-    mst_status st = mst_copy_h2b(m->ctx, dev, v, sizeof(double) * (size_t)n);
-    if (st == MST_OK) st = mst_model_allreduce(m, dev, n, MST_EP_MAX_F64);
-    if (st == MST_OK) st = mst_copy_b2h(m->ctx, v, dev, sizeof(double) * (size_t)n);
+mst_status mst_model_allreduce_host(mst_model* m, void* host, int64_t count, mst_ep_reduce kind) {
+    if (!m->dist.ep || count == 0) return MST_OK;
+    const size_t bytes = (size_t)count * (kind == MST_EP_SUM_F64 || kind == MST_EP_MAX_F64 ? sizeof(double) : sizeof(int32_t));
+    void* dev = NULL; /* [count] of kind's type */
+    MST_TRY(mst_alloc(m->ctx, bytes, &dev));
+    mst_status st = mst_copy_h2b(m->ctx, dev, host, bytes);
+    if (st == MST_OK) st = mst_model_allreduce(m, dev, count, kind);
+    if (st == MST_OK) st = mst_copy_b2h(m->ctx, host, dev, bytes);
     mst_free(m->ctx, dev);
     return st;
+}
+
+mst_status mst_model_max_over_ranks(mst_model* m, double* v, int64_t n) {
+    return mst_model_allreduce_host(m, v, n, MST_EP_MAX_F64);
 }
 
 mst_status mst_model_create_dist(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t n_micro,

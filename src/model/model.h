@@ -269,6 +269,8 @@ mst_status mst_model_create_dist(mst_ctx_t* ctx, const mst_model_config* cfg, in
 /* W ranks: all-reduces count elements of backend memory over the ranks (one
  * rank: nothing). */
 mst_status mst_model_allreduce(mst_model* m, void* data, int64_t count, mst_ep_reduce kind);
+/* The same on count elements of host memory (through a backend buffer). */
+mst_status mst_model_allreduce_host(mst_model* m, void* host, int64_t count, mst_ep_reduce kind);
 /* W ranks: v [n] host doubles -> each its max over the ranks (through the
  * backend; sizes and bytes below 2^53 stay exact); one rank: nothing. */
 mst_status mst_model_max_over_ranks(mst_model* m, double* v, int64_t n);

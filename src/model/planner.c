@@ -38,14 +38,15 @@ static mst_status tick(mst_model* m, int32_t entry, void* user) {
  * microbatch (the faster of two). *t_step: the sized step. */
 static mst_status probe_steps(mst_model* m, const mst_train_config* cfg, mst_data* d, mst_budget_model* bm,
                               double* t_step) {
-    const int64_t per = cfg->model.batch * (cfg->model.seq + 2);
+    const int64_t per = cfg->model.batch * (cfg->model.seq + 2) * m->dist.world; /* the global batch's */
     int32_t* tok = (int32_t*)malloc(sizeof(int32_t) * (size_t)(per * cfg->microbatches));
     if (!tok) return mst_set_error(MST_ERR_OOM, "probe batch");
     const uint64_t rng = d->rng;
-    for (int32_t mb = 0; mb < cfg->microbatches; mb++) mst_data_batch(d, cfg->model.batch, cfg->model.seq, tok + mb * per);
+    mst_train_draw(m, d, cfg, tok);
     d->rng = rng;
     float hyper[MST_N_HYPER];
     mst_optim_hyper(&cfg->optim, 1, hyper);
+    hyper[MST_HYPER_LR] = 0; /* AdamW runs (its time counts) but keeps the weights: every probe step routes alike */
     mst_status st = mst_model_stage(m, 0, tok, hyper);
     free(tok);
     double forward = 0;
@@ -133,6 +134,58 @@ static mst_status probe_sizes(mst_model* m, mst_budget_model* bm, int64_t* rows,
     return st;
 }
 
+/* Every rank probed its own expert shard and the rows routed to it, so
+ * its sizes and times are its own (out->own keeps them). The plan must be
+ * the same on every rank (the same graphs, recomputed layers and
+ * exchanges), so every rank plans with the same model: each size, row count
+ * and time its max over the ranks (the rank with the largest peak binds:
+ * pages and copies only grow with rows; the slowest rank sets the step),
+ * each bandwidth its min (the max of seconds per byte). A rank whose probe
+ * failed says so in the same reduction: every rank fails, none waits for
+ * it. One rank: bm is own. */
+enum { V_FAILED, V_FIXED, V_LAYER_ACTS, V_LAYER_OUT, V_MTP_INPUT, V_MTP_MODULE, V_T_STEP, V_T_LAYER, V_T_MTP,
+       V_DEV_S, V_HOST_S, V_PROBE_PEAK, V_ROWS };
+
+/* out->own: a copy of out->bm (its own rows). */
+static mst_status keep_own(mst_plan_report* out, int64_t n) {
+    int64_t* rows = (int64_t*)malloc(sizeof(int64_t) * (size_t)n);
+    if (!rows) return mst_set_error(MST_ERR_OOM, "probe: this rank's rows");
+    memcpy(rows, out->bm.rows, sizeof(int64_t) * (size_t)n);
+    out->own = out->bm;
+    out->own.rows = rows;
+    return MST_OK;
+}
+
+static mst_status over_ranks(mst_model* m, mst_plan_report* out, mst_status st) {
+    mst_budget_model* bm = &out->bm;
+    const int64_t n = (int64_t)bm->n_layers * bm->n_micro;
+    if (!bm->rows) return st; /* the probe's tables were not made */
+    MST_TRY(keep_own(out, n));
+    double* v = (double*)malloc(sizeof(double) * (size_t)(V_ROWS + n));
+    if (!v) return mst_set_error(MST_ERR_OOM, "probe: the ranks' measurements");
+    const double head[V_ROWS] = {st != MST_OK, (double)bm->fixed, (double)bm->layer_acts, (double)bm->layer_out,
+                                 (double)bm->mtp_input, (double)bm->mtp_module, bm->t_step, bm->t_layer, bm->t_mtp,
+                                 1.0 / bm->dev_bw, 1.0 / bm->host_bw, (double)out->probe_peak};
+    memcpy(v, head, sizeof head);
+    for (int64_t i = 0; i < n; i++) v[V_ROWS + i] = (double)bm->rows[i]; /* bytes and rows: exact in a double */
+    mst_status rs = mst_model_max_over_ranks(m, v, V_ROWS + n);
+    if (st == MST_OK) st = rs;
+    if (st == MST_OK && v[V_FAILED] > 0) st = mst_set_error(MST_ERR_STATE, "probe: another rank's probe failed");
+    if (st != MST_OK) {
+        free(v);
+        return st;
+    }
+    bm->fixed = (size_t)v[V_FIXED], bm->layer_acts = (size_t)v[V_LAYER_ACTS], bm->layer_out = (size_t)v[V_LAYER_OUT];
+    bm->mtp_input = (size_t)v[V_MTP_INPUT], bm->mtp_module = (size_t)v[V_MTP_MODULE];
+    bm->t_step = v[V_T_STEP], bm->t_layer = v[V_T_LAYER], bm->t_mtp = v[V_T_MTP];
+    bm->dev_bw = 1.0 / v[V_DEV_S], bm->host_bw = 1.0 / v[V_HOST_S];
+    out->probe_peak = (size_t)v[V_PROBE_PEAK];
+    int64_t* rows = (int64_t*)bm->rows;
+    for (int64_t i = 0; i < n; i++) rows[i] = (int64_t)v[V_ROWS + i];
+    free(v);
+    return MST_OK;
+}
+
 static mst_status probe(mst_ctx_t* ctx, const mst_train_config* cfg, mst_data* d, mst_plan_report* out) {
     mst_mem_config mem = cfg->mem;
     mem.policy = PROBE_POLICY;
@@ -141,7 +194,8 @@ static mst_status probe(mst_ctx_t* ctx, const mst_train_config* cfg, mst_data* d
     mem.layer_policy = NULL;
     mem.chunk_start = NULL;
     mst_budget_model* bm = &out->bm;
-    bm->max_rows = mst_model_max_rows(&cfg->model, 1) * cfg->model.ep;
+    const int32_t W = cfg->dist.ep ? cfg->dist.world : 1;
+    bm->max_rows = mst_model_max_rows(&cfg->model, W) * (cfg->model.ep / W); /* this rank's groups' (G, or 1 of W) */
     bm->hidden = cfg->model.hidden;
     bm->ffn = cfg->model.ffn;
     int64_t cols = 0;
@@ -151,7 +205,7 @@ static mst_status probe(mst_ctx_t* ctx, const mst_train_config* cfg, mst_data* d
     MST_TRY(bandwidths(ctx, bytes < ((size_t)256 << 20) ? bytes : (size_t)256 << 20, &bm->dev_bw, &bm->host_bw));
     mst_model* m = NULL;
     mst_ctx_mem_reset_peak(ctx);
-    MST_TRY(mst_model_create(ctx, &cfg->model, cfg->microbatches, &mem, &m));
+    MST_TRY(mst_model_create_dist(ctx, &cfg->model, cfg->microbatches, &mem, &cfg->dist, &m));
     bm->n_layers = cfg->model.layers + 1;
     bm->n_micro = cfg->microbatches;
     bm->n_sched = m->n_sched;
@@ -167,6 +221,7 @@ static mst_status probe(mst_ctx_t* ctx, const mst_train_config* cfg, mst_data* d
     if (st == MST_OK) st = probe_steps(m, cfg, d, bm, &t_probe);
     if (st == MST_OK) st = probe_sizes(m, bm, rows, t_probe);
     mst_ctx_mem(ctx, NULL, &out->probe_peak);
+    st = over_ranks(m, out, st);
     mst_model_destroy(m);
     return st;
 }
@@ -205,6 +260,7 @@ void mst_plan_report_free(mst_plan_report* r) {
     mst_budget_plan_free(&r->keep);
     free((void*)r->bm.sched);
     free((void*)r->bm.rows);
+    free((void*)r->own.rows);
     memset(r, 0, sizeof *r);
 }
 
@@ -245,13 +301,15 @@ void mst_plan_print(FILE* f, const mst_plan_report* r, const mst_train_result* r
         fprintf(f, "\n  %-18s", mst_saved_name_str((mst_saved_name)n));
         for (int32_t l = 0; l < L1; l++) fprintf(f, "   %c", letter(p, l, n));
     }
-    size_t peak = res->mem.peak;
+    const size_t peak = res->mem_max.peak; /* W ranks: the max over the ranks, which the plan predicts */
     const double step = mst_plan_step_s(res, cfg);
+    char over[48] = "";
+    if (res->world > 1) snprintf(over, sizeof over, " (max over %d ranks)", (int)res->world);
     fprintf(f, "\n  K keep, S stash (device pages), O offload (pinned host pages), R recompute, - layer recomputed\n");
-    fprintf(f, "  peak: predicted %.2f MiB (measuring step %.2f, sized steps %.2f), measured %.2f MiB (%+.1f %%); "
-               "KEEP %.2f MiB; smallest reachable %.2f MiB\n", mib(p->peak), mib(p->peak_measuring), mib(p->peak_sized),
-            mib(peak), 100.0 * ((double)p->peak - (double)peak) / (double)(peak ? peak : 1), mib(r->keep.peak),
-            mib(r->smallest));
+    fprintf(f, "  peak%s: predicted %.2f MiB (measuring step %.2f, sized steps %.2f), measured %.2f MiB (%+.1f %%); "
+               "KEEP %.2f MiB; smallest reachable %.2f MiB\n", over, mib(p->peak), mib(p->peak_measuring),
+            mib(p->peak_sized), mib(peak), 100.0 * ((double)p->peak - (double)peak) / (double)(peak ? peak : 1),
+            mib(r->keep.peak), mib(r->smallest));
     fprintf(f, "  step: predicted %.2f ms, measured %.2f ms (median); KEEP %.2f ms (predicted)\n", 1e3 * p->step_s,
             1e3 * step, 1e3 * r->keep.step_s);
     fprintf(f, "  costs measured: device copy %.1f GB/s, host spill %.1f GB/s, one layer's forward %.3f ms\n",
@@ -276,7 +334,13 @@ void mst_plan_json(FILE* f, const mst_plan_report* r, const mst_train_result* re
     fprintf(f, "},\n    \"predicted_peak\": %zu, \"predicted_peak_measuring\": %zu, \"predicted_peak_sized\": %zu, "
                "\"measured_peak\": %zu,\n    \"predicted_step_s\": %.6g, \"measured_step_s\": %.6g, \"keep_peak\": %zu, "
                "\"keep_activations\": %zu, \"keep_step_s\": %.6g, \"smallest_peak\": %zu,\n    \"device_copy_bytes_per_s\": %.6g, "
-               "\"host_spill_bytes_per_s\": %.6g, \"layer_forward_s\": %.6g},\n",
-            p->peak, p->peak_measuring, p->peak_sized, res->mem.peak, p->step_s, mst_plan_step_s(res, cfg), r->keep.peak,
-            r->keep.acts, r->keep.step_s, r->smallest, r->bm.dev_bw, r->bm.host_bw, r->bm.t_layer);
+               "\"host_spill_bytes_per_s\": %.6g, \"layer_forward_s\": %.6g",
+            p->peak, p->peak_measuring, p->peak_sized, res->mem_max.peak, p->step_s, mst_plan_step_s(res, cfg),
+            r->keep.peak, r->keep.acts, r->keep.step_s, r->smallest, r->bm.dev_bw, r->bm.host_bw, r->bm.t_layer);
+    if (res->rank_peak) { /* W ranks: the peaks and times above are the max over the ranks */
+        fprintf(f, ",\n    \"measured_peak_per_rank\": [");
+        for (int32_t k = 0; k < res->world; k++) fprintf(f, "%s%llu", k ? ", " : "", (unsigned long long)res->rank_peak[k]);
+        fprintf(f, "]");
+    }
+    fprintf(f, "},\n");
 }

@@ -7,7 +7,8 @@
  * the microbatches in flight) but fc2_input, recomputed (the workspace for
  * it is the context's: made by the probe, it stays), no layer recompute, runs the run's first
  * batches once as a measuring step (the rows each (layer, microbatch) saves
- * are the first step's: the weights are the run's initial ones) and twice
+ * are the first step's: the weights are the run's initial ones, and AdamW
+ * runs with learning rate 0, so they stay) and twice
  * more sized and timed (the faster counts: the step, and its forward entries:
  * a layer's rerun cost). The sizes are the memory table's rows: the
  * model's categories give a layer's activations per set and the MTP
@@ -18,6 +19,12 @@
  * bandwidths are timed beforehand on buffers of the widest saved tensor's
  * size (at most 256 MiB). The probe model is then freed and the run starts
  * with its own peak.
+ *
+ * W ranks (cfg->dist): every rank probes (collective: the probe's steps
+ * exchange rows), each its own expert shard and the rows routed to it; the
+ * planner gets the max over the ranks of every size, row count and time
+ * and the min of each bandwidth, the same on every rank, so every rank
+ * makes the same plan (or the same refusal).
  */
 #ifndef MST_PLANNER_H
 #define MST_PLANNER_H
@@ -29,7 +36,9 @@
 
 typedef struct mst_plan_report {
     size_t budget;             /* bytes asked for                                    */
-    mst_budget_model bm;       /* what the planner was given (rows, sched owned)     */
+    mst_budget_model bm;       /* what the planner was given (rows, sched owned): on
+                                  W ranks the max over the ranks, the same on each   */
+    mst_budget_model own;      /* this rank's probe alone (rows owned, sched bm's)   */
     mst_budget_plan plan;      /* its plan, with predictions                         */
     mst_budget_plan keep;      /* KEEP, with predictions                             */
     size_t smallest;           /* the smallest peak the planner reaches              */

@@ -80,10 +80,7 @@ static mst_status rerun(mst_model* m, const mst_train_config* cfg, mst_train_res
     return mst_model_set_max_rows(m, m->static_rows);
 }
 
-/* One step's microbatches of windows into tok [M, B, T+2]: each microbatch
- * draws the global batch of W B windows (every rank the same draws) and
- * this rank keeps its B, windows r B .. r B + B - 1. */
-static void draw_batches(const mst_model* m, mst_data* d, const mst_train_config* cfg, int32_t* tok) {
+void mst_train_draw(const mst_model* m, mst_data* d, const mst_train_config* cfg, int32_t* tok) {
     const int64_t win = cfg->model.seq + 2, per = cfg->model.batch * win, W = m->dist.world;
     for (int32_t mb = 0; mb < cfg->microbatches; mb++) {
         int32_t* t = tok + mb * per * W; /* [W B, T+2] of scratch past this step's windows */
@@ -94,7 +91,7 @@ static void draw_batches(const mst_model* m, mst_data* d, const mst_train_config
 
 /* Draws the next step's microbatches and stages them with its AdamW values. */
 static mst_status stage_next(mst_model* m, mst_data* d, const mst_train_config* cfg, int32_t* tok, int64_t step) {
-    draw_batches(m, d, cfg, tok);
+    mst_train_draw(m, d, cfg, tok);
     float hyper[MST_N_HYPER];
     mst_optim_hyper(&cfg->optim, step, hyper);
     return mst_model_stage(m, (int)((step - 1) & 1), tok, hyper);
@@ -130,7 +127,7 @@ static mst_status evaluate(mst_model* m, mst_data* e, const mst_train_config* cf
     mst_optim_hyper(&cfg->optim, step, hyper);
     double sum = 0;
     for (int32_t b = 0; b < nb; b++) {
-        draw_batches(m, e, cfg, tok);
+        mst_train_draw(m, e, cfg, tok);
         MST_TRY(mst_model_stage(m, slot, tok, hyper));
         MST_TRY(mst_model_upload(m, slot));
         MST_TRY(mst_step_eval(m, 0));
@@ -310,21 +307,22 @@ static mst_status weights_hash(mst_model* m, uint64_t* out, uint64_t* replicated
     return hash_params(m, m->n_decay, m->n_params, replicated);
 }
 
-/* W ranks: the ranks' weight hashes in rank order, hashed (each rank puts
- * its hash into its slot of a zeroed vector; the sum over the ranks is the
- * vector of every rank's). */
+/* W ranks: every rank's x in rank order into all [W] (each rank puts its
+ * x into its slot of a zeroed vector; the sum over the ranks, by int32
+ * halves of disjoint slots, has no carry: the vector of every rank's). */
+static mst_status ranks_gather(mst_model* m, uint64_t x, uint64_t* all) {
+    memset(all, 0, sizeof *all * (size_t)m->dist.world);
+    all[m->dist.rank] = x;
+    return mst_model_allreduce_host(m, all, 2 * (int64_t)m->dist.world, MST_EP_SUM_I32);
+}
+
+/* W ranks: the ranks' weight hashes in rank order, hashed. */
 static mst_status ranks_hash(mst_model* m, uint64_t* h) {
     const int32_t W = m->dist.world;
-    uint64_t* all = (uint64_t*)calloc((size_t)W, sizeof *all);
-    void* dev = NULL;
+    uint64_t* all = (uint64_t*)malloc(sizeof *all * (size_t)W);
     if (!all) return mst_set_error(MST_ERR_OOM, "ranks' hashes");
-    all[m->dist.rank] = *h;
-    mst_status st = mst_alloc(m->ctx, sizeof *all * (size_t)W, &dev);
-    if (st == MST_OK) st = mst_copy_h2b(m->ctx, dev, all, sizeof *all * (size_t)W);
-    if (st == MST_OK) st = mst_model_allreduce(m, dev, 2 * W, MST_EP_SUM_I32); /* halves of disjoint slots: no carry */
-    if (st == MST_OK) st = mst_copy_b2h(m->ctx, all, dev, sizeof *all * (size_t)W);
+    mst_status st = ranks_gather(m, *h, all);
     if (st == MST_OK) *h = mst_fnv1a(MST_FNV1A_SEED, all, sizeof *all * (size_t)W);
-    if (dev) mst_free(m->ctx, dev);
     free(all);
     return st;
 }
@@ -397,6 +395,9 @@ static mst_status memory_table(mst_model* m, mst_train_result* res) {
     MST_TRY(weights_hash(m, &res->weights_hash, &res->replicated_hash));
     if (!m->dist.ep) return MST_OK;
     MST_TRY(ranks_max(m, t, &res->mem_max));
+    res->rank_peak = (uint64_t*)malloc(sizeof *res->rank_peak * (size_t)m->dist.world);
+    if (!res->rank_peak) return mst_set_error(MST_ERR_OOM, "ranks' peaks");
+    MST_TRY(ranks_gather(m, t->peak, res->rank_peak));
     return ranks_hash(m, &res->weights_hash);
 }
 
@@ -505,9 +506,6 @@ static mst_status plan_budget(mst_ctx_t* ctx, const mst_train_config** cfg, mst_
 mst_status mst_train_run(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* progress,
                          mst_train_result* res) {
     if (cfg->steps < 1) return mst_set_error(MST_ERR_INVALID, "--steps %lld: expected >= 1", (long long)cfg->steps);
-    if (cfg->dist.ep && cfg->memory_budget)
-        return mst_set_error(MST_ERR_INVALID, "--memory-budget: not on %d ranks (the planner's probe is one rank's)",
-                             cfg->dist.world);
     MST_TRY(mst_model_config_check(&cfg->model));
     MST_TRY(alloc_result(res, cfg->steps));
     mst_data d, e = {0};
@@ -535,6 +533,7 @@ void mst_train_result_free(mst_train_result* res) {
     free(res->tok_per_s);
     free(res->eval_loss);
     free(res->peak_rows);
+    free(res->rank_peak);
     mst_plan_report_free(res->plan);
     free(res->plan);
     memset(res, 0, sizeof *res);

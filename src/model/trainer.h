@@ -46,8 +46,7 @@ typedef struct mst_train_config {
                                   rank and communicator (mst_model_ep_config of
                                   model, world); model.batch is per rank, the
                                   global batch W B; dist.ep NULL: one rank.
-                                  W ranks do not save, resume or plan a memory
-                                  budget; rank 0 draws the timeline             */
+                                  Rank 0 draws the timeline                    */
 } mst_train_config;
 
 /* Memory of the run by row of the table, with the same routing's needs under
@@ -92,6 +91,7 @@ typedef struct mst_train_result {
     mst_mem_table mem;        /* this rank's                                   */
     mst_mem_table mem_max;    /* W ranks: each entry's max over the ranks      */
     int32_t world;            /* W (1: one rank)                               */
+    uint64_t* rank_peak;      /* [W] W ranks: each rank's backend peak, bytes (NULL: one rank) */
     double seconds;
     struct mst_plan_report* plan; /* --memory-budget: the plan and its predictions */
 } mst_train_result;
@@ -101,6 +101,11 @@ typedef struct mst_train_result {
 #define MST_FNV1A_SEED 0xCBF29CE484222325ull
 uint64_t mst_fnv1a(uint64_t h, const void* p, size_t n);
 
+/* One step's microbatches of windows of model m's rank into tok [M, W B,
+ * T+2] (this rank's [M, B, T+2] first, the rest scratch): each microbatch
+ * draws the global batch of W B windows (every rank the same draws) and
+ * this rank keeps its B, windows r B .. r B + B - 1. */
+void mst_train_draw(const mst_model* m, mst_data* d, const mst_train_config* cfg, int32_t* tok);
 /* Runs the training; progress lines go to `progress` (NULL: none). */
 mst_status mst_train_run(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* progress,
                          mst_train_result* res);

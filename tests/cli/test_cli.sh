@@ -62,7 +62,6 @@ bad "--recompute-granularity 'half'" train --recompute-granularity half
 bad "--gpus '0'" train --backend cpu --gpus 0
 bad "--ep '3': on --gpus N ranks" train --backend cpu --gpus 2 --ep 3
 bad "--experts 6" train --backend cpu --gpus 4 --experts 6
-bad "--memory-budget '1048576': not with --gpus" train --backend cpu --gpus 2 --memory-budget 1MiB
 bad "--attention 'fast'" train --attention fast
 bad "--save-every '3': needs --save" train --save-every 3
 bad "--checkpoint" sample --prompt x
@@ -106,6 +105,32 @@ assert 0 < p["measured_peak"] <= p["budget"] and abs(p["predicted_peak"] - p["me
 assert len(p["policy"]["fc1_input"]) == 2 and p["granularity"] in ("full", "moe"), p
 PY
 then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL: --memory-budget --json: no plan"; fi
+# train --memory-budget on 2 rank threads: a budget between the all-OFFLOAD and
+# the all-KEEP peak (max over the ranks) plans one plan for both ranks (rank 0
+# prints it), every rank's peak within it, the losses and weights KEEP's; a
+# budget no plan fits: exit 2, one line naming the smallest peak (no rank
+# hangs). Pools of 1.5 times the pages counted: no overflow rerun (whose
+# measuring step, with the sized pools held, no plan predicts).
+r2="--backend cpu --gpus 2 --quiet --steps 3 --seq 32 --batch 4 --layers 2 --hidden 32 --heads 2 --ffn 64 --experts 4
+  --microbatches 2 --pool-factor 1.5"
+# shellcheck disable=SC2086
+bad "rank 0: --memory-budget 1024 (0.00 MiB): no plan fits; the smallest peak that would is" train $r2 --memory-budget 1KiB
+# shellcheck disable=SC2086
+if timeout 60 "$bin" train $r2 --json "$tmp/keep2.json" >/dev/null 2>&1 &&
+  timeout 60 "$bin" train $r2 --policy offload --json "$tmp/off2.json" >/dev/null 2>&1 &&
+  budget=$(python3 -c "import json,sys; p=[json.load(open(f))['memory_bytes']['backend_peak_max_over_ranks'] for f in sys.argv[1:]]; assert p[1] < p[0], p; print((p[0] + p[1]) // 2)" "$tmp/keep2.json" "$tmp/off2.json") &&
+  timeout 60 "$bin" train $r2 --memory-budget "$budget" --json "$tmp/plan2.json" >"$tmp/plan2.out" 2>&1 &&
+  python3 - "$tmp/keep2.json" "$tmp/plan2.json" "$budget" <<'PY'
+import json, sys
+k, d, budget = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), int(sys.argv[3])
+p = d["plan"]
+assert d["ranks"] == 2 and d["config"]["policy"] == "planned" and p["budget"] == budget and d["reruns"] == 0, d
+assert len(p["measured_peak_per_rank"]) == 2 and max(p["measured_peak_per_rank"]) == p["measured_peak"] <= budget, p
+assert abs(p["predicted_peak"] - p["measured_peak"]) <= 0.05 * p["measured_peak"], p
+assert any(x != "keep" for n in p["policy"].values() for x in n), p  # the budget binds
+assert d["loss"] == k["loss"] and d["mtp_loss"] == k["mtp_loss"] and d["weights_hash"] == k["weights_hash"], (d["loss"], k["loss"])
+PY
+then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL: --gpus 2 --memory-budget: see above"; head -5 "$tmp/plan2.out" 2>/dev/null; fi
 if timeout 300 "$bin" train --check-policies --steps 2 --json "$tmp/cp.json" >/dev/null 2>&1 &&
   python3 -c "import json,sys; d=json.load(open('$tmp/cp.json')); r=d['check_policies']; sys.exit(0 if len(r)==7 and d['all_bit_identical'] and all(x['verdict'] in ('reference','bit-identical') and len(x['loss'])==2 for x in r) else 1)"; then
   passed=$((passed + 1))
