@@ -220,6 +220,10 @@ static void poison_window(mst_ctx_t* ctx, mst_ep_t* ep, const scen* s, const mst
     mst_fill(ctx, rowp->data, MST_POISON, Rw * 4);
     mst_fill(ctx, ep->recv, MST_POISON, WC * row);
     mst_fill(ctx, ep->recv_p, MST_POISON, WC * 4);
+    /* the counts too: the direct path must write them afresh (the first
+     * pass left the same counts there) */
+    mst_fill(ctx, ep->recv_counts, MST_POISON, (size_t)(s->E * 4));
+    mst_fill(ctx, ep->gathered, MST_POISON, (size_t)(s->W * s->E * 4));
 }
 
 /* Dispatch without probs into the (poisoned) window rows: the rows of the
