@@ -54,7 +54,8 @@ typedef struct ep_result {
     double dispatch_ms, combine_ms;   /* eager, per call (dispatch into the
                                          caller's rows: exchange + unpack)  */
     double window_ms;                 /* dispatch into the window rows     */
-    double graph_ms;                  /* replay of dispatch + combine      */
+    double graph_ms, graph_w_ms;      /* replay of dispatch + combine (into
+                                         the caller's rows; the window's)  */
     double a2a_ms;                    /* NCCL all-to-all, host sizes       */
     int ok;
     char err[256];
@@ -199,14 +200,14 @@ static mst_status a2a(rank_state* st) {
     return MST_OK;
 }
 
-/* Dispatch (into the window rows or the caller's) and combine of what
- * came give bf16(k x). */
-static mst_status validate(rank_state* st, int window) {
+static mst_status poison_y(rank_state* st) {
+    return mst_fill(st->ctx, st->y, 0xFF, (size_t)(st->w->c->tokens * st->w->c->hidden) * 2);
+}
+
+/* y (poisoned before `what` ran) is bf16(k x), and no flag was raised. */
+static mst_status check_y(rank_state* st, const char* what) {
     const ep_case* c = st->w->c;
     const int64_t n = c->tokens * c->hidden;
-    TRY(mst_fill(st->ctx, st->y, 0xFF, (size_t)n * 2));
-    TRY(dispatch_into(st, window));
-    TRY(combine_from(st, window));
     TRY(mst_ctx_check(st->ctx));
     uint16_t* y = malloc((size_t)n * 2);
     TRY(mst_copy_b2h(st->ctx, y, st->y, (size_t)n * 2));
@@ -214,10 +215,19 @@ static mst_status validate(rank_state* st, int window) {
     for (int64_t i = 0; i < n && bad < 0; i++)
         if (y[i] != mst_fp32_to_bf16((float)c->top_k * mst_bf16_to_fp32(st->hx[i]))) bad = i;
     free(y);
-    if (bad >= 0)
-        FAIL(MST_ERR_STATE, "validation: combine of the rows dispatched into the %s rows differs at element %lld",
-             window ? "window" : "caller's", (long long)bad);
+    if (bad >= 0) FAIL(MST_ERR_STATE, "validation: %s: y differs from bf16(k x) at element %lld", what, (long long)bad);
     return MST_OK;
+}
+
+static const char* way(int window) { return window ? "into the window rows" : "into the caller's rows"; }
+
+/* Dispatch (into the window rows or the caller's) and combine of what
+ * came give bf16(k x). */
+static mst_status validate(rank_state* st, int window) {
+    TRY(poison_y(st));
+    TRY(dispatch_into(st, window));
+    TRY(combine_from(st, window));
+    return check_y(st, way(window));
 }
 
 typedef mst_status (*phase_fn)(rank_state*);
@@ -243,12 +253,12 @@ static mst_status time_phase(rank_state* st, phase_fn fn, cudaGraphExec_t graph,
     return rc;
 }
 
-static mst_status capture(rank_state* st, cudaGraphExec_t* exec) {
+static mst_status capture(rank_state* st, int window, cudaGraphExec_t* exec) {
     cudaGraph_t g;
     if (cudaStreamBeginCapture(st->s, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
         FAIL(MST_ERR_BACKEND, "cudaStreamBeginCapture failed");
-    mst_status rc = dispatch(st);
-    if (rc == MST_OK) rc = combine(st);
+    mst_status rc = dispatch_into(st, window);
+    if (rc == MST_OK) rc = combine_from(st, window);
     const cudaError_t end = cudaStreamEndCapture(st->s, &g);
     TRY(rc);
     if (end != cudaSuccess) FAIL(MST_ERR_BACKEND, "cudaStreamEndCapture failed: %s", cudaGetErrorString(end));
@@ -256,6 +266,19 @@ static mst_status capture(rank_state* st, cudaGraphExec_t* exec) {
     cudaGraphDestroy(g);
     if (e != cudaSuccess) FAIL(MST_ERR_BACKEND, "cudaGraphInstantiate failed: %s", cudaGetErrorString(e));
     return MST_OK;
+}
+
+/* ms per replay of a captured dispatch + combine (into the window rows or
+ * the caller's); then one more replay gives bf16(k x). */
+static mst_status time_graph(rank_state* st, int window, double* ms) {
+    cudaGraphExec_t exec;
+    TRY(capture(st, window, &exec));
+    mst_status rc = time_phase(st, NULL, exec, ms);
+    if (rc == MST_OK) rc = poison_y(st);
+    if (rc == MST_OK && cudaGraphLaunch(exec, st->s) != cudaSuccess) rc = MST_ERR_BACKEND;
+    if (rc == MST_OK) rc = check_y(st, window ? "graph replay, into the window rows" : "graph replay");
+    cudaGraphExecDestroy(exec);
+    return rc;
 }
 
 static mst_status run_rank(rank_state* st, ep_result* r) {
@@ -266,13 +289,9 @@ static mst_status run_rank(rank_state* st, ep_result* r) {
     TRY(time_phase(st, dispatch, NULL, &r->dispatch_ms));
     TRY(time_phase(st, dispatch_window, NULL, &r->window_ms));
     TRY(time_phase(st, combine, NULL, &r->combine_ms));
-    cudaGraphExec_t exec;
-    TRY(capture(st, &exec));
-    mst_status rc = time_phase(st, NULL, exec, &r->graph_ms);
-    cudaGraphExecDestroy(exec);
-    TRY(rc);
-    TRY(mst_ctx_check(st->ctx));
-    TRY(validate(st, 0)); /* still right after the replays */
+    TRY(time_graph(st, 0, &r->graph_ms));
+    TRY(time_graph(st, 1, &r->graph_w_ms));
+    TRY(validate(st, 0)); /* still right eagerly after the replays */
     TRY(validate(st, 1));
     return time_phase(st, a2a, NULL, &r->a2a_ms);
 }
@@ -538,11 +557,12 @@ static void write_layer_json(FILE* f, const layer_result* res, int n) {
 static void print_result(const bench_world* w, const ep_result* r) {
     const double gb = r->bytes / 1e9;
     printf("%-4s %-3s N %5lld H %5lld E %3d k %d  dispatch %7.1f GB/s (window rows %7.1f)  combine %7.1f GB/s  "
-           "graph (per op) %7.1f GB/s  nccl a2a %7.1f GB/s  dispatch/a2a %.2f (window rows %.2f)  combine/a2a %.2f\n",
+           "graph (per op) %7.1f GB/s (window rows %7.1f)  nccl a2a %7.1f GB/s  dispatch/a2a %.2f (window rows %.2f)  "
+           "combine/a2a %.2f\n",
            r->c->name, strstr(r->path, "device") ? "lsa" : "p2p", (long long)r->c->tokens, (long long)r->c->hidden,
            r->c->experts, r->c->top_k, gb / (r->dispatch_ms / 1e3), gb / (r->window_ms / 1e3),
-           gb / (r->combine_ms / 1e3), gb / (r->graph_ms / 2e3), gb / (r->a2a_ms / 1e3), r->a2a_ms / r->dispatch_ms,
-           r->a2a_ms / r->window_ms, r->a2a_ms / r->combine_ms);
+           gb / (r->combine_ms / 1e3), gb / (r->graph_ms / 2e3), gb / (r->graph_w_ms / 2e3), gb / (r->a2a_ms / 1e3),
+           r->a2a_ms / r->dispatch_ms, r->a2a_ms / r->window_ms, r->a2a_ms / r->combine_ms);
     (void)w;
 }
 
@@ -556,11 +576,12 @@ static void write_json(FILE* f, const char* device, const bench_world* w, const 
         const double gb = r->bytes / 1e9;
         fprintf(f, "    {\"case\": \"%s\", \"path\": \"%s\", \"tokens\": %lld, \"hidden\": %lld, \"experts\": %d, \"top_k\": %d, "
                    "\"ok\": %s, \"dispatch_ms\": %.4f, \"dispatch_window_ms\": %.4f, \"combine_ms\": %.4f, "
-                   "\"graph_ms\": %.4f, \"a2a_ms\": %.4f, "
+                   "\"graph_ms\": %.4f, \"graph_window_ms\": %.4f, \"a2a_ms\": %.4f, "
                    "\"dispatch_gbs\": %.2f, \"dispatch_window_gbs\": %.2f, \"combine_gbs\": %.2f, \"a2a_gbs\": %.2f, "
                    "\"dispatch_over_a2a\": %.3f, \"dispatch_window_over_a2a\": %.3f, \"combine_over_a2a\": %.3f}%s\n",
                 r->c->name, r->path, (long long)r->c->tokens, (long long)r->c->hidden, r->c->experts, r->c->top_k,
-                r->ok ? "true" : "false", r->dispatch_ms, r->window_ms, r->combine_ms, r->graph_ms, r->a2a_ms,
+                r->ok ? "true" : "false", r->dispatch_ms, r->window_ms, r->combine_ms, r->graph_ms, r->graph_w_ms,
+                r->a2a_ms,
                 gb / (r->dispatch_ms / 1e3), gb / (r->window_ms / 1e3), gb / (r->combine_ms / 1e3),
                 gb / (r->a2a_ms / 1e3), r->a2a_ms / r->dispatch_ms, r->a2a_ms / r->window_ms,
                 r->a2a_ms / r->combine_ms, i + 1 < n ? "," : "");
