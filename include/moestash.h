@@ -752,7 +752,8 @@ MST_API const char* mst_ep_path(const mst_ep_t* ep);
 
 /* Changes R = max_rows (the rows this rank's experts may receive) for the
  * dispatches and combines after it: every rank the same, between steps,
- * never inside a capture. No buffer depends on R. */
+ * never inside a capture. No buffer depends on R (dispatches into the window
+ * rows need R <= cfg.window_rows). */
 MST_API mst_status mst_ep_set_max_rows(mst_ep_t* ep, int64_t max_rows);
 
 /* The dispatch outputs the communicator holds (cfg.window_rows > 0):
