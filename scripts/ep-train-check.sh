@@ -5,8 +5,9 @@
 #            --ep N, 20 steps at the CUDA default size, graphs on: the max
 #            relative loss difference (bf16 weights: the replicated gradients
 #            are summed in another order, so the runs drift by rounding);
-#   policy:  keep and stash on N GPUs, 30 steps, graphs on: median tokens/s
-#            of steps 11-30, STASH/KEEP step time and the peak over the ranks;
+#   policy:  keep and stash on N GPUs, 30 steps, graphs on, at the CUDA
+#            default size and a larger one: median tokens/s of steps 11-30,
+#            STASH/KEEP step time and the memory over the ranks;
 #   resume:  --save at step 2 of 4, --resume: steps 3-4 and the weights hash
 #            against the run that went straight through;
 #   torchrun: the same binary under torchrun --no-python (when installed).
@@ -46,17 +47,20 @@ print(f"loss: train --gpus {sys.argv[3]} vs one GPU --ep {sys.argv[3]}, 20 steps
 EOF
 fi
 
-# ---- policy: STASH against KEEP on N GPUs ----
-for p in keep stash; do run "$p" --gpus "$n" --steps 30 --log-every 30 --policy "$p"; done
-if [ -f "$tmp/keep.json" ] && [ -f "$tmp/stash.json" ]; then
-  python3 - "$tmp/keep.json" "$tmp/stash.json" "$n" <<'EOF'
+# ---- policy: STASH against KEEP on N GPUs, at two sizes ----
+policy() { # label, flags...
+  local label=$1
+  shift
+  for p in keep stash; do run "$p" --gpus "$n" --steps 30 --log-every 30 --policy "$p" "$@"; done
+  [ -f "$tmp/keep.json" ] && [ -f "$tmp/stash.json" ] || return
+  python3 - "$tmp/keep.json" "$tmp/stash.json" "$n" "$label" <<'EOF'
 import json, statistics, sys
 k, s = (json.load(open(p)) for p in sys.argv[1:3])
 tk, ts = (statistics.median(d["tokens_per_s"][10:]) for d in (k, s))
 def peak(d): return d["memory_bytes"]["backend_peak_max_over_ranks"] / 2**30
 def mlp(d): return sum(v for r, v in d["memory_bytes"]["run_max_over_ranks"].items() if "grouped MLP" in r) / 2**20
 def total(d): return sum(d["memory_bytes"]["run_max_over_ranks"].values()) / 2**30
-print(f"policy on {sys.argv[3]} GPUs (CUDA default size, batch 16 per rank, graphs on, median of steps 11-30): "
+print(f"policy on {sys.argv[3]} GPUs, {sys.argv[4]}, graphs on, median of steps 11-30: "
       f"keep {tk:,.0f} tok/s, stash {ts:,.0f} tok/s, STASH/KEEP step time {tk / ts:.3f}; backend peak, max over ranks: "
       f"keep {peak(k):.2f} GiB, stash {peak(s):.2f} GiB; memory table total (sized steps), max over ranks: keep "
       f"{total(k):.2f} GiB, stash {total(s):.2f} GiB; grouped-MLP saved keep {mlp(k):.1f} MiB, stash {mlp(s):.1f} MiB; "
@@ -64,7 +68,10 @@ print(f"policy on {sys.argv[3]} GPUs (CUDA default size, batch 16 per rank, grap
       f"{'same' if k['weights_hash'] == s['weights_hash'] else 'DIFFERS'}; captures {k['captures']}/{s['captures']}, "
       f"reruns {k['reruns']}/{s['reruns']}")
 EOF
-fi
+  rm -f "$tmp/keep.json" "$tmp/stash.json"
+}
+policy "CUDA default size (batch 16 per rank)"
+policy "H 1024, F 2048, T 1024, batch 8 per rank" --hidden 1024 --ffn 2048 --seq 1024 --batch 8
 
 # ---- resume: checkpoints of N ranks ----
 small=(--gpus "$n" --batch 4 --layers 2 --log-every 4)

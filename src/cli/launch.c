@@ -124,7 +124,8 @@ void mst_launch_fail_point(const mst_launch* l, const char* where) {
     const char *r = getenv("MOESTASH_FAIL_RANK"), *at = getenv("MOESTASH_FAIL_AT");
     if (!r || !at || atoi(r) != l->rank || strcmp(at, where) != 0) return;
     fprintf(stderr, "%s: failing on purpose (MOESTASH_FAIL_AT=%s)\n", l->who, where);
-    if (strcmp(where, "start") == 0) exit(3);
+    const char* code = getenv("MOESTASH_FAIL_CODE"); /* "start": the exit code (3) */
+    if (strcmp(where, "start") == 0) exit(code ? atoi(code) : 3);
     abort();
 }
 
@@ -193,6 +194,7 @@ typedef struct ranks {
     int n, running;
     pid_t* pid;      /* [n] pid of a running rank, 0 once reaped or never started */
     int failed;      /* the first rank that failed, or -1                        */
+    int usage;       /* it exited 2: it refused its input (the launcher exits 2) */
     int64_t kill_at; /* stopping: SIGKILL at this time (ms); -1 not stopping     */
 } ranks;
 
@@ -212,6 +214,7 @@ static void reaped(ranks* rs, int r, int status) {
     describe(status, st, sizeof st);
     fprintf(stderr, "%s: rank %d of %d failed (%s); stopping the other ranks\n", rs->cmd, r, rs->n, st);
     rs->failed = r;
+    rs->usage = WIFEXITED(status) && WEXITSTATUS(status) == 2;
     stop_ranks(rs);
 }
 
@@ -278,7 +281,7 @@ int mst_launch_spawn(const char* cmd, const char* sub, int n, int argc, char** a
     wait_ranks(&rs);
     sigaction(SIGINT, &old_int, NULL), sigaction(SIGTERM, &old_term, NULL);
     free(rs.pid), free(args);
-    return rs.failed >= 0 || g_stop ? 1 : 0;
+    return rs.usage ? 2 : rs.failed >= 0 || g_stop ? 1 : 0;
 }
 
 /* ---- the communicator of a rank ----------------------------------------- */

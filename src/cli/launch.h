@@ -17,8 +17,9 @@
  * (TORCHELASTIC_USE_AGENT_STORE=True); MOESTASH_RDZV_PORT overrides both.
  *
  * Hidden knobs for tests: MOESTASH_FAIL_RANK=R with MOESTASH_FAIL_AT=start
- * (rank R exits 3 before the rendezvous) or run (rank R aborts once its
- * communicator is up: a crash mid-run); MOESTASH_RDZV_TIMEOUT=S bounds the
+ * (rank R exits 3, or MOESTASH_FAIL_CODE, before the rendezvous) or run
+ * (rank R aborts once its communicator is up: a crash mid-run);
+ * MOESTASH_RDZV_TIMEOUT=S bounds the
  * rendezvous (seconds, default 300).
  */
 #ifndef MST_CLI_LAUNCH_H
@@ -46,7 +47,9 @@ int mst_launch_env(const char* cmd, mst_launch* out);
 
 /* `--gpus n` given to command `sub` (argv: its arguments) in a process that
  * was not launched: runs n ranks and returns the exit code (0 all ranks
- * succeeded, 1 one failed, after the line naming it). */
+ * succeeded, 1 one failed, after the line naming it; 2 when the first rank
+ * that failed exited 2: it refused its input, e.g. a memory budget no plan
+ * fits, found once the ranks ran). */
 int mst_launch_spawn(const char* cmd, const char* sub, int n, int argc, char** argv);
 
 /* `--gpus n` for CUDA ranks: 0 when this machine has n devices, else 2
@@ -58,7 +61,8 @@ int mst_launch_check_devices(const char* cmd, int32_t n);
 int mst_launch_check_gpus(const mst_launch* l, int32_t n);
 
 /* The hidden failure knob at point "start" or "run" of this rank: exits 3
- * (start) or aborts (run) when MOESTASH_FAIL_RANK names it. */
+ * or MOESTASH_FAIL_CODE (start) or aborts (run) when MOESTASH_FAIL_RANK
+ * names it. */
 void mst_launch_fail_point(const mst_launch* l, const char* where);
 
 /* The communicator of a launched rank on ctx (CUDA, device local_rank):

@@ -20,7 +20,7 @@ bin=$1
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 failed=0 passed=0
-unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT MOESTASH_FAIL_RANK MOESTASH_FAIL_AT MOESTASH_RDZV_TIMEOUT \
+unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT MOESTASH_FAIL_RANK MOESTASH_FAIL_AT MOESTASH_FAIL_CODE MOESTASH_RDZV_TIMEOUT \
   MOESTASH_RDZV_PORT TORCHELASTIC_USE_AGENT_STORE
 hello=("$bin" ep-hello --backend cpu)
 
@@ -88,17 +88,20 @@ if [ "$rcs" = "0 0 0 0 " ] && hello_ok 4 "$tmp/out"; then ok; else no "4 ranks f
 gone() { local p; for p in "$@"; do kill -0 "$p" 2>/dev/null && return 1; done; return 0; }
 rank_pids() { grep -oE '^rank [0-9]+ of [0-9]+: local rank [0-9]+, pid [0-9]+' "$tmp/out" | awk '{print $NF}'; }
 
-# fails ENV WANT_STDERR : launcher (--gpus 3 --rounds 6000) exits 1 within 20 s naming the rank; every rank gone
+# fails RC ENV WANT_STDERR : launcher (--gpus 3 --rounds 6000) exits RC within 20 s naming the rank; every
+# rank gone (RC 2 when the rank that failed exited 2: it refused its input)
 fails() {
-  local want=$1; shift
+  local want_rc=$1 want=$2; shift 2
   local t0=$SECONDS
   env "$@" timeout 60 "${hello[@]}" --gpus 3 --rounds 6000 >"$tmp/out" 2>"$tmp/err"
   local rc=$? dt=$((SECONDS - t0))
-  if [ $rc = 1 ] && [ $dt -le 20 ] && grep -qF -- "$want" "$tmp/err" && gone $(rank_pids); then ok
-  else no "env $* ep-hello --gpus 3 --rounds 6000 -> exit $rc after ${dt} s (want 1 within 20 s, \"$want\", no rank left)"; fi
+  if [ $rc = "$want_rc" ] && [ $dt -le 20 ] && grep -qF -- "$want" "$tmp/err" && gone $(rank_pids); then ok
+  else no "env $* ep-hello --gpus 3 --rounds 6000 -> exit $rc after ${dt} s (want $want_rc within 20 s, \"$want\", no rank left)"; fi
 }
-fails "moestash ep-hello: rank 1 of 3 failed (exit code 3); stopping the other ranks" MOESTASH_FAIL_RANK=1 MOESTASH_FAIL_AT=start
-fails "moestash ep-hello: rank 2 of 3 failed (killed by signal 6" MOESTASH_FAIL_RANK=2 MOESTASH_FAIL_AT=run
+fails 1 "moestash ep-hello: rank 1 of 3 failed (exit code 3); stopping the other ranks" MOESTASH_FAIL_RANK=1 MOESTASH_FAIL_AT=start
+fails 2 "moestash ep-hello: rank 1 of 3 failed (exit code 2); stopping the other ranks" MOESTASH_FAIL_RANK=1 \
+  MOESTASH_FAIL_AT=start MOESTASH_FAIL_CODE=2
+fails 1 "moestash ep-hello: rank 2 of 3 failed (killed by signal 6" MOESTASH_FAIL_RANK=2 MOESTASH_FAIL_AT=run
 if grep -qF "rank 2: moestash ep-hello: failing on purpose (MOESTASH_FAIL_AT=run)" "$tmp/err"; then ok; else no "the failing rank's own line has no 'rank 2:' prefix"; fi
 
 # killed from outside mid-run (every rank has met the others and holds)
