@@ -139,8 +139,8 @@ static void planned_over_ranks(const mst_train_result* r) {
 
 /* 2 ranks hold fewer rows each, a few pages per (layer, microbatch), so
  * the routing of step 2 (other weights) overflows pools of 1.1 times the
- * pages step 1 counted, and the overflow's rerun measures while the sized
- * pools are still held: a peak no plan predicts (docs/DESIGN.md 14.7).
+ * pages step 1 counted, and the pools then grow by half at least: a peak
+ * no plan predicts (docs/DESIGN.md 14.7).
  * Pools of 1.5 times: no rerun (checked). */
 static mst_train_config tiny2(void) {
     mst_train_config c = tiny();

@@ -327,7 +327,8 @@ mst_status mst_memmgr_step_begin(mst_memmgr_t* m, int measuring) {
     if (m->in_step) return mst_set_error(MST_ERR_STATE, "step_begin inside a step");
     if (!measuring && !m->sized)
         return mst_set_error(MST_ERR_STATE, "the first step must be a measuring step (measuring = 1)");
-    if (measuring) { /* restore buffers for any rows up to max_rows */
+    if (measuring) { /* no pools; restore buffers for any rows up to max_rows */
+        mst_mm_release_pools(m);
         MST_TRY(mst_mm_ensure_arena(m, m->cfg.max_rows, 0));
         memset(m->live_pages, 0, sizeof m->live_pages);
         memset(m->peak_pages, 0, sizeof m->peak_pages);

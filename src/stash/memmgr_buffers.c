@@ -181,22 +181,26 @@ static int64_t sized_restore_rows(const mst_memmgr_t* m) {
     return rows < m->cfg.max_rows ? rows : m->cfg.max_rows;
 }
 
-/* The pool of (name n, kind k) with at least the pages of config pc. */
+void mst_mm_release_pools(mst_memmgr_t* m) {
+    for (int n = 0; n < MST_N_SAVED; n++)
+        for (int k = 0; k < 2; k++) {
+            mst_pool_stats st;
+            if (!m->pool[n][k] || mst_pool_stats_get(m->pool[n][k], &st) != MST_OK) continue;
+            m->had_pages[n][k][0] = st.n_dev_pages, m->had_pages[n][k][1] = st.n_host_pages;
+            mst_mm_free_handles(m, (mst_saved_name)n, k);
+            mst_pool_destroy(m->pool[n][k]);
+            m->pool[n][k] = NULL;
+        }
+}
+
+/* The pool of (name n, kind k): the pages of config pc, grown() over the
+ * pool it had before this measuring step. */
 static mst_status ensure_pool(mst_memmgr_t* m, mst_saved_name n, int k, const mst_pool_config* pc) {
-    mst_pool_t** pool = &m->pool[n][k];
-    if (*pool) {
-        mst_pool_stats have;
-        MST_TRY(mst_pool_stats_get(*pool, &have));
-        if (have.n_dev_pages >= pc->n_dev_pages && have.n_host_pages >= pc->n_host_pages) return MST_OK;
-        mst_mm_free_handles(m, n, k);
-        mst_pool_destroy(*pool);
-        *pool = NULL;
-        mst_pool_config g = *pc; /* it overflowed: grow by half at least */
-        g.n_dev_pages = grown(pc->n_dev_pages, have.n_dev_pages);
-        g.n_host_pages = grown(pc->n_host_pages, have.n_host_pages);
-        return mst_pool_create(m->ctx, dtype_of(m, n), cols_of(m, n), &g, pool);
-    }
-    return mst_pool_create(m->ctx, dtype_of(m, n), cols_of(m, n), pc, pool);
+    MST_ASSERT(!m->pool[n][k]); /* released when the measuring step began */
+    mst_pool_config g = *pc;
+    g.n_dev_pages = grown(pc->n_dev_pages, m->had_pages[n][k][0]);
+    g.n_host_pages = grown(pc->n_host_pages, m->had_pages[n][k][1]);
+    return mst_pool_create(m->ctx, dtype_of(m, n), cols_of(m, n), &g, &m->pool[n][k]);
 }
 
 /* SMs of one side-stream copy of a pool (mst_pool_config.copy_sms).

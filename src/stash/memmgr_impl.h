@@ -128,6 +128,8 @@ struct mst_memmgr {
     int64_t restore_rows;         /* rows of each restore buffer and handle; 0: none */
     int arena_sized;              /* the arena holds views of restored names only */
     int64_t sized_rows;           /* restore rows of the last sizing; 0: none yet  */
+    int64_t had_pages[MST_N_SAVED][2][2]; /* [name][kind] device, host pages of the
+                                     pool a measuring step released at its start */
     int pages_read[MST_N_SAVED];  /* the backward reads name n from its pages as they are */
     int64_t max_saved_rows;       /* measuring: largest rows of a paged tensor     */
     void* ev_main;                /* event: main stream reached a side operation   */
@@ -252,6 +254,10 @@ mst_status mst_mm_size_pools(mst_memmgr_t* m);
 void mst_mm_free_exact(mst_memmgr_t* m, slot* s, mst_policy p);
 /* Destroys the handles of name n whose policy uses pool kind k (k < 0: all). */
 void mst_mm_free_handles(mst_memmgr_t* m, mst_saved_name n, int k);
+/* Frees every pool and its handles, keeping their sizes in had_pages: a
+ * measuring step holds exact copies instead and sizes the pools again at
+ * its end (a rerun that kept the pools it outgrew peaked above KEEP). */
+void mst_mm_release_pools(mst_memmgr_t* m);
 
 /* ---- the saver (memmgr_saver.c) ------------------------------------------- */
 
