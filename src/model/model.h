@@ -341,6 +341,11 @@ mst_status mst_step_read(mst_model* m, mst_step_record* r);
 mst_status mst_step_eval(mst_model* m, int measuring);
 /* Forgets the captured graph (buffers it points at change). */
 void mst_step_drop_graph(mst_model* m);
+/* W ranks: main_grad of the replicated parameters summed over the ranks, in
+ * two buckets (the matrices [0, n_dense), then the norm weights), after the
+ * whole backward, not overlapped with it; the experts' are this rank's own.
+ * One rank: nothing. */
+mst_status mst_step_share_grads(mst_model* m);
 
 /* ---- data (data.c) ---- */
 typedef struct mst_data {

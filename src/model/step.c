@@ -18,10 +18,7 @@
  * which finds the over-budget group again). */
 static mst_status share_flag(mst_model* m) { return mst_model_allreduce(m, m->ctx->err_flag, 1, MST_EP_MAX_I32); }
 
-/* W ranks: main_grad of the replicated parameters summed over the ranks, in
- * two buckets: the matrices [0, n_dense) and the norm weights; the experts'
- * are this rank's own. */
-static mst_status share_grads(mst_model* m) {
+mst_status mst_step_share_grads(mst_model* m) {
     MST_TRY(mst_model_allreduce(m, m->grad, m->n_dense, MST_EP_SUM_F32));
     return mst_model_allreduce(m, m->grad + m->n_decay, m->n_params - m->n_decay, MST_EP_SUM_F32);
 }
@@ -44,7 +41,7 @@ static mst_status record(mst_model* m) {
 
 static mst_status whole_step(mst_model* m, const mst_optim_config* o, int measuring) {
     MST_TRY(mst_model_step(m, measuring));
-    MST_TRY(share_grads(m));
+    MST_TRY(mst_step_share_grads(m));
     MST_TRY(share_flag(m));
     MST_TRY(mst_optim_step(m, o));
     return record(m);

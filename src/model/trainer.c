@@ -423,6 +423,22 @@ static mst_status alloc_result(mst_train_result* res, int64_t steps) {
     return MST_OK;
 }
 
+/* W ranks: the step's all-reduce of the replicated gradients timed apart,
+ * eager, 5 times after the run (on the last step's gradients, which nothing
+ * reads again: the checkpoint and the memory table are taken). */
+static mst_status time_allreduce(mst_model* m, mst_train_result* res) {
+    if (!m->dist.ep) return MST_OK;
+    enum { TIMES = 5 };
+    MST_TRY(mst_step_share_grads(m)); /* NCCL's first call of a size sets up */
+    MST_TRY(mst_ctx_sync(m->ctx));
+    const double t0 = mst_clock_s();
+    for (int i = 0; i < TIMES; i++) MST_TRY(mst_step_share_grads(m));
+    MST_TRY(mst_ctx_sync(m->ctx));
+    res->allreduce_ms = (mst_clock_s() - t0) * 1e3 / TIMES;
+    res->allreduce_bytes = sizeof(float) * (size_t)(m->n_dense + m->n_params - m->n_decay);
+    return MST_OK;
+}
+
 static mst_status train_loop(mst_model* m, mst_data* d, mst_data* e, const mst_train_config* cfg, FILE* progress,
                              mst_train_result* res) {
     const int64_t per = cfg->model.batch * (cfg->model.seq + 2) * m->dist.world; /* the global batch's */
@@ -463,6 +479,7 @@ static mst_status train_loop(mst_model* m, mst_data* d, mst_data* e, const mst_t
     if (st == MST_OK) st = mst_memmgr_check(m->mm);
     if (st == MST_OK) st = memory_table(m, res);
     if (st == MST_OK && cfg->timeline_path) st = timeline(m, cfg, res);
+    if (st == MST_OK) st = time_allreduce(m, res);
     return st;
 }
 
@@ -645,6 +662,9 @@ void mst_train_print_memory(FILE* f, const mst_train_result* r) {
     fprintf(f, "\n  backend peak %.2f MiB; reruns %lld (over budget %lld, overflow %lld); step graph: %lld captures, "
                "%lld replays\n", mib(t->peak), (long long)r->reruns, (long long)r->over_budget,
             (long long)(r->reruns - r->over_budget), (long long)r->captures, (long long)r->replays);
+    if (r->world > 1)
+        fprintf(f, "  replicated gradients: %.2f MiB fp32 all-reduced a step after the backward, %.3f ms alone "
+                   "(rank 0, timed after the run)\n", mib(r->allreduce_bytes), r->allreduce_ms);
 }
 
 /* Values of the steps this run made (from its first); null where not finite. */
@@ -717,6 +737,8 @@ mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
         fprintf(f, "%s%d", i ? ", " : "", r->peak_rows ? r->peak_rows[i] : 0);
     fprintf(f, "],\n");
     if (r->plan) mst_plan_json(f, r->plan, r, cfg);
+    if (r->world > 1) /* the replicated gradients' all-reduce, timed alone */
+        fprintf(f, "  \"allreduce\": {\"bytes\": %zu, \"ms\": %.4f},\n", r->allreduce_bytes, r->allreduce_ms);
     fprintf(f, "  \"memory_bytes\": {\n");
     json_mem(f, "run", r->mem.run);
     json_mem(f, "keep_static", r->mem.keep);

@@ -92,6 +92,9 @@ typedef struct mst_train_result {
     mst_mem_table mem_max;    /* W ranks: each entry's max over the ranks      */
     int32_t world;            /* W (1: one rank)                               */
     uint64_t* rank_peak;      /* [W] W ranks: each rank's backend peak, bytes (NULL: one rank) */
+    size_t allreduce_bytes;   /* W ranks: the replicated gradients a step sums  */
+    double allreduce_ms;      /* W ranks: that all-reduce alone, eager, after the
+                                 run (what overlapping it could save at most)   */
     double seconds;
     struct mst_plan_report* plan; /* --memory-budget: the plan and its predictions */
 } mst_train_result;
