@@ -413,6 +413,11 @@ int mst_cmd_train(int argc, char** argv) {
     if (t.graph) t.cfg.graph_from = strcmp(t.graph, "on") == 0;
     if (t.gpus > 1 && mst_args_find(argc, argv, "--ep") && t.cfg.model.ep != t.gpus)
         return bad_value("--ep", t.cfg.model.ep, "on --gpus N ranks the expert groups are the ranks (--ep N)");
+    if (t.gpus > 1 && t.cfg.model.experts % t.gpus != 0) {
+        char why[96];
+        snprintf(why, sizeof why, "the ranks share the %d experts (--experts): must divide it", t.cfg.model.experts);
+        return bad_value("--gpus", t.gpus, why);
+    }
     if (t.gpus > 1) t.cfg.model.ep = (int32_t)t.gpus;
     if (consistent(&t)) return 2;
     if (t.cfg.model.capacity_factor == 0.0f) t.cfg.model.capacity_factor = (float)t.cfg.model.ep;

@@ -61,7 +61,8 @@ bad "--recompute-granularity 'half'" train --recompute-granularity half
 # train on N ranks
 bad "--gpus '0'" train --backend cpu --gpus 0
 bad "--ep '3': on --gpus N ranks" train --backend cpu --gpus 2 --ep 3
-bad "--experts 6" train --backend cpu --gpus 4 --experts 6
+bad "--gpus '4': the ranks share the 6 experts (--experts)" train --backend cpu --gpus 4 --experts 6
+bad "--gpus '3': the ranks share the 8 experts (--experts)" train --backend cpu --gpus 3
 bad "--attention 'fast'" train --attention fast
 bad "--save-every '3': needs --save" train --save-every 3
 bad "--checkpoint" sample --prompt x
