@@ -156,3 +156,28 @@ def test_only_device_pages_are_read_in_place():
     assert [s.in_place(n) for n in (FC1_INPUT, ACT_INPUT, FC2_INPUT, PROBS)] == [False, True, True, False]
     s.backward(torch.device("cpu"), None, None, restore_all=True)
     assert not any(s.in_place(n) for n in (FC1_INPUT, ACT_INPUT, FC2_INPUT, PROBS))
+
+
+def test_forward_without_backward(device):
+    """A forward whose backward never runs (under torch.no_grad(), or an
+    output dropped) holds its record and handles until the next
+    step_begin() only: steps of such forwards reuse the same handles. A
+    backward across a step_begin() is refused, not fed reset pages."""
+    torch.manual_seed(0)
+    manager = mt.StashManager(page_rows=8)
+    mlp = mt.GroupedMLP(E, H, F, policy="stash", stash_manager=manager, device=device)
+    x, c, p = inputs(device, 9)
+    handles = []
+    for _ in range(3):
+        manager.step_begin()
+        assert not manager.records
+        with torch.no_grad():
+            for _ in range(4):
+                mlp(x, c, p)
+        assert len(manager.records) == 4
+        handles.append(sum(len(pool.handles) for pool in manager.pools.values()))
+    assert handles[0] > 0 and handles == [handles[0]] * 3, f"handles made per step: {handles}"
+    y = mlp(x.clone().requires_grad_(), c, p)
+    manager.step_begin()
+    with pytest.raises(RuntimeError, match="step_begin"):
+        y.float().sum().backward()

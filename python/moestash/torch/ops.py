@@ -75,8 +75,7 @@ class Binding:
 
 
 DEFAULT = Binding()
-_records = {}
-_record_ids = itertools.count()
+_record_ids = itertools.count()  # the records themselves: the binding's StashManager
 
 
 def _wgrad_mode(binding, params, main_grads):
@@ -242,7 +241,7 @@ def _mlp_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Option
     rid = -1
     if record.handles:
         rid = next(_record_ids)
-        _records[rid] = record
+        b.saver.manager.hold(rid, record)
     return y, h, z, torch.tensor([rid], dtype=torch.int64)
 
 
@@ -272,7 +271,12 @@ def _mlp_bwd(dy: Tensor, x: Tensor, h: Tensor, z: Tensor, probs: Tensor, rid: Te
     params = (w1, b1, w2, b2)
     mode = _wgrad_mode(b, params, mgs)
     grads = [_grad_buf(p, m, mode if R else _lib.WGRAD_ACCUMULATE) for p, m in zip(params, mgs)]  # no rows: 0
-    record = _records.pop(int(rid[0]), None) if int(rid[0]) >= 0 else None
+    record = None
+    if int(rid[0]) >= 0:
+        record = b.saver.manager.release(int(rid[0]))
+        if record is None:
+            raise RuntimeError("grouped_mlp backward: the stashed activations of its forward were reset by "
+                               "StashManager.step_begin() in between (call it once per step, before the forwards)")
     saved = {FC1_INPUT: x, ACT_INPUT: h, FC2_INPUT: z, PROBS: probs, "rows": R, "ffn": cfg.ffn}
     b.saver.backward(d, record, saved, restore_all=mode == _lib.WGRAD_DEFERRED)
     dx, dprobs = dy.new_empty((R, cfg.hidden)), torch.zeros(R, dtype=torch.float32, device=d)  # padding 0

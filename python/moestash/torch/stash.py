@@ -100,6 +100,7 @@ class StashManager:
         self.pools = {}  # (device, name, policy, width) -> Pool
         self.resize = False  # the pools grew: size them from the next good step's peak
         self.overflows = 0
+        self.records = {}  # record id -> Record of a forward whose backward has not run
 
     # ---- the saver's side ---------------------------------------------------
 
@@ -133,12 +134,29 @@ class StashManager:
     def give_back(self, pool, handle):
         pool.call("mst_stash_restore_return", handle)
 
+    def hold(self, rid, record):
+        """Keeps the record of forward `rid` for its backward (until the next
+        step_begin())."""
+        self.records[rid] = record
+
+    def release(self, rid):
+        """The record of forward `rid`, no longer held; None when a
+        step_begin() came between the forward and its backward."""
+        return self.records.pop(rid, None)
+
     # ---- the training loop's side -------------------------------------------
 
     def step_begin(self):
-        """Resets every pool (one kernel each, on torch's current stream)."""
+        """Resets every pool (one kernel each, on torch's current stream). The
+        records of forwards whose backward never ran (a forward under
+        torch.no_grad(), an output dropped unused) end here: their pages are
+        reset and their handles go back to the pools."""
         for pool in self.pools.values():
             pool.call("mst_pool_reset")
+        for record in self.records.values():
+            for pool, handle, max_rows in record.handles.values():
+                pool.put(max_rows, handle)
+        self.records.clear()
 
     def overflowed(self, device):
         """int32 [n_pools] on `device`, nonzero where a pool overflowed this
