@@ -760,7 +760,9 @@ MST_API mst_status mst_ep_set_max_rows(mst_ep_t* ep, int64_t max_rows);
  * rows [R, H] bf16 and row_probs [R, 1] fp32 (row_probs may be NULL), R =
  * max_rows now (MST_ERR_INVALID when R > cfg.window_rows). Their contents
  * are valid until the next dispatch of this communicator (any handle): the
- * peers write into them then. A dispatch whose rows (and row_probs, when
+ * peers write into them then, once that dispatch has started on every rank,
+ * so whatever reads them on another stream must be ordered before it on the
+ * context's stream. A dispatch whose rows (and row_probs, when
  * given) are exactly these takes the direct path where the transport has one
  * (lsa, and the CPU twin, which mirrors it): each sender stores its rows at
  * their final expert rows in the receiver's window, with no receive blocks
