@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "../core/rng.h"
+#include "../ep/ep.h"
 #include "model.h"
 
 #define BAD(...) mst_set_error(MST_ERR_INVALID, __VA_ARGS__)
@@ -563,7 +564,7 @@ mst_status mst_model_allreduce(mst_model* m, void* data, int64_t count, mst_ep_r
 
 mst_status mst_model_allreduce_host(mst_model* m, void* host, int64_t count, mst_ep_reduce kind) {
     if (!m->dist.ep || count == 0) return MST_OK;
-    const size_t bytes = (size_t)count * (kind == MST_EP_SUM_F64 || kind == MST_EP_MAX_F64 ? sizeof(double) : sizeof(int32_t));
+    const size_t bytes = (size_t)count * mst_ep_reduce_size(kind);
     void* dev = NULL; /* [count] of kind's type */
     MST_TRY(mst_alloc(m->ctx, bytes, &dev));
     mst_status st = mst_copy_h2b(m->ctx, dev, host, bytes);

@@ -346,6 +346,8 @@ void mst_step_drop_graph(mst_model* m);
  * whole backward, not overlapped with it; the experts' are this rank's own.
  * One rank: nothing. */
 mst_status mst_step_share_grads(mst_model* m);
+/* The fp32 elements mst_step_share_grads sums (both buckets). */
+int64_t mst_step_shared_grads(const mst_model* m);
 
 /* ---- data (data.c) ---- */
 typedef struct mst_data {

@@ -18,6 +18,8 @@
  * which finds the over-budget group again). */
 static mst_status share_flag(mst_model* m) { return mst_model_allreduce(m, m->ctx->err_flag, 1, MST_EP_MAX_I32); }
 
+int64_t mst_step_shared_grads(const mst_model* m) { return m->n_dense + m->n_params - m->n_decay; }
+
 mst_status mst_step_share_grads(mst_model* m) {
     MST_TRY(mst_model_allreduce(m, m->grad, m->n_dense, MST_EP_SUM_F32));
     return mst_model_allreduce(m, m->grad + m->n_decay, m->n_params - m->n_decay, MST_EP_SUM_F32);

@@ -435,7 +435,7 @@ static mst_status time_allreduce(mst_model* m, mst_train_result* res) {
     for (int i = 0; i < TIMES; i++) MST_TRY(mst_step_share_grads(m));
     MST_TRY(mst_ctx_sync(m->ctx));
     res->allreduce_ms = (mst_clock_s() - t0) * 1e3 / TIMES;
-    res->allreduce_bytes = sizeof(float) * (size_t)(m->n_dense + m->n_params - m->n_decay);
+    res->allreduce_bytes = sizeof(float) * (size_t)mst_step_shared_grads(m);
     return MST_OK;
 }
 

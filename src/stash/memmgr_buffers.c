@@ -195,7 +195,7 @@ void mst_mm_release_pools(mst_memmgr_t* m) {
 
 /* The pool of (name n, kind k): the pages of config pc, grown() over the
  * pool it had before this measuring step. */
-static mst_status ensure_pool(mst_memmgr_t* m, mst_saved_name n, int k, const mst_pool_config* pc) {
+static mst_status create_pool(mst_memmgr_t* m, mst_saved_name n, int k, const mst_pool_config* pc) {
     MST_ASSERT(!m->pool[n][k]); /* released when the measuring step began */
     mst_pool_config g = *pc;
     g.n_dev_pages = grown(pc->n_dev_pages, m->had_pages[n][k][0]);
@@ -267,7 +267,7 @@ mst_status mst_mm_size_pools(mst_memmgr_t* m) {
                                               k ? m->cfg.dev_factor : m->cfg.host_factor, &pc));
             pc.page_rows = m->cfg.page_rows;
             pc.copy_sms = SIDE_COPY_SMS;
-            MST_TRY(ensure_pool(m, nm, k, &pc));
+            MST_TRY(create_pool(m, nm, k, &pc));
             MST_TRY(ensure_handles(m, nm, k));
         }
     return MST_OK;
