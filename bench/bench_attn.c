@@ -20,12 +20,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "backend/model_backend.h"
+#include "trainer/model_ops/model_backend.h"
 #include "cli/args.h"
 #include "cli/cli.h"
-#include "core/clock.h"
-#include "core/context.h"
-#include "core/rng.h"
+#include "lib/internal.h"
 
 typedef struct attn_fig {
     int64_t T;

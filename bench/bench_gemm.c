@@ -25,7 +25,7 @@
 
 #include "cli/args.h"
 #include "cli/cli.h"
-#include "core/rng.h"
+#include "lib/internal.h"
 #include "moestash.h"
 #include "roof.h"
 
@@ -33,7 +33,6 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
-#include "backend/cuda/cuda_ops.h" /* mst_cuda_gg_kernel */
 
 typedef struct gemm_shape {
     int64_t rows, in, out; /* T, I, O */

@@ -22,8 +22,7 @@
 
 #include "cli/args.h"
 #include "cli/cli.h"
-#include "core/context.h"
-#include "core/rng.h"
+#include "lib/internal.h"
 #include "roof.h"
 
 #ifdef MST_HAVE_CUDA

@@ -23,7 +23,7 @@
 
 #include "cli/args.h"
 #include "cli/cli.h"
-#include "core/rng.h"
+#include "lib/internal.h"
 #include "moestash.h"
 
 #ifdef MST_HAVE_CUDA

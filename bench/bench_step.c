@@ -24,9 +24,7 @@
 
 #include "cli/args.h"
 #include "cli/cli.h"
-#include "core/clock.h"
-#include "core/context.h"
-#include "core/rng.h"
+#include "lib/internal.h"
 #include "mlp_stack.h"
 
 #ifdef MST_HAVE_CUDA

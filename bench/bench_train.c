@@ -29,11 +29,10 @@
 
 #include "cli/args.h"
 #include "cli/cli.h"
-#include "core/clock.h"
-#include "core/context.h"
-#include "backend/model_backend.h"
-#include "model/model.h"
-#include "model/trainer.h"
+#include "lib/internal.h"
+#include "trainer/model_ops/model_backend.h"
+#include "trainer/model/model.h"
+#include "trainer/run/trainer.h"
 
 static int cmp_double(const void* a, const void* b) {
     double x = *(const double*)a, y = *(const double*)b;

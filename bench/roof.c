@@ -3,8 +3,7 @@
  */
 #include "roof.h"
 
-#include "core/context.h"
-#include "core/rng.h"
+#include "lib/internal.h"
 
 double mst_bench_roofline_ms(const mst_bench_roofs* r, double flops, double bytes) {
     const double compute_ms = flops / (r->dense_tflops * 1e9);

@@ -34,7 +34,7 @@
 #   |        a line starting with "| " continues the previous find: or
 #            replace: value on a new line (multi-line texts)
 #   in:      optional ERE on the repository path narrowing the search (e.g.
-#            `src/backend/cpu/`); default: every file under src/ and include/.
+#            `src/lib/backend/cpu/`); default: every file under src/ and include/.
 #            No file name is needed: the find text locates the file, so
 #            entries survive files being moved or split.
 #   expect:  the CTest name expected to catch it (e.g. test_dtype_cpu); a regex

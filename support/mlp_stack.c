@@ -9,8 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/context.h"
-#include "core/rng.h"
+#include "lib/internal.h"
 #include "mlp_stack.h"
 
 /* n bf16 values ~ U(-a, a) uploaded to dst; past 2^22 values a random

@@ -11,7 +11,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "../src/core/rng.h"
+#include "lib/internal.h"
 
 int mst_test_checks;
 int mst_test_failures;

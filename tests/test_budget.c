@@ -1,5 +1,5 @@
 /*
- * test_budget.c — the memory-budget planner (src/plan/budget.c) on budget
+ * test_budget.c — the memory-budget planner (src/trainer/plan/budget.c) on budget
  * models made up here, no backend involved:
  *   - the predicted peak and step time of plans written out by hand: KEEP,
  *     every layer recomputed whole, every tensor stashed (plain schedule,
@@ -12,7 +12,7 @@
 #include <string.h>
 
 #include "harness.h"
-#include "plan/budget.h"
+#include "trainer/plan/budget.h"
 
 enum { H = 64, F = 96, R = 1000, PR = 64 };
 

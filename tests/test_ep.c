@@ -20,7 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "ep/ep.h" /* the receive blocks and transport of the window pass's checks */
+#include "lib/internal.h"
 #include "harness.h"
 
 enum { ROUTE_RANDOM, ROUTE_SKIP_LAST_RANK, ROUTE_ONE_EXPERT, ROUTE_TO_LAST_RANK, ROUTE_BAD_ID };

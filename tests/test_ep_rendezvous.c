@@ -11,8 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "core/clock.h"
-#include "ep/ep.h" /* mst_ep_free_port */
+#include "lib/internal.h"
 #include "harness.h"
 
 static void pattern(mst_ep_id* id, unsigned seed) {

@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "harness.h"
-#include "core/context.h"
+#include "lib/internal.h"
 
 typedef struct gl_case {
     int E;           /* groups                    */

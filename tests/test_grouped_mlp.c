@@ -15,8 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend/backend.h"
-#include "core/context.h"
+#include "lib/internal.h"
 #include "harness.h"
 #ifdef MST_HAVE_CUDA
 #include <cuda_runtime_api.h>

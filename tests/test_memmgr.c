@@ -20,7 +20,7 @@
 
 #include "harness.h"
 #include "mlp_stack.h"
-#include "stash/memmgr_debug.h"
+#include "lib/internal.h"
 
 enum { L = 4, M = 4, E = 4, H = 32, F = 24, R = 200, PAGE = 16 };
 

@@ -20,7 +20,7 @@
 #include <string.h>
 
 #include "harness.h"
-#include "model/trainer.h"
+#include "trainer/run/trainer.h"
 
 static mst_train_config tiny(const char* data) {
     mst_train_config t = {0};

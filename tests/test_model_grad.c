@@ -19,7 +19,7 @@
 #include <string.h>
 
 #include "harness.h"
-#include "model/model.h"
+#include "trainer/model/model.h"
 
 /* ---- float64 reference model (same layout as the model's flat buffer) ---- */
 

@@ -17,8 +17,8 @@
 #include <string.h>
 
 #include "harness.h"
-#include "backend/model_backend.h"
-#include "core/context.h"
+#include "trainer/model_ops/model_backend.h"
+#include "lib/internal.h"
 
 static mst_rng rng = {977};
 

@@ -1,5 +1,5 @@
 /*
- * test_optim.c — the trainer's optimizer (src/model/optim.c) on the backend
+ * test_optim.c — the trainer's optimizer (src/trainer/model/optim.c) on the backend
  * named by --backend: the learning-rate schedule against values worked out
  * by hand (linear warmup whose first step is lr / warmup, cosine decay to
  * min_lr_frac), and one clipped AdamW step of a small model against a
@@ -12,7 +12,7 @@
 #include <string.h>
 
 #include "harness.h"
-#include "model/model.h"
+#include "trainer/model/model.h"
 
 static mst_optim_config optim(void) {
     mst_optim_config o = {.lr = 1e-2f, .min_lr_frac = 0.1f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f,

@@ -1,5 +1,5 @@
 /*
- * test_planner.c — `train --memory-budget` end to end (src/model/planner.c):
+ * test_planner.c — `train --memory-budget` end to end (src/trainer/plan/planner.c):
  * for budgets between the all-OFFLOAD and the all-KEEP peaks, the planned
  * run's measured backend peak is within the budget, the plan's predicted
  * peak is within 5 % of the measured one (KEEP's and all-OFFLOAD's too), and the losses, MTP losses and
@@ -22,7 +22,7 @@
 #include <string.h>
 
 #include "harness.h"
-#include "model/planner.h"
+#include "trainer/plan/planner.h"
 
 enum { STEPS = 2 };
 

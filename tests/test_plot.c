@@ -1,5 +1,5 @@
 /*
- * test_plot.c — the SVG charts (src/model/plot.h): a line chart and a
+ * test_plot.c — the SVG charts (src/trainer/io/plot.h): a line chart and a
  * stacked-area chart are well-formed XML (every tag closed in order, checked
  * here by a small reader of its own, and by Python's xml.etree when python3
  * is on the PATH), hold one path / polygon per series with its name, put
@@ -12,7 +12,7 @@
 #include <unistd.h>
 
 #include "harness.h"
-#include "model/plot.h"
+#include "trainer/io/plot.h"
 
 static char* slurp(const char* path) {
     FILE* f = fopen(path, "rb");

@@ -13,7 +13,7 @@
 #include <string.h>
 
 #include "harness.h"
-#include "model/trainer.h"
+#include "trainer/run/trainer.h"
 
 enum { STEPS = 3 };
 

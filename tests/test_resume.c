@@ -15,7 +15,7 @@
 #include <unistd.h>
 
 #include "harness.h"
-#include "model/checkpoint.h"
+#include "trainer/io/checkpoint.h"
 
 enum { STEPS = 6 };
 

@@ -1,5 +1,5 @@
 /*
- * test_sample.c — sampling from a checkpoint (src/model/sample.h): the
+ * test_sample.c — sampling from a checkpoint (src/trainer/run/sample.h): the
  * sampler's per-token losses on a window equal the trainer's forward on the
  * same window within bf16 tolerance (random weights large enough that the
  * losses spread, so a wrong layer cannot hide); the same seed gives the same
@@ -13,7 +13,7 @@
 #include <unistd.h>
 
 #include "harness.h"
-#include "model/sample.h"
+#include "trainer/run/sample.h"
 
 enum { T = 24 };
 

@@ -15,7 +15,7 @@
 #include <string.h>
 
 #include "harness.h"
-#include "stash/stash.h"
+#include "lib/internal.h"
 
 #ifdef MST_HAVE_CUDA
 #include <cuda_runtime.h>

@@ -14,7 +14,7 @@
 #endif
 
 #include "harness.h"
-#include "model/trainer.h"
+#include "trainer/run/trainer.h"
 
 static const char* self_path;
 

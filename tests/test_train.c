@@ -18,7 +18,7 @@
 #include <string.h>
 
 #include "harness.h"
-#include "model/trainer.h"
+#include "trainer/run/trainer.h"
 
 static const char* self_path; /* argv[0]: the moestash program is beside it */
 

@@ -49,7 +49,7 @@
 #include <string.h>
 
 #include "harness.h"
-#include "model/trainer.h"
+#include "trainer/run/trainer.h"
 
 static mst_backend_kind kind = MST_BACKEND_CPU;
 

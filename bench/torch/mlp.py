@@ -35,7 +35,7 @@ SHAPES = [  # rows, hidden, ffn, E, skewed  (as bench/bench_mlp.c)
 
 
 def splitmix64(s):
-    """src/core/rng.h mst_splitmix64: (new state, value)."""
+    """src/lib/core/rng.h mst_splitmix64: (new state, value)."""
     mask = (1 << 64) - 1
     s = (s + 0x9E3779B97F4A7C15) & mask
     z = s

@@ -21,7 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "core/clock.h"
+#include "lib/internal.h"
 #include "args.h"
 #include "cli.h"
 #include "launch.h"

@@ -17,9 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "backend/backend.h" /* mst_cuda_device_count */
-#include "core/clock.h"
-#include "ep/ep.h"           /* mst_ep_free_port */
+#include "lib/internal.h"
 
 enum { GRACE_MS = 5000, POLL_MS = 20, DEFAULT_RDZV_S = 300 };
 

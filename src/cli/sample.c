@@ -1,7 +1,7 @@
 /*
  * sample.c — `moestash sample --checkpoint DIR --prompt TEXT --tokens N
  * [--temperature T] [--top-k K] [--seed S]`: text from a trained checkpoint
- * (src/model/sample.h: the model run one byte at a time with a KV cache,
+ * (src/trainer/run/sample.h: the model run one byte at a time with a KV cache,
  * on the host in fp32 from the checkpoint's bf16 weights). The prompt is
  * printed, then the sampled bytes as they come. The same seed gives the same
  * text. Bad input: exit 2 and one line naming the flag, before any work.
@@ -12,7 +12,7 @@
 
 #include "args.h"
 #include "cli.h"
-#include "model/sample.h"
+#include "trainer/run/sample.h"
 
 static void help(void) {
     printf("usage: moestash sample --checkpoint DIR --prompt TEXT [FLAGS]\n"

@@ -1,0 +1,645 @@
+/*
+ * model.c — the model's configuration checks, parameter layout and
+ * initialisation, the backend buffers of its activations by memory category
+ * (weights, gradients, optimizer, saved activations, compute), and its
+ * memory manager (grouped-MLP activations) with the schedule it follows.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "lib/internal.h"
+#include "model.h"
+
+#define BAD(...) mst_set_error(MST_ERR_INVALID, __VA_ARGS__)
+
+mst_status mst_model_config_check(const mst_model_config* c) {
+    if (c->hidden < 8 || c->hidden > 65536) return BAD("--hidden %lld: expected 8 .. 65536", (long long)c->hidden);
+    if (c->ffn < 1 || c->ffn > 262144) return BAD("--ffn %lld: expected 1 .. 262144", (long long)c->ffn);
+    if (c->n_head < 1 || c->hidden % c->n_head)
+        return BAD("--heads %lld: must divide --hidden %lld", (long long)c->n_head, (long long)c->hidden);
+    if (c->seq < 2 || c->seq > 8192) return BAD("--seq %lld: expected 2 .. 8192", (long long)c->seq);
+    if (c->batch < 1 || c->batch > 65536) return BAD("--batch %lld: expected 1 .. 65536", (long long)c->batch);
+    if (c->layers < 1 || c->layers > 256) return BAD("--layers %d: expected 1 .. 256", c->layers);
+    if (c->experts < 1 || c->experts > 1024) return BAD("--experts %d: expected 1 .. 1024", c->experts);
+    if (c->top_k < 1 || c->top_k > c->experts)
+        return BAD("--top-k %d: expected 1 .. --experts (%d)", c->top_k, c->experts);
+    if (c->ep < 1 || c->experts % c->ep)
+        return BAD("--ep %d: must divide --experts %d", c->ep, c->experts);
+    if (!(c->capacity_factor > 0.0f) || c->capacity_factor > 1024.0f)
+        return BAD("--capacity-factor %g: expected > 0 and <= 1024", (double)c->capacity_factor);
+    if (!(c->mtp_weight >= 0.0f) || c->mtp_weight > 100.0f)
+        return BAD("--mtp-weight %g: expected 0 .. 100", (double)c->mtp_weight);
+    if (c->attention < MST_ATTN_AUTO || c->attention > MST_ATTN_CUBLAS)
+        return BAD("--attention %d: expected auto, flash or cublas", c->attention);
+    if (c->batch * c->seq * c->top_k > INT32_MAX / 4)
+        return BAD("--batch %lld x --seq %lld: too many tokens", (long long)c->batch, (long long)c->seq);
+    return MST_OK;
+}
+
+const char* mst_attn_kind_str(int32_t kind) {
+    static const char* const names[] = {"auto", "flash", "cublas"};
+    return kind >= 0 && kind <= MST_ATTN_CUBLAS ? names[kind] : "?";
+}
+
+mst_mem_config mst_mem_config_default(void) {
+    mst_mem_config c = {.policy = "keep", .schedule = MST_SCHEDULE_PLAIN, .virtual_stages = 1, .pool_factor = 1.10,
+                        .recompute_full = 1};
+    return c;
+}
+
+int64_t mst_model_max_rows(const mst_model_config* c, int32_t world) {
+    double r = ceil((double)c->capacity_factor * (double)(c->batch * world * c->seq * c->top_k) / c->ep);
+    return r < 1 ? 1 : (int64_t)r;
+}
+
+mst_status mst_model_ep_config(const mst_model_config* c, int32_t world, mst_ep_config* out) {
+    MST_TRY(mst_model_config_check(c));
+    if (world < 1 || c->ep != world)
+        return BAD("--ep %d: on %d ranks the expert groups are the ranks (--ep %d)", c->ep, world, world);
+    mst_ep_config e = {.n_experts = c->experts, .top_k = c->top_k, .hidden = c->hidden,
+                       .max_tokens = c->batch * c->seq, .max_rows = mst_model_max_rows(c, world)};
+    *out = e; /* pair_rows 0: N k, which no routing passes; path auto */
+    return MST_OK;
+}
+
+/* ---- parameters ---------------------------------------------------------- */
+
+static int64_t take(int64_t* n, int64_t size) {
+    int64_t off = *n;
+    *n += size;
+    return off;
+}
+
+/* Matrices first (weight decay), then the norm weights. On W ranks the
+ * matrices every rank holds come first and this rank's El experts after
+ * them, so that the replicated gradients are two runs: [0, n_dense) and
+ * the norm weights. */
+static void layout(mst_model* m) {
+    const mst_model_config* c = &m->cfg;
+    const int64_t H = c->hidden, F = c->ffn, E = c->experts, El = m->n_local;
+    const int apart = m->dist.ep != NULL;
+    int64_t n = 0;
+    m->emb = take(&n, c->vocab * H);
+    m->proj = take(&n, H * 2 * H);
+    for (int32_t l = 0; l <= c->layers; l++) {
+        mst_layer_params* p = &m->lp[l];
+        p->wqkv = take(&n, 3 * H * H);
+        p->wo = take(&n, H * H);
+        p->wr = take(&n, E * H);
+        if (apart) continue;
+        p->w1 = take(&n, El * 2 * F * H);
+        p->w2 = take(&n, El * H * F);
+    }
+    m->n_dense = n;
+    for (int32_t l = 0; apart && l <= c->layers; l++) {
+        m->lp[l].w1 = take(&n, El * 2 * F * H);
+        m->lp[l].w2 = take(&n, El * H * F);
+    }
+    m->n_decay = n;
+    for (int32_t l = 0; l <= c->layers; l++) {
+        m->lp[l].ln1 = take(&n, H);
+        m->lp[l].ln2 = take(&n, H);
+    }
+    m->lnf = take(&n, H);
+    m->ln_e = take(&n, H);
+    m->ln_h = take(&n, H);
+    m->ln_mf = take(&n, H);
+    m->n_params = n;
+}
+
+/* Draw j of the splitmix64 stream from state s: the normal of counters
+ * 2j + 1 and 2j + 2 (Box-Muller), so that draws can be made in any order
+ * (in parallel) with the bits of a sequential stream. */
+static double normal_at(uint64_t s, int64_t j) {
+    uint64_t z[2];
+    for (int i = 0; i < 2; i++) z[i] = mst_splitmix64_at(s, (uint64_t)(2 * j + 1 + i));
+    double u = ((double)(z[0] >> 11) + 0.5) * 0x1.0p-53, v = (double)(z[1] >> 11) * 0x1.0p-53;
+    return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
+}
+
+/* p[i] = the next n draws times std; the state moves past them. */
+mst_status mst_model_bytes_at_least(const mst_model_config* c, double* total_bytes, double* params_bytes) {
+    mst_model m = {.cfg = *c, .n_local = c->experts};
+    m.lp = (mst_layer_params*)calloc((size_t)c->layers + 1, sizeof *m.lp);
+    if (!m.lp) return mst_set_error(MST_ERR_OOM, "layer parameter table");
+    layout(&m); /* the parameter count, as the model lays them out */
+    free(m.lp);
+    *params_bytes = (double)m.n_params * (2 + 4 + 3 * 4);
+    const double N = (double)c->batch * (double)c->seq, rows = N * (double)c->n_head;
+    const double attn = c->attention == MST_ATTN_CUBLAS ? 4.0 * rows * (double)c->seq
+                                                        : 8.0 * N * (double)c->hidden + 4.0 * rows;
+    *total_bytes = *params_bytes + attn + 6.0 * N * (double)c->vocab;
+    return MST_OK;
+}
+
+/* p[i] = draw lo + i of the next n draws (i < count) times std; the state
+ * moves past all n. */
+static void fill_normal_part(float* p, int64_t n, int64_t lo, int64_t count, double std, uint64_t* s) {
+    const uint64_t s0 = *s;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < count; i++) p[i] = (float)(normal_at(s0, lo + i) * std);
+    *s = s0 + (uint64_t)(2 * n) * MST_SPLITMIX_GAMMA;
+}
+
+static void fill_normal(float* p, int64_t n, double std, uint64_t* s) { fill_normal_part(p, n, 0, n, std, s); }
+
+/* Host init: normal(0, std) matrices (output projections scaled down by
+ * sqrt(2 (L+1))), norm weights 1. On W ranks each rank draws the whole
+ * stream's positions of its experts: the weights of one rank's run. */
+static void init_host(const mst_model* m, float* p) {
+    const mst_model_config* c = &m->cfg;
+    const int64_t H = c->hidden, F = c->ffn, E = c->experts, El = m->n_local, e0 = (int64_t)m->dist.rank * El;
+    const double std = c->init_std, out_std = std / sqrt(2.0 * (c->layers + 1));
+    uint64_t s = c->seed * 0x2545F4914F6CDD1Dull + 1;
+    fill_normal(p + m->emb, c->vocab * H, std, &s);
+    fill_normal(p + m->proj, 2 * H * H, std, &s);
+    for (int32_t l = 0; l <= c->layers; l++) {
+        const mst_layer_params* q = &m->lp[l];
+        fill_normal(p + q->wqkv, 3 * H * H, std, &s);
+        fill_normal(p + q->wo, H * H, out_std, &s);
+        fill_normal(p + q->wr, E * H, std, &s);
+        fill_normal_part(p + q->w1, E * 2 * F * H, e0 * 2 * F * H, El * 2 * F * H, std, &s);
+        fill_normal_part(p + q->w2, E * H * F, e0 * H * F, El * H * F, out_std, &s);
+    }
+    for (int64_t i = m->n_decay; i < m->n_params; i++) p[i] = 1.0f;
+}
+
+/* ---- buffers ------------------------------------------------------------- */
+
+/* A backend buffer of category cat, owned by the model (freed by destroy). */
+static mst_status buf(mst_model* m, int cat, size_t n_bytes, void* out) {
+    if (m->n_owned == m->cap_owned) {
+        int cap = m->cap_owned ? 2 * m->cap_owned : 64;
+        void** o = (void**)realloc(m->owned, sizeof *o * (size_t)cap);
+        if (!o) return mst_set_error(MST_ERR_OOM, "model buffer table");
+        m->owned = o;
+        m->cap_owned = cap;
+    }
+    MST_TRY(mst_alloc(m->ctx, n_bytes, (void**)out));
+    m->owned[m->n_owned++] = *(void**)out;
+    m->mem[cat] += n_bytes;
+    return MST_OK;
+}
+
+static void unbuf(mst_model* m, int cat, void* ptr, size_t n_bytes) {
+    for (int i = 0; i < m->n_owned; i++)
+        if (m->owned[i] == ptr) {
+            m->owned[i] = m->owned[--m->n_owned];
+            mst_free(m->ctx, ptr);
+            m->mem[cat] -= n_bytes;
+            return;
+        }
+}
+
+#define BUF(cat, ptr, count) MST_TRY(buf(m, cat, sizeof(*(ptr)) * (size_t)(count), &(ptr)))
+
+static mst_status alloc_params(mst_model* m) {
+    const int64_t n = m->n_params;
+    BUF(MST_MEM_WEIGHTS, m->w, n);
+    BUF(MST_MEM_GRADS, m->grad, n);
+    BUF(MST_MEM_OPTIM, m->master, n);
+    BUF(MST_MEM_OPTIM, m->adam_m, n);
+    BUF(MST_MEM_OPTIM, m->adam_v, n);
+    BUF(MST_MEM_COMPUTE, m->gsumsq, 1);
+    BUF(MST_MEM_COMPUTE, m->gpartial, MST_SUMSQ_PARTS);
+    float* host = (float*)malloc(sizeof(float) * (size_t)n);
+    uint16_t* host16 = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)n);
+    mst_status st = host && host16 ? MST_OK : mst_set_error(MST_ERR_OOM, "host parameter init (%lld)", (long long)n);
+    if (st == MST_OK) {
+        init_host(m, host);
+        mst_fp32_to_bf16_array(host16, host, (size_t)n);
+        for (int64_t i = 0; i < n; i++) host[i] = mst_bf16_to_fp32(host16[i]); /* master = weights */
+        st = mst_copy_h2b(m->ctx, m->master, host, sizeof(float) * (size_t)n);
+    }
+    if (st == MST_OK) st = mst_copy_h2b(m->ctx, m->w, host16, sizeof(uint16_t) * (size_t)n);
+    if (st == MST_OK) st = mst_fill(m->ctx, m->adam_m, 0, sizeof(float) * (size_t)n);
+    if (st == MST_OK) st = mst_fill(m->ctx, m->adam_v, 0, sizeof(float) * (size_t)n);
+    free(host);
+    free(host16);
+    return st;
+}
+
+/* One activation buffer: counted into the KEEP reference (as kept) when
+ * `ref`; allocated in category cat when `own`, else taken from `from`. */
+#define ACT(cat, dst, from, field, count, own, ref)                                \
+    do {                                                                           \
+        const size_t nb_ = sizeof(*(dst)->field) * (size_t)(count);                \
+        if (ref) m->mem_keep[cat] += nb_;                                          \
+        if (own) MST_TRY(buf(m, cat, nb_, &(dst)->field));                         \
+        else (dst)->field = (from)->field;                                         \
+    } while (0)
+
+/* A layer's activations: its own buffers (slot NULL), or the recompute
+ * slot's, but for the output when keep_out (the input of the next chunk).
+ * cats: attention, norms, router categories. ref: count as kept. */
+static mst_status alloc_layer(mst_model* m, mst_layer_acts* a, const mst_layer_acts* slot, int keep_out,
+                              const int cats[3], int ref) {
+    const mst_model_config* c = &m->cfg;
+    const int64_t N = c->batch * c->seq, H = c->hidden, E = c->experts, K = c->top_k;
+    const int own = slot == NULL, A = cats[0], R = cats[2], Nm = cats[1];
+    ACT(Nm, a, slot, a, N * H, own, ref);
+    ACT(Nm, a, slot, rstd1, N, own, ref);
+    ACT(A, a, slot, qkv, N * 3 * H, own, ref);
+    if (m->flash) ACT(A, a, slot, lse, c->batch * c->n_head * c->seq, own, ref);
+    else ACT(A, a, slot, attp, c->batch * c->n_head * c->seq * c->seq, own, ref);
+    ACT(A, a, slot, att, N * H, own, ref);
+    ACT(Nm, a, slot, x1, N * H, own, ref);
+    ACT(Nm, a, slot, b, N * H, own, ref);
+    ACT(Nm, a, slot, rstd2, N, own, ref);
+    ACT(R, a, slot, rlogits, N * E, own, ref);
+    ACT(R, a, slot, rprobs, N * E, own, ref);
+    ACT(R, a, slot, topk_idx, N * K, own, ref);
+    ACT(R, a, slot, topk_w, N * K, own, ref);
+    ACT(R, a, slot, pos, N * K, own, ref);
+    ACT(R, a, slot, counts, E, own, ref);
+    ACT(R, a, slot, load, E, own, ref);
+    ACT(R, a, slot, aux, 1, own, ref);
+    ACT(Nm, a, slot, out, N * H, own || keep_out, ref);
+    return MST_OK;
+}
+
+/* The MTP module's activations besides its layer: e1 (the next tokens'
+ * embedding, one of its two inputs) its own; the rest its own, or the
+ * shared slot's when the module is recomputed. is_slot: u is that slot
+ * (no e1; category RECOMPUTE, not in the KEEP reference). */
+static mst_status alloc_mtp(mst_model* m, mst_micro* u, const mst_micro* slot, int is_slot) {
+    const mst_model_config* c = &m->cfg;
+    const int64_t N = c->batch * c->seq, H = c->hidden, V = c->vocab;
+    const int P = is_slot ? MST_MEM_RECOMPUTE : MST_MEM_SAVED_MTP, own = slot == NULL, ref = !is_slot;
+    if (!is_slot) ACT(MST_MEM_SAVED_MTP, u, u, e1, N * H, 1, 1);
+    ACT(P, u, slot, ne, N * H, own, ref);
+    ACT(P, u, slot, nh, N * H, own, ref);
+    ACT(P, u, slot, rstd_e, N, own, ref);
+    ACT(P, u, slot, rstd_h, N, own, ref);
+    ACT(P, u, slot, p, N * H, own, ref);
+    ACT(P, u, slot, mf, N * H, own, ref);
+    ACT(P, u, slot, rstd_mf, N, own, ref);
+    ACT(P, u, slot, dl_mtp, N * V, own, ref);
+    return MST_OK;
+}
+#undef ACT
+
+static int recomputed(const mst_model* m, int32_t l) { return m->full && m->chunk_start[l] >= 0; }
+
+/* Layer l's output is kept when it is the input of a later chunk or of the
+ * MTP module and heads (layer L-1); a recomputed MTP layer's output is rerun. */
+static int keeps_out(const mst_model* m, int32_t l) {
+    const int32_t L = m->cfg.layers;
+    return l < L && (l == L - 1 || m->chunk_start[l + 1] != m->chunk_start[l]);
+}
+
+static mst_status alloc_micro(mst_model* m, mst_micro* u) {
+    const mst_model_config* c = &m->cfg;
+    const int64_t N = c->batch * c->seq, H = c->hidden, V = c->vocab;
+    const int32_t L = c->layers;
+    u->acts = (mst_layer_acts*)calloc((size_t)L + 1, sizeof *u->acts);
+    if (!u->acts) return mst_set_error(MST_ERR_OOM, "layer table");
+    for (int32_t l = 0; l <= L; l++) {
+        const int kinds[3] = {MST_MEM_SAVED_ATTN, MST_MEM_SAVED_NORM, MST_MEM_SAVED_ROUTER};
+        const int mtp[3] = {MST_MEM_SAVED_MTP, MST_MEM_SAVED_MTP, MST_MEM_SAVED_MTP};
+        const mst_layer_acts* slot = recomputed(m, l) ? &m->slots[l - m->chunk_start[l]] : NULL;
+        MST_TRY(alloc_layer(m, &u->acts[l], slot, slot && keeps_out(m, l), l == L ? mtp : kinds, 1));
+    }
+    for (int32_t l = 0; m->dist.ep && l <= L; l++) MST_TRY(mst_ep_handle_create(m->dist.ep, &u->acts[l].eph));
+    const int S = MST_MEM_SAVED_HEAD;
+    BUF(S, u->x0, N * H);
+    BUF(S, u->xf, N * H);
+    BUF(S, u->rstdf, N);
+    BUF(S, u->dl_main, N * V);
+    m->mem_keep[S] += sizeof(uint16_t) * (2 * N * H + N * V) + sizeof(float) * N;
+    MST_TRY(alloc_mtp(m, u, recomputed(m, L) ? &m->mtp_slot : NULL, 0));
+    BUF(MST_MEM_COMPUTE, u->dh, N * H);
+    return MST_OK;
+}
+
+/* The static inputs (tokens of every microbatch, then the AdamW values),
+ * their two host staging copies (pinned), and the record. */
+static mst_status alloc_inputs(mst_model* m) {
+    const int64_t N = m->cfg.batch * m->cfg.seq, tok = (int64_t)m->n_micro * 3 * N;
+    m->inputs_bytes = sizeof(int32_t) * (size_t)tok + sizeof(float) * MST_N_HYPER;
+    MST_TRY(buf(m, MST_MEM_COMPUTE, m->inputs_bytes, &m->inputs));
+    m->hyper = (float*)((int32_t*)m->inputs + tok);
+    for (int32_t mb = 0; mb < m->n_micro; mb++) m->micro[mb].tok = (int32_t*)m->inputs + mb * 3 * N;
+    for (int k = 0; k < 2; k++) {
+        if (!m->ctx->be->host_alloc)
+            return mst_set_error(MST_ERR_UNSUPPORTED, "backend %s has no host_alloc", m->ctx->be->name);
+        MST_TRY(m->ctx->be->host_alloc(m->ctx, m->inputs_bytes, &m->staging[k]));
+    }
+    return buf(m, MST_MEM_COMPUTE, sizeof(mst_step_record), &m->record);
+}
+
+/* The recompute plan of the L+1 layers (the memory manager's, which keeps
+ * chunks inside schedule chunks) and the shared slots recomputed layers run
+ * in: as many as the longest chunk, and one MTP module when layer L is
+ * recomputed. */
+static mst_status alloc_slots(mst_model* m) {
+    const int32_t L1 = m->cfg.layers + 1;
+    m->chunk_start = (int32_t*)malloc(sizeof(int32_t) * (size_t)L1);
+    if (!m->chunk_start) return mst_set_error(MST_ERR_OOM, "recompute plan");
+    m->full = m->mem_cfg.recompute_full;
+    m->n_slots = 0;
+    for (int32_t l = 0; l < L1; l++) {
+        m->chunk_start[l] = mst_memmgr_recompute_chunk(m->mm_static, l);
+        if (recomputed(m, l) && l - m->chunk_start[l] + 1 > m->n_slots) m->n_slots = l - m->chunk_start[l] + 1;
+    }
+    m->slots = (mst_layer_acts*)calloc((size_t)(m->n_slots > 0 ? m->n_slots : 1), sizeof *m->slots);
+    if (!m->slots) return mst_set_error(MST_ERR_OOM, "recompute slots");
+    const int rc[3] = {MST_MEM_RECOMPUTE, MST_MEM_RECOMPUTE, MST_MEM_RECOMPUTE};
+    for (int32_t k = 0; k < m->n_slots; k++) MST_TRY(alloc_layer(m, &m->slots[k], NULL, 0, rc, 0));
+    if (recomputed(m, L1 - 1)) MST_TRY(alloc_mtp(m, &m->mtp_slot, NULL, 1));
+    return MST_OK;
+}
+
+static mst_status alloc_acts(mst_model* m) {
+    const mst_model_config* c = &m->cfg;
+    const int64_t N = c->batch * c->seq, H = c->hidden, V = c->vocab, M = m->n_micro;
+    MST_TRY(alloc_slots(m));
+    m->micro = (mst_micro*)calloc((size_t)M, sizeof *m->micro);
+    int32_t* set_of = (int32_t*)calloc((size_t)M, sizeof(int32_t));
+    if (!m->micro || !set_of) {
+        free(set_of);
+        return mst_set_error(MST_ERR_OOM, "microbatch table");
+    }
+    mst_status st = mst_schedule_sets(m->sched, m->n_sched, m->n_micro, set_of, &m->n_sets);
+    m->sets = st == MST_OK ? (mst_micro*)calloc((size_t)m->n_sets, sizeof *m->sets) : NULL;
+    if (st == MST_OK && !m->sets) st = mst_set_error(MST_ERR_OOM, "activation sets");
+    for (int32_t s = 0; s < m->n_sets && st == MST_OK; s++) st = alloc_micro(m, &m->sets[s]);
+    for (int64_t mb = 0; mb < M && m->sets; mb++) m->micro[mb] = m->sets[set_of[mb]];
+    free(set_of);
+    MST_TRY(st);
+    MST_TRY(alloc_inputs(m));
+    const int C = MST_MEM_COMPUTE;
+    BUF(C, m->peak, (c->layers + 1) * c->ep);
+    MST_TRY(mst_fill(m->ctx, m->peak, 0, sizeof(int32_t) * (size_t)((c->layers + 1) * c->ep)));
+    if (m->dist.ep) {
+        BUF(C, m->peak_local, 1);
+        BUF(C, m->gsum_experts, 1);
+    }
+    BUF(C, m->logits, N * V);
+    BUF(C, m->loss_main, M * N);
+    BUF(C, m->loss_mtp, M * N);
+    BUF(C, m->aux_sum, M * (c->layers + 1));
+    BUF(C, m->dtopk, N * c->top_k);
+    BUF(C, m->drl, N * c->experts);
+    BUF(C, m->emb_order, V + 1 + N);
+    BUF(C, m->dqkv, N * 3 * H);
+    if (m->flash) BUF(C, m->att_delta, c->batch * c->n_head * c->seq);
+    else if (m->ops->attn_scratch) {
+        BUF(C, m->att32, c->batch * c->n_head * c->seq * c->seq);
+        BUF(C, m->att16, c->batch * c->n_head * c->seq * c->seq);
+    }
+    BUF(C, m->dm, N * H);
+    BUF(C, m->t1, N * H);
+    BUF(C, m->t2, N * H);
+    BUF(C, m->t3, N * H);
+    return MST_OK;
+}
+
+mst_status mst_model_attention(mst_ctx_t* ctx, const mst_model_config* c, int* flash, char* note, size_t note_size) {
+    const mst_model_backend* ops;
+    MST_TRY(mst_model_backend_of(ctx, &ops));
+    const mst_attn_args a = {.batch = c->batch, .seq = c->seq, .n_head = c->n_head, .head_dim = c->hidden / c->n_head};
+    *flash = 0;
+    if (note_size) note[0] = 0;
+    if (c->attention == MST_ATTN_CUBLAS) return MST_OK;
+    mst_status st = !ops->attn_flash_forward || !ops->attn_flash_backward
+                        ? mst_set_error(MST_ERR_UNSUPPORTED, "backend %s has no flash attention", ops->name)
+                    : ops->attn_flash_check ? ops->attn_flash_check(ctx, &a)
+                                            : MST_OK;
+    if (st == MST_OK) {
+        *flash = 1;
+        return MST_OK;
+    }
+    char why[200];
+    snprintf(why, sizeof why, "%s", mst_last_error());
+    if (c->attention == MST_ATTN_FLASH) return mst_set_error(st, "--attention flash: %s", why);
+    if (note_size) snprintf(note, note_size, "attention: the probabilities path (%s)", why);
+    return MST_OK;
+}
+
+/* ---- memory manager and schedule ------------------------------------------ */
+
+static mst_status make_schedule(mst_model* m) {
+    const mst_mem_config* mc = &m->mem_cfg;
+    const int32_t L1 = m->cfg.layers + 1, V = mc->virtual_stages;
+    if (V < 1 || L1 % V)
+        return BAD("--schedule %s: %d chunks do not divide the %d layers (--layers + the MTP layer)",
+                   mst_schedule_kind_str(mc->schedule), V, L1);
+    mst_schedule_config sc = {mc->schedule, 1, 0, m->n_micro, V};
+    m->n_sched = 2 * m->n_micro * V;
+    m->layers_per_chunk = L1 / V;
+    m->sched = (mst_sched_entry*)malloc(sizeof *m->sched * (size_t)m->n_sched);
+    if (!m->sched) return mst_set_error(MST_ERR_OOM, "schedule");
+    return mst_schedule_make(&sc, m->sched, m->n_sched);
+}
+
+/* The recompute plan of the L+1 layers: --recompute's over every layer (the
+ * MTP layer L counts as the stage's last), and layer L a chunk of its own
+ * under --recompute-mtp when the plan leaves it kept. */
+static mst_status set_plan(mst_model* m, mst_memmgr_t* mm) {
+    const int32_t L1 = m->cfg.layers + 1;
+    int32_t* plan = (int32_t*)malloc(sizeof(int32_t) * (size_t)L1);
+    if (!plan) return mst_set_error(MST_ERR_OOM, "recompute plan");
+    mst_status st = mst_recompute_plan(&m->mem_cfg.recompute, L1, plan);
+    if (st == MST_OK && m->mem_cfg.recompute_mtp && plan[L1 - 1] < 0) plan[L1 - 1] = L1 - 1;
+    if (st == MST_OK) st = mst_memmgr_set_recompute_plan(mm, plan);
+    free(plan);
+    return st;
+}
+
+/* The planner's per-layer policies and recompute plan. */
+static mst_status set_layer_plan(mst_model* m, mst_memmgr_t* mm) {
+    const mst_mem_config* mc = &m->mem_cfg;
+    for (int32_t l = 0; mc->layer_policy && l <= m->cfg.layers; l++)
+        for (int n = 0; n < MST_N_SAVED; n++)
+            MST_TRY(mst_memmgr_set_policy(mm, l, (mst_saved_name)n, mc->layer_policy[l * MST_N_SAVED + n]));
+    return mc->chunk_start ? mst_memmgr_set_recompute_plan(mm, mc->chunk_start) : MST_OK;
+}
+
+/* mst_memmgr_config.share_needs on W ranks: every rank sizes its pools for
+ * the largest need any rank measured (a rank's rows change from step to
+ * step; its own peak alone left each rank to overflow in its turn). */
+static mst_status share_needs(void* user, int64_t* needs, int32_t n) {
+    mst_model* m = (mst_model*)user;
+    double v[64];
+    MST_ASSERT(n <= 64);
+    for (int32_t i = 0; i < n; i++) v[i] = (double)needs[i];
+    MST_TRY(mst_model_max_over_ranks(m, v, n));
+    for (int32_t i = 0; i < n; i++) needs[i] = (int64_t)v[i];
+    return MST_OK;
+}
+
+/* A manager for rows of R per group (G R in all), with the run's policies. */
+static mst_status make_memmgr(mst_model* m, int64_t R, mst_memmgr_t** out) {
+    const mst_model_config* c = &m->cfg;
+    mst_memmgr_config mc = {.n_layers = c->layers + 1, .n_microbatches = m->n_micro,
+                            .virtual_stages = m->mem_cfg.virtual_stages, .max_rows = R * m->row_groups,
+                            .hidden = c->hidden, .ffn = c->ffn, .schedule = m->sched,
+                            .n_schedule = m->n_sched, .page_rows = 64,
+                            .dev_factor = m->mem_cfg.pool_factor, .host_factor = 0.0,
+                            .share_needs = m->dist.ep ? share_needs : NULL, .share_user = m};
+    MST_TRY(mst_memmgr_create(m->ctx, &mc, out));
+    const char* spec = m->mem_cfg.policy ? m->mem_cfg.policy : "keep";
+    const char* flag = "--policy";
+    mst_status st = m->mem_cfg.layer_policy ? MST_OK : mst_memmgr_set_policy_spec(*out, spec);
+    if (st == MST_OK && (m->mem_cfg.recompute.method != MST_RECOMPUTE_NONE || m->mem_cfg.recompute_mtp)) {
+        flag = "--recompute";
+        st = set_plan(m, *out);
+    }
+    if (st == MST_OK && (m->mem_cfg.layer_policy || m->mem_cfg.chunk_start)) {
+        flag = "--memory-budget";
+        st = set_layer_plan(m, *out);
+    }
+    if (st != MST_OK) {
+        char why[512];
+        snprintf(why, sizeof why, "%s", mst_last_error());
+        mst_memmgr_destroy(*out);
+        *out = NULL;
+        const mst_recompute_config* rc = &m->mem_cfg.recompute;
+        char value[64];
+        if (rc->method == MST_RECOMPUTE_NONE) snprintf(value, sizeof value, "none");
+        else snprintf(value, sizeof value, "%s:%d", rc->method == MST_RECOMPUTE_UNIFORM ? "uniform" : "block", rc->num_layers);
+        return mst_set_error(st, "%s '%s': %s", flag, flag[2] == 'p' ? spec : value, why);
+    }
+    return MST_OK;
+}
+
+/* ---- grouped rows: the part that depends on R ------------------------------ */
+
+static void free_rows(mst_model* m) {
+    const size_t hb = (size_t)(m->max_rows * m->row_groups * m->cfg.hidden) * sizeof(uint16_t);
+    unbuf(m, MST_MEM_COMPUTE, m->yrows, hb);
+    unbuf(m, MST_MEM_COMPUTE, m->drows, hb);
+    unbuf(m, MST_MEM_COMPUTE, m->dxrows, hb);
+    unbuf(m, MST_MEM_COMPUTE, m->dprow, (size_t)(m->max_rows * m->row_groups) * sizeof(float));
+    m->yrows = m->drows = m->dxrows = NULL;
+    m->dprow = NULL;
+    if (m->mm != m->mm_static) mst_memmgr_destroy(m->mm);
+    m->mm = NULL;
+    m->max_rows = 0;
+}
+
+mst_status mst_model_set_max_rows(mst_model* m, int64_t R) {
+    if (R == m->max_rows) return MST_OK;
+    if (R < 1 || R > INT32_MAX / m->row_groups) return BAD("max_rows %lld per group", (long long)R);
+    mst_step_drop_graph(m); /* it points at the rows and the manager */
+    if (m->dist.ep) MST_TRY(mst_ep_set_max_rows(m->dist.ep, R));
+    if (m->max_rows > 0) free_rows(m);
+    const int64_t GR = R * m->row_groups, H = m->cfg.hidden;
+    const int C = MST_MEM_COMPUTE;
+    BUF(C, m->yrows, GR * H);
+    BUF(C, m->drows, GR * H);
+    BUF(C, m->dxrows, GR * H);
+    BUF(C, m->dprow, GR);
+    if (R == m->static_rows && !m->mm_static) MST_TRY(make_memmgr(m, R, &m->mm_static));
+    if (R == m->static_rows) m->mm = m->mm_static;
+    else MST_TRY(make_memmgr(m, R, &m->mm));
+    m->max_rows = R;
+    return MST_OK;
+}
+
+mst_status mst_model_create(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t n_micro,
+                            const mst_mem_config* mem, mst_model** out) {
+    return mst_model_create_dist(ctx, cfg, n_micro, mem, NULL, out);
+}
+
+/* The ranks of dist (NULL, or no communicator: one rank): checked against
+ * the communicator and the model's groups. */
+static mst_status check_dist(const mst_model_config* cfg, const mst_dist* dist, mst_dist* out) {
+    mst_dist one = {0, 1, NULL};
+    *out = dist && dist->ep ? *dist : one;
+    if (!out->ep) return MST_OK;
+    if (out->world != mst_ep_world(out->ep) || out->rank != mst_ep_rank(out->ep))
+        return BAD("dist: rank %d of %d, but the communicator is rank %d of %d", out->rank, out->world,
+                   mst_ep_rank(out->ep), mst_ep_world(out->ep));
+    if (cfg->ep != out->world)
+        return BAD("--ep %d: on %d ranks the expert groups are the ranks (--ep %d)", cfg->ep, out->world, out->world);
+    return MST_OK;
+}
+
+mst_status mst_model_allreduce(mst_model* m, void* data, int64_t count, mst_ep_reduce kind) {
+    return m->dist.ep ? mst_ep_allreduce(m->dist.ep, data, count, kind) : MST_OK;
+}
+
+mst_status mst_model_allreduce_host(mst_model* m, void* host, int64_t count, mst_ep_reduce kind) {
+    if (!m->dist.ep || count == 0) return MST_OK;
+    const size_t bytes = (size_t)count * mst_ep_reduce_size(kind);
+    void* dev = NULL; /* [count] of kind's type */
+    MST_TRY(mst_alloc(m->ctx, bytes, &dev));
+    mst_status st = mst_copy_h2b(m->ctx, dev, host, bytes);
+    if (st == MST_OK) st = mst_model_allreduce(m, dev, count, kind);
+    if (st == MST_OK) st = mst_copy_b2h(m->ctx, host, dev, bytes);
+    mst_free(m->ctx, dev);
+    return st;
+}
+
+mst_status mst_model_max_over_ranks(mst_model* m, double* v, int64_t n) {
+    return mst_model_allreduce_host(m, v, n, MST_EP_MAX_F64);
+}
+
+mst_status mst_model_create_dist(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t n_micro,
+                                 const mst_mem_config* mem, const mst_dist* dist, mst_model** out) {
+    const mst_model_backend* ops;
+    MST_TRY(mst_model_backend_of(ctx, &ops));
+    MST_TRY(mst_model_config_check(cfg));
+    if (n_micro < 1 || n_micro > 4096) return BAD("--microbatches %d: expected 1 .. 4096", n_micro);
+    mst_dist d;
+    MST_TRY(check_dist(cfg, dist, &d));
+    mst_model* m = (mst_model*)calloc(1, sizeof *m);
+    if (!m) return mst_set_error(MST_ERR_OOM, "model");
+    m->ctx = ctx;
+    m->ops = ops;
+    m->cfg = *cfg;
+    m->dist = d;
+    m->n_local = cfg->experts / d.world;
+    m->row_groups = d.ep ? 1 : cfg->ep;
+    m->n_micro = n_micro;
+    m->mem_cfg = mem ? *mem : mst_mem_config_default();
+    if (m->mem_cfg.recompute_mtp && !(cfg->mtp_weight > 0.0f)) {
+        free(m);
+        return BAD("--recompute-mtp: the model has no MTP module (--mtp-weight %g)", (double)cfg->mtp_weight);
+    }
+    m->static_rows = mst_model_max_rows(cfg, d.world);
+    m->lp = (mst_layer_params*)calloc((size_t)cfg->layers + 1, sizeof *m->lp);
+    mst_status st = m->lp ? MST_OK : mst_set_error(MST_ERR_OOM, "layer parameter table");
+    if (st == MST_OK) st = mst_model_attention(ctx, cfg, &m->flash, m->attn_note, sizeof m->attn_note);
+    if (st == MST_OK) st = make_schedule(m);
+    if (st == MST_OK) {
+        layout(m);
+        st = alloc_params(m);
+    }
+    if (st == MST_OK) st = mst_model_set_max_rows(m, m->static_rows); /* the manager: the recompute plan */
+    if (st == MST_OK) st = alloc_acts(m);
+    if (st != MST_OK) {
+        mst_model_destroy(m);
+        return st;
+    }
+    *out = m;
+    return MST_OK;
+}
+
+void mst_model_destroy(mst_model* m) {
+    if (!m) return;
+    mst_step_drop_graph(m);
+    for (int k = 0; k < 2; k++)
+        if (m->staging[k]) m->ctx->be->host_free(m->ctx, m->staging[k]);
+    if (m->mm != m->mm_static) mst_memmgr_destroy(m->mm);
+    mst_memmgr_destroy(m->mm_static);
+    for (int32_t k = 0; m->sets && k < m->n_sets; k++) {
+        for (int32_t l = 0; m->sets[k].acts && l <= m->cfg.layers; l++) mst_ep_handle_destroy(m->sets[k].acts[l].eph);
+        free(m->sets[k].acts);
+    }
+    free(m->sets);
+    for (int i = 0; i < m->n_owned; i++) mst_free(m->ctx, m->owned[i]);
+    free(m->owned);
+    free(m->micro);
+    free(m->sched);
+    free(m->lp);
+    free(m->chunk_start);
+    free(m->slots);
+    free(m);
+}
+
+mst_status mst_model_peak_rows(mst_model* m, int32_t* peak) {
+    return mst_copy_b2h(m->ctx, peak, m->peak, sizeof(int32_t) * (size_t)((m->cfg.layers + 1) * m->cfg.ep));
+}

@@ -1,0 +1,369 @@
+/*
+ * model.h — the MoE transformer language model that `moestash train` trains
+ * (docs/DESIGN.md, "The trainer"): byte tokens, RMSNorm, causal multi-head attention,
+ * an MoE block in every layer (softmax router, top-k, load-balancing loss,
+ * dropless dispatch into the --ep groups' grouped rows, grouped MLP,
+ * combine), one multi-token-prediction (MTP) module, final norm and an output
+ * head tied to the embedding. bf16 weights and activations, fp32 master
+ * weights, main_grad and AdamW state.
+ *
+ * The grouped MLP's saved activations go through the memory manager (policy
+ * per name, layer recompute, schedules); the model keeps its own attention,
+ * norm and router activations per (microbatch, layer).
+ *
+ * Shapes: V vocab, H hidden, F ffn, NH heads, B batch, T seq, N = B T tokens
+ * of one microbatch, M microbatches, L layers (+1: the MTP module's layer has
+ * index L), E experts, k top-k, G = --ep groups of E / G experts, R = max_rows
+ * of each group; the groups' rows are packed into one [G R] grouped-rows
+ * buffer (group g after the groups before it), each group limited to R rows.
+ */
+#ifndef MST_MODEL_H
+#define MST_MODEL_H
+
+#include "lib/internal.h"
+#include "trainer/model_ops/model_backend.h"
+
+/* Attention: what forward saves for backward (model_backend.h). AUTO: the
+ * flash contract (output and row logsumexp) where the backend takes the
+ * head dims, else the probabilities (the reason in mst_model.attn_note). */
+typedef enum { MST_ATTN_AUTO = 0, MST_ATTN_FLASH, MST_ATTN_CUBLAS } mst_attn_kind;
+const char* mst_attn_kind_str(int32_t kind);
+
+typedef struct mst_model_config {
+    int64_t vocab;          /* V (256: bytes)                                   */
+    int64_t hidden, ffn;    /* H, F                                             */
+    int64_t n_head;         /* NH (H % NH == 0)                                 */
+    int64_t seq, batch;     /* T, B                                             */
+    int32_t layers;         /* L                                                */
+    int32_t experts, top_k; /* E, k                                             */
+    int32_t ep;             /* G (E % G == 0)                                   */
+    float capacity_factor;  /* R = ceil(cf * N * k / G)                         */
+    float mtp_weight;       /* weight of the MTP loss                           */
+    float aux_coef;         /* load-balancing loss coefficient                  */
+    float norm_eps;
+    float init_std;
+    uint64_t seed;
+    int32_t attention;      /* mst_attn_kind (0: AUTO)                          */
+} mst_model_config;
+
+/* The model on W ranks (one context each): the experts sharded, rank r
+ * holding experts [r E / W, (r + 1) E / W) and receiving their rows through
+ * ep's dispatch and combine; embedding, attention, norms, router and MTP
+ * replicated, their fp32 main_grad all-reduced. Each rank runs its own B
+ * sequences of the global batch of W B: the run equals one rank with batch
+ * W B and --ep W groups. The model's ep (G) is W. */
+typedef struct mst_dist {
+    int32_t rank, world;  /* this rank, W                                    */
+    mst_ep_t* ep;         /* the W ranks' communicator, made with
+                             mst_model_ep_config; NULL: one rank              */
+} mst_dist;
+
+/* How the grouped MLP's activations are saved (the memory manager). */
+typedef struct mst_mem_config {
+    const char* policy;             /* "keep" | "stash" | "offload" | "recompute" |
+                                       "fc1_input=stash,..." (NULL: keep)        */
+    mst_recompute_config recompute; /* layer recompute (method NONE: off)        */
+    int32_t recompute_full;         /* 1 (full): a recomputed layer keeps only its
+                                       input; norms, attention, router and the
+                                       grouped MLP are rerun. 0 (moe): only the
+                                       grouped MLP's tensors are not kept         */
+    int32_t recompute_mtp;          /* 1: the MTP layer is recomputed too (a
+                                       chunk of its own when the plan has none),
+                                       with its module's norms and projection
+                                       (full): it keeps its two inputs           */
+    mst_schedule_kind schedule;     /* order of forward/backward over microbatches */
+    int32_t virtual_stages;         /* chunks of layers (interleaved: >= 2)      */
+    double pool_factor;             /* stash pages over the measured peak (1.10) */
+    /* a plan per layer (the memory-budget planner's), over policy / recompute: */
+    const mst_policy* layer_policy; /* [L+1, MST_N_SAVED] or NULL                 */
+    const int32_t* chunk_start;     /* [L+1] recompute plan (mst_memmgr_set_recompute_plan)
+                                       or NULL                                    */
+} mst_mem_config;
+
+/* keep, plain schedule, no layer recompute (granularity full when one is
+ * set), pool factor 1.10. */
+mst_mem_config mst_mem_config_default(void);
+
+/* The attention contract a model of config c takes on ctx's backend:
+ * *flash 1 (the flash contract) or 0 (the probabilities); under AUTO, why
+ * not flash in note ("" when flash); MST_ATTN_FLASH where the backend has
+ * no flash attention for these dims is an error naming --attention. */
+mst_status mst_model_attention(mst_ctx_t* ctx, const mst_model_config* c, int* flash, char* note, size_t note_size);
+
+/* Checks sizes (each failure names the flag and its value). */
+mst_status mst_model_config_check(const mst_model_config* c);
+/* R: rows of one group, ceil(cf * tokens * k / G), the tokens of every
+ * rank (world: 1, or W with c->batch per rank). */
+int64_t mst_model_max_rows(const mst_model_config* c, int32_t world);
+/* The communicator settings of a model of config c on `world` ranks, each
+ * with c->batch sequences (c->ep must be world). */
+mst_status mst_model_ep_config(const mst_model_config* c, int32_t world, mst_ep_config* out);
+/* What a model of config c surely needs, before any allocation: its
+ * parameters with their gradients and AdamW state (18 bytes each), one
+ * layer's saved attention (MST_ATTN_CUBLAS: the probabilities; else qkv, the
+ * output and the row logsumexp: AUTO's smaller case) and the head's logits
+ * with the two loss gradients ([N, V] bf16 each); *params_bytes is the
+ * parameters' part. */
+mst_status mst_model_bytes_at_least(const mst_model_config* c, double* total_bytes, double* params_bytes);
+
+/* Element offsets of one transformer layer's parameters in the flat buffers. */
+typedef struct mst_layer_params {
+    int64_t ln1;   /* [H]           */
+    int64_t wqkv;  /* [3H, H]       */
+    int64_t wo;    /* [H, H]        */
+    int64_t ln2;   /* [H]           */
+    int64_t wr;    /* [E, H] router */
+    int64_t w1;    /* [E*2F, H]     */
+    int64_t w2;    /* [E*H, F]      */
+} mst_layer_params;
+
+/* Saved activations and routing plan of one layer for one microbatch. */
+typedef struct mst_layer_acts {
+    const uint16_t* in;  /* [N, H] the layer's input (another buffer, not owned) */
+    uint16_t* a;         /* [N, H] norm1 output                             */
+    float* rstd1;        /* [N]                                             */
+    uint16_t* qkv;       /* [N, 3H]                                         */
+    float* attp;         /* [B, NH, T, T] attention probabilities (NULL: flash) */
+    float* lse;          /* [B, NH, T] attention row logsumexp (flash; else NULL) */
+    uint16_t* att;       /* [N, H] attention output (before Wo)             */
+    uint16_t* x1;        /* [N, H] residual after attention                 */
+    uint16_t* b;         /* [N, H] norm2 output (router and MLP input)      */
+    float* rstd2;        /* [N]                                             */
+    float* rlogits;      /* [N, E] router logits                            */
+    float* rprobs;       /* [N, E] router softmax                           */
+    int32_t* topk_idx;   /* [N, k]                                          */
+    float* topk_w;       /* [N, k]                                          */
+    int32_t* pos;        /* [N, k] row in the [G*R] grouped rows, or -1     */
+    int32_t* counts;     /* [E] rows per expert for the grouped MLP (W ranks:
+                            the first El, this rank's, from dispatch)       */
+    int32_t* load;       /* [E] token copies per expert                     */
+    float* aux;          /* [1] load-balancing loss                         */
+    uint16_t* out;       /* [N, H] the layer's output                       */
+    mst_ep_handle_t* eph;/* W ranks: the routing of this (layer, microbatch)
+                            from dispatch to the backward (NULL: one rank)   */
+} mst_layer_acts;
+
+/* One microbatch's activations. */
+typedef struct mst_micro {
+    int32_t* tok;            /* [3, N] inputs, next tokens, tokens after next
+                                (in the step's static inputs)                 */
+    uint16_t* x0;            /* [N, H] embedding of the inputs                */
+    uint16_t* xf;            /* [N, H] final norm output                      */
+    float* rstdf;            /* [N]                                           */
+    uint16_t* e1;            /* [N, H] MTP: embedding of the next tokens      */
+    uint16_t *ne, *nh;       /* [N, H] MTP: its norm / the last hidden's norm */
+    float *rstd_e, *rstd_h;  /* [N]                                           */
+    uint16_t* p;             /* [N, H] MTP projection output (layer L input)  */
+    uint16_t* mf;            /* [N, H] MTP final norm output                  */
+    float* rstd_mf;          /* [N]                                           */
+    uint16_t *dl_main, *dl_mtp; /* [N, V] d(loss)/d(logits)                   */
+    uint16_t* dh;            /* [N, H] gradient flowing down the main layers  */
+    mst_layer_acts* acts;    /* [L+1]                                         */
+} mst_micro;
+
+/* Memory by category, bytes (backend memory the model allocated itself).
+ * Saved activations by kind: a layer's attention (qkv, probabilities,
+ * output), norms and residuals (norm outputs, rstd, x1, the layer output),
+ * router (logits, probs, top-k, positions, counts); the main path's
+ * embedding and head (tokens, x0, final norm, d logits); the MTP module
+ * (its norms, projection, head and its transformer layer, whatever kind).
+ * RECOMPUTE: the shared activations that recomputed layers run in. */
+enum {
+    MST_MEM_WEIGHTS = 0, MST_MEM_GRADS, MST_MEM_OPTIM, MST_MEM_SAVED_ATTN, MST_MEM_SAVED_NORM,
+    MST_MEM_SAVED_ROUTER, MST_MEM_SAVED_HEAD, MST_MEM_SAVED_MTP, MST_MEM_RECOMPUTE, MST_MEM_COMPUTE, MST_N_MEM
+};
+
+typedef struct mst_model {
+    mst_ctx_t* ctx;
+    const mst_model_backend* ops; /* ctx's model ops (mst_model_backend_of)     */
+    mst_model_config cfg;
+    int flash;               /* attention: 1 flash contract (att, lse saved),
+                                0 probabilities (attp saved)                  */
+    char attn_note[256];     /* why AUTO took the probabilities ("" if not)   */
+    mst_mem_config mem_cfg;
+    /* (optional) called after each schedule entry of a step, eagerly (the
+     * memory picture of --timeline); NULL in every other step */
+    mst_status (*after_entry)(struct mst_model* m, int32_t entry, void* user);
+    void* after_entry_user;
+    mst_dist dist;           /* ranks (dist.ep NULL: one rank)                */
+    int32_t n_local;         /* El: experts held here (E, or E / W)           */
+    int32_t row_groups;      /* groups whose rows are here (G, or 1 on W ranks) */
+    int64_t max_rows;        /* R in use now (static, or exact on a rerun)     */
+    int64_t static_rows;     /* R from the capacity factor                    */
+    int32_t n_micro;         /* M                                             */
+    /* parameters: one flat buffer per kind, matrices first (decayed) */
+    int64_t n_params, n_decay;
+    int64_t n_dense;         /* W ranks: [0, n_dense) replicated matrices, then
+                                this rank's experts up to n_decay (one rank:
+                                n_decay, the experts among the matrices)      */
+    int64_t emb, lnf, ln_e, ln_h, proj, ln_mf; /* offsets: [V,H] [H] [H] [H] [H,2H] [H] */
+    mst_layer_params* lp;    /* [L+1]                                         */
+    uint16_t* w;             /* [n_params] bf16 weights                       */
+    float* master;           /* [n_params] fp32 master weights                */
+    float* grad;             /* [n_params] fp32 main_grad                     */
+    float* adam_m;           /* [n_params] fp32                               */
+    float* adam_v;           /* [n_params] fp32                               */
+    float* gsumsq;           /* [1] sum of squared gradients                  */
+    float* gpartial;         /* [MST_SUMSQ_PARTS] its chunk sums              */
+    int32_t* peak;           /* [L+1, G] peak rows per group over the run     */
+    int32_t* peak_local;     /* [1] W ranks: route_forward's peak (unused)    */
+    float* gsum_experts;     /* [1] W ranks: sum of squared expert gradients  */
+    /* the step's static inputs: what changes between two steps, copied in
+     * before each (a captured step reads them at the same addresses) */
+    void* inputs;            /* backend: tokens [M, 3, N] int32, then hyper   */
+    float* hyper;            /* [MST_N_HYPER] in inputs: lr, bias corrections */
+    void* staging[2];        /* host (pinned) copies of inputs, filled in turn */
+    size_t inputs_bytes;
+    /* the record the host reads after a step (mst_step_record) */
+    void* record;            /* backend: [1] mst_step_record                  */
+    void* graph;             /* the step captured (backend graph) or NULL     */
+    int graph_warm;          /* a sized step ran eagerly since the last
+                                measuring step or max_rows change             */
+    /* activations */
+    mst_micro* micro;        /* [M] each microbatch's view of its activation set */
+    mst_micro* sets;         /* [n_sets] the activation sets: a microbatch holds
+                                one from its first forward to its last backward,
+                                so there are as many as the schedule has
+                                microbatches in flight (1F1B on one stage: 1) */
+    int32_t n_sets;
+    float *loss_main, *loss_mtp; /* [M, N] per-token losses                   */
+    float* aux_sum;          /* [M, L+1] load-balancing losses                */
+    /* the memory manager of the grouped MLP's saved activations */
+    mst_memmgr_t* mm;        /* active: mm_static, or one for exact shapes    */
+    mst_memmgr_t* mm_static; /* sized for R = static_rows                     */
+    mst_sched_entry* sched;  /* [n_sched]                                     */
+    int32_t n_sched, layers_per_chunk;
+    /* compute buffers shared by layers */
+    uint16_t* logits;        /* [N, V]                                        */
+    uint16_t *yrows, *drows, *dxrows; /* [G*R, H]                             */
+    float* dprow;            /* [G*R] gradients of the rows' router probs     */
+    float* dtopk;            /* [N, k]                                        */
+    uint16_t* drl;           /* [N, E] d(router logits)                       */
+    int32_t* emb_order;      /* [V + 1 + N] embedding backward scratch        */
+    uint16_t* dqkv;          /* [N, 3H]                                       */
+    float* att32;            /* [B, NH, T, T] attention scratch (probabilities
+                                contract, ops->attn_scratch)                  */
+    uint16_t* att16;         /* [B, NH, T, T] likewise                        */
+    float* att_delta;        /* [B, NH, T] flash backward scratch             */
+    uint16_t *dm, *t1, *t2, *t3; /* [N, H] gradient and scratch               */
+    size_t mem[MST_N_MEM];   /* bytes allocated by category                   */
+    size_t mem_keep[MST_N_MEM]; /* the same with every layer keeping its
+                                   activations (no recompute): the reference   */
+    int32_t* chunk_start;    /* [L+1] recompute chunk of each layer, -1: kept  */
+    int32_t full;            /* layers in chunks recompute whole (full)       */
+    mst_layer_acts* slots;   /* [n_slots] activations recomputed layers run in:
+                                layer l in slot l - chunk_start[l]             */
+    int32_t n_slots;
+    mst_micro mtp_slot;      /* the MTP module's activations when recomputed  */
+    void** owned;            /* [n_owned] backend buffers freed by destroy    */
+    int n_owned, cap_owned;
+} mst_model;
+
+/* mem: NULL for mst_mem_config_default(). */
+mst_status mst_model_create(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t n_micro,
+                            const mst_mem_config* mem, mst_model** out);
+/* The same as rank dist->rank of dist->world (dist NULL or dist->ep NULL:
+ * one rank). Collective on W ranks. */
+mst_status mst_model_create_dist(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t n_micro,
+                                 const mst_mem_config* mem, const mst_dist* dist, mst_model** out);
+/* W ranks: all-reduces count elements of backend memory over the ranks (one
+ * rank: nothing). */
+mst_status mst_model_allreduce(mst_model* m, void* data, int64_t count, mst_ep_reduce kind);
+/* The same on count elements of host memory (through a backend buffer). */
+mst_status mst_model_allreduce_host(mst_model* m, void* host, int64_t count, mst_ep_reduce kind);
+/* W ranks: v [n] host doubles -> each its max over the ranks (through the
+ * backend; sizes and bytes below 2^53 stay exact); one rank: nothing. */
+mst_status mst_model_max_over_ranks(mst_model* m, double* v, int64_t n);
+void mst_model_destroy(mst_model* m);
+/* Sizes every group to R rows (a memory manager of its own when R is not
+ * the static R; its first step must be measuring). */
+mst_status mst_model_set_max_rows(mst_model* m, int64_t max_rows);
+
+/* Fills host staging slot `slot` (0 or 1) of the step's static inputs:
+ * host_tok [M, B, T+2] (B windows of T+2 bytes per microbatch; each token
+ * checked against the vocabulary) and the AdamW values of the step. */
+mst_status mst_model_stage(mst_model* m, int slot, const int32_t* host_tok, const float hyper[MST_N_HYPER]);
+/* Copies staging slot `slot` into the static inputs, not waited for (after
+ * what the context's stream holds; the slot may be refilled once the next
+ * step's record was read). */
+mst_status mst_model_upload(mst_model* m, int slot);
+
+/* One step's forward and backward passes over M microbatches along the
+ * schedule, on the static inputs; gradients (zeroed first) accumulate into
+ * main_grad. measuring: the memory manager's measuring step (the first, and
+ * reruns). Allocates, syncs and reads nothing on the host unless measuring,
+ * so a sized step can be captured. */
+mst_status mst_model_step(mst_model* m, int measuring);
+
+/* Peak rows per group over the run, [L+1, G] host (reads device stats). */
+mst_status mst_model_peak_rows(mst_model* m, int32_t* peak);
+
+/* ---- optimizer (optim.c) ---- */
+typedef struct mst_optim_config {
+    float lr, min_lr_frac, beta1, beta2, eps, weight_decay, clip;
+    int64_t warmup, steps;
+} mst_optim_config;
+float mst_optim_lr(const mst_optim_config* o, int64_t step);
+/* Zeroes main_grad (start of a step). */
+mst_status mst_optim_zero(mst_model* m);
+/* The AdamW values of step `step` (1-based): lr, 1 - beta1^step, 1 - beta2^step. */
+void mst_optim_hyper(const mst_optim_config* o, int64_t step, float hyper[MST_N_HYPER]);
+/* Clip by global norm and AdamW with the step's values from the static
+ * inputs; skipped on the device when the step's error flag is set. */
+mst_status mst_optim_step(mst_model* m, const mst_optim_config* o);
+
+/* ---- the whole optimizer step (step.c) ---- */
+
+/* What the host reads after a step: its error flag and its loss sums. */
+typedef struct mst_step_record {
+    int32_t flag;            /* MST_FLAG_* bits raised in the step            */
+    int32_t unused;
+    double loss_main;        /* sum of the [M, N] next-token losses           */
+    double loss_mtp;         /* sum of the [M, N] MTP losses                  */
+    double aux;              /* sum of the [M, L+1] load-balancing losses     */
+} mst_step_record;
+
+/* One optimizer step on the static inputs, run eagerly: mst_model_step,
+ * clip + AdamW (mst_optim_step), then the record. A measuring step drops
+ * the captured graph (it may resize what the graph points at). */
+mst_status mst_step_run(mst_model* m, const mst_optim_config* o, int measuring);
+/* One sized step replayed from its graph, captured first when there is
+ * none. Until a sized step has run eagerly since the last measuring step
+ * (ops size their workspaces on first use), and on a backend without
+ * capture, the step runs eagerly instead. *captured: 1 when this call
+ * captured the step. */
+mst_status mst_step_replay(mst_model* m, const mst_optim_config* o, int* captured);
+/* The record of the last step (waits for it). */
+mst_status mst_step_read(mst_model* m, mst_step_record* r);
+/* Forward and backward of the staged inputs without the optimizer (held-out
+ * evaluation): the record's losses; the weights and optimizer state do not
+ * change. Eager. measuring: a measuring step (drops the step graph). */
+mst_status mst_step_eval(mst_model* m, int measuring);
+/* Forgets the captured graph (buffers it points at change). */
+void mst_step_drop_graph(mst_model* m);
+/* W ranks: main_grad of the replicated parameters summed over the ranks, in
+ * two buckets (the matrices [0, n_dense), then the norm weights), after the
+ * whole backward, not overlapped with it; the experts' are this rank's own.
+ * One rank: nothing. */
+mst_status mst_step_share_grads(mst_model* m);
+/* The fp32 elements mst_step_share_grads sums (both buckets). */
+int64_t mst_step_shared_grads(const mst_model* m);
+
+/* ---- data (data.c) ---- */
+typedef struct mst_data {
+    uint8_t* bytes;          /* [n] corpus                                    */
+    int64_t n;
+    uint64_t rng;            /* window sampler state                          */
+} mst_data;
+/* The built-in synthetic corpus (deterministic in seed), or a text file. */
+mst_status mst_data_synthetic(mst_data* d, uint64_t seed, int64_t n_bytes);
+mst_status mst_data_file(mst_data* d, const char* path, int64_t min_bytes, uint64_t seed);
+/* Fills tok [B, T+2] with B random windows. */
+void mst_data_batch(mst_data* d, int64_t batch, int64_t seq, int32_t* tok);
+void mst_data_free(mst_data* d);
+/* Holds out the last `fraction` of d's bytes (0 < fraction < 1) as eval:
+ * d keeps the head (its windows never reach the tail), eval gets a copy of
+ * the tail with its own sampler. Both need room for one window of w bytes. */
+mst_status mst_data_split(mst_data* d, double fraction, int64_t w, mst_data* eval);
+
+#endif

@@ -1,0 +1,67 @@
+/*
+ * model_ops.cuh — the CUDA backend's model ops (one declaration per slot of
+ * the model-op table, model_backend.h) and the device helpers their files
+ * share: bf16 <-> fp32 and fixed-order block reductions.
+ */
+#ifndef MST_CUDA_MODEL_OPS_CUH
+#define MST_CUDA_MODEL_OPS_CUH
+
+#include "lib/internal.h"
+#include "trainer/model_ops/model_backend.h"
+
+extern "C" {
+/* model_ops.cu */
+mst_status mst_cuda_mm(mst_ctx_t* ctx, const mst_mm_args* a);
+mst_status mst_cuda_norm_forward(mst_ctx_t* ctx, const mst_norm_args* a);
+mst_status mst_cuda_norm_backward(mst_ctx_t* ctx, const mst_norm_args* a);
+mst_status mst_cuda_add(mst_ctx_t* ctx, const mst_add_args* a);
+mst_status mst_cuda_embed_forward(mst_ctx_t* ctx, const mst_embed_args* a);
+mst_status mst_cuda_embed_backward(mst_ctx_t* ctx, const mst_embed_args* a);
+mst_status mst_cuda_xent(mst_ctx_t* ctx, const mst_xent_args* a);
+mst_status mst_cuda_sumsq(mst_ctx_t* ctx, const mst_sumsq_args* a);
+mst_status mst_cuda_adamw(mst_ctx_t* ctx, const mst_adamw_args* a);
+mst_status mst_cuda_sum(mst_ctx_t* ctx, const mst_sum_args* a);
+/* model_ops_attn.cu */
+mst_status mst_cuda_attn_forward(mst_ctx_t* ctx, const mst_attn_args* a);
+mst_status mst_cuda_attn_backward(mst_ctx_t* ctx, const mst_attn_args* a);
+/* model_ops_flash.cu */
+mst_status mst_cuda_attn_flash_check(mst_ctx_t* ctx, const mst_attn_args* a);
+mst_status mst_cuda_attn_flash_forward(mst_ctx_t* ctx, const mst_attn_args* a);
+mst_status mst_cuda_attn_flash_backward(mst_ctx_t* ctx, const mst_attn_args* a);
+/* model_ops_route.cu */
+mst_status mst_cuda_route_forward(mst_ctx_t* ctx, const mst_route_args* a);
+mst_status mst_cuda_route_backward(mst_ctx_t* ctx, const mst_route_args* a);
+mst_status mst_cuda_route_aux(mst_ctx_t* ctx, const mst_route_args* a);
+mst_status mst_cuda_rows_gather(mst_ctx_t* ctx, const mst_rows_args* a);
+mst_status mst_cuda_rows_sum(mst_ctx_t* ctx, const mst_rows_args* a);
+}
+
+
+/* Sum of v over the block in a fixed order (xor-shuffle within warps, then
+ * warp sums in warp order); every thread gets the result. shm: [32]. */
+__device__ __forceinline__ float mst_block_sum(float v, float* shm) {
+    for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
+    const int warp = threadIdx.x >> 5, n_warps = (blockDim.x + 31) >> 5;
+    __syncthreads(); /* shm may still be read from a previous call */
+    if ((threadIdx.x & 31) == 0) shm[warp] = v;
+    __syncthreads();
+    float s = 0.0f;
+    for (int w = 0; w < n_warps; w++) s += shm[w];
+    return s;
+}
+
+__device__ __forceinline__ float mst_block_max(float v, float* shm) {
+    for (int d = 16; d > 0; d >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, d));
+    const int warp = threadIdx.x >> 5, n_warps = (blockDim.x + 31) >> 5;
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) shm[warp] = v;
+    __syncthreads();
+    float s = -INFINITY;
+    for (int w = 0; w < n_warps; w++) s = fmaxf(s, shm[w]);
+    return s;
+}
+
+/* Grid size for n items at `per` items per block, at most 65535 * 1024. */
+static inline unsigned mst_blocks(int64_t n, int per) { return (unsigned)((n + per - 1) / per); }
+
+#endif
