@@ -76,30 +76,63 @@ typedef struct mst_xent_args {
     uint16_t* dlogits;     /* [N, V] bf16                                    */
 } mst_xent_args;
 
-/* Causal multi-head attention, heads of width D = H / n_head;
- * qkv row t = [q | k | v], head h at columns [h D, (h+1) D) of each part.
+/* Causal grouped-query attention (Qwen3-MoE / Llama): NH query heads and
+ * KV key-value heads (KV divides NH), each of width D (given, not H / NH);
+ * query head h reads key-value head h / (NH / KV). A row t of qkv is
+ * [q (NH D) | k (KV D) | v (KV D)], head h of each part at columns
+ * [h D, (h+1) D) of that part; q and k arrive normed and rotated (qk_forward).
+ * The backward's dk and dv of one key-value head sum the NH / KV query heads
+ * that read it in head order (fixed order: no atomics).
  * Two contracts for what forward saves for backward:
  *   attn_forward / attn_backward: the probabilities (probs);
  *   attn_flash_*: nothing T x T: the output (out) and each row's logsumexp
  *   (lse); backward recomputes the probabilities from them. */
 typedef struct mst_attn_args {
     int64_t batch, seq, n_head, head_dim; /* B, T, NH, D                     */
-    const uint16_t* qkv;   /* [B*T, 3H] bf16                                 */
+    int64_t n_kv_head;     /* KV (divides NH)                                */
+    const uint16_t* qkv;   /* [B*T, (NH + 2 KV) D] bf16                      */
     float* probs;          /* [B, NH, T, T] fp32 softmax (attn_*: saved by
                               forward, read by backward)                     */
     float* lse;            /* [B, NH, T] fp32 log sum_j exp(q_i k_j / sqrt(D))
                               over j <= i (attn_flash_*: saved by forward,
                               read by backward)                              */
-    uint16_t* out;         /* [B*T, H] bf16 (written by forward; attn_flash_
+    uint16_t* out;         /* [B*T, NH D] bf16 (written by forward; attn_flash_
                               backward reads it)                             */
-    const uint16_t* dout;  /* [B*T, H] bf16 (backward)                       */
-    uint16_t* dqkv;        /* [B*T, 3H] bf16 (backward)                      */
+    const uint16_t* dout;  /* [B*T, NH D] bf16 (backward)                    */
+    uint16_t* dqkv;        /* [B*T, (NH + 2 KV) D] bf16 (backward)           */
     float* delta;          /* [B, NH, T] fp32 scratch of attn_flash_backward:
                               rowsum(dout * out) per head                    */
     float* scratch32;      /* [B, NH, T, T] fp32 scratch, or NULL where the
                               table's attn_scratch is 0 (CUDA: dP)           */
     uint16_t* scratch16;   /* [B, NH, T, T] bf16 scratch, likewise (CUDA: P, dS) */
 } mst_attn_args;
+
+/* Qwen3's QK-norm and rotary position embedding, between the q/k/v
+ * projection and attention. Forward, per token t at position t % T:
+ *   q head h: y = rope(rmsnorm(x_h) * wq), k head g: y = rope(rmsnorm(x_g) * wk),
+ *   v copied; rmsnorm over the head's D values (eps), its 1 / rms kept in rstd;
+ *   rope (transformers' rotate-half pairing): for i < D/2,
+ *   a = (float)pos * (1.0f / powf(theta, (float)(2 i) / (float)D)) in fp32 as
+ *   transformers computes it, cos and sin in fp32 (precise, not fast-math),
+ *   y[i] = u[i] cos a - u[i + D/2] sin a, y[i + D/2] = u[i + D/2] cos a + u[i] sin a.
+ * All in fp32 from the bf16 input, one bf16 rounding on store.
+ * Backward: dx from dy (v's part copied), dwq / dwk += sums over tokens and
+ * heads in a fixed order (fp32). Rows as in mst_attn_args. */
+typedef struct mst_qk_args {
+    int64_t rows, seq;     /* N = B T tokens, T (position = row % T)         */
+    int64_t n_head, n_kv_head, head_dim; /* NH, KV, D (D even)               */
+    float eps;
+    float theta;           /* rope_theta                                     */
+    const uint16_t* x;     /* [N, (NH + 2 KV) D] bf16 projection output       */
+    const uint16_t* wq;    /* [D] bf16 q_norm weight                         */
+    const uint16_t* wk;    /* [D] bf16 k_norm weight                         */
+    uint16_t* y;           /* [N, (NH + 2 KV) D] bf16 (forward)              */
+    float* rstd;           /* [N, NH + KV] fp32 (written forward, read backward) */
+    const uint16_t* dy;    /* [N, (NH + 2 KV) D] bf16 (backward)             */
+    uint16_t* dx;          /* [N, (NH + 2 KV) D] bf16 (backward)             */
+    float* dwq;            /* [D] fp32 main_grad, += (backward)              */
+    float* dwk;            /* [D] fp32 main_grad, += (backward)              */
+} mst_qk_args;
 
 /* Router: softmax over E experts, top-k (ties to the lower index), the
  * dropless plan into G groups of E/G experts (groups packed in order into
@@ -203,6 +236,8 @@ typedef struct mst_model_backend {
     mst_status (*embed_forward)(mst_ctx_t* ctx, const mst_embed_args* a);
     mst_status (*embed_backward)(mst_ctx_t* ctx, const mst_embed_args* a);
     mst_status (*xent)(mst_ctx_t* ctx, const mst_xent_args* a);
+    mst_status (*qk_forward)(mst_ctx_t* ctx, const mst_qk_args* a);
+    mst_status (*qk_backward)(mst_ctx_t* ctx, const mst_qk_args* a);
     mst_status (*attn_forward)(mst_ctx_t* ctx, const mst_attn_args* a);
     mst_status (*attn_backward)(mst_ctx_t* ctx, const mst_attn_args* a);
     /* (optional) flash attention: whether it takes a's dims (MST_OK, or
