@@ -32,7 +32,12 @@ const char* mst_attn_kind_str(int32_t kind);
 typedef struct mst_model_config {
     int64_t vocab;          /* V (256: bytes)                                   */
     int64_t hidden, ffn;    /* H, F                                             */
-    int64_t n_head;         /* NH (H % NH == 0)                                 */
+    int64_t n_head;         /* NH query heads                                   */
+    int64_t n_kv_head;      /* KV key-value heads (divides NH; NH: no grouping) */
+    int64_t head_dim;       /* D, given (Qwen3: not H / NH)                     */
+    float rope_theta;       /* rotary base (rope_theta)                         */
+    int32_t norm_topk_prob; /* 1: the top-k router weights renormalised to 1    */
+    int32_t tie_embeddings; /* 1: the output head is the embedding table        */
     int64_t seq, batch;     /* T, B                                             */
     int32_t layers;         /* L                                                */
     int32_t experts, top_k; /* E, k                                             */
@@ -108,13 +113,16 @@ mst_status mst_model_bytes_at_least(const mst_model_config* c, double* total_byt
 
 /* Element offsets of one transformer layer's parameters in the flat buffers. */
 typedef struct mst_layer_params {
-    int64_t ln1;   /* [H]           */
-    int64_t wqkv;  /* [3H, H]       */
-    int64_t wo;    /* [H, H]        */
+    int64_t ln1;   /* [H] input_layernorm                                    */
+    int64_t wqkv;  /* [(NH + 2 KV) D, H]: q_proj rows, then k_proj, v_proj    */
+    int64_t q_norm;/* [D]                                                     */
+    int64_t k_norm;/* [D]                                                     */
+    int64_t wo;    /* [H, NH D] o_proj                                        */
     int64_t ln2;   /* [H]           */
     int64_t wr;    /* [E, H] router */
-    int64_t w1;    /* [E*2F, H]     */
-    int64_t w2;    /* [E*H, F]      */
+    int64_t w1;    /* [E*2F, H]: expert e's rows [2F e, 2F e + F) gate_proj,
+                      then F rows up_proj                                     */
+    int64_t w2;    /* [E*H, F]: expert e's [H, F] down_proj                   */
 } mst_layer_params;
 
 /* Saved activations and routing plan of one layer for one microbatch. */
@@ -197,6 +205,7 @@ typedef struct mst_model {
                                 this rank's experts up to n_decay (one rank:
                                 n_decay, the experts among the matrices)      */
     int64_t emb, lnf, ln_e, ln_h, proj, ln_mf; /* offsets: [V,H] [H] [H] [H] [H,2H] [H] */
+    int64_t head;            /* [V,H] lm_head (== emb when tie_embeddings)     */
     mst_layer_params* lp;    /* [L+1]                                         */
     uint16_t* w;             /* [n_params] bf16 weights                       */
     float* master;           /* [n_params] fp32 master weights                */
