@@ -26,7 +26,7 @@
 
 #include "cli/args.h"
 #include "cli/cli.h"
-#include "trainer/plan/planner.h"
+#include "trainer/run/planner.h"
 
 typedef struct grid_point {
     const char* policy;

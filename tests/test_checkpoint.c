@@ -1,5 +1,5 @@
 /*
- * test_checkpoint.c — checkpoints (src/trainer/io/checkpoint.h): the weights,
+ * test_checkpoint.c — checkpoints (src/trainer/run/checkpoint.h): the weights,
  * master weights and AdamW moments of a model come back bit for bit in
  * another model; the configuration comes back field for field; the
  * safetensors layout is checked by hand (header length, JSON entry, data
@@ -15,7 +15,7 @@
 #include <unistd.h>
 
 #include "harness.h"
-#include "trainer/io/checkpoint.h"
+#include "trainer/run/checkpoint.h"
 
 static mst_train_config tiny(int64_t hidden) {
     mst_train_config t = {0};

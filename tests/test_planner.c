@@ -22,7 +22,7 @@
 #include <string.h>
 
 #include "harness.h"
-#include "trainer/plan/planner.h"
+#include "trainer/run/planner.h"
 
 enum { STEPS = 2 };
 

@@ -15,7 +15,7 @@
 #include <unistd.h>
 
 #include "harness.h"
-#include "trainer/io/checkpoint.h"
+#include "trainer/run/checkpoint.h"
 
 enum { STEPS = 6 };
 

@@ -12,8 +12,8 @@
 #include "args.h"
 #include "cli.h"
 #include "launch.h"
-#include "trainer/io/checkpoint.h"
-#include "trainer/plan/planner.h"
+#include "trainer/run/checkpoint.h"
+#include "trainer/run/planner.h"
 
 /* Defaults: small on the CPU (200 steps in well under 3 minutes on 2 cores),
  * larger on a GPU so the KEEP vs exact-shapes difference shows. */

@@ -12,7 +12,7 @@
 #ifndef MST_SAMPLE_H
 #define MST_SAMPLE_H
 
-#include "trainer/io/checkpoint.h"
+#include "checkpoint.h"
 
 typedef struct mst_sampler mst_sampler;
 

@@ -99,10 +99,6 @@ typedef struct mst_train_result {
     struct mst_plan_report* plan; /* --memory-budget: the plan and its predictions */
 } mst_train_result;
 
-/* FNV-1a over 8-byte words (the tail bytes one by one), continuing from h
- * (MST_FNV1A_SEED to start): the weights hash, the checkpoints' data hashes. */
-#define MST_FNV1A_SEED 0xCBF29CE484222325ull
-uint64_t mst_fnv1a(uint64_t h, const void* p, size_t n);
 
 /* One step's microbatches of windows of model m's rank into tok [M, W B,
  * T+2] (this rank's [M, B, T+2] first, the rest scratch): each microbatch

@@ -30,7 +30,7 @@
 #ifndef MST_CHECKPOINT_H
 #define MST_CHECKPOINT_H
 
-#include "trainer/run/trainer.h"
+#include "trainer.h"
 
 enum { MST_CKPT_VERSION = 1 };
 

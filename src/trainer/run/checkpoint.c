@@ -11,7 +11,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "json.h"
+#include "trainer/io/hash.h"
+#include "trainer/io/json.h"
 
 /* ---- the parameters by name ------------------------------------------------- */
 

@@ -31,8 +31,8 @@
 
 #include <stdio.h>
 
-#include "budget.h"
-#include "trainer/run/trainer.h"
+#include "trainer/plan/budget.h"
+#include "trainer.h"
 
 typedef struct mst_plan_report {
     size_t budget;             /* bytes asked for                                    */
