@@ -84,10 +84,10 @@ static void split(void) {
     mst_data d, e;
     CHECK_OK(mst_data_synthetic(&d, 3, 10000));
     const int64_t w = 18;
-    uint8_t* all = (uint8_t*)malloc((size_t)d.n);
-    memcpy(all, d.bytes, (size_t)d.n);
+    int32_t* all = (int32_t*)malloc(sizeof(int32_t) * (size_t)d.n);
+    memcpy(all, d.tok, sizeof(int32_t) * (size_t)d.n);
     CHECK_OK(mst_data_split(&d, 0.1, w, &e));
-    CHECK(d.n == 9000 && e.n == 1000 && memcmp(e.bytes, all + 9000, 1000) == 0, "split %lld + %lld", (long long)d.n,
+    CHECK(d.n == 9000 && e.n == 1000 && memcmp(e.tok, all + 9000, sizeof(int32_t) * 1000) == 0, "split %lld + %lld", (long long)d.n,
           (long long)e.n);
     /* every training window lies in the head: its bytes never come from the tail */
     int32_t tok[64 * 18];
@@ -95,10 +95,10 @@ static void split(void) {
     for (int r = 0; r < 200; r++) {
         mst_data_batch(&d, 64, w - 2, tok);
         for (int b = 0; b < 64; b++) {
-            const uint8_t* hit = NULL;
+            const int32_t* hit = NULL;
             for (int64_t s = 0; s + w <= 10000 && !hit; s++) {
                 int same = 1;
-                for (int64_t i = 0; i < w && same; i++) same = all[s + i] == (uint8_t)tok[b * w + i];
+                for (int64_t i = 0; i < w && same; i++) same = all[s + i] == tok[b * w + i];
                 if (same) hit = all + s;
             }
             past += hit && hit - all + w > 9000;

@@ -80,7 +80,8 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            "  --aux-weight A            load-balancing loss coefficient (%g)\n"
            "  --lr LR                   peak learning rate, warmup then cosine to 10%% (%g / %g)\n"
            "  --warmup N                warmup steps (%lld)\n"
-           "  --data FILE               train on a text file (default: built-in synthetic corpus)\n"
+           "  --data FILE               train on a text file (bytes) or an llm.c .bin token file (magic 20240520)\n"
+           "                            (default: built-in synthetic corpus)\n"
            "  --seed S                  seed of weights and data (%llu)\n"
            "  --graph on|off            replay each sized step from one captured CUDA graph (cpu: off / cuda: on)\n"
            "  --attention A             flash: fused, saves the output and row logsumexp | cublas: saves the T x T\n"
@@ -96,7 +97,7 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            "  --save-every N            0: DIR/final only (0)\n"
            "  --resume DIR              continue the run of checkpoint DIR with its stored configuration\n"
            "                            (--steps, --save, --json, --plot, --graph, --log-every, --quiet may be given)\n"
-           "  --eval-data FILE          held-out text for evaluation\n"
+           "  --eval-data FILE          held-out text or .bin tokens for evaluation\n"
            "  --eval-fraction F         hold out the last F of --data instead (0 < F < 1)\n"
            "  --eval-every N            evaluate every N steps and at the end (0: at the end)\n"
            "  --eval-batches N          batches per evaluation (8)\n"
@@ -310,6 +311,25 @@ static int bad_value(const char* flag, int64_t value, const char* why) {
     return mst_cli_bad("moestash train", flag, v, why);
 }
 
+/* --data and --eval-data read and checked before any work (a bad header, a
+ * truncated file, a token not below the vocabulary): exit 2, one line. The
+ * trainer reads them again when it starts. */
+static int check_data(const mst_train_config* c) {
+    const char* flag[2] = {"--data", "--eval-data"};
+    const char* path[2] = {c->data_path, c->eval_path};
+    for (int i = 0; i < 2; i++) {
+        if (!path[i]) continue;
+        mst_data d;
+        const mst_status st = mst_data_file(&d, flag[i], path[i], c->model.vocab, c->model.seq + 2, 0);
+        mst_data_free(&d);
+        if (st != MST_OK) {
+            fprintf(stderr, "moestash train: %s\n", mst_last_error());
+            return st == MST_ERR_IO || st == MST_ERR_INVALID ? 2 : 1;
+        }
+    }
+    return 0;
+}
+
 /* Flags that need another, or contradict one: exit 2 naming the one given. */
 static int consistent(const train_cli* t) {
     const mst_train_config* c = &t->cfg;
@@ -425,6 +445,8 @@ int mst_cmd_train(int argc, char** argv) {
         fprintf(stderr, "moestash train: %s\n", mst_last_error());
         return 2;
     }
+    const int data_rc = check_data(&t.cfg);
+    if (data_rc) return data_rc;
     const mst_backend_kind kind = t.kind;
     if (t.gpus > 1 && kind == MST_BACKEND_CUDA && !t.l.launched) { /* this process launches the ranks */
         if (mst_launch_check_devices("moestash train", (int32_t)t.gpus)) return 2;

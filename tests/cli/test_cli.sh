@@ -184,6 +184,35 @@ fi
 bad "saved by 2 ranks, this run has 1" train --backend cpu --resume "$tmp/ck2/step-2"
 bad "saved by 2 ranks, this run has 4" train --backend cpu --gpus 4 --resume "$tmp/ck2/step-2"
 bad "saved by 2 ranks" sample --checkpoint "$tmp/ck2/final" --prompt ab --tokens 2
+# token files (llm.c .bin: 256 x int32 header, magic 20240520, version 1,
+# count; uint16 tokens): a bad one is refused before any work, naming the
+# file and the offset (exit 2, one line, no --json, no --save directory)
+mkbin() { # mkbin FILE VERSION COUNT TOKENS... (the tokens as written, any count)
+  python3 - "$@" <<'PY'
+import struct, sys
+f, version, count, toks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), [int(t) for t in sys.argv[4:]]
+open(f, "wb").write(struct.pack("<256i", 20240520, version, count, *([0] * 253)) + struct.pack("<%dH" % len(toks), *toks))
+PY
+}
+toks=$(for i in $(seq 300); do echo $(( (i * 37) % 256 )); done)
+mkbin "$tmp/good.bin" 1 300 $toks
+mkbin "$tmp/version.bin" 2 300 $toks
+mkbin "$tmp/short.bin" 1 301 $toks
+mkbin "$tmp/vocab.bin" 1 300 $(echo "$toks" | sed '7s/.*/256/')
+nothing_written() { # after a bad(): the --json file and --save directory absent
+  if [ ! -e "$tmp/tok.json" ] && [ ! -e "$tmp/tok-save" ]; then passed=$((passed + 1))
+  else failed=$((failed + 1)); echo "FAIL: a refused token file still wrote --json or --save"; rm -rf "$tmp/tok.json" "$tmp/tok-save"; fi
+}
+bad "--data '$tmp/version.bin': offset 4: version 2, expected 1" train --backend cpu --data "$tmp/version.bin" --json "$tmp/tok.json" --save "$tmp/tok-save"
+nothing_written
+bad "--data '$tmp/short.bin': offset 1624: truncated" train --backend cpu --data "$tmp/short.bin" --json "$tmp/tok.json" --save "$tmp/tok-save"
+nothing_written
+bad "--eval-data '$tmp/vocab.bin': offset 1036: token 256 is not below the vocabulary (256)" train --backend cpu \
+  --eval-data "$tmp/vocab.bin" --json "$tmp/tok.json" --save "$tmp/tok-save"
+nothing_written
+echo "some text, not tokens" >"$tmp/nomagic.bin"
+bad "--data '$tmp/nomagic.bin': offset 0: magic" train --backend cpu --data "$tmp/nomagic.bin"
+good "eval loss" train --backend cpu --steps 2 --seq 8 --batch 2 --layers 1 --quiet --data "$tmp/good.bin" --eval-data "$tmp/good.bin"
 corpus=$tmp/a\"corpus.txt # a quote in the name: escaped in the JSON
 for i in $(seq 200); do echo "the quick brown fox jumps over the lazy dog $i"; done >"$corpus"
 good "loss" train --backend=cpu --steps=2 --seq=8 --batch=2 --layers=1 --quiet --data="$corpus" --json="$tmp/run.json"

@@ -174,7 +174,7 @@ static mst_status plot(const mst_train_config* cfg, const mst_train_result* r) {
 
 static mst_status load_data(const mst_train_config* cfg, mst_data* d) {
     if (!cfg->data_path) return mst_data_synthetic(d, cfg->model.seed, 1 << 20);
-    return mst_data_file(d, cfg->data_path, cfg->model.seq + 2, cfg->model.seed);
+    return mst_data_file(d, "--data", cfg->data_path, cfg->model.vocab, cfg->model.seq + 2, cfg->model.seed);
 }
 
 static mst_status alloc_result(mst_train_result* res, int64_t steps) {
@@ -297,7 +297,8 @@ mst_status mst_train_run(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* prog
     mst_data d, e = {0};
     MST_TRY(load_data(cfg, &d));
     mst_status st = MST_OK;
-    if (cfg->eval_path) st = mst_data_file(&e, cfg->eval_path, cfg->model.seq + 2, cfg->model.seed ^ 0xE7A1ull);
+    if (cfg->eval_path) st = mst_data_file(&e, "--eval-data", cfg->eval_path, cfg->model.vocab, cfg->model.seq + 2,
+                                         cfg->model.seed ^ 0xE7A1ull);
     else if (cfg->eval_fraction > 0) st = mst_data_split(&d, cfg->eval_fraction, cfg->model.seq + 2, &e);
     mst_train_config planned;
     if (st == MST_OK && cfg->memory_budget) st = plan_budget(ctx, &cfg, &planned, &d, res);
@@ -305,7 +306,7 @@ mst_status mst_train_run(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* prog
     mst_model* m = NULL;
     if (st == MST_OK) st = mst_model_create_dist(ctx, &cfg->model, cfg->microbatches, &cfg->mem, &cfg->dist, &m);
     if (st == MST_OK && cfg->resume_dir) st = resume(m, cfg, &d, res);
-    if (st == MST_OK) st = train_loop(m, &d, e.bytes ? &e : NULL, cfg, progress, res);
+    if (st == MST_OK) st = train_loop(m, &d, e.tok ? &e : NULL, cfg, progress, res);
     mst_model_destroy(m);
     mst_data_free(&d);
     mst_data_free(&e);
