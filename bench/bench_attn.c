@@ -1,19 +1,23 @@
 /*
  * bench_attn.c — `moestash bench attn [--seq T] [--batch B] [--heads NH]
- * [--head-dim D] [--reps N] [--backend cpu|cuda]`: the trainer's causal
- * attention under its two contracts (model_backend.h), in the same run:
- * flash (saves the output and the row logsumexp; fused kernels on CUDA)
- * against the probabilities path (saves P [B, NH, T, T]; cuBLAS on CUDA).
- * Defaults: the h100 preset's attention (B 2, 16 heads, D 128) at T 2048
- * and 4096 (--seq picks one T).
+ * [--kv-heads KV] [--head-dim D] [--reps N] [--backend cpu|cuda]`: the
+ * trainer's causal grouped-query attention under its two contracts
+ * (model_backend.h), in the same run: flash (saves the output and the row
+ * logsumexp; fused kernels on CUDA) against the probabilities path (saves
+ * P [B, NH, T, T]; cuBLAS on CUDA). Defaults: the h100 preset's attention
+ * (B 2, 16 heads, D 128) at T 2048 and 4096 (--seq picks one T), each with
+ * KV = NH (no grouping) and KV 4 (groups of 4 query heads at NH 16;
+ * Qwen3-30B-A3B has 32 / 4); --kv-heads picks one KV.
  *
- * Each T is checked first (flash against the probabilities path: bf16
+ * Each case is checked first (flash against the probabilities path: bf16
  * relative error of out and dqkv < 2e-2, else exit 1), then forward and
  * backward are timed apart: the mean of N calls between two syncs (host
  * clock), after one warm-up call. FLOPs counted: the causal half of the
- * GEMMs, forward 2 B NH T^2 D (q k^T and P v), backward 5 B NH T^2 D
- * (recomputed q k^T, dO v^T, P^T dO, dS^T q, dS k); the flash backward runs
- * two more (q k^T and dO v^T again in its dq pass) that are not counted.
+ * GEMMs, per query head (KV does not change them: every query head still
+ * scores T^2 / 2 keys; grouping only shares the k and v operands),
+ * forward 2 B NH T^2 D (q k^T and P v), backward 5 B NH T^2 D (recomputed
+ * q k^T, dO v^T, P^T dO, dS^T q, dS k); the flash backward runs two more
+ * (q k^T and dO v^T again in its dq pass) that are not counted.
  * Memory: what forward saves for backward, and the backward's scratch.
  */
 #include <math.h>
@@ -26,7 +30,7 @@
 #include "lib/internal.h"
 
 typedef struct attn_fig {
-    int64_t T;
+    int64_t T, KV;
     double ms[2][2];          /* [flash, probabilities][forward, backward] */
     double err_out, err_dqkv; /* flash against the probabilities path     */
     double saved[2], scratch[2]; /* bytes                                  */
@@ -34,19 +38,23 @@ typedef struct attn_fig {
 
 /* Backend buffers of one T (both contracts). */
 typedef struct attn_mem {
-    uint16_t *qkv, *dout, *out, *dqkv, *out_p, *dqkv_p, *s16; /* [N, 3H] [N, H] ... [B, NH, T, T] */
+    uint16_t *qkv, *dout, *out, *dqkv, *out_p, *dqkv_p, *s16; /* [N, W] [N, HO] ... [B, NH, T, T] */
     float *lse, *delta, *probs, *s32;                          /* [B, NH, T] x2, [B, NH, T, T] x2 */
 } attn_mem;
 
+/* Row widths: qkv W = (NH + 2 KV) D, out HO = NH D. */
+static size_t width_qkv(const mst_attn_args* z) { return (size_t)((z->n_head + 2 * z->n_kv_head) * z->head_dim); }
+static size_t width_out(const mst_attn_args* z) { return (size_t)(z->n_head * z->head_dim); }
+
 static mst_status mem_alloc(mst_ctx_t* ctx, const mst_attn_args* z, attn_mem* b) {
-    const size_t N = (size_t)(z->batch * z->seq), H = (size_t)(z->n_head * z->head_dim);
+    const size_t N = (size_t)(z->batch * z->seq), H = width_out(z), W = width_qkv(z);
     const size_t rows = (size_t)(z->batch * z->n_head * z->seq), tt = rows * (size_t)z->seq;
-    MST_TRY(mst_alloc(ctx, 2 * N * 3 * H, (void**)&b->qkv));
+    MST_TRY(mst_alloc(ctx, 2 * N * W, (void**)&b->qkv));
     MST_TRY(mst_alloc(ctx, 2 * N * H, (void**)&b->dout));
     MST_TRY(mst_alloc(ctx, 2 * N * H, (void**)&b->out));
-    MST_TRY(mst_alloc(ctx, 2 * N * 3 * H, (void**)&b->dqkv));
+    MST_TRY(mst_alloc(ctx, 2 * N * W, (void**)&b->dqkv));
     MST_TRY(mst_alloc(ctx, 2 * N * H, (void**)&b->out_p));
-    MST_TRY(mst_alloc(ctx, 2 * N * 3 * H, (void**)&b->dqkv_p));
+    MST_TRY(mst_alloc(ctx, 2 * N * W, (void**)&b->dqkv_p));
     MST_TRY(mst_alloc(ctx, 4 * rows, (void**)&b->lse));
     MST_TRY(mst_alloc(ctx, 4 * rows, (void**)&b->delta));
     MST_TRY(mst_alloc(ctx, 4 * tt, (void**)&b->probs));
@@ -104,9 +112,9 @@ static mst_status time_op(mst_ctx_t* ctx, mst_status (*op)(mst_ctx_t*, const mst
 static mst_status run_t(mst_ctx_t* ctx, const mst_model_backend* mo, mst_attn_args z, int reps, attn_fig* f) {
     attn_mem b = {0};
     mst_status st = mem_alloc(ctx, &z, &b);
-    const size_t N = (size_t)(z.batch * z.seq), H = (size_t)(z.n_head * z.head_dim);
+    const size_t N = (size_t)(z.batch * z.seq), H = width_out(&z), W = width_qkv(&z);
     const double rows = (double)(z.batch * z.n_head * z.seq), tt = rows * (double)z.seq;
-    if (st == MST_OK) st = upload_random(ctx, b.qkv, N * 3 * H, 11);
+    if (st == MST_OK) st = upload_random(ctx, b.qkv, N * W, 11);
     if (st == MST_OK) st = upload_random(ctx, b.dout, N * H, 12);
     mst_attn_args fl = z, pr = z;
     fl.qkv = pr.qkv = b.qkv;
@@ -120,12 +128,12 @@ static mst_status run_t(mst_ctx_t* ctx, const mst_model_backend* mo, mst_attn_ar
     if (st == MST_OK) st = mo->attn_forward(ctx, &pr);
     if (st == MST_OK) st = mo->attn_backward(ctx, &pr);
     if (st == MST_OK) st = rel_err(ctx, b.out, b.out_p, N * H, &f->err_out);
-    if (st == MST_OK) st = rel_err(ctx, b.dqkv, b.dqkv_p, N * 3 * H, &f->err_dqkv);
+    if (st == MST_OK) st = rel_err(ctx, b.dqkv, b.dqkv_p, N * W, &f->err_dqkv);
     if (st == MST_OK) st = time_op(ctx, mo->attn_flash_forward, &fl, reps, &f->ms[0][0]);
     if (st == MST_OK) st = time_op(ctx, mo->attn_flash_backward, &fl, reps, &f->ms[0][1]);
     if (st == MST_OK) st = time_op(ctx, mo->attn_forward, &pr, reps, &f->ms[1][0]);
     if (st == MST_OK) st = time_op(ctx, mo->attn_backward, &pr, reps, &f->ms[1][1]);
-    f->T = z.seq;
+    f->T = z.seq, f->KV = z.n_kv_head;
     f->saved[0] = 2.0 * (double)(N * H) + 4 * rows;
     f->saved[1] = 2.0 * (double)(N * H) + 4 * tt;
     f->scratch[0] = 4 * rows;
@@ -134,9 +142,32 @@ static mst_status run_t(mst_ctx_t* ctx, const mst_model_backend* mo, mst_attn_ar
     return st;
 }
 
+/* One case: checked, timed, two lines printed; 0 when it failed. */
+static int run_case(mst_ctx_t* ctx, const mst_model_backend* mo, mst_attn_args z, int reps) {
+    attn_fig f = {0};
+    if (run_t(ctx, mo, z, reps, &f) != MST_OK) {
+        fprintf(stderr, "moestash bench attn: T %lld KV %lld: %s\n", (long long)z.seq, (long long)z.n_kv_head,
+                mst_last_error());
+        return 0;
+    }
+    const double T = (double)z.seq, MiB = 1 << 20;
+    const double fl = 2.0 * (double)(z.batch * z.n_head) * T * T * (double)z.head_dim;
+    const int good = f.err_out < 2e-2 && f.err_dqkv < 2e-2;
+    printf("T %5lld KV %3lld  flash fwd %8.3f ms %6.1f TFLOP/s  bwd %8.3f ms %6.1f TFLOP/s | probabilities fwd "
+           "%8.3f ms %6.1f TFLOP/s  bwd %8.3f ms %6.1f TFLOP/s | flash faster: fwd %.2fx bwd %.2fx\n",
+           (long long)f.T, (long long)f.KV, f.ms[0][0], fl / f.ms[0][0] * 1e-9, f.ms[0][1],
+           2.5 * fl / f.ms[0][1] * 1e-9, f.ms[1][0], fl / f.ms[1][0] * 1e-9, f.ms[1][1],
+           2.5 * fl / f.ms[1][1] * 1e-9, f.ms[1][0] / f.ms[0][0], f.ms[1][1] / f.ms[0][1]);
+    printf("                saved per layer: flash %.1f MiB, probabilities %.1f MiB; backward scratch %.1f / %.1f "
+           "MiB; flash vs probabilities rel err out %.2e dqkv %.2e%s\n",
+           f.saved[0] / MiB, f.saved[1] / MiB, f.scratch[0] / MiB, f.scratch[1] / MiB, f.err_out, f.err_dqkv,
+           good ? "" : "  FAILED");
+    return good;
+}
+
 int mst_bench_attn(int argc, char** argv) {
     mst_args a;
-    int64_t T = 0, B = 2, NH = 16, D = 128, reps = 10;
+    int64_t T = 0, B = 2, NH = 16, KV = 0, D = 128, reps = 10;
     mst_backend_kind kind = mst_default_backend();
     int rc = 0;
     mst_args_init(&a, "moestash bench attn", argc, argv);
@@ -144,15 +175,21 @@ int mst_bench_attn(int argc, char** argv) {
         if (mst_args_is(&a, "--seq")) rc = mst_args_int(&a, 2, 32768, &T);
         else if (mst_args_is(&a, "--batch")) rc = mst_args_int(&a, 1, 4096, &B);
         else if (mst_args_is(&a, "--heads")) rc = mst_args_int(&a, 1, 1024, &NH);
+        else if (mst_args_is(&a, "--kv-heads")) rc = mst_args_int(&a, 1, 1024, &KV);
         else if (mst_args_is(&a, "--head-dim")) rc = mst_args_int(&a, 8, 1024, &D);
         else if (mst_args_is(&a, "--reps")) rc = mst_args_int(&a, 1, 10000, &reps);
         else if (mst_args_is(&a, "--backend")) rc = mst_args_backend(&a, &kind);
         else if (mst_args_is(&a, "--help") || mst_args_is(&a, "-h")) {
             printf("usage: moestash bench attn [--seq T (2048 and 4096)] [--batch B (2)] [--heads NH (16)] "
-                   "[--head-dim D (128)] [--reps N (10)] [--backend cpu|cuda]\n");
+                   "[--kv-heads KV (NH and 4)] [--head-dim D (128)] [--reps N (10)] [--backend cpu|cuda]\n");
             return 0;
         } else rc = mst_args_unknown(&a);
         if (rc) return rc;
+    }
+    if (KV && NH % KV != 0) {
+        char v[32];
+        snprintf(v, sizeof v, "%lld", (long long)KV);
+        return mst_cli_bad("moestash bench attn", "--kv-heads", v, "must divide --heads");
     }
     mst_ctx_t* ctx = NULL;
     const mst_model_backend* mo = NULL;
@@ -162,33 +199,19 @@ int mst_bench_attn(int argc, char** argv) {
         return 2;
     }
     const int64_t seqs[2] = {T ? T : 2048, 4096};
-    const int n = T ? 1 : 2;
+    const int n_seq = T ? 1 : 2;
+    const int64_t kvs[2] = {KV ? KV : NH, 4};
+    const int n_kv = !KV && NH > 4 && NH % 4 == 0 ? 2 : 1;
     printf("moestash bench attn on %s: causal attention, B %lld, heads %lld, D %lld; flash (saves out + lse) vs "
            "the probabilities path (saves P; cuBLAS on cuda), %lld calls each; TFLOP/s of the causal half: fwd "
-           "2 B NH T^2 D, bwd 5 B NH T^2 D\n",
+           "2 B NH T^2 D, bwd 5 B NH T^2 D (KV key-value heads: the same FLOPs)\n",
            mst_ctx_describe(ctx), (long long)B, (long long)NH, (long long)D, (long long)reps);
     int ok = 1;
-    for (int i = 0; i < n && ok; i++) {
-        const mst_attn_args z = {.batch = B, .seq = seqs[i], .n_head = NH, .head_dim = D};
-        attn_fig f = {0};
-        if (run_t(ctx, mo, z, (int)reps, &f) != MST_OK) {
-            fprintf(stderr, "moestash bench attn: T %lld: %s\n", (long long)seqs[i], mst_last_error());
-            ok = 0;
-            break;
+    for (int i = 0; i < n_seq && ok; i++)
+        for (int j = 0; j < n_kv && ok; j++) {
+            const mst_attn_args z = {.batch = B, .seq = seqs[i], .n_head = NH, .n_kv_head = kvs[j], .head_dim = D};
+            ok = run_case(ctx, mo, z, (int)reps);
         }
-        const double fl = 2.0 * (double)(B * NH) * (double)seqs[i] * (double)seqs[i] * (double)D, MiB = 1 << 20;
-        const int good = f.err_out < 2e-2 && f.err_dqkv < 2e-2;
-        printf("T %5lld  flash fwd %8.3f ms %6.1f TFLOP/s  bwd %8.3f ms %6.1f TFLOP/s | probabilities fwd %8.3f ms "
-               "%6.1f TFLOP/s  bwd %8.3f ms %6.1f TFLOP/s | flash faster: fwd %.2fx bwd %.2fx\n",
-               (long long)seqs[i], f.ms[0][0], fl / f.ms[0][0] * 1e-9, f.ms[0][1], 2.5 * fl / f.ms[0][1] * 1e-9,
-               f.ms[1][0], fl / f.ms[1][0] * 1e-9, f.ms[1][1], 2.5 * fl / f.ms[1][1] * 1e-9,
-               f.ms[1][0] / f.ms[0][0], f.ms[1][1] / f.ms[0][1]);
-        printf("         saved per layer: flash %.1f MiB, probabilities %.1f MiB; backward scratch %.1f / %.1f MiB; "
-               "flash vs probabilities rel err out %.2e dqkv %.2e%s\n",
-               f.saved[0] / MiB, f.saved[1] / MiB, f.scratch[0] / MiB, f.scratch[1] / MiB, f.err_out, f.err_dqkv,
-               good ? "" : "  FAILED");
-        ok = good;
-    }
     mst_ctx_destroy(ctx);
     return ok ? 0 : 1;
 }

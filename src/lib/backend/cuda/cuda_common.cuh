@@ -33,6 +33,7 @@ typedef struct mst_cuda_impl {
     mst_ws ws_sched;          /* the grouped GEMM's schedule (grouped_gemm.cu)  */
     mst_ws ws_gather;         /* a paged wgrad's x gathered (grouped_gemm.cu)   */
     mst_ws ws_attn;           /* the attention's GEMM pointer arrays            */
+    mst_ws ws_qk;             /* QK-norm backward's dw partials (model_ops_qk.cu) */
     void* blas_ws;            /* cuBLAS's workspace (context memory)            */
 } mst_cuda_impl;
 

@@ -21,6 +21,9 @@ mst_status mst_cuda_xent(mst_ctx_t* ctx, const mst_xent_args* a);
 mst_status mst_cuda_sumsq(mst_ctx_t* ctx, const mst_sumsq_args* a);
 mst_status mst_cuda_adamw(mst_ctx_t* ctx, const mst_adamw_args* a);
 mst_status mst_cuda_sum(mst_ctx_t* ctx, const mst_sum_args* a);
+/* model_ops_qk.cu */
+mst_status mst_cuda_qk_forward(mst_ctx_t* ctx, const mst_qk_args* a);
+mst_status mst_cuda_qk_backward(mst_ctx_t* ctx, const mst_qk_args* a);
 /* model_ops_attn.cu */
 mst_status mst_cuda_attn_forward(mst_ctx_t* ctx, const mst_attn_args* a);
 mst_status mst_cuda_attn_backward(mst_ctx_t* ctx, const mst_attn_args* a);

@@ -8,10 +8,14 @@
  *   forward (one block per 64 query rows of one (batch, head)): for each key
  *     block in order, S = q k^T sc, online softmax (running max and sum,
  *     fp32), O += P v (P in bf16 on the tensor cores, fp32 accumulation);
- *   backward: Delta_i = rowsum(dO_i O_i) (fp32); dk, dv per 64 keys looping
- *     over the query blocks in order (P = exp(S - lse), dP = dO v^T,
- *     dS = P (dP - Delta), dv += P^T dO, dk += dS^T q sc); dq per 64 queries
- *     looping over the key blocks in order (dq += dS k sc).
+ *   backward: Delta_i = rowsum(dO_i O_i) (fp32); dk, dv per 64 keys of one
+ *     key-value head looping over the query heads that read it (the group,
+ *     in head order), each over its query blocks in order (P = exp(S - lse),
+ *     dP = dO v^T, dS = P (dP - Delta), dv += P^T dO, dk += dS^T q sc): the
+ *     group's sum in registers, no atomics; dq per 64 queries looping over
+ *     the key blocks in order (dq += dS k sc).
+ * Grouped-query attention: query head h reads key-value head h / G
+ * (G = NH / KV), a row of qkv being [q (NH D) | k (KV D) | v (KV D)].
  * Deterministic: every sum runs in a fixed order and no value is added
  * atomically; graph-safe: kernels only, no workspace. Tensor cores through
  * mma.sync m16n8k16 (bf16 -> fp32), operand tiles staged in padded shared
@@ -31,24 +35,34 @@ constexpr int BC = 64;        /* keys per step of fwd and dq                    
 constexpr int PAD = 8;        /* bf16 per smem row: ldmatrix rows on distinct banks           */
 constexpr float LOG2E = 1.4426950408889634f;
 
-/* One (batch, head) of the call: q, k, v rows of the [B*T, 3H] qkv (stride
- * 3H), out / dout rows of [B*T, H] (stride H), lse / delta rows of [B, NH, T]. */
+/* The call's buffers: q, k, v rows of the [B*T, W] qkv (stride W =
+ * (NH + 2 KV) D), out / dout rows of [B*T, HO] (stride HO = NH D), lse /
+ * delta rows of [B, NH, T]. */
 struct fa_args {
-    const uint16_t* qkv;  /* [B*T, 3H] */
-    const uint16_t* out;  /* [B*T, H]  */
-    uint16_t* out_w;      /* [B*T, H] (forward)  */
-    const uint16_t* dout; /* [B*T, H] (backward) */
-    uint16_t* dqkv;       /* [B*T, 3H] (backward) */
+    const uint16_t* qkv;  /* [B*T, W] */
+    const uint16_t* out;  /* [B*T, HO] */
+    uint16_t* out_w;      /* [B*T, HO] (forward)  */
+    const uint16_t* dout; /* [B*T, HO] (backward) */
+    uint16_t* dqkv;       /* [B*T, W] (backward) */
     float* lse;           /* [B, NH, T] */
     float* delta;         /* [B, NH, T] (backward) */
-    int T, NH, H;
+    int T, NH, KV, W, HO; /* seq, query heads, key-value heads, row widths */
     float sc;             /* 1 / sqrt(D) */
 };
 
-/* Where (batch, head) blockIdx.x starts in a [B*T, width] matrix. */
-__device__ __forceinline__ int64_t head_base(const fa_args& p, int D, int64_t width) {
-    const int b = blockIdx.x / p.NH, h = blockIdx.x % p.NH;
-    return (int64_t)b * p.T * width + (int64_t)h * D;
+/* Offsets (elements) of row 0 of batch b's head in [B*T, W] qkv (or dqkv):
+ * query head h, key head g, value head g; and in [B*T, HO] out. */
+__device__ __forceinline__ int64_t q_off(const fa_args& p, int D, int b, int h) {
+    return (int64_t)b * p.T * p.W + (int64_t)h * D;
+}
+__device__ __forceinline__ int64_t k_off(const fa_args& p, int D, int b, int g) {
+    return (int64_t)b * p.T * p.W + p.HO + (int64_t)g * D;
+}
+__device__ __forceinline__ int64_t v_off(const fa_args& p, int D, int b, int g) {
+    return k_off(p, D, b, g) + (int64_t)p.KV * D;
+}
+__device__ __forceinline__ int64_t o_off(const fa_args& p, int D, int b, int h) {
+    return (int64_t)b * p.T * p.HO + (int64_t)h * D;
 }
 
 /* Rows [r0, r0 + ROWS) of a head operand (row stride ld, D wide) into a
@@ -192,7 +206,8 @@ __device__ __forceinline__ float quad_sum(float v) {
 template <int D>
 constexpr int fwd_smem() { return (BR + 4 * BC) * (D + PAD) * 2; }
 
-/* Forward: block (bh, y) takes query block nqb - 1 - y (the longest rows first). */
+/* Forward: block (b NH + h, y) takes query block nqb - 1 - y of query head
+ * h (the longest rows first), reading key-value head h / G. */
 template <int D>
 __global__ void __launch_bounds__(THREADS, 2) flash_fwd_kernel(fa_args p) {
     constexpr int LD = D + PAD, NT = BC / 8, DT = D / 8;
@@ -200,9 +215,9 @@ __global__ void __launch_bounds__(THREADS, 2) flash_fwd_kernel(fa_args p) {
     uint16_t *sQ = smem, *sK = sQ + BR * LD, *sV = sK + 2 * BC * LD; /* [BR][LD] [2][BC][LD] [2][BC][LD] */
     const int nqb = (p.T + BR - 1) / BR, qb = nqb - 1 - blockIdx.y, q0 = qb * BR;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c2 = 2 * (lane & 3);
-    const int64_t ld = 3 * (int64_t)p.H;
-    const uint16_t* q = p.qkv + head_base(p, D, ld);
-    const uint16_t *k = q + p.H, *v = q + 2 * p.H;
+    const int b = blockIdx.x / p.NH, h = blockIdx.x % p.NH, kvh = h / (p.NH / p.KV);
+    const int64_t ld = p.W;
+    const uint16_t *q = p.qkv + q_off(p, D, b, h), *k = p.qkv + k_off(p, D, b, kvh), *v = p.qkv + v_off(p, D, b, kvh);
     const int nkb = (q0 + BR - 1) / BC + 1; /* key blocks up to the last row's diagonal */
     const int row0 = q0 + warp * 16 + g;    /* this thread's rows: row0, row0 + 8 */
     const float scl = p.sc * LOG2E;         /* scores in log2 units */
@@ -277,7 +292,7 @@ __global__ void __launch_bounds__(THREADS, 2) flash_fwd_kernel(fa_args p) {
         const int row = row0 + 8 * r;
         if ((lane & 3) == 0 && row < p.T) p.lse[(int64_t)blockIdx.x * p.T + row] = (m[r] + log2f(l[r])) / LOG2E;
     }
-    store_rows<DT>(p.out_w + head_base(p, D, p.H), p.H, o, q0 + warp * 16, p.T, inv[0], inv[1], lane);
+    store_rows<DT>(p.out_w + o_off(p, D, b, h), p.HO, o, q0 + warp * 16, p.T, inv[0], inv[1], lane);
 }
 
 /* delta [B, NH, T] = rowsum(dout * out) per (row, head), fp32, one warp each
@@ -287,7 +302,7 @@ __global__ void flash_delta_kernel(fa_args p, int D, int64_t rows) {
     const int lane = threadIdx.x & 31;
     if (w >= rows) return;
     const int64_t bt = w / p.NH, h = w % p.NH, b = bt / p.T, t = bt % p.T;
-    const uint16_t *o = p.out + bt * p.H + h * D, *g = p.dout + bt * p.H + h * D;
+    const uint16_t *o = p.out + bt * p.HO + h * D, *g = p.dout + bt * p.HO + h * D;
     float s = 0.0f;
     for (int d = 2 * lane; d < D; d += 64) {
         const __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(o + d);
@@ -304,41 +319,46 @@ constexpr int dkv_bq() { return D == 128 ? 32 : 64; }
 template <int D>
 constexpr int dkv_smem() { return (2 * BR + 4 * dkv_bq<D>()) * (D + PAD) * 2 + 4 * dkv_bq<D>() * 4; }
 
-/* dk, dv of key block y (the longest first) of (batch, head) x, over the
- * query blocks from the diagonal on, in order. Each warp owns 16 keys; its
- * tiles are transposed: S^T = k q^T, dP^T = v dO^T. */
+/* dk, dv of key block y (the longest first) of key-value head g of batch b
+ * (block x = b KV + g): the sum over the query heads that read it,
+ * h = g G + r for r = 0, 1, ... in order, of each one's query blocks from the
+ * diagonal on, in order: one double-buffered loop of G (nqb - first) steps
+ * (step st: head r = st / per, query block first + st % per), the sums in
+ * registers. Each warp owns 16 keys; its tiles are transposed:
+ * S^T = k q^T, dP^T = v dO^T. */
 template <int D>
 __global__ void __launch_bounds__(THREADS, 2) flash_dkv_kernel(fa_args p) {
     constexpr int BQ = dkv_bq<D>(), LD = D + PAD, NT = BQ / 8, DT = D / 8;
     extern __shared__ __align__(16) uint16_t smem[];
     uint16_t *sK = smem, *sV = sK + BR * LD, *sQ = sV + BR * LD, *sG = sQ + 2 * BQ * LD; /* [BR][LD] x2, [2][BQ][LD] x2 */
     float *sL = reinterpret_cast<float*>(sG + 2 * BQ * LD), *sD = sL + 2 * BQ;          /* [2][BQ] x2 */
+    const int b = blockIdx.x / p.KV, kvh = blockIdx.x % p.KV, grp = p.NH / p.KV;
     const int k0 = blockIdx.y * BR, nqb = (p.T + BQ - 1) / BQ, first = k0 / BQ;
+    const int per = nqb - first, steps = grp * per; /* per >= 1: k0 < T */
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c2 = 2 * (lane & 3);
-    const int64_t ld = 3 * (int64_t)p.H;
-    const uint16_t* q = p.qkv + head_base(p, D, ld);
-    const uint16_t* dout = p.dout + head_base(p, D, p.H);
-    const float *lse = p.lse + (int64_t)blockIdx.x * p.T, *delta = p.delta + (int64_t)blockIdx.x * p.T;
+    const int64_t ld = p.W;
     const float scl = p.sc * LOG2E;
     const int key0 = k0 + warp * 16 + g; /* this thread's keys: key0, key0 + 8 */
-    load_rows<BR, D>(sK, q + p.H, ld, k0, p.T);
-    load_rows<BR, D>(sV, q + 2 * p.H, ld, k0, p.T);
-    auto load_q = [&](int i, int buf) {
-        load_rows<BQ, D>(sQ + buf * BQ * LD, q, ld, i * BQ, p.T);
-        load_rows<BQ, D>(sG + buf * BQ * LD, dout, p.H, i * BQ, p.T);
-        load_vec<BQ>(sL + buf * BQ, lse, i * BQ, p.T);
-        load_vec<BQ>(sD + buf * BQ, delta, i * BQ, p.T);
+    load_rows<BR, D>(sK, p.qkv + k_off(p, D, b, kvh), ld, k0, p.T);
+    load_rows<BR, D>(sV, p.qkv + v_off(p, D, b, kvh), ld, k0, p.T);
+    auto load_q = [&](int st, int buf) {
+        const int h = kvh * grp + st / per, i = first + st % per;
+        const int64_t lrow = ((int64_t)b * p.NH + h) * p.T; /* [B, NH, T] row of (b, h) */
+        load_rows<BQ, D>(sQ + buf * BQ * LD, p.qkv + q_off(p, D, b, h), ld, i * BQ, p.T);
+        load_rows<BQ, D>(sG + buf * BQ * LD, p.dout + o_off(p, D, b, h), p.HO, i * BQ, p.T);
+        load_vec<BQ>(sL + buf * BQ, p.lse + lrow, i * BQ, p.T);
+        load_vec<BQ>(sD + buf * BQ, p.delta + lrow, i * BQ, p.T);
     };
-    load_q(first, 0);
+    load_q(0, 0);
     mst_cp_async_commit();
     float dk[DT][4], dv[DT][4];
 #pragma unroll
     for (int i = 0; i < DT; i++)
 #pragma unroll
         for (int e = 0; e < 4; e++) dk[i][e] = dv[i][e] = 0.0f;
-    for (int i = first; i < nqb; i++) {
-        const int cur = (i - first) & 1;
-        pipe_step(i + 1 < nqb, [&] { load_q(i + 1, cur ^ 1); });
+    for (int st = 0; st < steps; st++) {
+        const int cur = st & 1, i = first + st % per;
+        pipe_step(st + 1 < steps, [&] { load_q(st + 1, cur ^ 1); });
         const uint16_t *Q = sQ + cur * BQ * LD, *G = sG + cur * BQ * LD;
         const float *L = sL + cur * BQ, *Dl = sD + cur * BQ;
         float s[NT][4], dp[NT][4];
@@ -357,15 +377,15 @@ __global__ void __launch_bounds__(THREADS, 2) flash_dkv_kernel(fa_args p) {
         mma_pb<NT, DT, LD>(dk, dp, Q, lane);
         __syncthreads();
     }
-    uint16_t* dst = p.dqkv + head_base(p, D, ld);
-    store_rows<DT>(dst + p.H, ld, dk, k0 + warp * 16, p.T, p.sc, p.sc, lane);
-    store_rows<DT>(dst + 2 * p.H, ld, dv, k0 + warp * 16, p.T, 1.0f, 1.0f, lane);
+    store_rows<DT>(p.dqkv + k_off(p, D, b, kvh), ld, dk, k0 + warp * 16, p.T, p.sc, p.sc, lane);
+    store_rows<DT>(p.dqkv + v_off(p, D, b, kvh), ld, dv, k0 + warp * 16, p.T, 1.0f, 1.0f, lane);
 }
 
 template <int D>
 constexpr int dq_smem() { return (2 * BR + 4 * BC) * (D + PAD) * 2; }
 
-/* dq of query block nqb - 1 - y of (batch, head) x, over its key blocks in order. */
+/* dq of query block nqb - 1 - y of query head h of batch b (block x =
+ * b NH + h), over the key blocks of key-value head h / G in order. */
 template <int D>
 __global__ void __launch_bounds__(THREADS, 2) flash_dq_kernel(fa_args p) {
     constexpr int LD = D + PAD, NT = BC / 8, DT = D / 8;
@@ -373,9 +393,9 @@ __global__ void __launch_bounds__(THREADS, 2) flash_dq_kernel(fa_args p) {
     uint16_t *sQ = smem, *sG = sQ + BR * LD, *sK = sG + BR * LD, *sV = sK + 2 * BC * LD; /* [BR][LD] x2, [2][BC][LD] x2 */
     const int nqb = (p.T + BR - 1) / BR, q0 = (nqb - 1 - blockIdx.y) * BR;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c2 = 2 * (lane & 3);
-    const int64_t ld = 3 * (int64_t)p.H;
-    const uint16_t* q = p.qkv + head_base(p, D, ld);
-    const uint16_t *k = q + p.H, *v = q + 2 * p.H;
+    const int b = blockIdx.x / p.NH, h = blockIdx.x % p.NH, kvh = h / (p.NH / p.KV);
+    const int64_t ld = p.W;
+    const uint16_t *q = p.qkv + q_off(p, D, b, h), *k = p.qkv + k_off(p, D, b, kvh), *v = p.qkv + v_off(p, D, b, kvh);
     const int nkb = (q0 + BR - 1) / BC + 1, row0 = q0 + warp * 16 + g;
     const float scl = p.sc * LOG2E;
     float lse2[2], dl[2];
@@ -386,7 +406,7 @@ __global__ void __launch_bounds__(THREADS, 2) flash_dq_kernel(fa_args p) {
         dl[r] = row < p.T ? p.delta[(int64_t)blockIdx.x * p.T + row] : 0.0f;
     }
     load_rows<BR, D>(sQ, q, ld, q0, p.T);
-    load_rows<BR, D>(sG, p.dout + head_base(p, D, p.H), p.H, q0, p.T);
+    load_rows<BR, D>(sG, p.dout + o_off(p, D, b, h), p.HO, q0, p.T);
     load_rows<BC, D>(sK, k, ld, 0, p.T);
     load_rows<BC, D>(sV, v, ld, 0, p.T);
     mst_cp_async_commit();
@@ -414,12 +434,13 @@ __global__ void __launch_bounds__(THREADS, 2) flash_dq_kernel(fa_args p) {
         mma_pb<NT, DT, LD>(dq, dp, K, lane);
         __syncthreads();
     }
-    store_rows<DT>(p.dqkv + head_base(p, D, ld), ld, dq, q0 + warp * 16, p.T, p.sc, p.sc, lane);
+    store_rows<DT>(p.dqkv + q_off(p, D, b, h), ld, dq, q0 + warp * 16, p.T, p.sc, p.sc, lane);
 }
 
 fa_args args_of(const mst_attn_args* a) {
-    fa_args p = {a->qkv, a->out, a->out, a->dout, a->dqkv, a->lse, a->delta, (int)a->seq, (int)a->n_head,
-                 (int)(a->n_head * a->head_dim), 1.0f / sqrtf((float)a->head_dim)};
+    const int64_t NH = a->n_head, KV = a->n_kv_head, D = a->head_dim;
+    fa_args p = {a->qkv, a->out, a->out, a->dout, a->dqkv, a->lse, a->delta, (int)a->seq, (int)NH, (int)KV,
+                 (int)((NH + 2 * KV) * D), (int)(NH * D), 1.0f / sqrtf((float)D)};
     return p;
 }
 
@@ -437,14 +458,17 @@ mst_status forward(const mst_attn_args* a, cudaStream_t s) {
     return launch(flash_fwd_kernel<D>, dim3(bh, nqb), fwd_smem<D>(), s, args_of(a));
 }
 
+/* delta; dk, dv per (batch, key-value head, key block); dq per (batch,
+ * query head, query block). */
 template <int D>
 mst_status backward(const mst_attn_args* a, cudaStream_t s) {
     const fa_args p = args_of(a);
     const int64_t rows = a->batch * a->seq * a->n_head;
     flash_delta_kernel<<<mst_blocks(rows * 32, 256), 256, 0, s>>>(p, D, rows);
     MST_CUDA_LAUNCHED();
-    const unsigned bh = (unsigned)(a->batch * a->n_head), nb = (unsigned)((a->seq + BR - 1) / BR);
-    MST_TRY(launch(flash_dkv_kernel<D>, dim3(bh, nb), dkv_smem<D>(), s, p));
+    const unsigned bkv = (unsigned)(a->batch * a->n_kv_head), bh = (unsigned)(a->batch * a->n_head);
+    const unsigned nb = (unsigned)((a->seq + BR - 1) / BR);
+    MST_TRY(launch(flash_dkv_kernel<D>, dim3(bkv, nb), dkv_smem<D>(), s, p));
     return launch(flash_dq_kernel<D>, dim3(bh, nb), dq_smem<D>(), s, p);
 }
 
@@ -452,12 +476,21 @@ bool aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
 
 } // namespace
 
+/* The dims the kernels take: D 64 or 128 (the tile shapes), KV dividing
+ * NH (any group size), and the sizes their int indices and grids hold. */
 extern "C" mst_status mst_cuda_attn_flash_check(mst_ctx_t* ctx, const mst_attn_args* a) {
     (void)ctx;
     if (a->head_dim != 64 && a->head_dim != 128)
-        return mst_set_error(MST_ERR_UNSUPPORTED, "flash attention on cuda: head_dim %lld (hidden / heads): expected 64 or 128",
+        return mst_set_error(MST_ERR_UNSUPPORTED, "flash attention on cuda: head_dim %lld: expected 64 or 128",
                              (long long)a->head_dim);
-    if (a->batch * a->n_head > INT32_MAX || a->seq > INT32_MAX / 2 || a->n_head * a->head_dim * 3 > INT32_MAX)
+    if (a->n_head < 1 || a->n_kv_head < 1 || a->n_head % a->n_kv_head != 0)
+        return mst_set_error(MST_ERR_INVALID, "flash attention: n_kv_head %lld must divide n_head %lld",
+                             (long long)a->n_kv_head, (long long)a->n_head);
+    if (a->batch < 1 || a->seq < 1)
+        return mst_set_error(MST_ERR_INVALID, "flash attention: batch %lld, seq %lld: expected >= 1",
+                             (long long)a->batch, (long long)a->seq);
+    if (a->batch * a->n_head > INT32_MAX || a->seq > INT32_MAX / 2 ||
+        a->batch * a->seq * a->n_head > INT32_MAX || (a->n_head + 2 * a->n_kv_head) * a->head_dim > INT32_MAX)
         return mst_set_error(MST_ERR_INVALID, "flash attention: batch %lld x heads %lld x seq %lld: too large",
                              (long long)a->batch, (long long)a->n_head, (long long)a->seq);
     return MST_OK;
