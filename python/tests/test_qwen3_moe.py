@@ -1,0 +1,174 @@
+"""patch_qwen3_moe: a transformers Qwen3MoeForCausalLM patched onto moestash
+against the same model unpatched, on one batch (padding masked): logits,
+loss with the load-balancing loss on (output_router_logits,
+router_aux_loss_coef), the router logits and every parameter's gradient;
+norm_topk_prob on and off; fp32 and bf16 models.
+
+Tolerances (relative norm error, |a - b| / |b|): the library computes the
+experts in bf16 whatever the model's dtype (an fp32 model's experts get x
+and weights cast to bf16, and act_input, fc2_input and the output are bf16
+by the library's contract), so an fp32 model matches within bf16 rounding
+carried through the model: 2e-2 for logits and gradients, 1e-3 on the loss
+(measured: 2.5e-3, 7e-3 and 1e-4 at worst). A bf16 model against
+transformers' bf16 model: both round at every op, in different places (the
+reference rounds h, silu(gate) * up, the output and its weighting
+separately, index_adds in bf16): 3e-2 logits, 6e-2 gradients (layer norms'
+weights reduce over every token: measured 2.4e-2), 2e-3 on the loss.
+What is exact is checked bit for bit: layer 0's router logits (the same
+router on the same input), the parameters (the same objects), and every
+policy against keep.
+
+A top-k near-tie can flip in a later layer between two roundings of the
+same model, and then the two are different functions (a token sent to
+other experts): the batch is the first of a few seeds whose routing agrees
+in every layer (checked from the recorded router logits), as a wrong
+routing would disagree on every seed.
+"""
+import copy
+
+import pytest
+import torch
+
+import moestash.torch as mt
+
+transformers = pytest.importorskip("transformers")
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+
+V, K = 256, 2
+TOL = {torch.float32: dict(logits=2e-2, grad=2e-2, loss=1e-3),
+       torch.bfloat16: dict(logits=3e-2, grad=6e-2, loss=2e-3)}
+
+
+def make_model(dtype, norm_topk_prob, device="cpu"):
+    """3 layers (the middle one dense: mlp_only_layers), 8 experts top-2,
+    hidden 64, moe width 32, GQA 4 / 2 heads of 16; weights drawn at 0.1
+    (transformers' 0.02 leaves the experts' share of the residual stream
+    small enough to hide a wrong expert in the logits)."""
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=V, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                         num_hidden_layers=3, mlp_only_layers=[1], num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, num_experts=8, num_experts_per_tok=K, norm_topk_prob=norm_topk_prob,
+                         router_aux_loss_coef=0.5, initializer_range=0.1, attn_implementation="eager")
+    return Qwen3MoeForCausalLM(cfg).to(device=device, dtype=dtype)
+
+
+def batch(seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (3, 24), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding: the aux loss's masked branch
+    return ids.to(device), mask.to(device)
+
+
+def run(model, ids, mask):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=ids, output_router_logits=True)
+    out.loss.backward()
+    return out, {n: p.grad for n, p in model.named_parameters()}
+
+
+def routing(out):
+    return [torch.topk(r.float(), K, dim=-1).indices.sort(-1).values for r in out.router_logits]
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def agreeing_runs(ref, ours, device="cpu"):
+    for seed in range(4):
+        ids, mask = batch(seed, device)
+        want, got = run(ref, ids, mask), run(ours, ids, mask)
+        if all(torch.equal(a, b) for a, b in zip(routing(want[0]), routing(got[0]))):
+            return want, got
+    pytest.fail("the patched model's routing differs from transformers' on every batch tried")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("norm_topk_prob", [True, False], ids=["norm", "no_norm"])
+def test_patched_matches_transformers(dtype, norm_topk_prob):
+    ref = make_model(dtype, norm_topk_prob)
+    ours = copy.deepcopy(ref)
+    before = {n: p for n, p in ours.named_parameters()}
+    blocks = mt.patch_qwen3_moe(ours)
+    assert len(blocks) == 2 and all(isinstance(ours.model.layers[i].mlp, mt.Qwen3MoeBlock) for i in (0, 2))
+    after = dict(ours.named_parameters())
+    assert after.keys() == before.keys() and all(after[n] is before[n] for n in before), "parameters copied"
+
+    (want, wg), (got, gg) = agreeing_runs(ref, ours)
+    tol = TOL[dtype]
+    assert got.aux_loss is not None and len(got.router_logits) == 2
+    assert torch.equal(got.router_logits[0], want.router_logits[0])  # the same router on the same input
+    assert rel(got.logits, want.logits) < tol["logits"], rel(got.logits, want.logits)
+    assert abs(got.loss.item() - want.loss.item()) < tol["loss"] * abs(want.loss.item())
+    assert abs(got.aux_loss.item() - want.aux_loss.item()) < tol["loss"] * abs(want.aux_loss.item())
+    for n, g in wg.items():
+        assert g is not None and gg[n] is not None and gg[n].dtype == g.dtype, n
+        assert rel(gg[n], g) < tol["grad"], f"{n}: {rel(gg[n], g):.3g}"
+
+
+def test_experts_matter():
+    """The test above can fail: a wrong expert (each token's rows sent to the
+    next expert's weights) moves the logits and the gradients far past the
+    tolerances."""
+    ref = make_model(torch.float32, True)
+    bent = copy.deepcopy(ref)
+    with torch.no_grad():
+        for layer in (0, 2):
+            experts = bent.model.layers[layer].mlp.experts
+            for w in (experts.gate_up_proj, experts.down_proj):
+                w.copy_(w.roll(1, dims=0))
+    (want, wg), (got, gg) = (run(m, *batch(0)) for m in (ref, bent))
+    assert rel(got.logits, want.logits) > 5 * TOL[torch.float32]["logits"]
+    for n in ("model.layers.0.mlp.gate.weight", "model.layers.2.mlp.gate.weight", "model.embed_tokens.weight"):
+        assert rel(gg[n], wg[n]) > 5 * TOL[torch.float32]["grad"], n
+
+
+@pytest.mark.parametrize("policy,paged", [
+    ("stash", {"fc1_input", "act_input", "fc2_input", "probs"}),
+    ("fc1_input=offload,act_input=stash,fc2_input=recompute,probs=stash", {"fc1_input", "act_input", "probs"})])
+def test_policies_change_no_bit(policy, paged):
+    """The stash and offload policies inside the patched model give keep's
+    bits: logits, loss and every gradient."""
+    keep = make_model(torch.bfloat16, True)
+    model = copy.deepcopy(keep)
+    mt.patch_qwen3_moe(keep)
+    stash = mt.StashManager(page_rows=16)
+    mt.patch_qwen3_moe(model, policy=policy, stash=stash)
+    ids, mask = batch(0)
+    want, wg = run(keep, ids, mask)
+    for _ in range(3):  # the first steps grow the pools: rerun
+        stash.step_begin()
+        got, gg = run(model, ids, mask)
+        if stash.step_check():
+            break
+    else:
+        pytest.fail("the stash pools still overflow after 3 steps")
+    assert torch.equal(got.logits, want.logits) and torch.equal(got.loss, want.loss)
+    for n, g in wg.items():
+        assert torch.equal(gg[n], g), n
+    assert {r["name"] for r in stash.report()} == paged
+
+
+def test_router_logits_recorded_when_patched_after_first_use():
+    """transformers installs its output recorders on the first forward that
+    asks for them: a model patched after that keeps recording its router
+    logits (the block calls the same router module)."""
+    model = make_model(torch.float32, True)
+    ids, mask = batch(0)
+    before = model(input_ids=ids, attention_mask=mask, output_router_logits=True).router_logits
+    mt.patch_qwen3_moe(model)
+    after = model(input_ids=ids, attention_mask=mask, output_router_logits=True).router_logits
+    assert len(after) == 2 and torch.equal(after[0], before[0])
+
+
+def test_patch_refuses():
+    model = make_model(torch.float32, True)
+    mt.patch_qwen3_moe(model)
+    with pytest.raises(ValueError, match="no Qwen3MoeSparseMoeBlock"):
+        mt.patch_qwen3_moe(model)
+    gelu = make_model(torch.float32, True)
+    gelu.config.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        mt.patch_qwen3_moe(gelu)
