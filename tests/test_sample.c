@@ -1,113 +1,82 @@
 /*
- * test_sample.c — sampling from a checkpoint (src/trainer/run/sample.h): the
- * sampler's per-token losses on a window equal the trainer's forward on the
- * same window within bf16 tolerance (random weights large enough that the
- * losses spread, so a wrong layer cannot hide); the same seed gives the same
- * text, another seed other text; the picker follows its distribution
- * (temperature, top-k); bad tokens and a full cache are refused.
+ * test_sample.c — sampling from a Hugging Face Qwen3-MoE directory
+ * (src/trainer/run/sample.h), on a random model written here through
+ * trainer/io/hf.h (GQA 4 over 2 heads, head dim 16, untied head):
+ * - the picker: temperature 0 is the argmax; at temperatures 0.5, 1 and 2
+ *   the draws follow softmax(logits / T) (a sampler that multiplied by T
+ *   sharpens where it should flatten: caught); top-k keeps the k largest;
+ * - the same seed gives the same tokens, another seed others;
+ * - fresh caches give the same logits; 7 9 5 and 9 7 5 give other logits
+ *   (what RoPE adds: attention alone is blind to the order);
+ * - a token outside the vocabulary, a full cache, a directory of another
+ *   model_type, a missing tensor and a tensor of another shape are refused.
+ * Exact parity with transformers' generate is tests/hf's.
  */
-#define _POSIX_C_SOURCE 200809L /* mkdtemp */
+#define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
+#include <sys/stat.h>
 
 #include "harness.h"
+#include "trainer/io/hf.h"
 #include "trainer/run/sample.h"
 
-enum { T = 24 };
+enum { V = 256, T = 24 };
 
-static mst_train_config tiny(void) {
-    mst_train_config t = {0};
-    mst_model_config m = {.vocab = 256, .hidden = 32, .ffn = 16, .n_head = 4, .seq = T, .batch = 1,
-                          .layers = 2, .experts = 4, .top_k = 2, .ep = 1, .capacity_factor = 1.0f,
-                          .mtp_weight = 0.3f, .aux_coef = 0.01f, .norm_eps = 1e-5f, .init_std = 0.25f,
-                          .seed = 77};
-    t.model = m;
-    t.optim = (mst_optim_config){.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .clip = 1.0f, .steps = 1};
-    t.mem = mst_mem_config_default();
-    t.microbatches = 1;
-    t.steps = 1;
-    return t;
+static mst_model_config tiny(void) {
+    return (mst_model_config){.vocab = V, .hidden = 32, .ffn = 16, .n_head = 4, .n_kv_head = 2, .head_dim = 16,
+                              .rope_theta = 10000.0f, .norm_topk_prob = 1, .tie_embeddings = 0, .seq = T, .batch = 1,
+                              .layers = 2, .experts = 4, .top_k = 2, .ep = 1, .norm_eps = 1e-6f, .init_std = 0.02f};
 }
 
-
-/* Per-token loss from logits [V]: logsumexp - logit[target], in double. */
-static double token_loss(const float* lg, int64_t V, int32_t target) {
-    double mx = lg[0], s = 0;
-    for (int64_t i = 1; i < V; i++) mx = lg[i] > mx ? lg[i] : mx;
-    for (int64_t i = 0; i < V; i++) s += exp((double)lg[i] - mx);
-    return mx + log(s) - lg[target];
-}
-
-static void against_trainer(mst_ctx_t* ctx, const char* dir) {
-    mst_train_config cfg = tiny();
-    mst_model* m = NULL;
-    CHECK_OK(mst_model_create(ctx, &cfg.model, 1, NULL, &m));
-    if (!m) return;
-    int32_t tok[T + 2];
-    mst_rng r = {5};
-    for (int i = 0; i < T + 2; i++) tok[i] = (int32_t)mst_rng_int(&r, 0, 255);
-    const float hyper[MST_N_HYPER] = {0.0f, 1.0f, 1.0f};
-    CHECK_OK(mst_model_stage(m, 0, tok, hyper));
-    CHECK_OK(mst_model_upload(m, 0));
-    CHECK_OK(mst_model_step(m, 1));
-    float loss[T];
-    CHECK_OK(mst_copy_b2h(ctx, loss, m->loss_main, sizeof loss));
-    CHECK_OK(mst_ckpt_save(m, &cfg, 0, 1, dir));
-    mst_model_destroy(m);
-
-    mst_sampler* s = NULL;
-    CHECK_OK(mst_sampler_create(dir, T, &s));
-    if (!s) return;
-    float lg[256];
-    double num = 0, den = 0, mean = 0, var = 0;
-    for (int t = 0; t < T; t++) {
-        CHECK_OK(mst_sampler_feed(s, tok[t], lg));
-        const double ref = token_loss(lg, 256, tok[t + 1]);
-        num += (ref - loss[t]) * (ref - loss[t]);
-        den += ref * ref;
-        mean += ref / T;
+/* dir/config.json and dir/model.safetensors of a random model of config c
+ * (F32; norm weights near 1, matrices of scale 0.3); skip: the index of a
+ * tensor left out (-1: none); bad_shape: the index of one written with its
+ * first dim one short (-1: none). */
+static void write_model(const char* dir, const mst_model_config* c, mst_rng* r, int32_t skip, int32_t bad_shape) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    CHECK_OK(mst_hf_write_config(path, c));
+    const int32_t n = mst_hf_n_params(c);
+    mst_hf_param* p = (mst_hf_param*)calloc((size_t)n, sizeof *p);
+    mst_st_entry* e = (mst_st_entry*)calloc((size_t)n, sizeof *e);
+    mst_hf_params(c, NULL, p);
+    int32_t m = 0;
+    for (int32_t i = 0; i < n; i++) {
+        if (p[i].set != MST_HF_MODEL || i == skip) continue;
+        snprintf(e[m].name, sizeof e[m].name, "%s", p[i].name);
+        e[m].dtype = MST_ST_F32, e[m].nd = p[i].nd;
+        e[m].dims[0] = p[i].dims[0] - (i == bad_shape), e[m].dims[1] = p[i].dims[1];
+        m++;
     }
-    for (int t = 0; t < T; t++) var += (loss[t] - mean) * (loss[t] - mean) / T;
-    const double rel = sqrt(num / den);
-    printf("  sampler vs trainer per-token loss: rel err %.2e (mean %.3f, spread %.3f)\n", rel, mean, sqrt(var));
-    CHECK(rel < 2e-2, "sampler losses differ from the trainer's: rel err %.3g", rel);
-    CHECK(sqrt(var) > 0.5, "losses barely spread (%.3f): the comparison would not catch a wrong layer", sqrt(var));
-    CHECK_STATUS(mst_sampler_feed(s, 3, lg), MST_ERR_INVALID); /* cache of T tokens is full */
-    CHECK(strstr(mst_last_error(), "cache") != NULL, "message '%s'", mst_last_error());
-    mst_sampler_destroy(s);
-    CHECK_OK(mst_sampler_create(dir, 4, &s));
-    if (s) {
-        CHECK_STATUS(mst_sampler_feed(s, 256, lg), MST_ERR_INVALID);
-        CHECK(strstr(mst_last_error(), "token 256") != NULL, "message '%s'", mst_last_error());
-        CHECK_STATUS(mst_sampler_feed(s, -1, lg), MST_ERR_INVALID);
-        mst_sampler_destroy(s);
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    mst_st_writer w;
+    CHECK_OK(mst_st_write_begin(&w, path, e, m));
+    for (int32_t i = 0; i < m; i++) {
+        const int64_t k = mst_st_numel(&e[i]);
+        float* v = (float*)malloc(sizeof(float) * (size_t)k);
+        const int norm = e[i].nd == 1;
+        mst_rng_fp32(r, v, (size_t)k, norm ? 0.8 : -0.3, norm ? 1.2 : 0.3);
+        CHECK_OK(mst_st_write_data(&w, v, sizeof(float) * (size_t)k));
+        free(v);
     }
+    CHECK_OK(mst_st_write_end(&w));
+    free(p), free(e);
 }
 
-/* 24 tokens after "ab" with the given seed and temperature. */
-static void generate(const char* dir, uint64_t seed, float temp, int32_t* out) {
-    mst_sampler* s = NULL;
-    float lg[256];
-    CHECK_OK(mst_sampler_create(dir, 2 + T, &s));
-    if (!s) return;
-    mst_sampler_feed(s, 'a', NULL);
-    mst_sampler_feed(s, 'b', lg);
-    for (int i = 0; i < T; i++) {
-        out[i] = mst_sampler_pick(lg, 256, temp, 0, &seed);
-        if (i + 1 < T) CHECK_OK(mst_sampler_feed(s, out[i], lg));
-    }
-    mst_sampler_destroy(s);
-}
-
-static void determinism(const char* dir) {
-    int32_t a[T], b[T], c[T];
-    generate(dir, 11, 1.0f, a);
-    generate(dir, 11, 1.0f, b);
-    generate(dir, 12, 1.0f, c);
-    CHECK(memcmp(a, b, sizeof a) == 0, "the same seed gave other tokens");
-    CHECK(memcmp(a, c, sizeof a) != 0, "another seed gave the same %d tokens", T);
+/* Frequencies of n draws at temperature t against softmax(lg / t). */
+static void temperature(float t) {
+    const float lg[4] = {0.5f, 1.5f, -0.5f, 1.0f};
+    double want[4], sum = 0;
+    for (int i = 0; i < 4; i++) sum += want[i] = exp((double)lg[i] / t);
+    int got[4] = {0}, n = 60000;
+    uint64_t rng = 31;
+    for (int i = 0; i < n; i++) got[mst_sampler_pick(lg, 4, t, 0, &rng)]++;
+    double worst = 0;
+    for (int i = 0; i < 4; i++) worst = fmax(worst, fabs((double)got[i] / n - want[i] / sum));
+    CHECK(worst < 0.01, "temperature %g: frequencies off softmax(logits / T) by %.4f (token 1: %.4f, expected %.4f)",
+          (double)t, worst, (double)got[1] / n, want[1] / sum);
 }
 
 static void picker(void) {
@@ -124,17 +93,105 @@ static void picker(void) {
     CHECK(fabs((double)ones / n - 0.75) < 0.01, "token 1 picked %.4f of the time, expected 0.75", (double)ones / n);
     CHECK(threes == 0, "top-k let token 3 through");
     for (int i = 0; i < 200; i++) CHECK(mst_sampler_pick(lg, 4, 1.0f, 1, &rng) == 1, "top-1 is not the argmax");
+    temperature(0.5f);
+    temperature(1.0f);
+    temperature(2.0f);
+}
+
+/* T tokens after "ab" with the given seed and temperature. */
+static void generate(const char* dir, uint64_t seed, float temp, int32_t* out) {
+    mst_sampler* s = NULL;
+    float lg[V];
+    CHECK_OK(mst_sampler_create(dir, 2 + T, &s));
+    if (!s) return;
+    CHECK_OK(mst_sampler_feed(s, 'a', NULL));
+    CHECK_OK(mst_sampler_feed(s, 'b', lg));
+    for (int i = 0; i < T; i++) {
+        out[i] = mst_sampler_pick(lg, V, temp, 0, &seed);
+        if (i + 1 < T) CHECK_OK(mst_sampler_feed(s, out[i], lg));
+    }
+    mst_sampler_destroy(s);
+}
+
+static void determinism(const char* dir) {
+    int32_t a[T], b[T], c[T];
+    generate(dir, 11, 1.0f, a);
+    generate(dir, 11, 1.0f, b);
+    generate(dir, 12, 1.0f, c);
+    CHECK(memcmp(a, b, sizeof a) == 0, "the same seed gave other tokens");
+    CHECK(memcmp(a, c, sizeof a) != 0, "another seed gave the same %d tokens", T);
+}
+
+/* Fresh caches give the same logits; the prompts 7 9 5 and 9 7 5 give other
+ * last logits (attention without positions cannot tell them apart: RoPE
+ * must); a full cache and bad tokens are refused. */
+static void cache(const char* dir) {
+    mst_sampler *s = NULL, *u = NULL;
+    CHECK_OK(mst_sampler_create(dir, 3, &s));
+    CHECK_OK(mst_sampler_create(dir, 3, &u));
+    if (!s || !u) return;
+    float a[V], b[V];
+    CHECK_OK(mst_sampler_feed(s, 7, a));
+    CHECK_OK(mst_sampler_feed(u, 7, b));
+    CHECK(memcmp(a, b, sizeof a) == 0, "two fresh samplers disagree on the first token's logits");
+    mst_sampler_destroy(u);
+    CHECK_OK(mst_sampler_create(dir, 3, &u));
+    CHECK_OK(mst_sampler_feed(s, 9, NULL));
+    CHECK_OK(mst_sampler_feed(s, 5, a));
+    CHECK_OK(mst_sampler_feed(u, 9, NULL));
+    CHECK_OK(mst_sampler_feed(u, 7, NULL));
+    CHECK_OK(mst_sampler_feed(u, 5, b));
+    double d = 0;
+    for (int i = 0; i < V; i++) d = fmax(d, fabs((double)a[i] - b[i]));
+    CHECK(d > 1e-3, "7 9 5 and 9 7 5 give the same logits (%.2e): no position in the model", d);
+    CHECK_STATUS(mst_sampler_feed(s, 2, a), MST_ERR_INVALID); /* a cache of 3 tokens is full */
+    CHECK(strstr(mst_last_error(), "cache") != NULL, "message '%s'", mst_last_error());
+    mst_sampler_destroy(s), mst_sampler_destroy(u);
+    CHECK_OK(mst_sampler_create(dir, 3, &s));
+    CHECK_STATUS(mst_sampler_feed(s, V, a), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "token 256") != NULL, "message '%s'", mst_last_error());
+    CHECK_STATUS(mst_sampler_feed(s, -1, a), MST_ERR_INVALID);
+    mst_sampler_destroy(s);
+}
+
+/* Bad directories: refused at create, naming what is wrong. */
+static void bad_dirs(const char* root, mst_rng* r) {
+    const mst_model_config c = tiny();
+    char dir[400], path[512];
+    mst_sampler* s = NULL;
+    snprintf(dir, sizeof dir, "%s/skip", root);
+    mkdir(dir, 0700);
+    write_model(dir, &c, r, 5, -1); /* a tensor of layer 0 left out */
+    CHECK_STATUS(mst_sampler_create(dir, 4, &s), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "model.layers.0.") != NULL, "missing tensor: message '%s'", mst_last_error());
+    snprintf(dir, sizeof dir, "%s/shape", root);
+    mkdir(dir, 0700);
+    write_model(dir, &c, r, -1, 3);
+    CHECK_STATUS(mst_sampler_create(dir, 4, &s), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "model.layers.0.") != NULL, "wrong shape: message '%s'", mst_last_error());
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    FILE* f = fopen(path, "w");
+    fprintf(f, "{\"model_type\": \"llama\", \"vocab_size\": 256}\n");
+    fclose(f);
+    CHECK_STATUS(mst_sampler_create(dir, 4, &s), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "qwen3_moe") != NULL, "another model_type: message '%s'", mst_last_error());
+    CHECK(s == NULL, "a refused directory gave a sampler");
 }
 
 static void run(mst_ctx_t* ctx) {
+    (void)ctx;
     char dir[128];
     if (!mst_test_tmpdir(dir, sizeof dir, "mst_sample")) {
         CHECK(0, "no temporary directory");
         return;
     }
-    against_trainer(ctx, dir);
-    determinism(dir);
     picker();
+    mst_rng r = {77};
+    const mst_model_config c = tiny();
+    write_model(dir, &c, &r, -1, -1);
+    determinism(dir);
+    cache(dir);
+    bad_dirs(dir, &r);
     mst_test_rmtree(dir);
 }
 

@@ -27,7 +27,7 @@ static int usage(FILE* f) {
             "  info             backends, devices and build options\n"
             "  selfcheck        grouped linear on each backend against a float64 reference\n"
             "  train            train the MoE transformer\n"
-            "  sample           text from a checkpoint of train --save\n"
+            "  sample           tokens from a Qwen3-MoE model directory (train --save, or Hugging Face)\n"
             "  bench NAME       benchmarks:");
     for (const mst_bench_entry* b = benches; b->name; b++) fprintf(f, " %s", b->name);
     fprintf(f,

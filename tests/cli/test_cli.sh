@@ -65,7 +65,7 @@ bad "--gpus '4': the ranks share the 6 experts (--experts)" train --backend cpu 
 bad "--gpus '3': the ranks share the 8 experts (--experts)" train --backend cpu --gpus 3
 bad "--attention 'fast'" train --attention fast
 bad "--save-every '3': needs --save" train --save-every 3
-bad "--checkpoint" sample --prompt x
+bad "--model" sample --prompt x
 bad "--prompt" sample --checkpoint "$tmp"
 bad "--lr 'nan'" train --lr nan
 bad "--quiet '1'" train --quiet=1
@@ -140,9 +140,55 @@ else
   echo "FAIL: train --check-policies --json: no JSON of 7 bit-identical runs"
 fi
 # the other commands
-bad "--checkpoint" sample --prompt hi
+bad "--model" sample --prompt hi
 bad "--tokens 'x'" sample --tokens=x
 bad "--bogus" sample --bogus
+# sample: a Hugging Face Qwen3-MoE directory made here (random F32 weights,
+# the hub's names), vocabulary 300: token ids in and out
+mkmodel() { # mkmodel DIR VOCAB
+  mkdir -p "$1" && python3 - "$@" <<'PY'
+import json, random, struct, sys
+d, V = sys.argv[1], int(sys.argv[2])
+H, F, NH, KV, D, L, E = 16, 8, 2, 1, 8, 2, 4
+json.dump({"model_type": "qwen3_moe", "vocab_size": V, "hidden_size": H, "moe_intermediate_size": F,
+           "num_hidden_layers": L, "num_attention_heads": NH, "num_key_value_heads": KV, "head_dim": D,
+           "num_experts": E, "num_experts_per_tok": 2, "norm_topk_prob": True, "tie_word_embeddings": False,
+           "rms_norm_eps": 1e-6, "rope_theta": 10000.0}, open(d + "/config.json", "w"))
+t = [("model.embed_tokens.weight", [V, H]), ("model.norm.weight", [H]), ("lm_head.weight", [V, H])]
+for l in range(L):
+    p = "model.layers.%d." % l
+    t += [(p + "input_layernorm.weight", [H]), (p + "post_attention_layernorm.weight", [H]),
+          (p + "self_attn.q_proj.weight", [NH * D, H]), (p + "self_attn.k_proj.weight", [KV * D, H]),
+          (p + "self_attn.v_proj.weight", [KV * D, H]), (p + "self_attn.o_proj.weight", [H, NH * D]),
+          (p + "self_attn.q_norm.weight", [D]), (p + "self_attn.k_norm.weight", [D]), (p + "mlp.gate.weight", [E, H])]
+    for e in range(E):
+        q = p + "mlp.experts.%d." % e
+        t += [(q + "gate_proj.weight", [F, H]), (q + "up_proj.weight", [F, H]), (q + "down_proj.weight", [H, F])]
+head, data, at = {}, b"", 0
+for name, shape in t:
+    n = shape[0] * (shape[1] if len(shape) > 1 else 1)
+    data += struct.pack("<%df" % n, *[random.uniform(-0.5, 0.5) + (len(shape) == 1) for _ in range(n)])
+    head[name] = {"dtype": "F32", "shape": shape, "data_offsets": [at, at + 4 * n]}
+    at += 4 * n
+h = json.dumps(head).encode()
+h += b" " * (-len(h) % 8)
+open(d + "/model.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + data)
+PY
+}
+mkmodel "$tmp/m300" 300
+bad "--prompt-ids '1,,2': expected token ids" sample --model "$tmp/m300" --prompt-ids 1,,2
+bad "--prompt-ids '3,300': token 300 is not below the model's vocabulary (300)" sample --model "$tmp/m300" --prompt-ids 3,300
+bad "--prompt 'hi': text needs a byte model" sample --model "$tmp/m300" --prompt hi
+bad "--prompt-ids '1': contradicts --prompt" sample --model "$tmp/m300" --prompt hi --prompt-ids 1
+bad "--model '$tmp': '$tmp/config.json'" sample --model "$tmp" --prompt-ids 1
+good "" sample --model "$tmp/m300" --prompt-ids 5,17,299 --tokens 6 --temperature 0 --json "$tmp/s.json"
+if [[ $(cat "$tmp/out") =~ ^[0-9]+( [0-9]+){5}$ ]] && python3 - "$tmp/s.json" "$(cat "$tmp/out")" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["prompt_ids"] == [5, 17, 299] and d["ids"] == [int(x) for x in sys.argv[2].split()], d
+assert all(0 <= x < 300 for x in d["ids"]), d
+PY
+then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL: sample --prompt-ids: not one line of 6 ids, or --json differs"; fi
 bad "--bogus" info --bogus
 bad "'extra'" info extra
 bad "--bogus" selfcheck --bogus
@@ -183,7 +229,6 @@ else
 fi
 bad "saved by 2 ranks, this run has 1" train --backend cpu --resume "$tmp/ck2/step-2"
 bad "saved by 2 ranks, this run has 4" train --backend cpu --gpus 4 --resume "$tmp/ck2/step-2"
-bad "saved by 2 ranks" sample --checkpoint "$tmp/ck2/final" --prompt ab --tokens 2
 # token files (llm.c .bin: 256 x int32 header, magic 20240520, version 1,
 # count; uint16 tokens): a bad one is refused before any work, naming the
 # file and the offset (exit 2, one line, no --json, no --save directory)

@@ -165,3 +165,13 @@ int mst_json_f64(const mst_json* j, int32_t t, double* out) {
     *out = v;
     return 0;
 }
+
+void mst_json_write_string(FILE* f, const char* s) {
+    fputc('"', f);
+    for (const unsigned char* p = (const unsigned char*)s; *p; p++) {
+        if (*p == '"' || *p == '\\') fprintf(f, "\\%c", *p);
+        else if (*p < 0x20) fprintf(f, "\\u%04x", *p);
+        else fputc(*p, f);
+    }
+    fputc('"', f);
+}

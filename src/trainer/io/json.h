@@ -1,5 +1,5 @@
 /*
- * json.h — a small JSON reader for the files the trainer reads back (its
+ * json.h — a small JSON reader (and a string writer) for the files the trainer reads back (its
  * checkpoints' trainer.json and safetensors headers): the text is split into
  * tokens in one pass, each value knowing its extent, so a lookup walks the
  * token array without building a tree. Strings are returned raw (no escape
@@ -9,6 +9,7 @@
 #define MST_JSON_H
 
 #include <stddef.h>
+#include <stdio.h>
 #include <stdint.h>
 
 typedef enum mst_json_kind { MST_JSON_OBJECT, MST_JSON_ARRAY, MST_JSON_STRING, MST_JSON_PRIMITIVE } mst_json_kind;
@@ -41,5 +42,8 @@ int mst_json_str(const mst_json* j, int32_t t, char* buf, size_t cap);
 /* A primitive token as a number: 0 on success (the whole token parsed). */
 int mst_json_i64(const mst_json* j, int32_t t, int64_t* out);
 int mst_json_f64(const mst_json* j, int32_t t, double* out);
+
+/* Writes s as a JSON string: quotes, backslashes and control bytes escaped. */
+void mst_json_write_string(FILE* f, const char* s);
 
 #endif

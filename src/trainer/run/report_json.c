@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "lib/internal.h"
+#include "trainer/io/json.h"
 #include "trainer/run/planner.h"
 #include "report.h"
 
@@ -18,17 +19,6 @@ void mst_train_json_array(FILE* f, const char* name, const double* v, int64_t fi
         else fprintf(f, "null");
     }
     fprintf(f, "],\n");
-}
-
-/* s as a JSON string: quotes, backslashes and control bytes escaped. */
-static void json_string(FILE* f, const char* s) {
-    fputc('"', f);
-    for (const unsigned char* p = (const unsigned char*)s; *p; p++) {
-        if (*p == '"' || *p == '\\') fprintf(f, "\\%c", *p);
-        else if (*p < 0x20) fprintf(f, "\\u%04x", *p);
-        else fputc(*p, f);
-    }
-    fputc('"', f);
 }
 
 static void json_mem(FILE* f, const char* name, const size_t* v) {
@@ -47,17 +37,17 @@ mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
     if (cfg->mem.recompute.method != MST_RECOMPUTE_NONE)
         snprintf(rec, sizeof rec, "%s:%d", recompute[cfg->mem.recompute.method], cfg->mem.recompute.num_layers);
     fprintf(f, "{\n  \"device\": ");
-    json_string(f, device);
+    mst_json_write_string(f, device);
     fprintf(f, ",\n  \"config\": {\"hidden\": %lld, \"ffn\": %lld, \"heads\": %lld, \"seq\": %lld, "
                "\"batch\": %lld, \"layers\": %d, \"experts\": %d, \"top_k\": %d, \"ep\": %d, "
                "\"capacity_factor\": %g, \"microbatches\": %d, \"schedule\": \"%s\", \"policy\": ",
             (long long)c->hidden, (long long)c->ffn, (long long)c->n_head, (long long)c->seq,
             (long long)c->batch, c->layers, c->experts, c->top_k, c->ep, (double)c->capacity_factor,
             cfg->microbatches, mst_schedule_kind_str(cfg->mem.schedule));
-    json_string(f, cfg->memory_budget ? "planned" : cfg->mem.policy ? cfg->mem.policy : "keep");
+    mst_json_write_string(f, cfg->memory_budget ? "planned" : cfg->mem.policy ? cfg->mem.policy : "keep");
     fprintf(f, ", \"recompute\": \"%s\", \"mtp_weight\": %g, \"steps\": %lld, \"lr\": %g, \"seed\": %llu, \"data\": ",
             rec, (double)c->mtp_weight, (long long)cfg->steps, (double)cfg->optim.lr, (unsigned long long)c->seed);
-    if (cfg->data_path) json_string(f, cfg->data_path);
+    if (cfg->data_path) mst_json_write_string(f, cfg->data_path);
     else fprintf(f, "\"synthetic\"");
     fprintf(f, "},\n");
     fprintf(f, "  \"first_step\": %lld,\n  \"ranks\": %d,\n", (long long)r->first_step, r->world > 1 ? (int)r->world : 1);
