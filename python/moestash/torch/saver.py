@@ -44,12 +44,20 @@ def parse_policy(policy):
     return tuple(out)
 
 
-class Record:
-    """What one forward left for its backward: handles of paged names."""
+def capturing(device):
+    """A CUDA graph capture is under way on device's current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
-    def __init__(self):
+
+class Record:
+    """What one forward left for its backward: handles of paged names.
+    captured: the forward ran inside a CUDA graph capture; its handles then
+    belong to that graph, whose replays save into them (see Saver._release)."""
+
+    def __init__(self, captured=False):
         self.handles = {}  # name -> (pool, handle, max_rows)
         self.claimed = set()  # names whose pages the producer wrote (no save)
+        self.captured = captured
 
 
 class Saver:
@@ -89,7 +97,8 @@ class Saver:
 
     def forward(self, device, max_rows, ffn):
         """Arms the saver for one forward; returns its Record."""
-        self._begin(device, Record(), None, max_rows=max_rows, widths={ACT_INPUT: 2 * ffn, FC2_INPUT: ffn})
+        self._begin(device, Record(capturing(device)), None, max_rows=max_rows,
+                    widths={ACT_INPUT: 2 * ffn, FC2_INPUT: ffn})
         return self.record
 
     def backward(self, device, record, saved, restore_all):
@@ -187,4 +196,7 @@ class Saver:
         pool, handle, max_rows = self.record.handles.pop(name)
         if self.in_place(name):
             self.manager.give_back(pool, handle)
-        pool.put(max_rows, handle)
+        if not (self.record.captured or capturing(self.device)):
+            pool.put(max_rows, handle)
+        # else the handle stays the graph's: its replays save into and read from it (a partial graph's
+        # forward and backward; a whole captured step), so no other forward may take it

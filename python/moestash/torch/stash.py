@@ -18,6 +18,15 @@ On overflow the pools double; after a step that follows a growth the pools
 are sized to ceil(peak pages * factor) (as the C memory manager sizes them
 from its measuring step). A growth replaces the pools: a CUDA graph captured
 with the old ones must be captured again (rerun the step eagerly first).
+
+Partial graphs (torch.cuda.make_graphed_callables over MoE blocks, the rest
+eager) share the pools with the eager layers: step_begin() stays eager, the
+captured forwards save into pages that their captured backwards read. The
+handles a capture takes belong to its graph from then on (never handed to
+another forward); a capture makes none (that allocates), so run one whole
+step eagerly before capturing, and size the pools first (initial_rows, or
+eager steps until step_check() passes): a growth after the capture would
+replace the pools the graphs hold.
 """
 import contextlib
 import ctypes
@@ -27,6 +36,7 @@ import torch
 
 from .. import _lib
 from ._core import as_mst, context, device_guard
+from .saver import capturing
 
 _WIDTH_DTYPE = {"probs": _lib.DTYPE_FP32}
 
@@ -68,6 +78,10 @@ class Pool:
         free = self.free.setdefault(max_rows, [])
         if free:
             return free.pop()
+        if capturing(self.ctx.device):  # making one allocates: not inside a capture
+            raise RuntimeError(f"moestash: a stash handle of {max_rows} rows is needed inside a CUDA graph capture "
+                               "and none is free: run the captured part eagerly once, within a whole step, "
+                               "before capturing it (handles are made outside captures)")
         h = ctypes.c_void_p()
         self.call("mst_stash_handle_create", max_rows, ctypes.byref(h))
         self.handles.append(h)
@@ -154,6 +168,8 @@ class StashManager:
         for pool in self.pools.values():
             pool.call("mst_pool_reset")
         for record in self.records.values():
+            if record.captured:
+                continue  # its handles are its graph's
             for pool, handle, max_rows in record.handles.values():
                 pool.put(max_rows, handle)
         self.records.clear()
