@@ -134,7 +134,7 @@ static mst_status setup(rank_state* st) {
     st->s = (cudaStream_t)mst_ctx_stream(st->ctx);
     if (ncclCommInitRank(&st->comm, w->world, w->id, st->rank) != ncclSuccess)
         FAIL(MST_ERR_BACKEND, "ncclCommInitRank failed");
-    mst_ep_config cfg = {.n_experts = c->experts, .top_k = c->top_k, .hidden = H, .max_tokens = N,
+    mst_ep_config cfg = {.struct_size = sizeof(mst_ep_config), .n_experts = c->experts, .top_k = c->top_k, .hidden = H, .max_tokens = N,
                          .max_rows = w->max_rows, .pair_rows = w->pair_cap, .path = w->path,
                          .window_rows = w->max_rows};
     TRY(mst_ep_create_nccl(st->ctx, &cfg, st->comm, &st->ep));
@@ -406,7 +406,7 @@ static mst_status layer_setup(layer_rank* r) {
         snprintf(w->res[r->rank].err, sizeof w->res[r->rank].err, "ncclCommInitRank failed");
         return MST_ERR_BACKEND;
     }
-    mst_ep_config cfg = {.n_experts = c->experts, .top_k = c->top_k, .hidden = H, .max_tokens = N, .max_rows = R,
+    mst_ep_config cfg = {.struct_size = sizeof(mst_ep_config), .n_experts = c->experts, .top_k = c->top_k, .hidden = H, .max_tokens = N, .max_rows = R,
                          .pair_rows = (int64_t)ceil(w->capacity * (double)(N * K) / w->world)};
     TRY(mst_ep_create_nccl(r->ctx, &cfg, r->comm, &r->ep));
     TRY(mst_ep_handle_create(r->ep, &r->h));

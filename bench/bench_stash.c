@@ -104,7 +104,7 @@ static int validate(bench_bufs* b, mst_pool_t* pool, mst_stash_handle_t* h, cons
             fprintf(stderr, "bench stash: byte %zu past the valid rows was written\n", i);
             return 0;
         }
-    mst_pool_stats s;
+    mst_pool_stats s = MST_POOL_STATS_INIT;
     if (!st_ok(mst_pool_check(pool), "pool check") || !st_ok(mst_pool_stats_get(pool, &s), "stats") ||
         !st_ok(mst_pool_poll(pool), "poll"))
         return 0;
@@ -129,7 +129,7 @@ static int run_case(bench_bufs* b, const stash_case* c, stash_result* r) {
     memset(counts, 0, sizeof counts);
     for (int64_t i = 0; i < c->rows; i++) counts[mst_splitmix64(&seed) % N_GROUPS]++;
     const int64_t pages = (c->rows + MST_POOL_PAGE_ROWS - 1) / MST_POOL_PAGE_ROWS;
-    mst_pool_config cfg = {MST_POOL_PAGE_ROWS, c->spill ? 0 : pages, c->spill ? pages : 0, 0}; /* all SMs: nothing runs beside */
+    mst_pool_config cfg = {sizeof(mst_pool_config), MST_POOL_PAGE_ROWS, c->spill ? 0 : pages, c->spill ? pages : 0, 0}; /* all SMs: nothing runs beside */
     mst_pool_t* pool = NULL;
     mst_stash_handle_t* h = NULL;
     if (!st_ok(mst_pool_create(b->ctx, c->dtype, c->width, &cfg, &pool), "pool create")) return 0;

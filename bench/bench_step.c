@@ -115,7 +115,7 @@ static mst_status prepare_case(mst_ctx_t* ctx, mst_stack* s, const mst_sched_ent
     memset(r, 0, sizeof *r);
     memset(run, 0, sizeof *run);
     r->c = c;
-    mst_memmgr_config mc = {sh->layers, sh->micro, 1, s->max_rows, sh->hidden, sh->ffn, sch, n, 64,
+    mst_memmgr_config mc = {sizeof(mst_memmgr_config), sh->layers, sh->micro, 1, s->max_rows, sh->hidden, sh->ffn, sch, n, 64,
                             c->dev_factor, c->host_factor, NULL, NULL};
     MST_TRY(mst_memmgr_create(ctx, &mc, &run->mm));
     s->mm = run->mm;
@@ -191,6 +191,7 @@ static mst_status hash_step(mst_ctx_t* ctx, mst_stack* s, const mst_sched_entry*
 static mst_status finish_case(mst_stack* s, step_run* run, step_result* r) {
     mst_status st = mst_memmgr_step_check(run->mm);
     if (st == MST_OK) st = mst_memmgr_check(run->mm);
+    r->rep = (mst_mem_report_t)MST_MEM_REPORT_INIT;
     if (st == MST_OK) st = mst_mem_report(run->mm, &r->rep);
     r->act_bytes = r->rep.kept_bytes + r->rep.compute_bytes + r->rep.dev_pages_bytes;
     r->pages_peak = r->rep.dev_pages_peak_bytes + r->rep.host_pages_peak_bytes;
@@ -314,7 +315,7 @@ int mst_bench_step(int argc, char** argv) {
     mst_mlp_config mlp = mst_mlp_config_default(sh->E, sh->hidden, sh->ffn);
     int64_t R = sh->rows * 3 / 2;
     mst_stack s = {0};
-    mst_schedule_config sc = {MST_SCHEDULE_1F1B, sh->stages, 0, sh->micro, 1};
+    mst_schedule_config sc = {sizeof(mst_schedule_config), MST_SCHEDULE_1F1B, sh->stages, 0, sh->micro, 1};
     int32_t n = 2 * sh->micro;
     mst_sched_entry sch[64];
     int32_t* counts = (int32_t*)malloc(sizeof(int32_t) * (size_t)(sh->layers * sh->micro * sh->E));

@@ -52,12 +52,34 @@ extern "C" {
 #endif
 #endif
 
-/* The version of this header; mst_version() is the library's ("0.1.0"). */
+/* The version of this header; mst_version() is the library's ("0.2.0").
+ * 0.x: every minor version may change a layout of this header, so the SONAME
+ * carries it (libmoestash.so.0.2): bump MST_VERSION_MINOR with any change of
+ * a struct below. */
 #define MST_VERSION_MAJOR 0
-#define MST_VERSION_MINOR 1
+#define MST_VERSION_MINOR 2
 #define MST_VERSION_PATCH 0
 
 MST_API const char* mst_version(void);
+
+/* ---- struct sizes (ABI) --------------------------------------------------- *
+ * A struct that may grow (the configs, the reports, the saver table) starts
+ * with `size_t struct_size`, set by its MST_<NAME>_INIT initializer (or the
+ * function that returns a filled one, e.g. mst_pool_config_default) to the
+ * sizeof the caller was compiled with; this holds for structs the library
+ * fills too (mst_mem_report_t, mst_pool_stats: set struct_size before the
+ * call). The library refuses a size it does not know with MST_ERR_INVALID
+ * naming the struct, the size it got and the size it expects, instead of
+ * reading or writing past a shorter struct. A later version that grows a
+ * struct keeps accepting the sizes of the earlier ones.
+ * Frozen layouts (no struct_size; changing one changes the SONAME): the views
+ * mst_tensor and mst_pages, the array element mst_sched_entry, the fixed set
+ * of tensors mst_mlp_weights and the opaque mst_ep_id. */
+#ifdef __cplusplus
+#define MST_STRUCT_INIT_(T) {sizeof(T)}
+#else
+#define MST_STRUCT_INIT_(T) {.struct_size = sizeof(T)}
+#endif
 
 /* ---- status -------------------------------------------------------------- */
 
@@ -251,6 +273,7 @@ MST_API mst_status mst_saved_shape(mst_saved_name name, int64_t hidden, int64_t 
                                    mst_dtype* dtype);
 
 typedef struct mst_saver {
+    size_t struct_size; /* sizeof(mst_saver): MST_SAVER_INIT              */
     void* self;
     /* Forward, before the producer runs: the [R, cols] buffer to write tensor
      * `name` into (an op output that is saved). A compute buffer shared by
@@ -275,6 +298,7 @@ typedef struct mst_saver {
      * the saver does not take the tensor that way. */
     mst_status (*claim)(void* self, mst_saved_name name, const mst_tensor* counts, mst_pages* out);
 } mst_saver;
+#define MST_SAVER_INIT MST_STRUCT_INIT_(mst_saver)
 
 /* The basic saver: KEEP for every name, RECOMPUTE for fc2_input only; STASH
  * and OFFLOAD are the memory manager's (MST_ERR_UNSUPPORTED here). Each KEEP
@@ -301,6 +325,7 @@ typedef enum mst_activation {
 } mst_activation;
 
 typedef struct mst_mlp_config {
+    size_t struct_size;      /* sizeof(mst_mlp_config)               */
     int32_t n_groups;        /* E                                   */
     int64_t hidden;          /* H                                   */
     int64_t ffn;             /* F                                   */
@@ -308,6 +333,7 @@ typedef struct mst_mlp_config {
     float clamp_limit;       /* L, default 7                         */
     float clamp_alpha;       /* alpha, default 1.702                 */
 } mst_mlp_config;
+#define MST_MLP_CONFIG_INIT MST_STRUCT_INIT_(mst_mlp_config)
 
 /* Weights and their fp32 main gradients; b1, b2 and their grads optional
  * (data NULL). */
@@ -385,6 +411,7 @@ typedef struct mst_stash_handle mst_stash_handle_t;
 #define MST_POOL_HOST_FACTOR 0.0  /* default host pages over peak     */
 
 typedef struct mst_pool_config {
+    size_t struct_size;   /* sizeof(mst_pool_config)                         */
     int64_t page_rows;    /* rows per page, a multiple of 8 (default 64)   */
     int64_t n_dev_pages;  /* pages of the device block (>= 0)               */
     int64_t n_host_pages; /* pages of the pinned host block (>= 0; 0: none) */
@@ -394,8 +421,10 @@ typedef struct mst_pool_config {
                              from the compute: a few SMs each copy at a higher
                              rate and leave the rest to it (CUDA) */
 } mst_pool_config;
+#define MST_POOL_CONFIG_INIT MST_STRUCT_INIT_(mst_pool_config)
 
 typedef struct mst_pool_stats {
+    size_t struct_size;       /* sizeof(mst_pool_stats), set by the caller      */
     int64_t page_rows;        /* rows per page                                  */
     int64_t page_bytes;       /* bytes per page                                 */
     int64_t n_dev_pages;      /* capacity of the device block                   */
@@ -408,6 +437,7 @@ typedef struct mst_pool_stats {
     int64_t spilled_pages;    /* host pages taken by saves since the last reset */
     int32_t overflowed;       /* 1 while the overflow flag is set               */
 } mst_pool_stats;
+#define MST_POOL_STATS_INIT MST_STRUCT_INIT_(mst_pool_stats)
 
 /* A config of n_dev_pages device pages, no host block, 64 rows per page. */
 MST_API mst_pool_config mst_pool_config_default(int64_t n_dev_pages);
@@ -482,12 +512,14 @@ typedef enum mst_schedule_kind {
 } mst_schedule_kind;
 
 typedef struct mst_schedule_config {
+    size_t struct_size;     /* sizeof(mst_schedule_config)                     */
     mst_schedule_kind kind;
     int32_t stages;         /* pipeline stages S >= 1                          */
     int32_t rank;           /* this rank, 0 <= rank < S                        */
     int32_t microbatches;   /* M >= 1 (interleaved: a multiple of S)           */
     int32_t virtual_stages; /* V >= 1 chunks on this rank (interleaved: >= 2)  */
 } mst_schedule_config;
+#define MST_SCHEDULE_CONFIG_INIT MST_STRUCT_INIT_(mst_schedule_config)
 
 typedef struct mst_sched_entry {
     int32_t backward;   /* 0 forward, 1 backward   */
@@ -522,9 +554,11 @@ typedef enum mst_recompute_method {
 } mst_recompute_method;
 
 typedef struct mst_recompute_config {
+    size_t struct_size; /* sizeof(mst_recompute_config), also before a parse */
     mst_recompute_method method;
     int32_t num_layers; /* recompute_num_layers N >= 1 */
 } mst_recompute_config;
+#define MST_RECOMPUTE_CONFIG_INIT MST_STRUCT_INIT_(mst_recompute_config)
 
 /* "none", "uniform:N" or "block:N"; a clear error otherwise. */
 MST_API mst_status mst_recompute_parse(const char* spec, mst_recompute_config* out);
@@ -558,6 +592,7 @@ MST_API mst_status mst_recompute_plan(const mst_recompute_config* cfg, int32_t n
 typedef struct mst_memmgr mst_memmgr_t;
 
 typedef struct mst_memmgr_config {
+    size_t struct_size;              /* sizeof(mst_memmgr_config)                */
     int32_t n_layers;                /* L layers of this rank                    */
     int32_t n_microbatches;          /* M                                        */
     int32_t virtual_stages;          /* V: layer l is in chunk l / (L / V)       */
@@ -577,9 +612,11 @@ typedef struct mst_memmgr_config {
     mst_status (*share_needs)(void* user, int64_t* needs, int32_t n);
     void* share_user;                /* its first argument                       */
 } mst_memmgr_config;
+#define MST_MEMMGR_CONFIG_INIT MST_STRUCT_INIT_(mst_memmgr_config)
 
 /* Bytes by category, for the trainer to print. */
 typedef struct mst_mem_report {
+    size_t struct_size;           /* sizeof(mst_mem_report_t), set by the caller      */
     size_t kept_bytes;            /* KEEP buffers (max_rows rows each)                */
     size_t compute_bytes;         /* shared compute and restore buffers               */
     size_t dev_pages_bytes;       /* device page blocks allocated                     */
@@ -594,8 +631,12 @@ typedef struct mst_mem_report {
     int32_t overflows;            /* steps that overflowed                            */
     int32_t reruns;               /* measuring steps after the first                  */
 } mst_mem_report_t;
+#define MST_MEM_REPORT_INIT MST_STRUCT_INIT_(mst_mem_report_t)
 
-/* cfg->schedule must list every (chunk, microbatch) forward and backward once. */
+/* cfg->schedule must list every (chunk, microbatch) forward and backward
+ * once, each microbatch in its order: forward of chunk 0 .. V-1, then
+ * backward of V-1 .. 0; otherwise MST_ERR_INVALID naming the first entry out
+ * of order (e.g. a backward before its forward). */
 MST_API mst_status mst_memmgr_create(mst_ctx_t* ctx, const mst_memmgr_config* cfg, mst_memmgr_t** out);
 MST_API void mst_memmgr_destroy(mst_memmgr_t* m);
 /* Policy of (layer, name); layer -1 sets every layer. Before the first step.
@@ -696,6 +737,7 @@ typedef enum mst_ep_path_kind {
 } mst_ep_path_kind;
 
 typedef struct mst_ep_config {
+    size_t struct_size; /* sizeof(mst_ep_config)                              */
     int32_t n_experts;  /* E over all ranks, a multiple of the world size W  */
     int32_t top_k;      /* k, 1 <= k <= E                                     */
     int64_t hidden;     /* H, a multiple of 8 (rows of 16-byte multiples)     */
@@ -711,6 +753,7 @@ typedef struct mst_ep_config {
                            into them stores each row straight at its expert
                            row on the receiver (no unpack)                   */
 } mst_ep_config;
+#define MST_EP_CONFIG_INIT MST_STRUCT_INIT_(mst_ep_config)
 
 /* An NCCL unique id: rank 0 makes it, every rank gets a copy (e.g. through
  * a TCP rendezvous) and passes it to mst_ep_create. */

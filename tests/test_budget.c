@@ -26,7 +26,7 @@ typedef struct fixture {
 
 static void make(fixture* x, mst_rng* r, int32_t L1, int32_t M, mst_schedule_kind kind) {
     memset(x, 0, sizeof *x);
-    mst_schedule_config sc = {kind, 1, 0, M, 1};
+    mst_schedule_config sc = {sizeof(mst_schedule_config), kind, 1, 0, M, 1};
     CHECK_OK(mst_schedule_make(&sc, x->sched, 2 * M));
     for (int32_t i = 0; i < L1 * M; i++) x->rows[i] = mst_rng_int(r, R / 3, R);
     mst_budget_model* b = &x->bm;

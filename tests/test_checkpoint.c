@@ -29,7 +29,7 @@ static mst_train_config tiny(int64_t hidden) {
     t.optim = o;
     t.mem = mst_mem_config_default();
     t.mem.policy = "fc1_input=stash,act_input=offload";
-    t.mem.recompute = (mst_recompute_config){MST_RECOMPUTE_UNIFORM, 1};
+    t.mem.recompute = (mst_recompute_config){sizeof(mst_recompute_config), MST_RECOMPUTE_UNIFORM, 1};
     t.mem.schedule = MST_SCHEDULE_1F1B;
     t.mem.pool_factor = 1.25;
     t.microbatches = 2;

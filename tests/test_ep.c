@@ -285,7 +285,7 @@ static void* rank_main(void* argp) {
         snprintf(io->err, sizeof io->err, "%s", mst_last_error());
         return NULL;
     }
-    mst_ep_config cfg = {.n_experts = s->E, .top_k = s->k, .hidden = H, .max_tokens = N, .max_rows = R,
+    mst_ep_config cfg = {.struct_size = sizeof(mst_ep_config), .n_experts = s->E, .top_k = s->k, .hidden = H, .max_tokens = N, .max_rows = R,
                          .pair_rows = s->C, .path = w->path, .window_rows = R + WIN_TAIL};
     mst_ep_t* ep = NULL;
     mst_ep_handle_t* h = NULL;
@@ -698,7 +698,7 @@ static void check_bad_args(void) {
     CHECK_OK(mst_ctx_create(MST_BACKEND_CPU, 0, &ctx));
     CHECK_OK(mst_ep_group_create(2, &g));
     mst_ep_t* ep = NULL;
-    mst_ep_config cfg = {.n_experts = 5, .top_k = 2, .hidden = 16, .max_tokens = 8, .max_rows = 32};
+    mst_ep_config cfg = {.struct_size = sizeof(mst_ep_config), .n_experts = 5, .top_k = 2, .hidden = 16, .max_tokens = 8, .max_rows = 32};
     CHECK_STATUS(mst_ep_create_local(ctx, &cfg, g, 0, &ep), MST_ERR_INVALID); /* 5 experts, 2 ranks */
     CHECK(strstr(mst_last_error(), "n_experts = 5") != NULL, "message names n_experts: %s", mst_last_error());
     mst_ep_group_destroy(g);
@@ -778,7 +778,7 @@ static void* ar_main(void* argp) {
     ar_rank* a = (ar_rank*)argp;
     mst_ctx_t* ctx = NULL;
     mst_ep_t* ep = NULL;
-    mst_ep_config cfg = {.n_experts = 2 * a->W, .top_k = 1, .hidden = 8, .max_tokens = 4, .max_rows = 8};
+    mst_ep_config cfg = {.struct_size = sizeof(mst_ep_config), .n_experts = 2 * a->W, .top_k = 1, .hidden = 8, .max_tokens = 4, .max_rows = 8};
     a->st = mst_ctx_create(a->kind, a->kind == MST_BACKEND_CPU ? 0 : a->rank, &ctx);
     if (a->st == MST_OK)
         a->st = a->kind == MST_BACKEND_CPU ? mst_ep_create_local(ctx, &cfg, a->group, a->rank, &ep)

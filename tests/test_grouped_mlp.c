@@ -451,7 +451,7 @@ static mst_status rec_release(void* self, mst_saved_name n) {
 static void rec_init(rec_saver* r, const mst_saver* inner) {
     memset(r, 0, sizeof *r);
     r->inner = inner;
-    r->saver = (mst_saver){r, rec_produce, rec_commit, rec_fetch, rec_release, NULL};
+    r->saver = (mst_saver){sizeof(mst_saver), r, rec_produce, rec_commit, rec_fetch, rec_release, NULL};
 }
 
 /* Outputs of one forward + backward, downloaded. */

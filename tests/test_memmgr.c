@@ -112,7 +112,7 @@ static grads run_setup(mst_ctx_t* ctx, mst_stack* s, const setup* su, const int3
     int32_t n = 2 * su->sched.microbatches * su->sched.virtual_stages;
     mst_sched_entry* sch = (mst_sched_entry*)malloc(sizeof *sch * (size_t)n);
     CHECK_OK(mst_schedule_make(&su->sched, sch, n));
-    mst_memmgr_config mc = {L, M, su->sched.virtual_stages, R, H, F, sch, n, PAGE,
+    mst_memmgr_config mc = {sizeof(mst_memmgr_config), L, M, su->sched.virtual_stages, R, H, F, sch, n, PAGE,
                             su->dev_factor ? su->dev_factor : 1.10, su->host_factor, NULL, NULL};
     CHECK_OK(mst_memmgr_create(ctx, &mc, &s->mm));
     if (su->cycles) CHECK_OK(mst_memmgr_debug_slow(s->mm, su->slow, su->cycles));
@@ -126,7 +126,7 @@ static grads run_setup(mst_ctx_t* ctx, mst_stack* s, const setup* su, const int3
         CHECK_OK(mst_memmgr_set_policy(s->mm, 1, MST_SAVED_FC2_INPUT, MST_POLICY_RECOMPUTE));
     }
     if (su->recompute) {
-        mst_recompute_config rc;
+        mst_recompute_config rc = MST_RECOMPUTE_CONFIG_INIT;
         CHECK_OK(mst_recompute_parse(su->recompute, &rc));
         CHECK_OK(mst_memmgr_set_recompute(s->mm, &rc));
     }
@@ -170,10 +170,10 @@ static void policies_and_schedules(mst_ctx_t* ctx, const mst_mlp_config* mlp, ms
     int32_t* a = (int32_t*)malloc(sizeof(int32_t) * L * M * E);
     random_counts(rng, a, 0.8);
     const mst_schedule_config scheds[] = {
-        {MST_SCHEDULE_PLAIN, 1, 0, M, 1},
-        {MST_SCHEDULE_1F1B, 4, 0, M, 1},
-        {MST_SCHEDULE_1F1B, 4, 2, M, 1},
-        {MST_SCHEDULE_INTERLEAVED, 2, 0, M, 2},
+        {sizeof(mst_schedule_config), MST_SCHEDULE_PLAIN, 1, 0, M, 1},
+        {sizeof(mst_schedule_config), MST_SCHEDULE_1F1B, 4, 0, M, 1},
+        {sizeof(mst_schedule_config), MST_SCHEDULE_1F1B, 4, 2, M, 1},
+        {sizeof(mst_schedule_config), MST_SCHEDULE_INTERLEAVED, 2, 0, M, 2},
     };
     const char* specs[] = {"stash", "offload", "recompute", "fc1_input=stash,act_input=offload,fc2_input=recompute",
                            "act_input=stash,probs=offload", "fc1_input=stash,probs=offload", NULL};
@@ -183,7 +183,7 @@ static void policies_and_schedules(mst_ctx_t* ctx, const mst_mlp_config* mlp, ms
         CHECK_OK(mst_stack_create(ctx, mlp, L, M, scheds[si].virtual_stages, R, 5, s));
         setup keep = {"keep", scheds[si], "keep", NULL, 0, 0, MST_STREAM_MAIN, 0};
         int ov;
-        mst_mem_report_t rk, r;
+        mst_mem_report_t rk = MST_MEM_REPORT_INIT, r = MST_MEM_REPORT_INIT;
         grads base = run_setup(ctx, s, &keep, a, a, &ov, &rk);
         CHECK(!ov, "keep overflowed");
         for (size_t pi = 0; pi < sizeof specs / sizeof specs[0]; pi++) {
@@ -242,9 +242,9 @@ static void overflow_rerun(mst_ctx_t* ctx, mst_stack* s, mst_rng* rng) {
     int32_t* heavy = (int32_t*)malloc(sizeof(int32_t) * L * M * E);
     random_counts(rng, light, 0.3);
     random_counts(rng, heavy, 0.95);
-    setup su = {"stash overflow", {MST_SCHEDULE_1F1B, 4, 0, M, 1}, "stash", NULL, 0, 0, MST_STREAM_MAIN, 0};
+    setup su = {"stash overflow", {sizeof(mst_schedule_config), MST_SCHEDULE_1F1B, 4, 0, M, 1}, "stash", NULL, 0, 0, MST_STREAM_MAIN, 0};
     int ov, ov2;
-    mst_mem_report_t r1, r2;
+    mst_mem_report_t r1 = MST_MEM_REPORT_INIT, r2 = MST_MEM_REPORT_INIT;
     grads g_over = run_setup(ctx, s, &su, light, heavy, &ov, &r1);
     CHECK(ov, "pools sized on light routing did not overflow on heavy routing");
     CHECK(r1.overflows == 1 && r1.reruns == 1, "report: %d overflows, %d reruns", r1.overflows, r1.reruns);
@@ -252,7 +252,7 @@ static void overflow_rerun(mst_ctx_t* ctx, mst_stack* s, mst_rng* rng) {
     CHECK(!ov2, "pools sized on heavy routing overflowed");
     compare(&g_big, &g_over, "rerun after overflow");
     setup keep = {"keep", su.sched, "keep", NULL, 0, 0, MST_STREAM_MAIN, 0};
-    mst_mem_report_t rk;
+    mst_mem_report_t rk = MST_MEM_REPORT_INIT;
     grads g_keep = run_setup(ctx, s, &keep, heavy, heavy, &ov2, &rk);
     compare(&g_keep, &g_over, "rerun after overflow vs keep");
     CHECK(rk.exact_bytes < rk.static_keep_bytes, "exact %zu >= static keep %zu", rk.exact_bytes, rk.static_keep_bytes);
@@ -271,10 +271,10 @@ static void host_spill(mst_ctx_t* ctx, mst_stack* s, mst_rng* rng) {
         for (int g = 0; g < E; g++) want += lt[g], sum += hv[g] = lt[g] * 5 / 4;
         hv[0] += want * 5 / 4 + 1 - sum;
     }
-    const mst_schedule_config sc = {MST_SCHEDULE_1F1B, 4, 0, M, 1};
+    const mst_schedule_config sc = {sizeof(mst_schedule_config), MST_SCHEDULE_1F1B, 4, 0, M, 1};
     setup su = {"stash, device 1.0 + host 1.0", sc, "stash", NULL, 1.0, 1.0, MST_STREAM_MAIN, 0};
     int ov;
-    mst_mem_report_t r, rk;
+    mst_mem_report_t r = MST_MEM_REPORT_INIT, rk = MST_MEM_REPORT_INIT;
     grads g = run_setup(ctx, s, &su, light, heavy, &ov, &r);
     CHECK(!ov, "%s: overflowed instead of spilling", su.name);
     CHECK(r.host_pages_peak_bytes > 0 && r.dev_pages_peak_bytes == r.dev_pages_bytes,
@@ -364,9 +364,9 @@ static void pool_sizing(mst_ctx_t* ctx, const mst_mlp_config* mlp, mst_rng* rng)
         for (int g = 0; g < E; g++) rows[mb] += a[(int64_t)mb * E + g]; /* layer 0; every layer alike */
     }
     const mst_schedule_config scheds[] = {
-        {MST_SCHEDULE_1F1B, 4, 3, M, 1},        /* last stage: one microbatch in flight */
-        {MST_SCHEDULE_1F1B, 4, 2, M, 1},        /* two */
-        {MST_SCHEDULE_INTERLEAVED, 2, 1, M, 2}, /* two chunks */
+        {sizeof(mst_schedule_config), MST_SCHEDULE_1F1B, 4, 3, M, 1},        /* last stage: one microbatch in flight */
+        {sizeof(mst_schedule_config), MST_SCHEDULE_1F1B, 4, 2, M, 1},        /* two */
+        {sizeof(mst_schedule_config), MST_SCHEDULE_INTERLEAVED, 2, 1, M, 2}, /* two chunks */
     };
     for (size_t si = 0; si < sizeof scheds / sizeof scheds[0]; si++) {
         mst_stack stack, *s = &stack;
@@ -378,7 +378,7 @@ static void pool_sizing(mst_ctx_t* ctx, const mst_mlp_config* mlp, mst_rng* rng)
         model_peaks(sch, n_sch, scheds[si].virtual_stages, rows, peak, sum);
         setup su = {"stash", scheds[si], "stash", NULL, 0, 0, MST_STREAM_MAIN, 0};
         int ov;
-        mst_mem_report_t r;
+        mst_mem_report_t r = MST_MEM_REPORT_INIT;
         grads g = run_setup(ctx, s, &su, a, a, &ov, &r);
         CHECK(!ov, "schedule %zu overflowed on the counts it was sized with", si);
         size_t want_cap = 0, want_peak = 0, all_saves = 0;
@@ -400,11 +400,113 @@ static void pool_sizing(mst_ctx_t* ctx, const mst_mlp_config* mlp, mst_rng* rng)
     free(a);
 }
 
+/* A schedule that lists a microbatch's steps out of order is refused at
+ * create, naming the entry: two chunks (V = 2), so that chunk 0's own order
+ * (which mst_schedule_sets checks too) stays right while chunk 1's backward
+ * comes before its forward, or the microbatch's backward of chunk 0 comes
+ * before its forward of chunk 1. Each from a valid interleaved schedule with
+ * two entries swapped. */
+static void schedule_order(mst_ctx_t* ctx) {
+    const int32_t M = 2, V = 2, n = 2 * M * V;
+    mst_schedule_config sc = MST_SCHEDULE_CONFIG_INIT;
+    sc.kind = MST_SCHEDULE_INTERLEAVED, sc.stages = 1, sc.microbatches = M, sc.virtual_stages = V;
+    mst_sched_entry good[8], bad[8];
+    CHECK_OK(mst_schedule_make(&sc, good, n));
+    mst_memmgr_config mc = MST_MEMMGR_CONFIG_INIT;
+    mc.n_layers = 4, mc.n_microbatches = M, mc.virtual_stages = V, mc.max_rows = 64, mc.hidden = 16, mc.ffn = 8;
+    mc.n_schedule = n;
+    mst_memmgr_t* m = NULL;
+    mc.schedule = good;
+    CHECK_OK(mst_memmgr_create(ctx, &mc, &m));
+    mst_memmgr_destroy(m);
+    /* two entries of the valid schedule, swapped; the message of the first */
+    const struct { mst_sched_entry a, b; const char* msg; } cases[] = {
+        {{0, 1, 0}, {1, 1, 0}, "backward of (chunk 1, mb 0) before the forward of (chunk 1, mb 0)"},
+        {{0, 1, 1}, {1, 0, 1}, "backward of (chunk 0, mb 1) before the forward of (chunk 1, mb 1)"},
+        {{0, 1, 0}, {0, 0, 0}, "forward of (chunk 1, mb 0) out of order"},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        memcpy(bad, good, sizeof good);
+        int ia = -1, ib = -1;
+        for (int i = 0; i < n; i++) {
+            if (!memcmp(&bad[i], &cases[c].a, sizeof bad[i])) ia = i;
+            if (!memcmp(&bad[i], &cases[c].b, sizeof bad[i])) ib = i;
+        }
+        CHECK(ia >= 0 && ib >= 0, "case %zu: entries not in the schedule", c);
+        if (ia < 0 || ib < 0) continue;
+        mst_sched_entry t = bad[ia];
+        bad[ia] = bad[ib], bad[ib] = t;
+        const int first = ia < ib ? ia : ib;
+        mc.schedule = bad;
+        m = NULL;
+        CHECK_STATUS(mst_memmgr_create(ctx, &mc, &m), MST_ERR_INVALID);
+        CHECK(m == NULL, "case %zu: a refused create returned a manager", c);
+        char at[32];
+        snprintf(at, sizeof at, "schedule[%d]", first);
+        CHECK(strstr(mst_last_error(), at) && strstr(mst_last_error(), cases[c].msg),
+              "case %zu: message '%s' should name %s and say '%s'", c, mst_last_error(), at, cases[c].msg);
+    }
+}
+
+/* The per-layer policy table: each layer its own mix (layer l stashes name
+ * l % 4 and offloads name (l + 1) % 4, the rest kept), so that a policy
+ * applied to another layer changes what some (layer, name) gets. KEEP's
+ * buffer of (layer, mb, name) exists exactly when that layer keeps that name
+ * (mst_memmgr_keep_buffer), and the forward saver hands it out (produce);
+ * any other policy gets the name's compute buffer, shared by the layers. */
+static void policy_table(mst_ctx_t* ctx) {
+    const int32_t NL = 6, NM = 2;
+    mst_schedule_config sc = MST_SCHEDULE_CONFIG_INIT;
+    sc.kind = MST_SCHEDULE_PLAIN, sc.stages = 1, sc.microbatches = NM, sc.virtual_stages = 1;
+    mst_sched_entry sch[4];
+    CHECK_OK(mst_schedule_make(&sc, sch, 2 * NM));
+    mst_memmgr_config mc = MST_MEMMGR_CONFIG_INIT;
+    mc.n_layers = NL, mc.n_microbatches = NM, mc.virtual_stages = 1, mc.max_rows = 64, mc.hidden = 16, mc.ffn = 8;
+    mc.schedule = sch, mc.n_schedule = 2 * NM;
+    mst_memmgr_t* m = NULL;
+    CHECK_OK(mst_memmgr_create(ctx, &mc, &m));
+    mst_policy want[6][MST_N_SAVED];
+    for (int32_t l = 0; l < NL; l++)
+        for (int n = 0; n < MST_N_SAVED; n++) {
+            want[l][n] = n == l % 4 ? MST_POLICY_STASH : n == (l + 1) % 4 ? MST_POLICY_OFFLOAD : MST_POLICY_KEEP;
+            CHECK_OK(mst_memmgr_set_policy(m, l, (mst_saved_name)n, want[l][n]));
+        }
+    void* compute[MST_N_SAVED] = {0};
+    CHECK_OK(mst_memmgr_step_begin(m, 1));
+    for (int32_t mb = 0; mb < NM; mb++)
+        for (int32_t l = 0; l < NL; l++) {
+            const mst_saver* sv = NULL;
+            CHECK_OK(mst_memmgr_forward(m, l, mb, &sv));
+            for (int n = 0; n < MST_N_SAVED; n++) {
+                const mst_saved_name nm = (mst_saved_name)n;
+                int64_t cols;
+                mst_dtype dt;
+                CHECK_OK(mst_saved_shape(nm, mc.hidden, mc.ffn, &cols, &dt));
+                mst_tensor kb, got;
+                CHECK_OK(mst_memmgr_keep_buffer(m, l, mb, nm, &kb));
+                CHECK_OK(sv->produce(sv->self, nm, mc.max_rows, cols, dt, &got));
+                const int keep = want[l][n] == MST_POLICY_KEEP;
+                CHECK((kb.data != NULL) == keep, "layer %d mb %d %s (%s): keep buffer %s", l, mb,
+                      mst_saved_name_str(nm), mst_policy_str(want[l][n]), kb.data ? "given" : "absent");
+                if (keep) {
+                    CHECK(got.data == kb.data, "layer %d mb %d %s: produce did not hand out its keep buffer", l, mb,
+                          mst_saved_name_str(nm));
+                    continue;
+                }
+                if (!compute[n]) compute[n] = got.data;
+                CHECK(got.data && got.data == compute[n], "layer %d mb %d %s (%s): produce gave %p, not the shared "
+                      "compute buffer %p", l, mb, mst_saved_name_str(nm), mst_policy_str(want[l][n]), got.data,
+                      compute[n]);
+            }
+        }
+    mst_memmgr_destroy(m);
+}
+
 static void bad_input(mst_ctx_t* ctx) {
-    mst_schedule_config sc = {MST_SCHEDULE_1F1B, 2, 0, 2, 1};
+    mst_schedule_config sc = {sizeof(mst_schedule_config), MST_SCHEDULE_1F1B, 2, 0, 2, 1};
     mst_sched_entry sch[4];
     CHECK_OK(mst_schedule_make(&sc, sch, 4));
-    mst_memmgr_config mc = {2, 2, 1, 64, 16, 8, sch, 4, 16, 0, 0, NULL, NULL};
+    mst_memmgr_config mc = {sizeof(mst_memmgr_config), 2, 2, 1, 64, 16, 8, sch, 4, 16, 0, 0, NULL, NULL};
     mst_memmgr_t* m = NULL;
     mc.n_schedule = 3;
     CHECK_STATUS(mst_memmgr_create(ctx, &mc, &m), MST_ERR_INVALID);
@@ -416,6 +518,7 @@ static void bad_input(mst_ctx_t* ctx) {
     mc.schedule = swapped;
     CHECK_STATUS(mst_memmgr_create(ctx, &mc, &m), MST_ERR_INVALID);
     mc.schedule = sch;
+    schedule_order(ctx);
     CHECK_OK(mst_memmgr_create(ctx, &mc, &m));
     CHECK_STATUS(mst_memmgr_set_policy_spec(m, "fc3_input=stash"), MST_ERR_INVALID);
     CHECK(strstr(mst_last_error(), "fc3_input") != NULL, "message names fc3_input: %s", mst_last_error());
@@ -423,7 +526,7 @@ static void bad_input(mst_ctx_t* ctx) {
     CHECK(strstr(mst_last_error(), "squash") != NULL, "message names squash: %s", mst_last_error());
     CHECK_STATUS(mst_memmgr_set_policy(m, 0, MST_SAVED_ACT_INPUT, MST_POLICY_RECOMPUTE), MST_ERR_INVALID);
     CHECK_STATUS(mst_memmgr_set_policy(m, 5, MST_SAVED_ACT_INPUT, MST_POLICY_KEEP), MST_ERR_INVALID);
-    mst_recompute_config rc = {MST_RECOMPUTE_BLOCK, 3};
+    mst_recompute_config rc = {sizeof(mst_recompute_config), MST_RECOMPUTE_BLOCK, 3};
     CHECK_STATUS(mst_memmgr_set_recompute(m, &rc), MST_ERR_INVALID);
     mst_tensor kb;
     CHECK_STATUS(mst_memmgr_keep_buffer(m, 2, 0, MST_SAVED_FC1_INPUT, &kb), MST_ERR_INVALID);
@@ -476,13 +579,13 @@ static mst_status share_scaled(void* user, int64_t* needs, int32_t n) {
 /* A STASH manager of 1F1B on one stage into s->mm, sharing needs through
  * share (NULL: none). */
 static void stash_mm(mst_ctx_t* ctx, mst_stack* s, const mst_sched_entry* sch, int n, share_log* share) {
-    mst_memmgr_config mc = {L, M, 1, R, H, F, sch, n, PAGE, 1.10, 0, share ? share_scaled : NULL, share};
+    mst_memmgr_config mc = {sizeof(mst_memmgr_config), L, M, 1, R, H, F, sch, n, PAGE, 1.10, 0, share ? share_scaled : NULL, share};
     CHECK_OK(mst_memmgr_create(ctx, &mc, &s->mm));
     CHECK_OK(mst_memmgr_set_policy_spec(s->mm, "stash"));
 }
 
 static size_t dev_pages_bytes(const mst_memmgr_t* mm) {
-    mst_mem_report_t r;
+    mst_mem_report_t r = MST_MEM_REPORT_INIT;
     CHECK_OK(mst_mem_report(mm, &r));
     return r.dev_pages_bytes;
 }
@@ -508,7 +611,7 @@ static void pool_growth(mst_ctx_t* ctx, mst_stack* s, mst_rng* rng) {
             for (int g = 0; g < E; g++) got += c[g] = light[((int64_t)l * M + mb) * E + g] * 13 / 10;
             c[0] += (total * 13 + 9) / 10 - got;
         }
-    const mst_schedule_config sc = {MST_SCHEDULE_1F1B, 4, 0, M, 1};
+    const mst_schedule_config sc = {sizeof(mst_schedule_config), MST_SCHEDULE_1F1B, 4, 0, M, 1};
     mst_sched_entry sch[2 * M];
     CHECK_OK(mst_schedule_make(&sc, sch, 2 * M));
     stash_mm(ctx, s, sch, 2 * M, NULL);
@@ -554,7 +657,7 @@ static void shared_needs(mst_ctx_t* ctx, mst_stack* s, mst_rng* rng) {
         for (int g = 0; g < E; g++) rows[mb] += a[(int64_t)mb * E + g]; /* layer 0; every layer alike */
         most = rows[mb] > most ? rows[mb] : most;
     }
-    const mst_schedule_config sc = {MST_SCHEDULE_1F1B, 4, 0, M, 1};
+    const mst_schedule_config sc = {sizeof(mst_schedule_config), MST_SCHEDULE_1F1B, 4, 0, M, 1};
     mst_sched_entry sch[2 * M];
     CHECK_OK(mst_schedule_make(&sc, sch, 2 * M));
     model_peaks(sch, 2 * M, 1, rows, peak, sum);
@@ -597,6 +700,7 @@ static void run(mst_ctx_t* ctx) {
     for (mst_stream_sel sel = cuda ? MST_STREAM_MAIN : MST_STREAM_RING; sel < MST_N_STREAMS; sel++)
         policies_and_schedules(ctx, &mlp, &rng, sel, cuda ? (int64_t)1 << 20 : 1);
     bad_input(ctx);
+    policy_table(ctx);
     policy_specs();
 }
 

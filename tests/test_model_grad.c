@@ -316,11 +316,11 @@ static void check_model(mst_ctx_t* ctx, const mst_mem_config* mem, const char* l
 static void run(mst_ctx_t* ctx) {
     check_model(ctx, NULL, "every activation kept");
     mst_mem_config full = mst_mem_config_default();
-    full.recompute = (mst_recompute_config){MST_RECOMPUTE_UNIFORM, 2};
+    full.recompute = (mst_recompute_config){sizeof(mst_recompute_config), MST_RECOMPUTE_UNIFORM, 2};
     full.recompute_mtp = 1;
     check_model(ctx, &full, "whole-layer recompute uniform:2 (MTP layer included)");
     mst_mem_config block = mst_mem_config_default();
-    block.recompute = (mst_recompute_config){MST_RECOMPUTE_BLOCK, 1};
+    block.recompute = (mst_recompute_config){sizeof(mst_recompute_config), MST_RECOMPUTE_BLOCK, 1};
     block.recompute_mtp = 1;
     block.policy = "stash";
     check_model(ctx, &block, "whole-layer recompute block:1 + --recompute-mtp, stash");

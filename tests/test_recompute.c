@@ -82,13 +82,13 @@ static void memory(mst_ctx_t* ctx) {
     c.steps = 1;
     mst_train_result none = {0}, uni = {0}, mtp = {0}, moe = {0};
     CHECK_OK(mst_train_run(ctx, &c, NULL, &none));
-    c.mem.recompute = (mst_recompute_config){MST_RECOMPUTE_UNIFORM, 1};
+    c.mem.recompute = (mst_recompute_config){sizeof(mst_recompute_config), MST_RECOMPUTE_UNIFORM, 1};
     CHECK_OK(mst_train_run(ctx, &c, NULL, &uni));
     c.mem.recompute_mtp = 1;
-    c.mem.recompute = (mst_recompute_config){MST_RECOMPUTE_NONE, 0};
+    c.mem.recompute = (mst_recompute_config){sizeof(mst_recompute_config), MST_RECOMPUTE_NONE, 0};
     CHECK_OK(mst_train_run(ctx, &c, NULL, &mtp));
     c.mem.recompute_mtp = 0;
-    c.mem.recompute = (mst_recompute_config){MST_RECOMPUTE_UNIFORM, 1};
+    c.mem.recompute = (mst_recompute_config){sizeof(mst_recompute_config), MST_RECOMPUTE_UNIFORM, 1};
     c.mem.recompute_full = 0;
     CHECK_OK(mst_train_run(ctx, &c, NULL, &moe));
     const mst_mem_table *n = &none.mem, *u = &uni.mem, *p = &mtp.mem, *o = &moe.mem;
@@ -121,12 +121,12 @@ static void over_budget(mst_ctx_t* ctx) {
     mst_train_config c = tiny("stash", MST_SCHEDULE_1F1B);
     mst_train_result base = {0}, r = {0};
     CHECK_OK(mst_train_run(ctx, &c, NULL, &base));
-    c.mem.recompute = (mst_recompute_config){MST_RECOMPUTE_UNIFORM, 2};
+    c.mem.recompute = (mst_recompute_config){sizeof(mst_recompute_config), MST_RECOMPUTE_UNIFORM, 2};
     c.mem.recompute_mtp = 1;
     c.force_over_budget = 2;
     c.model.capacity_factor = 0.6f; /* over budget on most steps: exact-shape reruns */
     mst_train_config b = c;
-    b.mem.recompute = (mst_recompute_config){MST_RECOMPUTE_NONE, 0};
+    b.mem.recompute = (mst_recompute_config){sizeof(mst_recompute_config), MST_RECOMPUTE_NONE, 0};
     b.mem.recompute_mtp = 0;
     mst_train_result_free(&base);
     CHECK_OK(mst_train_run(ctx, &b, NULL, &base));
@@ -140,11 +140,11 @@ static void over_budget(mst_ctx_t* ctx) {
 static void refused(mst_ctx_t* ctx) {
     mst_train_config c = tiny("keep", MST_SCHEDULE_PLAIN);
     mst_train_result r = {0};
-    c.mem.recompute = (mst_recompute_config){MST_RECOMPUTE_BLOCK, 5}; /* 4 layers with the MTP layer */
+    c.mem.recompute = (mst_recompute_config){sizeof(mst_recompute_config), MST_RECOMPUTE_BLOCK, 5}; /* 4 layers with the MTP layer */
     CHECK_STATUS(mst_train_run(ctx, &c, NULL, &r), MST_ERR_INVALID);
     CHECK(strstr(mst_last_error(), "--recompute 'block:5'") != NULL, "message '%s'", mst_last_error());
     mst_train_result_free(&r);
-    c.mem.recompute = (mst_recompute_config){MST_RECOMPUTE_NONE, 0};
+    c.mem.recompute = (mst_recompute_config){sizeof(mst_recompute_config), MST_RECOMPUTE_NONE, 0};
     c.mem.recompute_mtp = 1;
     c.model.mtp_weight = 0;
     CHECK_STATUS(mst_train_run(ctx, &c, NULL, &r), MST_ERR_INVALID);

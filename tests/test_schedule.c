@@ -45,7 +45,7 @@ static int check_properties(const mst_schedule_config* c, const mst_sched_entry*
 
 static void known_orders(void) {
     /* 1F1B, 4 stages, first rank, 6 microbatches: 3 warm-up forwards. */
-    mst_schedule_config c = {MST_SCHEDULE_1F1B, 4, 0, 6, 1};
+    mst_schedule_config c = {sizeof(mst_schedule_config), MST_SCHEDULE_1F1B, 4, 0, 6, 1};
     mst_sched_entry e[12];
     CHECK_OK(mst_schedule_make(&c, e, 12));
     const char* want = "F0F1F2F3B0F4B1F5B2B3B4B5";
@@ -62,7 +62,7 @@ static void known_orders(void) {
     for (int i = 0; i < 12; i++)
         CHECK(e[i].backward == (i & 1) && e[i].microbatch == i / 2, "last rank entry %d", i);
     /* plain: all forwards, then backwards from the last microbatch */
-    c = (mst_schedule_config){MST_SCHEDULE_PLAIN, 1, 0, 3, 1};
+    c = (mst_schedule_config){sizeof(mst_schedule_config), MST_SCHEDULE_PLAIN, 1, 0, 3, 1};
     CHECK_OK(mst_schedule_make(&c, e, 6));
     CHECK(!e[2].backward && e[3].backward && e[3].microbatch == 2 && e[5].microbatch == 0,
           "plain order");
@@ -102,7 +102,7 @@ static void properties(void) {
             for (int r = 0; r < S; r++)
                 for (int M = S; M <= 3 * S; M += S)
                     for (int V = kind == 2 ? 2 : 1; V <= (kind == 0 ? 2 : kind == 1 ? 1 : 3); V++) {
-                        mst_schedule_config c = {(mst_schedule_kind)kind, S, r, M, V};
+                        mst_schedule_config c = {sizeof(mst_schedule_config), (mst_schedule_kind)kind, S, r, M, V};
                         int n = 2 * M * V;
                         mst_sched_entry* e = (mst_sched_entry*)malloc(sizeof *e * n);
                         mst_status st = mst_schedule_make(&c, e, n);
@@ -125,12 +125,12 @@ static void properties(void) {
 static void bad_schedules(void) {
     mst_sched_entry e[64];
     mst_schedule_config bad[] = {
-        {MST_SCHEDULE_1F1B, 4, 4, 4, 1},        /* rank past stages           */
-        {MST_SCHEDULE_1F1B, 0, 0, 4, 1},        /* no stages                  */
-        {MST_SCHEDULE_1F1B, 2, 0, 0, 1},        /* no microbatches            */
-        {MST_SCHEDULE_INTERLEAVED, 4, 0, 6, 2}, /* 6 not a multiple of 4      */
-        {MST_SCHEDULE_INTERLEAVED, 2, 0, 4, 1}, /* interleaved needs V >= 2   */
-        {MST_SCHEDULE_1F1B, 2, 0, 4, 2},        /* 1f1b with chunks           */
+        {sizeof(mst_schedule_config), MST_SCHEDULE_1F1B, 4, 4, 4, 1},        /* rank past stages           */
+        {sizeof(mst_schedule_config), MST_SCHEDULE_1F1B, 0, 0, 4, 1},        /* no stages                  */
+        {sizeof(mst_schedule_config), MST_SCHEDULE_1F1B, 2, 0, 0, 1},        /* no microbatches            */
+        {sizeof(mst_schedule_config), MST_SCHEDULE_INTERLEAVED, 4, 0, 6, 2}, /* 6 not a multiple of 4      */
+        {sizeof(mst_schedule_config), MST_SCHEDULE_INTERLEAVED, 2, 0, 4, 1}, /* interleaved needs V >= 2   */
+        {sizeof(mst_schedule_config), MST_SCHEDULE_1F1B, 2, 0, 4, 2},        /* 1f1b with chunks           */
     };
     const char* const why[] = {"rank = 4, must be in [0, stages = 4)", "stages = 0", "microbatches = 0",
                                "microbatches = 6 with schedule interleaved", "virtual_stages = 1 with schedule interleaved",
@@ -149,7 +149,7 @@ static void bad_schedules(void) {
     CHECK_STATUS(mst_schedule_sets(stray, 2, 1, set_of, &n_sets), MST_ERR_INVALID);
     CHECK(strstr(mst_last_error(), "microbatch 4") != NULL, "sets, microbatch 4 of 1: '%s'", mst_last_error());
     CHECK_STATUS(mst_schedule_sets(early + 1, 1, 1, set_of, &n_sets), MST_ERR_INVALID); /* no backward */
-    mst_schedule_config ok = {MST_SCHEDULE_1F1B, 2, 0, 4, 1};
+    mst_schedule_config ok = {sizeof(mst_schedule_config), MST_SCHEDULE_1F1B, 2, 0, 4, 1};
     CHECK_STATUS(mst_schedule_make(&ok, e, 7), MST_ERR_INVALID);
     CHECK(strstr(mst_last_error(), "n_out = 7") != NULL, "message does not name n_out: %s", mst_last_error());
     mst_schedule_kind k;
@@ -160,7 +160,7 @@ static void bad_schedules(void) {
 }
 
 static void recompute_plans(void) {
-    mst_recompute_config c;
+    mst_recompute_config c = MST_RECOMPUTE_CONFIG_INIT;
     int32_t cs[6];
     CHECK_OK(mst_recompute_parse("uniform:2", &c));
     CHECK_OK(mst_recompute_plan(&c, 5, cs));
@@ -180,7 +180,7 @@ static void recompute_plans(void) {
         CHECK(strstr(mst_last_error(), bad[i]) != NULL, "message does not name '%s': %s", bad[i],
               mst_last_error());
     }
-    c = (mst_recompute_config){MST_RECOMPUTE_BLOCK, 6};
+    c = (mst_recompute_config){sizeof(mst_recompute_config), MST_RECOMPUTE_BLOCK, 6};
     CHECK_STATUS(mst_recompute_plan(&c, 5, cs), MST_ERR_INVALID); /* more layers than the stage has */
 }
 

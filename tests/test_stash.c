@@ -139,7 +139,7 @@ static void env_close(env* e) {
 /* The pool's counters and invariants against the model. */
 static void expect_pool(env* e, const char* what) {
     CHECK_STATUS(mst_pool_check(e->pool), MST_OK);
-    mst_pool_stats s;
+    mst_pool_stats s = MST_POOL_STATS_INIT;
     CHECK_OK(mst_pool_stats_get(e->pool, &s));
     CHECK(s.dev_used == e->m.used[0] && s.host_used == e->m.used[1],
           "%s: %lld + %lld pages used, model %lld + %lld", what, (long long)s.dev_used,
@@ -218,7 +218,7 @@ static void random_interleave(mst_ctx_t* ctx, mst_rng* rng, mst_dtype dt, int64_
     const int64_t R_max = 3 * page_rows + mst_rng_int(rng, 1, 2 * page_rows);
     const int64_t worst = n_slots * ((R_max + page_rows - 1) / page_rows);
     /* copy_sms 0 (all) or 1-3: a persistent grid far smaller than the copy */
-    mst_pool_config cfg = {page_rows, (int64_t)(worst * dev_share), 0, (int32_t)mst_rng_int(rng, 0, 3)};
+    mst_pool_config cfg = {sizeof(mst_pool_config), page_rows, (int64_t)(worst * dev_share), 0, (int32_t)mst_rng_int(rng, 0, 3)};
     cfg.n_host_pages = worst - cfg.n_dev_pages; /* spills, never overflows */
     env e;
     if (!env_open(&e, ctx, rng, dt, width, &cfg, n_slots, R_max)) return;
@@ -244,7 +244,7 @@ static void random_interleave(mst_ctx_t* ctx, mst_rng* rng, mst_dtype dt, int64_
 static void pipeline_order(mst_ctx_t* ctx, mst_rng* rng) {
     enum { M = 12, W = 4 };
     const int64_t pr = 16, R = 150;
-    mst_pool_config cfg = {pr, (W + 1) * ((R + pr - 1) / pr) / 2, (W + 1) * ((R + pr - 1) / pr), 0};
+    mst_pool_config cfg = {sizeof(mst_pool_config), pr, (W + 1) * ((R + pr - 1) / pr) / 2, (W + 1) * ((R + pr - 1) / pr), 0};
     env e;
     if (!env_open(&e, ctx, rng, MST_DTYPE_BF16, 40, &cfg, M, R)) return;
     int order[M];
@@ -268,7 +268,7 @@ static void pipeline_order(mst_ctx_t* ctx, mst_rng* rng) {
 /* Spill: device block of 3 pages, the rest page by page to the host block. */
 static void spill(mst_ctx_t* ctx, mst_rng* rng) {
     const int64_t pr = 8;
-    mst_pool_config cfg = {pr, 3, 40, 0};
+    mst_pool_config cfg = {sizeof(mst_pool_config), pr, 3, 40, 0};
     env e;
     if (!env_open(&e, ctx, rng, MST_DTYPE_BF16, 72, &cfg, 3, 100)) return;
     do_save(&e, 0, 8 * pr + 3); /* 9 pages: 3 device, 6 host */
@@ -297,7 +297,7 @@ static int32_t read_flag(mst_ctx_t* ctx, const int32_t* dev_flag) {
  * are no-ops, earlier handles restore intact, reset recovers. */
 static void overflow(mst_ctx_t* ctx, mst_rng* rng) {
     const int64_t pr = 8;
-    mst_pool_config cfg = {pr, 3, 2, 0};
+    mst_pool_config cfg = {sizeof(mst_pool_config), pr, 3, 2, 0};
     env e;
     if (!env_open(&e, ctx, rng, MST_DTYPE_BF16, 24, &cfg, 4, 80)) return;
     CHECK_OK(mst_ctx_check(ctx));
@@ -351,7 +351,7 @@ static void overflow(mst_ctx_t* ctx, mst_rng* rng) {
  * handle's rows from the same src restores bit-exact. */
 static void handle_capacity(mst_ctx_t* ctx, mst_rng* rng) {
     const int64_t pr = 8, R_max = 80;
-    mst_pool_config cfg = {pr, 20, 4, 0};
+    mst_pool_config cfg = {sizeof(mst_pool_config), pr, 20, 4, 0};
     env e;
     if (!env_open(&e, ctx, rng, MST_DTYPE_BF16, 24, &cfg, 2, R_max)) return;
     slot* s = &e.slots[0];
@@ -381,8 +381,8 @@ static void sizing(mst_ctx_t* ctx, mst_rng* rng) {
     enum { N = 6 };
     int64_t rows[N];
     for (int i = 0; i < N; i++) rows[i] = mst_rng_int(rng, 1, R - R / 3);
-    mst_pool_config measure = {pr, N * ((R + pr - 1) / pr), 0, 0};
-    mst_pool_stats peak = {0};
+    mst_pool_config measure = {sizeof(mst_pool_config), pr, N * ((R + pr - 1) / pr), 0, 0};
+    mst_pool_stats peak = MST_POOL_STATS_INIT;
     const double factors[3][2] = {{0, 0}, {MST_POOL_DEV_FACTOR, MST_POOL_HOST_FACTOR}, {0.5, 0.6}};
     for (int run = 0; run < 3; run++) {
         mst_pool_config cfg = measure;
@@ -397,7 +397,7 @@ static void sizing(mst_ctx_t* ctx, mst_rng* rng) {
         const int rest[] = {3, 0, 5, 2, 4};
         for (int k = 0; k < 5; k++) do_restore(&e, rest[k], "sizing");
         expect_pool(&e, "sizing");
-        mst_pool_stats s;
+        mst_pool_stats s = MST_POOL_STATS_INIT;
         CHECK_OK(mst_pool_stats_get(e.pool, &s));
         CHECK(s.total_peak == e.m.peak_total, "sizing run %d: peak %lld pages, model %lld", run,
               (long long)s.total_peak, (long long)e.m.peak_total);
@@ -416,7 +416,7 @@ static void sizing(mst_ctx_t* ctx, mst_rng* rng) {
 static void bad_input(mst_ctx_t* ctx, mst_rng* rng) {
     const int cpu = mst_ctx_backend(ctx) == MST_BACKEND_CPU;
     const int64_t pr = 8, W = 16;
-    mst_pool_config cfg = {pr, 20, 0, 0};
+    mst_pool_config cfg = {sizeof(mst_pool_config), pr, 20, 0, 0};
     mst_pool_t* p = NULL;
     CHECK_STATUS(mst_pool_create(NULL, MST_DTYPE_BF16, W, &cfg, &p), MST_ERR_INVALID);
     CHECK_STATUS(mst_pool_create(ctx, MST_DTYPE_INT32, W, &cfg, &p), MST_ERR_INVALID);
@@ -424,19 +424,19 @@ static void bad_input(mst_ctx_t* ctx, mst_rng* rng) {
     CHECK_STATUS(mst_pool_create(ctx, MST_DTYPE_BF16, 0, &cfg, &p), MST_ERR_INVALID);
     CHECK(strstr(mst_last_error(), "width") != NULL, "message does not name width: %s", mst_last_error());
     CHECK_STATUS(mst_pool_create(ctx, MST_DTYPE_BF16, W, NULL, &p), MST_ERR_INVALID);
-    mst_pool_config bad = {12, 20, 0, 0};
+    mst_pool_config bad = {sizeof(mst_pool_config), 12, 20, 0, 0};
     CHECK_STATUS(mst_pool_create(ctx, MST_DTYPE_BF16, W, &bad, &p), MST_ERR_INVALID);
     CHECK(strstr(mst_last_error(), "page_rows = 12") != NULL, "message: %s", mst_last_error());
-    bad = (mst_pool_config){8, 0, 0, 0};
+    bad = (mst_pool_config){sizeof(mst_pool_config), 8, 0, 0, 0};
     CHECK_STATUS(mst_pool_create(ctx, MST_DTYPE_BF16, W, &bad, &p), MST_ERR_INVALID);
-    bad = (mst_pool_config){8, -1, 5, 0};
+    bad = (mst_pool_config){sizeof(mst_pool_config), 8, -1, 5, 0};
     CHECK_STATUS(mst_pool_create(ctx, MST_DTYPE_BF16, W, &bad, &p), MST_ERR_INVALID);
-    bad = (mst_pool_config){8, 20, 0, -1};
+    bad = (mst_pool_config){sizeof(mst_pool_config), 8, 20, 0, -1};
     CHECK_STATUS(mst_pool_create(ctx, MST_DTYPE_BF16, W, &bad, &p), MST_ERR_INVALID);
     CHECK(strstr(mst_last_error(), "copy_sms = -1") != NULL, "message: %s", mst_last_error());
     CHECK(p == NULL, "a failed create left a pool");
-    mst_pool_config out;
-    mst_pool_stats st0 = {.page_rows = 64, .total_peak = 10};
+    mst_pool_config out = MST_POOL_CONFIG_INIT;
+    mst_pool_stats st0 = {.struct_size = sizeof(mst_pool_stats), .page_rows = 64, .total_peak = 10};
     CHECK_STATUS(mst_pool_config_from_peak(&st0, -1, 0, &out), MST_ERR_INVALID);
     CHECK_STATUS(mst_pool_config_from_peak(&st0, 0, 0, &out), MST_ERR_INVALID);
     CHECK_OK(mst_pool_config_from_peak(&st0, 1.10, 0.25, &out));
@@ -522,7 +522,7 @@ static void bad_input(mst_ctx_t* ctx, mst_rng* rng) {
 /* Unaligned rows (a view one element in): the element-wise copy path. */
 static void unaligned(mst_ctx_t* ctx, mst_rng* rng) {
     const int64_t pr = 8, W = 5, R = 61;
-    mst_pool_config cfg = {pr, 4, 8, 0};
+    mst_pool_config cfg = {sizeof(mst_pool_config), pr, 4, 8, 0};
     env e;
     if (!env_open(&e, ctx, rng, MST_DTYPE_BF16, W, &cfg, 0, R + 1)) return;
     const int64_t n = 53;
@@ -580,7 +580,7 @@ static mst_status seq_enqueue(graph_seq* g) {
 
 static void graph_replay(mst_ctx_t* ctx, mst_rng* rng, int64_t W) {
     const int64_t pr = 16, R = 200;
-    mst_pool_config cfg = {pr, 14, 13, 0}; /* two live saves of <= 13 pages: spills */
+    mst_pool_config cfg = {sizeof(mst_pool_config), pr, 14, 13, 0}; /* two live saves of <= 13 pages: spills */
     env e;
     if (!env_open(&e, ctx, rng, MST_DTYPE_BF16, W, &cfg, G_SLOTS, R)) return;
     graph_seq g = {&e, {{0}}, {{0}}, {{0}}};
@@ -643,7 +643,7 @@ static void graph_replay(mst_ctx_t* ctx, mst_rng* rng, int64_t W) {
             CHECK(mst_guarded_intact(ctx, &g.dst[i]), "graph replay %d: guards", rep);
         }
         CHECK_OK(mst_pool_check(e.pool));
-        mst_pool_stats s;
+        mst_pool_stats s = MST_POOL_STATS_INIT;
         CHECK_OK(mst_pool_stats_get(e.pool, &s));
         CHECK(s.dev_used == 0 && s.host_used == 0 && !s.overflowed, "graph replay %d: %lld + %lld pages left",
               rep, (long long)s.dev_used, (long long)s.host_used);
@@ -681,7 +681,7 @@ static void claim(mst_ctx_t* ctx, mst_rng* rng) {
     mst_rng_bf16(rng, rows, (size_t)(R * W), 1.0);
     mst_rng_bf16(rng, poison, (size_t)(R * W), 1.0);
     for (int big = 1; big >= 0; big--) { /* enough pages, then one page only */
-        mst_pool_config cfg = {pr, big ? max_pages + 2 : 1, 0, 0};
+        mst_pool_config cfg = {sizeof(mst_pool_config), pr, big ? max_pages + 2 : 1, 0, 0};
         mst_pool_t* pool = NULL;
         mst_stash_handle_t* h = NULL;
         CHECK_OK(mst_pool_create(ctx, MST_DTYPE_BF16, W, &cfg, &pool));
@@ -738,7 +738,7 @@ static void state_io(mst_pool_t* pool, mst_pool_state* st, int write) {
  * state put back, it passes again. */
 static void check_sees_corruption(mst_ctx_t* ctx, mst_rng* rng) {
     env e;
-    mst_pool_config cfg = {16, 8, 4, 0};
+    mst_pool_config cfg = {sizeof(mst_pool_config), 16, 8, 4, 0};
     if (!env_open(&e, ctx, rng, MST_DTYPE_BF16, 24, &cfg, 2, 64)) return;
     do_save(&e, 0, 40); /* 3 device pages */
     expect_pool(&e, "before the corruption");

@@ -7,4 +7,4 @@ stash for mixture-of-experts layers.
 from ._lib import InvalidArgument, MoestashError, Overflow, version  # noqa: F401
 from ._lib import path as library_path  # noqa: F401
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -47,15 +47,29 @@ class Overflow(MoestashError):
 
 
 # ---- structs ---------------------------------------------------------------
+# Each mirrors the C struct named by its _c_name, field for field (checked
+# against the header by python/tests/test_layout.py, which compiles a program
+# that prints the C sizes and offsets).
+
+
+class _Sized(ctypes.Structure):
+    """A struct that may grow: its first field, struct_size, is set to this
+    mirror's size (moestash.h, "struct sizes"); positional arguments fill the
+    fields after it."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(ctypes.sizeof(type(self)), *args, **kw)
 
 
 class Pages(ctypes.Structure):
+    _c_name = "mst_pages"
     _fields_ = [("table", ctypes.c_void_p), ("block", ctypes.c_void_p * 2),
                 ("n_pages", ctypes.c_int64 * 2), ("page_rows", ctypes.c_int64),
                 ("table_rows", ctypes.c_int64)]
 
 
 class Tensor(ctypes.Structure):
+    _c_name = "mst_tensor"
     _fields_ = [("data", ctypes.c_void_p), ("dtype", ctypes.c_int), ("rows", ctypes.c_int64),
                 ("cols", ctypes.c_int64), ("pages", ctypes.POINTER(Pages))]
 
@@ -70,27 +84,33 @@ CLAIM = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.POI
                          ctypes.POINTER(Pages))
 
 
-class Saver(ctypes.Structure):
-    _fields_ = [("self", ctypes.c_void_p), ("produce", PRODUCE), ("commit", COMMIT),
-                ("fetch", FETCH), ("release", RELEASE), ("claim", CLAIM)]
+class Saver(_Sized):
+    _c_name = "mst_saver"
+    _fields_ = [("struct_size", ctypes.c_size_t), ("self", ctypes.c_void_p), ("produce", PRODUCE),
+                ("commit", COMMIT), ("fetch", FETCH), ("release", RELEASE), ("claim", CLAIM)]
 
 
-class MlpConfig(ctypes.Structure):
-    _fields_ = [("n_groups", ctypes.c_int32), ("hidden", ctypes.c_int64), ("ffn", ctypes.c_int64),
-                ("act", ctypes.c_int), ("clamp_limit", ctypes.c_float), ("clamp_alpha", ctypes.c_float)]
+class MlpConfig(_Sized):
+    _c_name = "mst_mlp_config"
+    _fields_ = [("struct_size", ctypes.c_size_t), ("n_groups", ctypes.c_int32), ("hidden", ctypes.c_int64),
+                ("ffn", ctypes.c_int64), ("act", ctypes.c_int), ("clamp_limit", ctypes.c_float),
+                ("clamp_alpha", ctypes.c_float)]
 
 
 class MlpWeights(ctypes.Structure):
+    _c_name = "mst_mlp_weights"
     _fields_ = [(n, Tensor) for n in ("w1", "b1", "w2", "b2", "g_w1", "g_b1", "g_w2", "g_b2")]
 
 
-class PoolConfig(ctypes.Structure):
-    _fields_ = [("page_rows", ctypes.c_int64), ("n_dev_pages", ctypes.c_int64),
-                ("n_host_pages", ctypes.c_int64), ("copy_sms", ctypes.c_int32)]
+class PoolConfig(_Sized):
+    _c_name = "mst_pool_config"
+    _fields_ = [("struct_size", ctypes.c_size_t), ("page_rows", ctypes.c_int64),
+                ("n_dev_pages", ctypes.c_int64), ("n_host_pages", ctypes.c_int64), ("copy_sms", ctypes.c_int32)]
 
 
-class PoolStats(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int64) for n in (
+class PoolStats(_Sized):
+    _c_name = "mst_pool_stats"
+    _fields_ = [("struct_size", ctypes.c_size_t)] + [(n, ctypes.c_int64) for n in (
         "page_rows", "page_bytes", "n_dev_pages", "n_host_pages", "dev_used", "host_used",
         "dev_peak", "host_peak", "total_peak", "spilled_pages")] + [("overflowed", ctypes.c_int32)]
 

@@ -114,7 +114,7 @@ static int run_cuda(hello* he) {
     ep_check* c = calloc(1, sizeof *c);
     c->seed = 1234567u + (uint64_t)he->l.rank;
     const int64_t R = (int64_t)N_TOK * TOPK * he->l.world;
-    mst_ep_config cfg = {.n_experts = EXPERTS_PER_RANK * he->l.world, .top_k = TOPK, .hidden = HID,
+    mst_ep_config cfg = {.struct_size = sizeof(mst_ep_config), .n_experts = EXPERTS_PER_RANK * he->l.world, .top_k = TOPK, .hidden = HID,
                          .max_tokens = N_TOK, .max_rows = R};
     int rc = 1;
     if (mst_ctx_create(MST_BACKEND_CUDA, he->l.local_rank, &c->ctx) != MST_OK) fail(he, "device LOCAL_RANK");

@@ -75,6 +75,13 @@ mst_status mst_check_shape(const mst_tensor* t, const char* name, int64_t rows, 
  * and a block wherever pages are counted. */
 mst_status mst_check_pages(const mst_pages* pg, const char* name);
 
+/* A public struct that may grow (moestash.h, "struct sizes"): MST_OK when
+ * `got`, its struct_size, is a size of `type` this library knows (today only
+ * `want`, its sizeof); else MST_ERR_INVALID naming the argument, the struct,
+ * both sizes and the initializer. */
+mst_status mst_check_struct_size(const char* arg, const char* type, size_t got, size_t want);
+#define MST_CHECK_STRUCT(arg, ptr, type) mst_check_struct_size(arg, #type, (ptr)->struct_size, sizeof(type))
+
 /* Scratch of at least n_bytes in *ws, grown (never shrunk) on demand. */
 mst_status mst_workspace(mst_ctx_t* ctx, mst_ws* ws, size_t n_bytes, void** out);
 

@@ -35,6 +35,19 @@ mst_status mst_set_error(mst_status s, const char* fmt, ...) {
     return s;
 }
 
+mst_status mst_check_struct_size(const char* arg, const char* type, size_t got, size_t want) {
+    if (got == want) return MST_OK;
+    char init[64]; /* the initializer: "mst_mem_report_t" -> "MST_MEM_REPORT_INIT" */
+    size_t n = 0;
+    for (const char* c = type; *c && n + 1 < sizeof init; c++) init[n++] = (char)(*c >= 'a' && *c <= 'z' ? *c - 32 : *c);
+    init[n] = 0;
+    if (n > 2 && init[n - 2] == '_' && init[n - 1] == 'T') init[n -= 2] = 0;
+    return mst_set_error(MST_ERR_INVALID,
+                         "%s (%s) has struct_size %zu, this library knows %zu: set it with %s_INIT "
+                         "(a program built against another moestash.h?)",
+                         arg, type, got, want, init);
+}
+
 mst_status mst_check_ctx(const mst_ctx_t* ctx) {
     if (!ctx) return mst_set_error(MST_ERR_INVALID, "ctx is NULL");
     return MST_OK;

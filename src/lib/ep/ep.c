@@ -33,6 +33,7 @@ mst_status mst_ep_alloc(mst_ep_t** out) {
 
 mst_status mst_ep_check_config(const mst_ep_config* c, int world) {
     if (!c) return mst_set_error(MST_ERR_INVALID, "cfg is NULL");
+    MST_TRY(MST_CHECK_STRUCT("cfg", c, mst_ep_config));
     if (c->n_experts < 1 || c->n_experts % world != 0)
         return mst_set_error(MST_ERR_INVALID, "cfg.n_experts = %d: must be a positive multiple of the world size %d",
                              c->n_experts, world);

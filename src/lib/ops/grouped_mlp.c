@@ -26,7 +26,13 @@
 #include "ops_state.h"
 
 mst_mlp_config mst_mlp_config_default(int32_t n_groups, int64_t hidden, int64_t ffn) {
-    mst_mlp_config c = {n_groups, hidden, ffn, MST_ACT_SWIGLU, 7.0f, 1.702f};
+    mst_mlp_config c = MST_MLP_CONFIG_INIT;
+    c.n_groups = n_groups;
+    c.hidden = hidden;
+    c.ffn = ffn;
+    c.act = MST_ACT_SWIGLU;
+    c.clamp_limit = 7.0f;
+    c.clamp_alpha = 1.702f;
     return c;
 }
 
@@ -34,6 +40,7 @@ static int present(const mst_tensor* t) { return t->data != NULL; }
 
 static mst_status check_config(const mst_mlp_config* cfg) {
     if (!cfg) return mst_set_error(MST_ERR_INVALID, "cfg is NULL");
+    MST_TRY(MST_CHECK_STRUCT("cfg", cfg, mst_mlp_config));
     if (cfg->n_groups <= 0 || cfg->hidden <= 0 || cfg->ffn <= 0)
         return mst_set_error(MST_ERR_INVALID,
                              "cfg: n_groups = %d, hidden = %lld, ffn = %lld: all must be > 0",
@@ -75,6 +82,7 @@ static mst_status check_common(mst_ctx_t* ctx, const mst_mlp_config* cfg,
                                const mst_saver* saver, int with_grad) {
     MST_TRY(mst_check_ctx(ctx));
     MST_TRY(check_config(cfg));
+    if (saver) MST_TRY(MST_CHECK_STRUCT("saver", saver, mst_saver));
     if (!w) return mst_set_error(MST_ERR_INVALID, "w is NULL");
     const int64_t E = cfg->n_groups, H = cfg->hidden, F = cfg->ffn;
     MST_TRY(check_like(counts, "counts", MST_DTYPE_INT32, E, 1));

@@ -207,6 +207,7 @@ mst_status mst_saver_basic_create(mst_ctx_t* ctx, int64_t max_rows,
     if (!out) return mst_set_error(MST_ERR_INVALID, "out is NULL");
     *out = NULL;
     if (!cfg) return mst_set_error(MST_ERR_INVALID, "cfg is NULL");
+    MST_TRY(MST_CHECK_STRUCT("cfg", cfg, mst_mlp_config));
     if (!policies) return mst_set_error(MST_ERR_INVALID, "policies is NULL");
     if (max_rows <= 0) return mst_set_error(MST_ERR_INVALID, "max_rows = %lld", (long long)max_rows);
     if (cfg->hidden <= 0 || cfg->ffn <= 0)
@@ -216,7 +217,7 @@ mst_status mst_saver_basic_create(mst_ctx_t* ctx, int64_t max_rows,
     mst_saver_basic_t* s = (mst_saver_basic_t*)calloc(1, sizeof *s);
     if (!s) return mst_set_error(MST_ERR_OOM, "basic saver");
     s->ctx = ctx;
-    s->saver = (mst_saver){s, basic_produce, basic_commit, basic_fetch, basic_release, NULL};
+    s->saver = (mst_saver){sizeof(mst_saver), s, basic_produce, basic_commit, basic_fetch, basic_release, NULL};
     for (int n = 0; n < MST_N_SAVED; n++) {
         int64_t cols;
         mst_dtype dt;

@@ -13,8 +13,9 @@
 mst_status mst_recompute_parse(const char* spec, mst_recompute_config* out) {
     if (!spec) return mst_set_error(MST_ERR_INVALID, "recompute spec is NULL");
     if (!out) return mst_set_error(MST_ERR_INVALID, "out is NULL");
+    MST_TRY(MST_CHECK_STRUCT("out", out, mst_recompute_config));
     if (strcmp(spec, "none") == 0) {
-        *out = (mst_recompute_config){MST_RECOMPUTE_NONE, 0};
+        *out = (mst_recompute_config){sizeof(mst_recompute_config), MST_RECOMPUTE_NONE, 0};
         return MST_OK;
     }
     const char* colon = strchr(spec, ':');
@@ -29,13 +30,14 @@ mst_status mst_recompute_parse(const char* spec, mst_recompute_config* out) {
     long n = colon ? strtol(colon + 1, &end, 10) : 0;
     if (!colon || end == colon + 1 || *end != '\0' || n < 1 || n > 1 << 20)
         return mst_set_error(MST_ERR_INVALID, "recompute '%s': N must be an integer >= 1", spec);
-    *out = (mst_recompute_config){m, (int32_t)n};
+    *out = (mst_recompute_config){sizeof(mst_recompute_config), m, (int32_t)n};
     return MST_OK;
 }
 
 mst_status mst_recompute_plan(const mst_recompute_config* cfg, int32_t n_layers,
                               int32_t* chunk_start) {
     if (!cfg) return mst_set_error(MST_ERR_INVALID, "cfg is NULL");
+    MST_TRY(MST_CHECK_STRUCT("cfg", cfg, mst_recompute_config));
     if (!chunk_start) return mst_set_error(MST_ERR_INVALID, "chunk_start is NULL");
     if (n_layers < 1) return mst_set_error(MST_ERR_INVALID, "n_layers = %d, must be >= 1", n_layers);
     if (cfg->method != MST_RECOMPUTE_NONE && (cfg->num_layers < 1 || cfg->num_layers > n_layers))

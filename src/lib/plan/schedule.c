@@ -94,6 +94,7 @@ static void make_pipelined(const mst_schedule_config* c, mst_sched_entry* out) {
 mst_status mst_schedule_make(const mst_schedule_config* cfg, mst_sched_entry* out, int32_t n_out) {
     if (!cfg) return mst_set_error(MST_ERR_INVALID, "cfg is NULL");
     if (!out) return mst_set_error(MST_ERR_INVALID, "out is NULL");
+    MST_TRY(MST_CHECK_STRUCT("cfg", cfg, mst_schedule_config));
     MST_TRY(check_config(cfg));
     int64_t n = 2 * (int64_t)cfg->microbatches * cfg->virtual_stages;
     if (n_out != n)

@@ -18,6 +18,27 @@ mst_status mst_mm_check_layer_mb(const mst_memmgr_t* m, int32_t l, int32_t mb) {
 
 /* ---- creation ------------------------------------------------------------- */
 
+/* Entry i of a schedule: in range, and the next step of its microbatch,
+ * whose steps are forward of chunk 0 .. V-1, then backward of V-1 .. 0
+ * (done[mb] of them taken so far). */
+static mst_status check_entry(mst_sched_entry e, int32_t i, int32_t V, int32_t M, int32_t* done) {
+    if (e.chunk < 0 || e.chunk >= V || e.microbatch < 0 || e.microbatch >= M)
+        return mst_set_error(MST_ERR_INVALID, "schedule[%d] = (chunk %d, mb %d) out of range", i, e.chunk, e.microbatch);
+    const char* what = e.backward ? "backward" : "forward";
+    const int32_t k = done[e.microbatch]++, step = e.backward ? 2 * V - 1 - e.chunk : e.chunk;
+    if (e.backward && k < V) /* the microbatch's forward is not through */
+        return mst_set_error(MST_ERR_INVALID, "schedule[%d]: backward of (chunk %d, mb %d) before the forward of "
+                             "(chunk %d, mb %d)", i, e.chunk, e.microbatch, k, e.microbatch);
+    if (step != k)
+        return mst_set_error(MST_ERR_INVALID,
+                             "schedule[%d]: %s of (chunk %d, mb %d) out of order: mb %d runs forward of chunks "
+                             "0 .. %d, then backward of %d .. 0; its next is the %s of chunk %d",
+                             i, what, e.chunk, e.microbatch, e.microbatch, V - 1, V - 1,
+                             k < V ? "forward" : k < 2 * V ? "backward" : "end (none)",
+                             k < V ? k : 2 * V - 1 - k);
+    return MST_OK;
+}
+
 static mst_status check_config(const mst_memmgr_config* c) {
     if (c->n_layers < 1) return mst_set_error(MST_ERR_INVALID, "n_layers = %d, must be >= 1", c->n_layers);
     if (c->n_microbatches < 1)
@@ -35,24 +56,14 @@ static mst_status check_config(const mst_memmgr_config* c) {
     if (!c->schedule || c->n_schedule != want)
         return mst_set_error(MST_ERR_INVALID, "schedule has %d entries, expected 2 M V = %lld",
                              c->schedule ? c->n_schedule : 0, (long long)want);
-    /* each (chunk, mb) forward and backward once, forward first */
+    /* each microbatch in its order: forward chunk 0 .. V-1, then backward V-1 .. 0 */
     int32_t V = c->virtual_stages, M = c->n_microbatches;
-    int* seen = (int*)calloc((size_t)(V * M), sizeof(int));
-    if (!seen) return mst_set_error(MST_ERR_OOM, "schedule check");
+    int32_t* done = (int32_t*)calloc((size_t)M, sizeof(int32_t)); /* [M] steps of mb taken */
+    if (!done) return mst_set_error(MST_ERR_OOM, "schedule check");
     mst_status st = MST_OK;
-    for (int32_t i = 0; i < c->n_schedule && st == MST_OK; i++) {
-        mst_sched_entry e = c->schedule[i];
-        if (e.chunk < 0 || e.chunk >= V || e.microbatch < 0 || e.microbatch >= M) {
-            st = mst_set_error(MST_ERR_INVALID, "schedule[%d] = (chunk %d, mb %d) out of range", i, e.chunk, e.microbatch);
-            break;
-        }
-        int* s = &seen[e.microbatch * V + e.chunk];
-        if (*s != (e.backward ? 1 : 0))
-            st = mst_set_error(MST_ERR_INVALID, "schedule[%d]: %s of (chunk %d, mb %d) out of order", i,
-                               e.backward ? "backward" : "forward", e.chunk, e.microbatch);
-        (*s)++;
-    }
-    free(seen);
+    for (int32_t i = 0; i < c->n_schedule && st == MST_OK; i++)
+        st = check_entry(c->schedule[i], i, V, M, done);
+    free(done);
     return st;
 }
 
@@ -61,6 +72,7 @@ mst_status mst_memmgr_create(mst_ctx_t* ctx, const mst_memmgr_config* cfg, mst_m
     if (!cfg) return mst_set_error(MST_ERR_INVALID, "cfg is NULL");
     if (!out) return mst_set_error(MST_ERR_INVALID, "out is NULL");
     *out = NULL;
+    MST_TRY(MST_CHECK_STRUCT("cfg", cfg, mst_memmgr_config));
     MST_TRY(check_config(cfg));
     mst_memmgr_t* m = (mst_memmgr_t*)calloc(1, sizeof *m);
     if (!m) return mst_set_error(MST_ERR_OOM, "memory manager");
@@ -383,7 +395,9 @@ const int32_t* mst_memmgr_overflow_flag(const mst_memmgr_t* m) { return m ? m->c
 
 mst_status mst_mem_report(const mst_memmgr_t* m, mst_mem_report_t* out) {
     if (!m || !out) return mst_set_error(MST_ERR_INVALID, "m or out is NULL");
+    MST_TRY(MST_CHECK_STRUCT("out", out, mst_mem_report_t));
     *out = m->rep;
+    out->struct_size = sizeof *out;
     out->recompute_bytes = 0;
     for (int32_t l = 0; l < m->cfg.n_layers; l++)
         for (int n = 0; n < MST_N_SAVED; n++)
@@ -392,7 +406,7 @@ mst_status mst_mem_report(const mst_memmgr_t* m, mst_mem_report_t* out) {
     for (int n = 0; n < MST_N_SAVED; n++)
         for (int k = 0; k < 2; k++) {
             if (!m->pool[n][k]) continue;
-            mst_pool_stats st;
+            mst_pool_stats st = MST_POOL_STATS_INIT;
             MST_TRY(mst_pool_stats_get(m->pool[n][k], &st));
             out->dev_pages_bytes += (size_t)(st.n_dev_pages * st.page_bytes);
             out->dev_pages_peak_bytes += (size_t)(st.dev_peak * st.page_bytes);
@@ -410,7 +424,7 @@ mst_status mst_memmgr_check(mst_memmgr_t* m) {
         for (int k = 0; k < 2; k++) {
             if (!m->pool[n][k]) continue;
             MST_TRY(mst_pool_check(m->pool[n][k]));
-            mst_pool_stats st;
+            mst_pool_stats st = MST_POOL_STATS_INIT;
             MST_TRY(mst_pool_stats_get(m->pool[n][k], &st));
             if (!m->in_step && st.dev_used + st.host_used != 0)
                 return mst_set_error(MST_ERR_STATE, "pool of %s (%s) holds %lld pages between steps",

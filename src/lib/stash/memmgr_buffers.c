@@ -184,7 +184,7 @@ static int64_t sized_restore_rows(const mst_memmgr_t* m) {
 void mst_mm_release_pools(mst_memmgr_t* m) {
     for (int n = 0; n < MST_N_SAVED; n++)
         for (int k = 0; k < 2; k++) {
-            mst_pool_stats st;
+            mst_pool_stats st = MST_POOL_STATS_INIT;
             if (!m->pool[n][k] || mst_pool_stats_get(m->pool[n][k], &st) != MST_OK) continue;
             m->had_pages[n][k][0] = st.n_dev_pages, m->had_pages[n][k][1] = st.n_host_pages;
             mst_mm_free_handles(m, (mst_saved_name)n, k);
@@ -260,9 +260,9 @@ mst_status mst_mm_size_pools(mst_memmgr_t* m) {
         for (int k = 0; k < 2; k++) {
             const mst_saved_name nm = (mst_saved_name)n;
             if (!pool_used(m, nm, k)) continue;
-            mst_pool_stats measured = {0};
+            mst_pool_stats measured = MST_POOL_STATS_INIT;
             measured.total_peak = m->peak_pages[n][k];
-            mst_pool_config pc;
+            mst_pool_config pc = MST_POOL_CONFIG_INIT;
             MST_TRY(mst_pool_config_from_peak(&measured, k ? 0.0 : m->cfg.dev_factor,
                                               k ? m->cfg.dev_factor : m->cfg.host_factor, &pc));
             pc.page_rows = m->cfg.page_rows;

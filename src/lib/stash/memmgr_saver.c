@@ -287,7 +287,7 @@ const mst_saver* mst_mm_saver_for(mst_memmgr_t* m, int32_t l, int32_t mb, int mo
     r->layer = l;
     r->mb = mb;
     r->mode = mode;
-    r->saver = (mst_saver){r, sv_produce, sv_commit, sv_fetch, sv_release, sv_claim};
+    r->saver = (mst_saver){sizeof(mst_saver), r, sv_produce, sv_commit, sv_fetch, sv_release, sv_claim};
     return &r->saver;
 }
 

@@ -19,7 +19,9 @@ static mst_status need_slot(const mst_ctx_t* ctx, int present, const char* name)
 /* ---- sizing -------------------------------------------------------------- */
 
 mst_pool_config mst_pool_config_default(int64_t n_dev_pages) {
-    mst_pool_config c = {MST_POOL_PAGE_ROWS, n_dev_pages, 0, 0};
+    mst_pool_config c = MST_POOL_CONFIG_INIT;
+    c.page_rows = MST_POOL_PAGE_ROWS;
+    c.n_dev_pages = n_dev_pages;
     return c;
 }
 
@@ -27,6 +29,8 @@ mst_status mst_pool_config_from_peak(const mst_pool_stats* measured, double dev_
                                      double host_factor, mst_pool_config* out) {
     if (!measured) return mst_set_error(MST_ERR_INVALID, "measured is NULL");
     if (!out) return mst_set_error(MST_ERR_INVALID, "out is NULL");
+    MST_TRY(MST_CHECK_STRUCT("measured", measured, mst_pool_stats));
+    MST_TRY(MST_CHECK_STRUCT("out", out, mst_pool_config));
     if (!(dev_factor >= 0) || !(host_factor >= 0) || dev_factor + host_factor <= 0)
         return mst_set_error(MST_ERR_INVALID,
                              "dev_factor = %g, host_factor = %g: both >= 0, not both 0",
@@ -44,6 +48,7 @@ mst_status mst_pool_config_from_peak(const mst_pool_stats* measured, double dev_
 
 static mst_status check_config(const mst_pool_config* cfg, int64_t row_bytes) {
     if (!cfg) return mst_set_error(MST_ERR_INVALID, "cfg is NULL");
+    MST_TRY(MST_CHECK_STRUCT("cfg", cfg, mst_pool_config));
     if (cfg->page_rows <= 0 || cfg->page_rows % 8 != 0)
         return mst_set_error(MST_ERR_INVALID, "cfg.page_rows = %lld: a positive multiple of 8",
                              (long long)cfg->page_rows);
@@ -144,10 +149,12 @@ static mst_status read_state(mst_pool_t* pool, mst_pool_state* st) {
 mst_status mst_pool_stats_get(mst_pool_t* pool, mst_pool_stats* out) {
     if (!pool) return mst_set_error(MST_ERR_INVALID, "pool is NULL");
     if (!out) return mst_set_error(MST_ERR_INVALID, "out is NULL");
+    MST_TRY(MST_CHECK_STRUCT("out", out, mst_pool_stats));
     mst_pool_state st;
     MST_TRY(read_state(pool, &st));
     const int64_t* cap = pool->a.cap;
     *out = (mst_pool_stats){
+        .struct_size = sizeof(mst_pool_stats),
         .page_rows = pool->a.page_rows,
         .page_bytes = pool->page_bytes,
         .n_dev_pages = cap[MST_BLK_DEV],

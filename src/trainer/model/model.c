@@ -43,7 +43,7 @@ const char* mst_attn_kind_str(int32_t kind) {
 
 mst_mem_config mst_mem_config_default(void) {
     mst_mem_config c = {.policy = "keep", .schedule = MST_SCHEDULE_PLAIN, .virtual_stages = 1, .pool_factor = 1.10,
-                        .recompute_full = 1};
+                        .recompute = MST_RECOMPUTE_CONFIG_INIT, .recompute_full = 1};
     return c;
 }
 
@@ -56,7 +56,7 @@ mst_status mst_model_ep_config(const mst_model_config* c, int32_t world, mst_ep_
     MST_TRY(mst_model_config_check(c));
     if (world < 1 || c->ep != world)
         return BAD("--ep %d: on %d ranks the expert groups are the ranks (--ep %d)", c->ep, world, world);
-    mst_ep_config e = {.n_experts = c->experts, .top_k = c->top_k, .hidden = c->hidden,
+    mst_ep_config e = {.struct_size = sizeof(mst_ep_config), .n_experts = c->experts, .top_k = c->top_k, .hidden = c->hidden,
                        .max_tokens = c->batch * c->seq, .max_rows = mst_model_max_rows(c, world)};
     *out = e; /* pair_rows 0: N k, which no routing passes; path auto */
     return MST_OK;
@@ -425,7 +425,8 @@ static mst_status make_schedule(mst_model* m) {
     if (V < 1 || L1 % V)
         return BAD("--schedule %s: %d chunks do not divide the %d layers (--layers + the MTP layer)",
                    mst_schedule_kind_str(mc->schedule), V, L1);
-    mst_schedule_config sc = {mc->schedule, 1, 0, m->n_micro, V};
+    mst_schedule_config sc = {.struct_size = sizeof sc, .kind = mc->schedule, .stages = 1, .rank = 0,
+                              .microbatches = m->n_micro, .virtual_stages = V};
     m->n_sched = 2 * m->n_micro * V;
     m->layers_per_chunk = L1 / V;
     m->sched = (mst_sched_entry*)malloc(sizeof *m->sched * (size_t)m->n_sched);
@@ -472,7 +473,7 @@ static mst_status share_needs(void* user, int64_t* needs, int32_t n) {
 /* A manager for rows of R per group (G R in all), with the run's policies. */
 static mst_status make_memmgr(mst_model* m, int64_t R, mst_memmgr_t** out) {
     const mst_model_config* c = &m->cfg;
-    mst_memmgr_config mc = {.n_layers = c->layers + 1, .n_microbatches = m->n_micro,
+    mst_memmgr_config mc = {.struct_size = sizeof mc, .n_layers = c->layers + 1, .n_microbatches = m->n_micro,
                             .virtual_stages = m->mem_cfg.virtual_stages, .max_rows = R * m->row_groups,
                             .hidden = c->hidden, .ffn = c->ffn, .schedule = m->sched,
                             .n_schedule = m->n_sched, .page_rows = 64,

@@ -189,7 +189,7 @@ static mst_status over_ranks(mst_model* m, mst_plan_report* out, mst_status st) 
 static mst_status probe(mst_ctx_t* ctx, const mst_train_config* cfg, mst_data* d, mst_plan_report* out) {
     mst_mem_config mem = cfg->mem;
     mem.policy = PROBE_POLICY;
-    mem.recompute = (mst_recompute_config){MST_RECOMPUTE_NONE, 0};
+    mem.recompute = (mst_recompute_config)MST_RECOMPUTE_CONFIG_INIT; /* none */
     mem.recompute_mtp = 0;
     mem.layer_policy = NULL;
     mem.chunk_start = NULL;
@@ -246,7 +246,7 @@ mst_status mst_plan_budget(mst_ctx_t* ctx, const mst_train_config* cfg, mst_data
 
 void mst_plan_apply(const mst_plan_report* r, mst_train_config* cfg) {
     cfg->mem.policy = "keep"; /* layer_policy decides */
-    cfg->mem.recompute = (mst_recompute_config){MST_RECOMPUTE_NONE, 0};
+    cfg->mem.recompute = (mst_recompute_config)MST_RECOMPUTE_CONFIG_INIT; /* none */
     cfg->mem.recompute_mtp = 0;
     cfg->mem.recompute_full = r->plan.full;
     cfg->mem.layer_policy = r->plan.policy;

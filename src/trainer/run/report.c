@@ -71,6 +71,7 @@ mst_status mst_train_memory_table(mst_model* m, mst_train_result* res) {
     res->peak_rows = (int32_t*)malloc(sizeof(int32_t) * (size_t)(L1 * G));
     if (!res->peak_rows) return mst_set_error(MST_ERR_OOM, "peak rows");
     MST_TRY(mst_model_peak_rows(m, res->peak_rows));
+    res->mem.manager = (mst_mem_report_t)MST_MEM_REPORT_INIT;
     MST_TRY(mst_mem_report(m->mm, &res->mem.manager));
     size_t exact_saved = 0, exact_rows_max = 0;
     for (int64_t l = 0; l < L1; l++) {

@@ -18,7 +18,7 @@ typedef struct pages_seen {
 
 static mst_status see_pages(mst_model* m, int32_t entry, void* user) {
     pages_seen* p = (pages_seen*)user;
-    mst_mem_report_t r;
+    mst_mem_report_t r = MST_MEM_REPORT_INIT;
     MST_TRY(mst_ctx_sync(m->ctx));
     MST_TRY(mst_mem_report(m->mm, &r));
     p->dev[entry + 1] = (double)r.dev_pages_used_bytes;
