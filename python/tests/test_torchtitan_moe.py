@@ -2,7 +2,7 @@
 locally: 8 experts top-2, dim 64, hidden 32, softmax router with an expert
 bias) patched onto moestash against the same module unpatched, on one
 batch: output, the input's gradient and every parameter's gradient;
-route_norm on and off; fp32 and bf16 parameters. Both sides compute the
+route_norm on and off; fp32 and bf16 parameters; CPU and CUDA. Both sides compute the
 experts in bf16 (torchtitan casts x and the weights to bf16 for
 torch._grouped_mm) and round in different places (torchtitan: silu(x w1)
 and its product with x w3 each to bf16; the library: act_input, then
@@ -27,7 +27,7 @@ E, K, D, F = 8, 2, 64, 32
 TOL = 2e-2
 
 
-def make(dtype, route_norm):
+def make(dtype, route_norm, device="cpu"):
     cfg = moe.MoE.Config(
         num_experts=E,
         routed_experts=moe.RoutedExperts.Config(
@@ -41,7 +41,7 @@ def make(dtype, route_norm):
         for p in m.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.2)
         m.expert_bias_E.copy_(torch.randn(E, generator=g) * 0.05)
-    return m.to(dtype)
+    return m.to(device=device, dtype=dtype)
 
 
 def rel(a, b):
@@ -58,14 +58,14 @@ def run(m, x):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("route_norm", [True, False], ids=["norm", "no_norm"])
-def test_patched_matches_torchtitan(dtype, route_norm):
-    ref = make(dtype, route_norm)
+def test_patched_matches_torchtitan(device, dtype, route_norm):
+    ref = make(dtype, route_norm, device)
     ours = copy.deepcopy(ref)
     before = dict(ours.named_parameters())
     (experts,) = mt.patch_torchtitan_moe(ours)
     assert experts is ours.routed_experts.inner_experts
     assert dict(ours.named_parameters()) == before  # the same parameter objects, the same names
-    x = torch.randn(3, 16, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x = torch.randn(3, 16, D, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
     (y0, dx0, g0), (y1, dx1, g1) = run(ref, x), run(ours, x)
     assert torch.equal(ours.tokens_per_expert_E, ref.tokens_per_expert_E)
     assert y1.dtype == y0.dtype and rel(y1, y0) < TOL, rel(y1, y0)
@@ -74,13 +74,13 @@ def test_patched_matches_torchtitan(dtype, route_norm):
         assert g1[n] is not None and g1[n].dtype == g.dtype and rel(g1[n], g) < TOL, f"{n}: {rel(g1[n], g):.3g}"
 
 
-def test_stash_changes_no_bit():
-    keep = make(torch.bfloat16, True)
+def test_stash_changes_no_bit(device):
+    keep = make(torch.bfloat16, True, device)
     paged = copy.deepcopy(keep)
     stash = mt.StashManager(page_rows=16)
     mt.patch_torchtitan_moe(keep)
     mt.patch_torchtitan_moe(paged, policy="stash", stash=stash)
-    x = torch.randn(3, 16, D, generator=torch.Generator().manual_seed(2)).bfloat16()
+    x = torch.randn(3, 16, D, generator=torch.Generator().manual_seed(2)).to(device=device, dtype=torch.bfloat16)
     want = run(keep, x)
     for _ in range(3):
         stash.step_begin()
