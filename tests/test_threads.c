@@ -6,7 +6,13 @@
  * load-balancing loss (hex floats) and the final weights' hash; the three
  * outputs must be the same text. Each child also prints the thread count it
  * ran with, so a run that ignored the variable shows.
+ *
+ * In process: the gradient norm's sum of squares (the model backend's sumsq)
+ * over more than 2^20 values, where the CPU backend runs it in parallel,
+ * gives the same bits with 1, 2, 3 and 8 OpenMP threads (omp_set_num_threads),
+ * and matches a float64 sum within fp32's tolerance, with and without a base.
  */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -14,6 +20,7 @@
 #endif
 
 #include "harness.h"
+#include "trainer/model_ops/model_backend.h"
 #include "trainer/run/trainer.h"
 
 static const char* self_path;
@@ -69,7 +76,64 @@ static int run_child(mst_ctx_t* ctx, int threads, char* out, size_t cap) {
     return pclose(p);
 }
 
+/* sumsq of x [n] fp32 (backend memory) with `threads` OpenMP threads (0: as
+ * is); base [1] fp32 or NULL. */
+static float sumsq(mst_ctx_t* ctx, const mst_model_backend* mo, int64_t n, const float* x, const float* base,
+                   int threads) {
+#ifdef _OPENMP
+    const int before = omp_get_max_threads();
+    if (threads > 0) omp_set_num_threads(threads);
+#else
+    (void)threads;
+#endif
+    float *part = NULL, *out = NULL, got = NAN;
+    CHECK_OK(mst_alloc(ctx, sizeof(float) * MST_SUMSQ_PARTS, (void**)&part));
+    CHECK_OK(mst_alloc(ctx, sizeof(float), (void**)&out));
+    CHECK_OK(mst_fill(ctx, out, 0xFF, sizeof(float))); /* NaN */
+    mst_sumsq_args a = {.n = n, .x = x, .partial = part, .base = base, .out = out};
+    CHECK_OK(mo->sumsq(ctx, &a));
+    CHECK_OK(mst_copy_b2h(ctx, &got, out, sizeof got));
+    mst_free(ctx, part);
+    mst_free(ctx, out);
+#ifdef _OPENMP
+    omp_set_num_threads(before);
+#endif
+    return got;
+}
+
+static void sumsq_threads(mst_ctx_t* ctx) {
+    const mst_model_backend* mo = NULL;
+    CHECK_OK(mst_model_backend_of(ctx, &mo));
+    if (!mo) return;
+    const int64_t n = 3 * ((int64_t)1 << 20) + 4321; /* past the CPU backend's parallel threshold (2^20) */
+    mst_rng rng = {2026};
+    float* h = (float*)malloc(sizeof(float) * (size_t)(n + 1));
+    mst_rng_fp32(&rng, h, (size_t)(n + 1), -1.0, 1.0); /* h[n]: the base */
+    h[n] = fabsf(h[n]) * 1000.0f;
+    float* x = NULL;
+    CHECK_OK(mst_alloc(ctx, sizeof(float) * (size_t)(n + 1), (void**)&x));
+    CHECK_OK(mst_copy_h2b(ctx, x, h, sizeof(float) * (size_t)(n + 1)));
+    double ref = 0;
+    for (int64_t i = 0; i < n; i++) ref += (double)h[i] * h[i];
+    for (int with_base = 0; with_base < 2; with_base++) {
+        const double want = ref + (with_base ? h[n] : 0.0);
+        const float* base = with_base ? x + n : NULL;
+        const float one = sumsq(ctx, mo, n, x, base, 1);
+        CHECK(fabs(one - want) <= MST_TOL_FP32 * want, "sumsq over %lld values%s: %.9g, float64 %.9g", (long long)n,
+              with_base ? " with a base" : "", (double)one, want);
+        const int threads[] = {2, 3, 8, 0};
+        for (size_t t = 0; t < sizeof threads / sizeof threads[0]; t++) {
+            const float got = sumsq(ctx, mo, n, x, base, threads[t]);
+            CHECK(memcmp(&got, &one, sizeof got) == 0, "sumsq over %lld values%s with %d threads: %a, with 1: %a",
+                  (long long)n, with_base ? " with a base" : "", threads[t], (double)got, (double)one);
+        }
+    }
+    mst_free(ctx, x);
+    free(h);
+}
+
 static void run(mst_ctx_t* ctx) {
+    sumsq_threads(ctx);
     static char out[3][4096];
     for (int t = 1; t <= 3; t++) {
         int rc = run_child(ctx, t, out[t - 1], sizeof out[0]);

@@ -52,6 +52,8 @@ if [ "$(id -u)" != 0 ]; then # root reads and writes past the mode bits
 fi
 # train: values
 bad "--steps 'abc'" train --steps=abc
+bad "--steps '10x': expected an integer" train --steps 10x
+bad "--seq '8.5': expected an integer" train --seq 8.5
 bad "--steps '0'" train --steps 0
 bad "--steps ''" train --steps
 bad "--hidden '65536" train --hidden 65536 --heads 8
