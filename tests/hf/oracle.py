@@ -266,8 +266,10 @@ class MTP(torch.nn.Module):
 
     def hub_grads(self, prefix):
         out = {}
+        params = dict(self.named_parameters())
         for hub, mine in self.NAMES.items():
-            out[prefix + hub] = dict(self.named_parameters())[mine].grad
+            g = params[mine].grad
+            out[prefix + hub] = g if g is not None else torch.zeros_like(params[mine])
         for k, g in hub_grads(self.layer).items():
             out[prefix + k] = g
         return out
@@ -385,3 +387,73 @@ def tree_snapshot(path):
         for f in files:
             out.add(os.path.relpath(os.path.join(root, f), path))
     return out
+
+
+# ---- a model whose routing has no near tie ----------------------------------
+#
+# At the usual init (router weights of std 0.02) the softmax over the experts
+# is almost flat: the k-th and (k+1)-th probabilities of a token differ by a
+# few per cent, and bf16 rounding (about 1 % of a router logit) flips the
+# choice of about one token in fifty. A flipped token changes its experts'
+# gradients by a large fraction (a few dozen rows each), so no bound can
+# separate a flip from a bug. The oracle's own model makes the choice
+# robust: token t belongs to group g = t mod G (G = E / k); its embedding
+# carries BETA along hidden dim g, the residual stream's largest component;
+# every router (the MTP layer's too) scores expert e on dim g by
+# ALPHA * SCORE(g, e): group g's own k experts high and apart, the rest at
+# least GAP lower. The rest of the weights are random, so attention, RoPE,
+# the norms and the per-token router probabilities stay generic.
+
+BETA, ALPHA = 1.5, 0.5
+
+
+def _scores(G, E, k):
+    s = torch.full((G, E), 0.0, dtype=torch.float64)
+    for g in range(G):
+        for j in range(E):
+            own = (j - g * k) % E  # group g's experts first
+            s[g, j] = 1.0 - 0.25 * own if own < k else -0.2 - 0.05 * own
+    return s
+
+
+def engineered(c, seed):
+    """(model [float32], mtp module [float32]) for config c."""
+    torch.manual_seed(seed)
+    cfg = hf_config(c)
+    model = Qwen3MoeForCausalLM(cfg).float()
+    mtp = MTP(cfg).float().init_normal(0.02)
+    E, k, H = c["experts"], c["top_k"], c["hidden"]
+    G = E // k
+    s = _scores(G, E, k).float()
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + [("mtp." + n, p) for n, p in mtp.named_parameters()]:
+            if p.dim() == 1:
+                p.copy_(1 + 0.1 * torch.randn_like(p))  # norm weights near 1, not 1
+            else:
+                p.normal_(0.0, 0.05 if "self_attn" in name else 0.02)
+        emb = model.model.embed_tokens.weight
+        for g in range(G):
+            emb[g::G, g] += BETA
+        routers = [l.mlp.gate.weight for l in model.model.layers] + [mtp.layer.mlp.gate.weight]
+        for w in routers:
+            w[:, :G] += ALPHA * s.T
+        mtp.eh_proj.weight[:, :H] += torch.eye(H)  # the next token's group reaches the MTP router
+    return model, mtp
+
+
+def save_engineered(c, seed, path, dtype=torch.float32):
+    """Writes the engineered model as transformers does (save_pretrained)
+    and its MTP module beside it (mtp.safetensors, DeepSeek-V3 names under
+    model.layers.{L}.)."""
+    from safetensors.torch import save_file
+    model, mtp = engineered(c, seed)
+    model.to(dtype).save_pretrained(path)
+    prefix = f"model.layers.{c['layers']}."
+    out = {}
+    for hub, mine in MTP.NAMES.items():
+        out[prefix + hub] = dict(mtp.named_parameters())[mine]
+    for k, v in hub_params(mtp.layer).items():
+        out[prefix + k] = v
+    save_file({k: v.detach().to(dtype).contiguous() for k, v in out.items()}, os.path.join(path, "mtp.safetensors"),
+              metadata={"format": "pt"})
+    return path
