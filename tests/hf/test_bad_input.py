@@ -30,7 +30,8 @@ def refused(args, out):
     p = o.run(args, expect=2)
     lines = [l for l in (p.stdout + p.stderr).splitlines() if l.strip()]
     assert len(lines) == 1, f"expected one line, got {len(lines)}:\n{p.stdout}{p.stderr}"
-    assert not os.path.exists(out) or not o.tree_snapshot(out), f"{out} written: {o.tree_snapshot(out)}"
+    assert not os.path.exists(out) or (os.path.isdir(out) and not o.tree_snapshot(out)), f"{out} written"
+    print(lines[0])
     return lines[0]
 
 
@@ -111,3 +112,12 @@ def test_eval_refuses_token_file(good_dir, tmp_path, how):
     f = bad_tokens(tmp_path / "bad.bin", how)
     line = refused(["eval", "--model", good_dir / "model", "--data", f], tmp_path / "none")
     assert str(f) in line or "--data" in line, line
+
+
+@pytest.mark.parametrize("how", ["model_type", "missing", "tensor_shape", "config_shape"])
+def test_sample_refuses_model(good_dir, tmp_path, how):
+    o.need("sample", "--model", "--prompt-ids")
+    d = broken(good_dir, tmp_path, how)
+    out = tmp_path / "sample.json"
+    line = refused(["sample", "--model", d, "--prompt-ids", "1,2,3", "--tokens", 4, "--json", out], out)
+    assert "--model" in line or str(d) in line, line

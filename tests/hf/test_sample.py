@@ -21,8 +21,10 @@ def greedy_both(path, prompt, tmp_path):
     mine = json.loads(out.read_text())["ids"]
     model = o.load_hf(path, torch.float32)
     with torch.no_grad():
-        g = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW,
-                           pad_token_id=0, eos_token_id=None)
+        ids = torch.tensor([prompt])
+        # the mask given: generate() would infer it from pad_token_id and mask the prompt's 0s
+        g = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
+                           min_new_tokens=NEW, pad_token_id=0, eos_token_id=None)
     ref = g[0, len(prompt):].tolist()
     first = next((i for i, (a, b) in enumerate(zip(mine, ref)) if a != b), None)
     print(f"\nmoestash:     {mine}\ntransformers: {ref}")
