@@ -154,11 +154,14 @@ typedef struct mst_backend {
     mst_status (*stream_spin)(mst_ctx_t* ctx, void* stream, int64_t cycles); /* (optional) */
 
     /* paged stash (page_table.h): reserve + copy, copy + page return,
-     * ring refill; host_alloc gives pinned host memory that the backend's
+     * ring refill, a batch of those; host_alloc gives pinned host memory that the backend's
      * kernels can address (the host block of a pool). */
     mst_status (*stash_reset)(mst_ctx_t* ctx, const struct mst_stash_args* a);
     mst_status (*stash_save)(mst_ctx_t* ctx, const struct mst_stash_args* a);
     mst_status (*stash_restore)(mst_ctx_t* ctx, const struct mst_stash_args* a);
+    /* the slots of b (page_table.h), each as the slot above would run it;
+     * the first error of a slot is returned, the others still run */
+    mst_status (*stash_batch)(mst_ctx_t* ctx, const struct mst_stash_batch* b);
     mst_status (*host_alloc)(mst_ctx_t* ctx, size_t n_bytes, void** out);
     void (*host_free)(mst_ctx_t* ctx, void* ptr);
 

@@ -117,6 +117,27 @@ enum {
     MST_RESTORE_RETURN,  /* return the pages only (after a MST_RESTORE_COPY)    */
 };
 
+/* What a slot of a batch does (mst_stash_batch.op). */
+enum {
+    MST_STASH_OP_SAVE = 0, /* a save (src set) or a claim (src NULL)            */
+    MST_STASH_OP_RESTORE,  /* a restore, or the part restore_part names          */
+    MST_STASH_OP_RESET,    /* a pool reset                                       */
+};
+
+/* Slots of one batch: the saves of a layer's four names from both pool
+ * kinds (STASH, OFFLOAD) fit. */
+#define MST_STASH_BATCH_MAX 8
+
+/* Stash operations on distinct pools, run by one backend call (one launch
+ * on CUDA where every copy is small). No slot touches another's pool state,
+ * rings, handle or pages, so the slots may run in any order or at once: the
+ * result is each slot's operation run alone. */
+typedef struct mst_stash_batch {
+    int32_t n;                                /* slots used, <= MST_STASH_BATCH_MAX */
+    int32_t op[MST_STASH_BATCH_MAX];          /* [n] MST_STASH_OP_* of each slot     */
+    mst_stash_args slot[MST_STASH_BATCH_MAX]; /* [n] each slot's call, st distinct  */
+} mst_stash_batch;
+
 MST_HD uint32_t* mst_handle_table(mst_handle_state* hs) { return (uint32_t*)(hs + 1); }
 
 /* ---- page bookkeeping, shared by the CPU backend and the CUDA kernels ---- */

@@ -182,10 +182,11 @@ mst_status mst_grouped_mlp_forward(mst_ctx_t* ctx, const mst_mlp_config* cfg,
     mst_pages h_out, z_out; /* the activation writes h and z into these too */
     MST_TRY(produce(saver, cfg, MST_SAVED_ACT_INPUT, R, &h));
     MST_TRY(produce(saver, cfg, MST_SAVED_FC2_INPUT, R, &z));
-    MST_TRY(claim(saver, MST_SAVED_ACT_INPUT, counts, &h_out));
-    MST_TRY(claim(saver, MST_SAVED_FC2_INPUT, counts, &z_out));
+    /* the inputs first: a saver may take them and the claims in one go */
     MST_TRY(saver->commit(saver->self, MST_SAVED_FC1_INPUT, x, counts));
     MST_TRY(saver->commit(saver->self, MST_SAVED_PROBS, probs, counts));
+    MST_TRY(claim(saver, MST_SAVED_ACT_INPUT, counts, &h_out));
+    MST_TRY(claim(saver, MST_SAVED_FC2_INPUT, counts, &z_out));
     MST_TRY(mst_grouped_linear_forward(ctx, x, &w->w1, &w->b1, NULL, counts, &h));
     MST_TRY(saver->commit(saver->self, MST_SAVED_ACT_INPUT, &h, counts));
     MST_TRY(act_forward(ctx, cfg, &h, probs, counts, &h_out, &z_out, &z));

@@ -255,10 +255,12 @@ static mst_status expect(mst_memmgr_t* m, int backward, int32_t l, int32_t mb) {
     return MST_OK;
 }
 
-/* At each layer call, before the caller writes again into buffers an
- * earlier layer committed as inputs: their stashes must have read them
- * (edge inputs_read, memmgr_streams.c). */
+/* At each layer call: the side operations of the previous call are
+ * launched (one batch per side stream and layer call); before the caller
+ * writes again into buffers an earlier layer committed as inputs, their
+ * stashes must have read them (edge inputs_read, memmgr_streams.c). */
 static mst_status layer_call_begins(mst_memmgr_t* m) {
+    MST_TRY(mst_mm_flush_all(m));
     MST_TRY(mst_mm_slow_main(m));
     if (!m->inputs_pending) return MST_OK;
     m->inputs_pending = 0;
@@ -346,15 +348,21 @@ mst_status mst_memmgr_step_begin(mst_memmgr_t* m, int measuring) {
         memset(m->peak_pages, 0, sizeof m->peak_pages);
         m->live_exact = m->peak_exact = 0;
         m->max_saved_rows = 0;
-    } else {
+    } else { /* every pool's reset in one batch, on main */
+        mst_stash_batch resets = {0};
         for (int n = 0; n < MST_N_SAVED; n++)
             for (int k = 0; k < 2; k++)
-                if (m->pool[n][k]) MST_TRY(mst_pool_reset(m->pool[n][k]));
+                if (m->pool[n][k]) MST_TRY(mst_stash_batch_reset(&resets, m->pool[n][k]));
+        MST_TRY(mst_stash_batch_run(m->ctx, &resets));
     }
     for (int n = 0; n < MST_N_SAVED; n++) {
         m->bufs[n].compute_pending = 0;
         memset(m->bufs[n].restore_free_rec, 0, sizeof m->bufs[n].restore_free_rec);
     }
+    for (int s = MST_STREAM_RING; s < MST_N_STREAMS; s++) /* left by a step that failed */
+        m->batch[s].b.n = m->batch[s].n_rec = 0;
+    for (int64_t i = 0; i < (int64_t)m->cfg.n_layers * m->cfg.n_microbatches * MST_N_SAVED; i++)
+        m->slots[i].produced = m->slots[i].claimed = 0;
     m->inputs_pending = m->side_used = 0;
     m->measuring = measuring != 0;
     m->pos = m->cursor = m->bwd_seq = m->started = 0;

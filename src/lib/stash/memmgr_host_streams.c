@@ -1,11 +1,11 @@
 /*
  * memmgr_host_streams.c — the memory manager's streams on a backend without
- * them (the CPU): main runs at once; each side stream is a queue of pool
- * operations and waits, and events are host objects (the stream and queue
- * position of their last record).
+ * them (the CPU): main runs at once; each side stream is a queue of batches
+ * of pool operations and waits, and events are host objects (the stream and
+ * queue position of their last record).
  *
- * In program order (the default) a side operation runs when it is issued,
- * after its waits. Deferred (mst_memmgr_debug_slow on a side stream, tests)
+ * In program order (the default) a batch runs when it is launched
+ * (mst_mm_flush), after its waits. Deferred (mst_memmgr_debug_slow on a side stream, tests)
  * it runs only when an event wait needs it: main waiting for an event
  * recorded after it, a side stream reaching a wait for such an event, or the
  * join at step end. That is the slowest a side stream may legally be, so an
@@ -43,9 +43,7 @@ static mst_status run_until(mst_memmgr_t* m, mst_stream_sel s, uint64_t seq) {
         host_item it = q->items[q->done - q->base];
         q->done++;
         if (it.is_wait) MST_TRY(run_until(m, it.on, it.seq));
-        else
-            MST_TRY(mst_mm_run_op((mst_mm_side_op)it.op, it.pool, it.handle, &it.t,
-                                  it.counts.data ? &it.counts : NULL));
+        else MST_TRY(mst_stash_batch_run(m->ctx, &it.batch));
     }
     return MST_OK;
 }
@@ -73,11 +71,8 @@ mst_status mst_mm_host_ev_wait(mst_memmgr_t* m, void* ev, mst_stream_sel on) {
     return push(m, on, &it);
 }
 
-mst_status mst_mm_host_on_side(mst_memmgr_t* m, mst_stream_sel side, mst_mm_side_op op, mst_pool_t* p,
-                               mst_stash_handle_t* h, const mst_tensor* t, const mst_tensor* counts) {
-    host_item it = {.op = op, .pool = p, .handle = h};
-    if (t) it.t = *t;
-    if (counts) it.counts = *counts;
+mst_status mst_mm_host_on_side(mst_memmgr_t* m, mst_stream_sel side, const mst_stash_batch* b) {
+    host_item it = {.batch = *b};
     return push(m, side, &it);
 }
 

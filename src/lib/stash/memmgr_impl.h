@@ -51,6 +51,7 @@
 
 #include "../core/context.h"
 #include "memmgr_debug.h"
+#include "stash.h" /* batches */
 
 /* What a handed-out saver does: forward, backward, forward of a layer in a
  * recompute chunk (saves nothing), rerun of that layer before its backward. */
@@ -63,11 +64,16 @@ typedef struct slot {            /* one saved tensor of (layer, mb, name)       
     void* saved_ev;               /* STASH / OFFLOAD: event, its save finished     */
     int64_t n_rows;               /* rows saved (host-known in a measuring step)  */
     int in_compute;               /* stash skipped: still in the compute buffer   */
-    int claimed;                  /* claimed, its producer writes the pages; until commit */
+    int produced;                 /* forward: produce handed out the compute buffer;
+                                     until commit                                  */
+    int claimed;                  /* CLAIM_*: its producer writes the pages; until commit */
     mst_pages pages;              /* read in place: the view fetch handed out     */
     int restore_idx;              /* restore buffer holding it, or -1             */
     int saved;                    /* 1 between commit and release                 */
 } slot;
+
+/* slot.claimed: taken with the layer call's first claim, then handed out. */
+enum { CLAIM_NONE = 0, CLAIM_TAKEN, CLAIM_GIVEN };
 
 typedef struct shared_bufs {      /* per name, for STASH / OFFLOAD / RECOMPUTE   */
     mst_tensor compute;           /* [R, cols] produced into                      */
@@ -86,16 +92,22 @@ typedef struct saver_ref {        /* what a handed-out mst_saver points at      
     mst_saver saver;
 } saver_ref;
 
+/* The side operations queued on one side stream and not launched yet: one
+ * batch (distinct pools), launched at once when something must order after
+ * it (memmgr_streams.c), and the events to record on the stream after it. */
+typedef struct side_batch {
+    mst_stash_batch b;            /* the operations                                */
+    void* rec[2 * MST_STASH_BATCH_MAX]; /* [n_rec] events recorded after its launch */
+    int n_rec;
+} side_batch;
+
 /* A backend without streams: the side streams modelled on the host
- * (memmgr_host_streams.c). An item is a pool operation or a wait. */
+ * (memmgr_host_streams.c). An item is a batch of pool operations or a wait. */
 typedef struct host_item {
     int is_wait;                  /* 1: wait until stream `on` ran `seq` items     */
     mst_stream_sel on;
     uint64_t seq;
-    int op;                       /* mst_mm_side_op                                */
-    mst_pool_t* pool;
-    mst_stash_handle_t* handle;
-    mst_tensor t, counts;         /* counts.data NULL: none                        */
+    mst_stash_batch batch;        /* is_wait 0: the operations                     */
 } host_item;
 
 typedef struct host_stream {
@@ -138,6 +150,7 @@ struct mst_memmgr {
     int inputs_pending;
     int64_t slow[MST_N_STREAMS];  /* tests: spin cycles per stream (mst_memmgr_debug_slow) */
     host_stream host[MST_N_STREAMS]; /* backend without streams: the side streams */
+    side_batch batch[MST_N_STREAMS]; /* side streams: operations not launched yet */
     /* step state */
     int measuring, sized, in_step;
     int started;                  /* a layer call of the current entry is open     */
@@ -210,10 +223,16 @@ typedef enum mst_mm_side_op {
     MM_RETURN,        /* mst_stash_restore_return (t, counts unused)  */
 } mst_mm_side_op;
 
-/* Runs `op` on side stream `side` after main's work so far and after event
- * `after` (NULL: none). */
+/* Queues `op` on side stream `side`, to run after main's work so far and
+ * after event `after` (NULL: none), in the stream's batch (launched first
+ * when it holds p's pool already or is full). */
 mst_status mst_mm_on_side(mst_memmgr_t* m, mst_stream_sel side, void* after, mst_mm_side_op op,
                           mst_pool_t* p, mst_stash_handle_t* h, mst_tensor* t, const mst_tensor* counts);
+/* Launches the batch queued on side stream `side` (one backend call), then
+ * records the events that wait for it; nothing queued: nothing. */
+mst_status mst_mm_flush(mst_memmgr_t* m, mst_stream_sel side);
+/* mst_mm_flush of every side stream. */
+mst_status mst_mm_flush_all(mst_memmgr_t* m);
 /* Main waits for the side streams this step used (step end; a graph
  * capture rejoins them here). */
 mst_status mst_mm_join_side(mst_memmgr_t* m);
@@ -227,13 +246,10 @@ mst_status mst_mm_host_ev_new(void** ev);
 void mst_mm_host_ev_free(void* ev);
 void mst_mm_host_ev_record(mst_memmgr_t* m, void* ev, mst_stream_sel on);
 mst_status mst_mm_host_ev_wait(mst_memmgr_t* m, void* ev, mst_stream_sel on);
-mst_status mst_mm_host_on_side(mst_memmgr_t* m, mst_stream_sel side, mst_mm_side_op op, mst_pool_t* p,
-                               mst_stash_handle_t* h, const mst_tensor* t, const mst_tensor* counts);
+/* Batch b (copied) as the next item of side stream `side`. */
+mst_status mst_mm_host_on_side(mst_memmgr_t* m, mst_stream_sel side, const mst_stash_batch* b);
 mst_status mst_mm_host_join(mst_memmgr_t* m);
 void mst_mm_host_free(mst_memmgr_t* m);
-/* Runs one pool operation now (the current stream). */
-mst_status mst_mm_run_op(mst_mm_side_op op, mst_pool_t* p, mst_stash_handle_t* h, mst_tensor* t,
-                         const mst_tensor* counts);
 
 /* ---- buffers and pool sizing (memmgr_buffers.c) --------------------------- */
 

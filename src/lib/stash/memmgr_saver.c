@@ -50,6 +50,7 @@ static mst_status sv_produce(void* self, mst_saved_name n, int64_t rows, int64_t
         MST_TRY(mst_mm_ev_wait(m, b->compute_free, MST_STREAM_MAIN));
         b->compute_pending = 0;
     }
+    if (r->mode == MODE_FWD) slot_of(m, r->layer, r->mb, n)->produced = 1; /* a claim may take it */
     *out = b->compute;
     return MST_OK;
 }
@@ -107,6 +108,7 @@ static mst_status sv_commit(void* self, mst_saved_name n, const mst_tensor* src,
         if (m->live_exact > m->peak_exact) m->peak_exact = m->live_exact;
     }
     s->saved = 1;
+    s->produced = 0;
     s->in_compute = 0;
     s->restore_idx = -1;
     if (p == MST_POLICY_RECOMPUTE) return MST_OK;
@@ -116,8 +118,12 @@ static mst_status sv_commit(void* self, mst_saved_name n, const mst_tensor* src,
         return k->data == src->data ? MST_OK : mst_copy_b2b(m->ctx, k->data, src->data, buf_bytes(m, n));
     }
     if (s->claimed) { /* its producer writes the pages (sv_claim): nothing to copy */
-        s->claimed = 0;
-        return MST_OK;
+        const int given = s->claimed == CLAIM_GIVEN;
+        s->claimed = CLAIM_NONE;
+        if (given) return MST_OK;
+        return mst_set_error(MST_ERR_STATE, "%s of (layer %d, mb %d): its pages were taken with the layer's first "
+                             "claim and never handed out (claim every produced name read in place, or none)",
+                             mst_saved_name_str(n), r->layer, r->mb);
     }
     int from_compute = src->data == m->bufs[n].compute.data;
     if (from_compute && backward_follows(m, r->layer, r->mb)) { /* no stash: used right away */
@@ -171,7 +177,7 @@ mst_status mst_mm_issue_restore(mst_memmgr_t* m, int32_t l, int32_t mb, int k) {
         MST_TRY(mst_mm_ev_record(m, b->restore_done[k], MST_STREAM_COPY));
         s->restore_idx = k;
     }
-    return MST_OK;
+    return mst_mm_flush(m, MST_STREAM_COPY); /* the restores of (l, mb): one batch */
 }
 
 static mst_status sv_fetch(void* self, mst_saved_name n, mst_tensor* out) {
@@ -226,11 +232,26 @@ static mst_status sv_fetch(void* self, mst_saved_name n, mst_tensor* out) {
     return MST_OK;
 }
 
-/* A stashed tensor read in place, claimed before its producer runs: the
- * claim (a save without the copy) takes its pages on the ring stream, in
- * order with the pool's other ring updates, main waits for it, and the
- * producer writes the rows into the pages besides its output; the commit
- * then copies nothing. */
+/* Queues the claim of name n of (l, mb) on the ring stream (a save without
+ * the copy): its pages are taken in order with the pool's other ring
+ * updates, after main's work so far (the counts may come from it: the
+ * router). */
+static mst_status queue_claim(mst_memmgr_t* m, int32_t l, int32_t mb, mst_saved_name n, const mst_tensor* counts) {
+    slot* s = slot_of(m, l, mb, n);
+    MST_TRY(mst_mm_ensure_compute(m, n));
+    mst_tensor t = m->bufs[n].compute; /* [R, cols]: counts past R are bad counts, as in a save */
+    MST_TRY(mst_mm_on_side(m, MST_STREAM_RING, NULL, MM_CLAIM, m->pool[n][kind_of(MST_POLICY_STASH)], s->handle, &t, counts));
+    MST_TRY(mst_mm_ev_record(m, s->saved_ev, MST_STREAM_RING));
+    s->claimed = CLAIM_TAKEN;
+    return MST_OK;
+}
+
+/* A stashed tensor read in place, claimed before its producer runs, and
+ * the producer writes the rows into the pages besides its output; the
+ * commit then copies nothing. The layer call's first claim takes the pages
+ * of every name it produced that is read in place (they share the call's
+ * counts), in one ring batch with the saves queued so far; main waits for
+ * that batch, and a later claim of such a name hands its pages out. */
 static mst_status sv_claim(void* self, mst_saved_name n, const mst_tensor* counts, mst_pages* out) {
     saver_ref* r = (saver_ref*)self;
     mst_memmgr_t* m = r->m;
@@ -238,17 +259,20 @@ static mst_status sv_claim(void* self, mst_saved_name n, const mst_tensor* count
     if ((int)n < 0 || n >= MST_N_SAVED) return mst_set_error(MST_ERR_INVALID, "name = %d", (int)n);
     if (r->mode != MODE_FWD || !in_place(m, r->layer, n) || backward_follows(m, r->layer, r->mb)) return MST_OK;
     slot* s = slot_of(m, r->layer, r->mb, n);
-    if (s->saved || s->claimed)
+    if (s->saved || s->claimed == CLAIM_GIVEN)
         return mst_set_error(MST_ERR_STATE, "%s of (layer %d, mb %d) claimed after its commit or twice",
                              mst_saved_name_str(n), r->layer, r->mb);
-    MST_TRY(mst_mm_ensure_compute(m, n));
-    mst_tensor t = m->bufs[n].compute; /* [R, cols]: counts past R are bad counts, as in a save */
-    /* after main's work so far: the counts may come from it (the router) */
-    MST_TRY(mst_mm_on_side(m, MST_STREAM_RING, NULL, MM_CLAIM, m->pool[n][kind_of(MST_POLICY_STASH)], s->handle, &t, counts));
-    MST_TRY(mst_mm_ev_record(m, s->saved_ev, MST_STREAM_RING));
+    if (s->claimed == CLAIM_NONE) {
+        MST_TRY(queue_claim(m, r->layer, r->mb, n, counts));
+        for (int k = 0; k < MST_N_SAVED; k++) {
+            slot* o = slot_of(m, r->layer, r->mb, (mst_saved_name)k);
+            if (o->produced && !o->saved && o->claimed == CLAIM_NONE && in_place(m, r->layer, (mst_saved_name)k))
+                MST_TRY(queue_claim(m, r->layer, r->mb, (mst_saved_name)k, counts));
+        }
+    }
     MST_TRY(mst_mm_ev_wait(m, s->saved_ev, MST_STREAM_MAIN));
     MST_TRY(mst_stash_handle_pages(s->handle, out));
-    s->claimed = 1;
+    s->claimed = CLAIM_GIVEN;
     return MST_OK;
 }
 

@@ -60,6 +60,8 @@
  * (no streams: memmgr_host_streams.c) a side stream deferred as long as the
  * events allow. A missing edge then changes the gradients.
  */
+#include <string.h>
+
 #include "memmgr_impl.h"
 
 static void* stream_of(mst_memmgr_t* m, mst_stream_sel on) {
@@ -73,8 +75,25 @@ static int host_streams(const mst_memmgr_t* m) {
     return !be->side_stream || !be->event_create || !be->event_destroy || !be->event_record || !be->stream_wait;
 }
 
+/* The side stream whose queued batch an event waits to be recorded after
+ * (MST_STREAM_MAIN: none). */
+static mst_stream_sel pending_on(const mst_memmgr_t* m, const void* ev) {
+    for (mst_stream_sel s = MST_STREAM_RING; s < MST_N_STREAMS; s++)
+        for (int i = 0; i < m->batch[s].n_rec; i++)
+            if (m->batch[s].rec[i] == ev) return s;
+    return MST_STREAM_MAIN;
+}
+
 mst_status mst_mm_ev_record(mst_memmgr_t* m, void* ev, mst_stream_sel on) {
     const mst_backend* be = m->ctx->be;
+    const mst_stream_sel pend = pending_on(m, ev);
+    if (pend != MST_STREAM_MAIN && pend != on) MST_TRY(mst_mm_flush(m, pend)); /* records stay in order */
+    side_batch* q = &m->batch[on];
+    if (on != MST_STREAM_MAIN && q->b.n && q->n_rec < 2 * MST_STASH_BATCH_MAX) { /* after the batch */
+        if (pend != on) q->rec[q->n_rec++] = ev;
+        return MST_OK;
+    }
+    if (on != MST_STREAM_MAIN) MST_TRY(mst_mm_flush(m, on));
     if (host_streams(m)) {
         mst_mm_host_ev_record(m, ev, on);
         return MST_OK;
@@ -84,6 +103,8 @@ mst_status mst_mm_ev_record(mst_memmgr_t* m, void* ev, mst_stream_sel on) {
 
 mst_status mst_mm_ev_wait(mst_memmgr_t* m, void* ev, mst_stream_sel on) {
     const mst_backend* be = m->ctx->be;
+    const mst_stream_sel pend = pending_on(m, ev);
+    if (pend != MST_STREAM_MAIN) MST_TRY(mst_mm_flush(m, pend)); /* the record it waits for, first */
     if (host_streams(m)) return mst_mm_host_ev_wait(m, ev, on);
     return be->stream_wait(m->ctx, stream_of(m, on), ev);
 }
@@ -100,13 +121,14 @@ void mst_mm_ev_free(mst_memmgr_t* m, void* ev) {
     else m->ctx->be->event_destroy(m->ctx, ev);
 }
 
-mst_status mst_mm_run_op(mst_mm_side_op op, mst_pool_t* p, mst_stash_handle_t* h, mst_tensor* t,
-                         const mst_tensor* counts) {
+/* Side operation op as slot b->n of batch b. */
+static mst_status batch_add(mst_stash_batch* b, mst_mm_side_op op, mst_pool_t* p, mst_stash_handle_t* h,
+                            const mst_tensor* t, const mst_tensor* counts) {
     switch (op) {
-    case MM_SAVE: return mst_stash_save(p, h, t, counts);
-    case MM_CLAIM: return mst_stash_claim(p, h, t->rows, counts);
-    case MM_RESTORE_COPY: return mst_stash_restore_copy(p, h, t);
-    case MM_RETURN: return mst_stash_restore_return(p, h);
+    case MM_SAVE: return mst_stash_batch_save(b, p, h, t, counts);
+    case MM_CLAIM: return mst_stash_batch_claim(b, p, h, t->rows, counts);
+    case MM_RESTORE_COPY: return mst_stash_batch_restore(b, p, h, t, MST_RESTORE_COPY);
+    case MM_RETURN: return mst_stash_batch_restore(b, p, h, NULL, MST_RESTORE_RETURN);
     }
     return mst_set_error(MST_ERR_INVALID, "side op = %d", (int)op);
 }
@@ -119,24 +141,47 @@ static mst_status slow_down(mst_memmgr_t* m, mst_stream_sel on) {
 
 mst_status mst_mm_on_side(mst_memmgr_t* m, mst_stream_sel side, void* after, mst_mm_side_op op,
                           mst_pool_t* p, mst_stash_handle_t* h, mst_tensor* t, const mst_tensor* counts) {
-    const mst_backend* be = m->ctx->be;
-    if (host_streams(m)) {
-        if (after) MST_TRY(mst_mm_host_ev_wait(m, after, side));
-        return mst_mm_host_on_side(m, side, op, p, h, t, counts);
+    side_batch* q = &m->batch[side];
+    if (q->b.n == MST_STASH_BATCH_MAX || mst_stash_batch_has(&q->b, p)) MST_TRY(mst_mm_flush(m, side));
+    if (!host_streams(m)) { /* main's work so far, then `after`: waits enqueued now, before the launch */
+        MST_TRY(mst_mm_ev_record(m, m->ev_main, MST_STREAM_MAIN));
+        MST_TRY(mst_mm_ev_wait(m, m->ev_main, side));
     }
-    void* main_stream = mst_ctx_stream(m->ctx);
-    MST_TRY(mst_mm_ev_record(m, m->ev_main, MST_STREAM_MAIN));
-    MST_TRY(mst_mm_ev_wait(m, m->ev_main, side));
     if (after) MST_TRY(mst_mm_ev_wait(m, after, side));
-    MST_TRY(mst_ctx_set_stream(m->ctx, be->side_stream(m->ctx, side)));
+    return batch_add(&q->b, op, p, h, t, counts);
+}
+
+/* The batch of side stream `side`, launched on it. */
+static mst_status launch(mst_memmgr_t* m, mst_stream_sel side, mst_stash_batch* b) {
+    if (host_streams(m)) return mst_mm_host_on_side(m, side, b);
+    void* main_stream = mst_ctx_stream(m->ctx);
+    MST_TRY(mst_ctx_set_stream(m->ctx, m->ctx->be->side_stream(m->ctx, side)));
     m->side_used |= 1 << side;
     mst_status st = slow_down(m, side);
-    if (st == MST_OK) st = mst_mm_run_op(op, p, h, t, counts);
+    if (st == MST_OK) st = mst_stash_batch_run(m->ctx, b);
     mst_status st2 = mst_ctx_set_stream(m->ctx, main_stream);
     return st != MST_OK ? st : st2;
 }
 
+mst_status mst_mm_flush(mst_memmgr_t* m, mst_stream_sel side) {
+    side_batch* q = &m->batch[side];
+    if (!q->b.n) return MST_OK;
+    mst_status st = launch(m, side, &q->b);
+    void* rec[2 * MST_STASH_BATCH_MAX];
+    const int n_rec = q->n_rec;
+    memcpy(rec, q->rec, sizeof(void*) * (size_t)n_rec);
+    q->b.n = q->n_rec = 0;
+    for (int i = 0; i < n_rec && st == MST_OK; i++) st = mst_mm_ev_record(m, rec[i], side);
+    return st;
+}
+
+mst_status mst_mm_flush_all(mst_memmgr_t* m) {
+    for (mst_stream_sel s = MST_STREAM_RING; s < MST_N_STREAMS; s++) MST_TRY(mst_mm_flush(m, s));
+    return MST_OK;
+}
+
 mst_status mst_mm_join_side(mst_memmgr_t* m) {
+    MST_TRY(mst_mm_flush_all(m));
     if (host_streams(m)) return mst_mm_host_join(m);
     for (mst_stream_sel s = MST_STREAM_RING; s < MST_N_STREAMS; s++) {
         if (!(m->side_used & 1 << s)) continue;

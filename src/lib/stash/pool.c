@@ -375,35 +375,45 @@ static mst_stash_args handle_args(const mst_pool_t* pool, const mst_stash_handle
     return a;
 }
 
-/* A save of rows [0, sum(counts)) of src [src_rows, W]; src NULL: a claim. */
-static mst_status reserve(mst_pool_t* pool, mst_stash_handle_t* h, const char* src, int64_t src_rows,
-                          const mst_tensor* counts) {
+/* The checked call of a save of rows [0, sum(counts)) of src (named
+ * src_name), or of a claim (src_name NULL, src unused) of a producer's
+ * output of `rows` rows. */
+static mst_status save_call(const mst_pool_t* pool, const mst_stash_handle_t* h, const char* src_name,
+                            const mst_tensor* src, int64_t rows, const mst_tensor* counts, mst_stash_args* a) {
+    MST_TRY(check_rows(pool, h, src, src_name));
+    if (!src_name) src = NULL;
+    if (!src && rows < 0) return mst_set_error(MST_ERR_INVALID, "rows = %lld: expected >= 0", (long long)rows);
     MST_TRY(mst_check_tensor(counts, "counts", MST_DTYPE_INT32));
     if (counts->cols != 1 || counts->rows > INT32_MAX)
         return mst_set_error(MST_ERR_INVALID, "counts has shape [%lld, %lld], expected [E, 1]",
                              (long long)counts->rows, (long long)counts->cols);
-    mst_stash_args a = handle_args(pool, h);
-    a.counts = (const int32_t*)counts->data;
-    a.n_groups = (int32_t)counts->rows;
-    a.src_rows = src_rows;
-    a.src = src;
-    return pool->ctx->be->stash_save(pool->ctx, &a);
+    *a = handle_args(pool, h);
+    a->counts = (const int32_t*)counts->data;
+    a->n_groups = (int32_t)counts->rows;
+    a->src_rows = src ? src->rows : rows;
+    a->src = src ? (const char*)src->data : NULL;
+    return MST_OK;
 }
 
 mst_status mst_stash_save(mst_pool_t* pool, mst_stash_handle_t* h, const mst_tensor* src,
                           const mst_tensor* counts) {
-    MST_TRY(check_rows(pool, h, src, "src"));
-    return reserve(pool, h, (const char*)src->data, src->rows, counts);
+    mst_stash_args a;
+    MST_TRY(save_call(pool, h, "src", src, 0, counts, &a));
+    return pool->ctx->be->stash_save(pool->ctx, &a);
 }
 
 mst_status mst_stash_claim(mst_pool_t* pool, mst_stash_handle_t* h, int64_t rows, const mst_tensor* counts) {
-    MST_TRY(check_rows(pool, h, NULL, NULL));
-    if (rows < 0) return mst_set_error(MST_ERR_INVALID, "rows = %lld: expected >= 0", (long long)rows);
-    return reserve(pool, h, NULL, rows, counts);
+    mst_stash_args a;
+    MST_TRY(save_call(pool, h, NULL, NULL, rows, counts, &a));
+    return pool->ctx->be->stash_save(pool->ctx, &a);
 }
 
-/* One restore call: part MST_RESTORE_* (dst unused for MST_RESTORE_RETURN). */
-static mst_status restore_part(mst_pool_t* pool, mst_stash_handle_t* h, mst_tensor* dst, int32_t part) {
+/* The checked call of restore part `part` (MST_RESTORE_*; dst unused for
+ * MST_RESTORE_RETURN). */
+static mst_status restore_call(const mst_pool_t* pool, const mst_stash_handle_t* h, const mst_tensor* dst,
+                               int32_t part, mst_stash_args* a) {
+    if (part < MST_RESTORE_ALL || part > MST_RESTORE_RETURN)
+        return mst_set_error(MST_ERR_INVALID, "restore part = %d is not a MST_RESTORE_*", part);
     if (part != MST_RESTORE_RETURN) {
         MST_TRY(check_rows(pool, h, dst, "dst"));
         if (dst->rows < h->max_rows)
@@ -412,9 +422,16 @@ static mst_status restore_part(mst_pool_t* pool, mst_stash_handle_t* h, mst_tens
     } else {
         MST_TRY(check_rows(pool, h, NULL, NULL));
     }
-    mst_stash_args a = handle_args(pool, h);
-    a.dst = part != MST_RESTORE_RETURN ? (char*)dst->data : NULL;
-    a.restore_part = part;
+    *a = handle_args(pool, h);
+    a->dst = part != MST_RESTORE_RETURN ? (char*)dst->data : NULL;
+    a->restore_part = part;
+    return MST_OK;
+}
+
+/* One restore call: part MST_RESTORE_*. */
+static mst_status restore_part(mst_pool_t* pool, mst_stash_handle_t* h, mst_tensor* dst, int32_t part) {
+    mst_stash_args a;
+    MST_TRY(restore_call(pool, h, dst, part, &a));
     return pool->ctx->be->stash_restore(pool->ctx, &a);
 }
 
@@ -428,4 +445,65 @@ mst_status mst_stash_restore_copy(mst_pool_t* pool, mst_stash_handle_t* h, mst_t
 
 mst_status mst_stash_restore_return(mst_pool_t* pool, mst_stash_handle_t* h) {
     return restore_part(pool, h, NULL, MST_RESTORE_RETURN);
+}
+
+/* ---- batches -------------------------------------------------------------- */
+
+int mst_stash_batch_has(const mst_stash_batch* b, const mst_pool_t* pool) {
+    for (int32_t i = 0; i < b->n; i++)
+        if (b->slot[i].st == pool->a.st) return 1;
+    return 0;
+}
+
+/* Slot b->n: operation op with the checked call a on `pool`. */
+static mst_status batch_add(mst_stash_batch* b, const mst_pool_t* pool, int32_t op, const mst_stash_args* a) {
+    if (b->n >= MST_STASH_BATCH_MAX)
+        return mst_set_error(MST_ERR_INVALID, "stash batch is full (%d slots)", MST_STASH_BATCH_MAX);
+    if (mst_stash_batch_has(b, pool))
+        return mst_set_error(MST_ERR_INVALID, "stash batch: the pool (%s, width %lld) is in it already; the "
+                             "slots of a batch touch distinct pools", mst_dtype_name(pool->dtype),
+                             (long long)pool->width);
+    b->op[b->n] = op;
+    b->slot[b->n++] = *a;
+    return MST_OK;
+}
+
+mst_status mst_stash_batch_save(mst_stash_batch* b, mst_pool_t* pool, mst_stash_handle_t* h, const mst_tensor* src,
+                                const mst_tensor* counts) {
+    mst_stash_args a;
+    if (!b) return mst_set_error(MST_ERR_INVALID, "b is NULL");
+    MST_TRY(save_call(pool, h, "src", src, 0, counts, &a));
+    return batch_add(b, pool, MST_STASH_OP_SAVE, &a);
+}
+
+mst_status mst_stash_batch_claim(mst_stash_batch* b, mst_pool_t* pool, mst_stash_handle_t* h, int64_t rows,
+                                 const mst_tensor* counts) {
+    mst_stash_args a;
+    if (!b) return mst_set_error(MST_ERR_INVALID, "b is NULL");
+    MST_TRY(save_call(pool, h, NULL, NULL, rows, counts, &a));
+    return batch_add(b, pool, MST_STASH_OP_SAVE, &a);
+}
+
+mst_status mst_stash_batch_restore(mst_stash_batch* b, mst_pool_t* pool, mst_stash_handle_t* h,
+                                   const mst_tensor* dst, int32_t part) {
+    mst_stash_args a;
+    if (!b) return mst_set_error(MST_ERR_INVALID, "b is NULL");
+    MST_TRY(restore_call(pool, h, dst, part, &a));
+    return batch_add(b, pool, MST_STASH_OP_RESTORE, &a);
+}
+
+mst_status mst_stash_batch_reset(mst_stash_batch* b, mst_pool_t* pool) {
+    if (!b || !pool) return mst_set_error(MST_ERR_INVALID, "b or pool is NULL");
+    return batch_add(b, pool, MST_STASH_OP_RESET, &pool->a);
+}
+
+mst_status mst_stash_batch_run(mst_ctx_t* ctx, mst_stash_batch* b) {
+    MST_TRY(mst_check_ctx(ctx));
+    if (!b) return mst_set_error(MST_ERR_INVALID, "b is NULL");
+    for (int32_t i = 0; i < b->n; i++)
+        if (b->slot[i].err_flag != ctx->err_flag)
+            return mst_set_error(MST_ERR_INVALID, "stash batch slot %d: its pool belongs to another context", i);
+    const mst_status st = b->n ? MST_SLOT(ctx, ctx->be, stash_batch, b) : MST_OK;
+    b->n = 0;
+    return st;
 }

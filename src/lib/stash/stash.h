@@ -32,6 +32,21 @@ struct mst_stash_handle {
     mst_handle_state* hs;         /* [1] + table [max_pages], backend memory      */
 };
 
+/* Batches (mst_stash_batch, page_table.h): the operations of
+ * mst_stash_save / _claim / _restore (part MST_RESTORE_*) / mst_pool_reset,
+ * checked as those are and added as slot b->n (an error when b is full or
+ * holds the pool already), then run by one backend call on the context's
+ * current stream, which empties b. */
+int mst_stash_batch_has(const mst_stash_batch* b, const mst_pool_t* pool);
+mst_status mst_stash_batch_save(mst_stash_batch* b, mst_pool_t* pool, mst_stash_handle_t* h, const mst_tensor* src,
+                                const mst_tensor* counts);
+mst_status mst_stash_batch_claim(mst_stash_batch* b, mst_pool_t* pool, mst_stash_handle_t* h, int64_t rows,
+                                 const mst_tensor* counts);
+mst_status mst_stash_batch_restore(mst_stash_batch* b, mst_pool_t* pool, mst_stash_handle_t* h,
+                                   const mst_tensor* dst, int32_t part);
+mst_status mst_stash_batch_reset(mst_stash_batch* b, mst_pool_t* pool);
+mst_status mst_stash_batch_run(mst_ctx_t* ctx, mst_stash_batch* b);
+
 #ifdef __cplusplus
 }
 #endif

@@ -91,6 +91,7 @@ const mst_backend mst_backend_cpu = {
     .stash_reset = mst_cpu_stash_reset,
     .stash_save = mst_cpu_stash_save,
     .stash_restore = mst_cpu_stash_restore,
+    .stash_batch = mst_cpu_stash_batch,
     .host_alloc = mst_cpu_host_alloc,
     .host_free = mst_cpu_host_free,
 };

@@ -15,11 +15,12 @@ int mst_cpu_gl_wgrad_pages(mst_ctx_t* ctx, int64_t page_rows, int64_t in, int64_
 mst_status mst_cpu_act_forward(mst_ctx_t* ctx, const mst_act_args* a);
 mst_status mst_cpu_act_backward(mst_ctx_t* ctx, const mst_act_args* a);
 
-/* paged stash (stash.c): reserve + copy, copy + page return, ring refill;
- * host blocks in ordinary host memory */
+/* paged stash (stash.c): reserve + copy, copy + page return, ring refill,
+ * a batch of those; host blocks in ordinary host memory */
 mst_status mst_cpu_stash_reset(mst_ctx_t* ctx, const mst_stash_args* a);
 mst_status mst_cpu_stash_save(mst_ctx_t* ctx, const mst_stash_args* a);
 mst_status mst_cpu_stash_restore(mst_ctx_t* ctx, const mst_stash_args* a);
+mst_status mst_cpu_stash_batch(mst_ctx_t* ctx, const mst_stash_batch* b);
 mst_status mst_cpu_host_alloc(mst_ctx_t* ctx, size_t n_bytes, void** out);
 void mst_cpu_host_free(mst_ctx_t* ctx, void* ptr);
 

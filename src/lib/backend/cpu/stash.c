@@ -2,7 +2,8 @@
  * stash.c — the paged stash on the CPU backend: the reference for the CUDA
  * kernels. Runs the shared page bookkeeping of page_table.h on the host,
  * one thread, and copies page by page with memcpy. Blocks and rings are host
- * memory, so the "pinned host block" is plain aligned memory.
+ * memory, so the "pinned host block" is plain aligned memory. A batch runs
+ * its slots one after the other (they touch disjoint pools).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -86,4 +87,16 @@ mst_status mst_cpu_stash_restore(mst_ctx_t* ctx, const mst_stash_args* a) {
     case MST_RETURN_NONE: return MST_OK;
     default: return bad_state(a, "restore of a handle that holds nothing (never saved, restored twice, or saved before a reset)");
     }
+}
+
+mst_status mst_cpu_stash_batch(mst_ctx_t* ctx, const mst_stash_batch* b) {
+    mst_status first = MST_OK;
+    for (int32_t i = 0; i < b->n; i++) {
+        const mst_stash_args* a = &b->slot[i];
+        const mst_status st = b->op[i] == MST_STASH_OP_SAVE      ? mst_cpu_stash_save(ctx, a)
+                              : b->op[i] == MST_STASH_OP_RESTORE ? mst_cpu_stash_restore(ctx, a)
+                                                                 : mst_cpu_stash_reset(ctx, a);
+        if (first == MST_OK) first = st; /* the rest still run, as on CUDA */
+    }
+    return first;
 }
