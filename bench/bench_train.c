@@ -146,6 +146,7 @@ WRAP_LIB(act_backward, mst_act_args)
 WRAP_LIB(stash_reset, struct mst_stash_args)
 WRAP_LIB(stash_save, struct mst_stash_args)
 WRAP_LIB(stash_restore, struct mst_stash_args)
+WRAP_LIB(stash_batch, struct mst_stash_batch)
 static mst_status wl_copy(mst_ctx_t* ctx, void* dst, const void* src, size_t n, mst_copy_dir dir) {
     TIMED("copy", g_be->copy(ctx, dst, src, n, dir));
 }
@@ -192,6 +193,7 @@ static mst_status op_table(mst_ctx_t* ctx, const mst_train_config* cfg, const ch
         SET(wm, rows_gather, wm); SET(wm, rows_sum, wm); SET(wm, sumsq, wm); SET(wm, adamw, wm); SET(wm, sum, wm);
         SET(wb, gl_forward, wl); SET(wb, gl_dgrad, wl); SET(wb, gl_wgrad, wl); SET(wb, act_forward, wl);
         SET(wb, act_backward, wl); SET(wb, stash_reset, wl); SET(wb, stash_save, wl); SET(wb, stash_restore, wl);
+        SET(wb, stash_batch, wl);
         SET(wb, copy, wl); SET(wb, fill, wl);
 #undef SET
         ctx->be = &wb, m->ops = &wm;

@@ -232,6 +232,7 @@ extern "C" const mst_backend mst_backend_cuda = {
     .stash_reset = mst_cuda_stash_reset,
     .stash_save = mst_cuda_stash_save,
     .stash_restore = mst_cuda_stash_restore,
+    .stash_batch = mst_cuda_stash_batch,
     .host_alloc = mst_cuda_host_alloc,
     .host_free = mst_cuda_host_free,
     .copy_async = cuda_copy_async,

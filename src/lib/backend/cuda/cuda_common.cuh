@@ -25,6 +25,7 @@ typedef struct mst_cuda_impl {
     int mma_per_sm[3];        /* resident blocks per SM of the mma GEMM, by op  */
     int copy_per_sm[2][3];    /* of the stash's vector copy: [restore][16-, 4-,
                                  2-byte vectors]                                */
+    int batch_per_sm;         /* of the stash's batch of 16-byte vector copies  */
     cudaStream_t stream;      /* where ops are enqueued (own_stream or caller's) */
     cudaStream_t own_stream;  /* created by the context                          */
     cudaStream_t side[MST_N_STREAMS]; /* side streams of the memory manager, by

@@ -29,6 +29,7 @@ mst_status mst_cuda_act_backward(mst_ctx_t* ctx, const mst_act_args* a);
 mst_status mst_cuda_stash_reset(mst_ctx_t* ctx, const mst_stash_args* a);
 mst_status mst_cuda_stash_save(mst_ctx_t* ctx, const mst_stash_args* a);
 mst_status mst_cuda_stash_restore(mst_ctx_t* ctx, const mst_stash_args* a);
+mst_status mst_cuda_stash_batch(mst_ctx_t* ctx, const mst_stash_batch* b);
 mst_status mst_cuda_host_alloc(mst_ctx_t* ctx, size_t n_bytes, void** out);
 void mst_cuda_host_free(mst_ctx_t* ctx, void* ptr);
 

@@ -18,6 +18,12 @@
  *   claim   = a save without the copy (one warp): the producer writes the
  *             pages itself
  *   reset   = one kernel refilling both rings and clearing the counters
+ *   batch   = slots on distinct pools (mst_stash_batch) in one launch of
+ *             batch_kernel: each slot a range of its blocks, running the
+ *             vector copy (a save, claim or restore part) or the reset of
+ *             the single kernels on that range. Slots whose copy may be
+ *             large (kBatchBytes) or whose rows are not 16-byte aligned get
+ *             their own single launch instead (bulk copies where they apply)
  *
  * No block waits for another: a block counts itself as a reader once its
  * reads of the pool and handle state are done (an atomic whose result is
@@ -55,6 +61,18 @@ constexpr uint32_t kChunk = 16384; /* bytes of one bulk copy (divides the
 constexpr int kStages = 12;        /* bulk copies in flight per block:
                                       192 KiB of shared memory, one block
                                       per SM                               */
+constexpr int64_t kBatchBytes = (int64_t)16 << 20; /* a slot whose handle
+                                      holds more goes alone: there the copy,
+                                      not the launch, is the cost          */
+
+/* This block's place among the blocks of its operation: the whole grid of
+ * a single launch, or its slot's range of a batch. */
+typedef struct part {
+    uint32_t bid; /* block index within the operation */
+    uint32_t nb;  /* blocks of the operation          */
+} part;
+
+__device__ part whole_grid() { return {blockIdx.x, gridDim.x}; }
 
 /* Every thread of a save's block: the plan, computed by thread 0 on copies
  * of the state loaded while the block sums the counts. */
@@ -68,7 +86,7 @@ __device__ void block_plan(const mst_stash_args& a, mst_plan* s_plan) {
 }
 
 /* Thread 0, once its block's reads of the pool and handle state are done:
- * the block's ticket as a reader (the last block gets gridDim.x - 1). The
+ * the block's ticket as a reader (the last block gets pt.nb - 1). The
  * caller uses it only after its copy, so the atomic's latency is hidden. */
 __device__ uint32_t count_reader(uint32_t* done) {
     __threadfence(); /* the state reads come before the count */
@@ -76,10 +94,10 @@ __device__ uint32_t count_reader(uint32_t* done) {
 }
 
 /* Every lane of warp 0 after its copy: true when thread 0's ticket was the
- * last; then every block has read the state, and the counter is reset for
- * the handle's next operation. */
-__device__ bool last_reader(uint32_t* done, uint32_t ticket) {
-    const bool last = __shfl_sync(0xffffffffu, ticket, 0) == gridDim.x - 1;
+ * last of the operation's pt.nb blocks; then every block has read the
+ * state, and the counter is reset for the handle's next operation. */
+__device__ bool last_reader(uint32_t* done, uint32_t ticket, part pt) {
+    const bool last = __shfl_sync(0xffffffffu, ticket, 0) == pt.nb - 1;
     if (last && threadIdx.x == 0) *done = 0;
     if (last) __threadfence(); /* the state changes come after every read */
     return last;
@@ -124,8 +142,8 @@ __device__ void finish_restore(const mst_stash_args& a) {
  * readers). */
 template <bool RESTORE>
 __device__ void copy_end(const mst_stash_args& a, const mst_plan* plan, char* rows, uint32_t tail, uint32_t total,
-                         uint32_t ticket) {
-    if (blockIdx.x == 0 && threadIdx.x < total - tail) {
+                         uint32_t ticket, part pt) {
+    if (pt.bid == 0 && threadIdx.x < total - tail) {
         const uint32_t page_bytes = (uint32_t)(a.page_rows * a.row_bytes);
         const uint32_t b = tail + threadIdx.x, p = b / page_bytes;
         const uint32_t id = RESTORE ? a.table[p] : mst_plan_page(a.ring, a.cap, plan, p);
@@ -134,7 +152,7 @@ __device__ void copy_end(const mst_stash_args& a, const mst_plan* plan, char* ro
         else *pg = rows[b];
     }
     if ((RESTORE && a.restore_part == MST_RESTORE_COPY) || threadIdx.x >= kWarpThreads) return;
-    if (!last_reader(&a.hs->done_blocks, ticket)) return;
+    if (!last_reader(&a.hs->done_blocks, ticket, pt)) return;
     if (RESTORE) finish_return(a);
     else finish_save(a, plan);
 }
@@ -147,17 +165,18 @@ typedef struct page_return {
     int64_t take[MST_N_BLK];  /* pages going back to ring b     */
 } page_return;
 
-/* Restore, every thread: rows the handle holds (0 when it holds none) and
- * *r, read by thread 0, which then takes its reader ticket (not for
- * MST_RESTORE_COPY) while the others start copying. */
+/* Restore, every thread: rows to copy back (those the handle holds; 0 when
+ * it holds none or for MST_RESTORE_RETURN) and *r, read by thread 0, which
+ * then takes its reader ticket (not for MST_RESTORE_COPY) while the others
+ * start copying. */
 __device__ int64_t restore_rows(const mst_stash_args& a, page_return* r, uint32_t* ticket) {
     __shared__ int64_t s_n;
     if (threadIdx.x == 0) {
         const int live = mst_handle_live(a.st, a.hs);
-        s_n = live ? a.hs->n_rows : 0;
+        s_n = live && a.restore_part != MST_RESTORE_RETURN ? a.hs->n_rows : 0;
         for (int b = 0; b < MST_N_BLK; b++) {
             r->pos[b] = a.st->tail[b];
-            r->take[b] = live && a.restore_part == MST_RESTORE_ALL ? a.hs->n_pages[b] : 0;
+            r->take[b] = live && a.restore_part != MST_RESTORE_COPY ? a.hs->n_pages[b] : 0;
         }
     }
     __syncthreads();
@@ -168,8 +187,8 @@ __device__ int64_t restore_rows(const mst_stash_args& a, page_return* r, uint32_
 /* This block's share of the page table (a save; invalid ids when it took
  * none) or of the page return (a restore). */
 template <bool RESTORE>
-__device__ void table_share(const mst_stash_args& a, const mst_plan* plan, const page_return* ret) {
-    const int64_t i = blockIdx.x * blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+__device__ void table_share(const mst_stash_args& a, const mst_plan* plan, const page_return* ret, part pt) {
+    const int64_t i = (int64_t)pt.bid * blockDim.x + threadIdx.x, stride = (int64_t)pt.nb * blockDim.x;
     mst_ring_move(a.ring, a.cap, RESTORE ? ret->pos : plan->pos, RESTORE ? ret->take : plan->take, a.table, RESTORE,
                   i, stride);
     if (!RESTORE) mst_table_void(plan, a.table, a.max_pages, i, stride);
@@ -178,20 +197,21 @@ __device__ void table_share(const mst_stash_args& a, const mst_plan* plan, const
 /* Rows [0, n) between the contiguous rows (src of a save, dst of a restore)
  * and the handle's pages, as vectors of V: flat vector u of the rows is
  * vector u % vpp of page u / vpp (a save looks its id up in the rings, a
- * restore in the table). Grid-stride, each thread with kUnroll loads in
- * flight before its stores. A save issues the loads of its first step
- * before its plan (any row < src_rows may be read), so the plan's latency
- * hides behind them. Byte offsets fit in 32 bits (a handle holds < 4 GiB);
- * the last < sizeof(V) bytes go byte by byte. */
+ * restore in the table), on the blocks of part pt. Grid-stride, each thread
+ * with kUnroll loads in flight before its stores. A save issues the loads
+ * of its first step before its plan (any row < src_rows may be read), so
+ * the plan's latency hides behind them. Byte offsets fit in 32 bits (a
+ * handle holds < 4 GiB); the last < sizeof(V) bytes go byte by byte. A
+ * claim (no src) and a page return (no dst) copy nothing. */
 template <typename V, bool RESTORE>
-__global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
+__device__ __forceinline__ void copy_body(const mst_stash_args& a, part pt) {
     __shared__ mst_plan s_plan;    /* save only    */
     __shared__ page_return s_ret; /* restore only */
     const uint32_t page_bytes = (uint32_t)(a.page_rows * a.row_bytes);
     const uint32_t vpp = page_bytes / (uint32_t)sizeof(V);
     char* rows = RESTORE ? a.dst : (char*)a.src;
-    const uint32_t stride = gridDim.x * blockDim.x;
-    uint32_t u0 = blockIdx.x * blockDim.x + threadIdx.x;
+    const uint32_t stride = pt.nb * blockDim.x;
+    uint32_t u0 = pt.bid * blockDim.x + threadIdx.x;
     V v[kUnroll];
     bool loaded = false; /* v holds the vectors of step u0 */
     int64_t n;
@@ -199,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
     if (RESTORE) {
         n = restore_rows(a, &s_ret, &ticket);
     } else {
-        const int64_t src_vec = a.src_rows * a.row_bytes / (int64_t)sizeof(V);
+        const int64_t src_vec = rows ? a.src_rows * a.row_bytes / (int64_t)sizeof(V) : 0;
         const uint32_t last = (uint32_t)min(src_vec, (int64_t)UINT32_MAX) - 1;
         if (src_vec > 0) {
 #pragma unroll
@@ -210,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
         if (threadIdx.x == 0) ticket = count_reader(&a.hs->done_blocks);
         n = s_plan.n;
     }
-    const uint32_t total = (uint32_t)(n * a.row_bytes);
+    const uint32_t total = rows ? (uint32_t)(n * a.row_bytes) : 0; /* bytes copied */
     const uint32_t n_vec = total / (uint32_t)sizeof(V);
     const uint32_t* __restrict__ table = a.table;
     auto page = [&](uint32_t p) -> char* {
@@ -232,9 +252,13 @@ __global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) {
         for (int k = 0; k < kUnroll; k++)
             if (u0 + k * stride < n_vec) *to[k] = v[k];
     }
-    table_share<RESTORE>(a, &s_plan, &s_ret);
-    copy_end<RESTORE>(a, &s_plan, rows, n_vec * (uint32_t)sizeof(V), total, ticket);
+    table_share<RESTORE>(a, &s_plan, &s_ret, pt);
+    copy_end<RESTORE>(a, &s_plan, rows, n_vec * (uint32_t)sizeof(V), total, ticket, pt);
 }
+
+/* One save or restore by vectors of V on the whole grid. */
+template <typename V, bool RESTORE>
+__global__ void __launch_bounds__(kThreads, 5) copy_kernel(mst_stash_args a) { copy_body<V, RESTORE>(a, whole_grid()); }
 
 /* ---- bulk copy: the copy engine of each SM (cp.async.bulk) moves chunks of
  * kChunk bytes through kStages slots of shared memory; lane 0 drives it. */
@@ -343,17 +367,39 @@ __global__ void __launch_bounds__(kWarpThreads, 1) bulk_kernel(mst_stash_args a)
     __syncwarp();
     if (lead && !claim) bulk_run<RESTORE>(a, q, &s_plan, rows, s_first, page_bytes, bytes, my, loaded);
     __syncwarp();
-    table_share<RESTORE>(a, &s_plan, &s_ret);
-    copy_end<RESTORE>(a, &s_plan, rows, claim ? total : bytes, total, ticket);
+    table_share<RESTORE>(a, &s_plan, &s_ret, whole_grid());
+    copy_end<RESTORE>(a, &s_plan, rows, claim ? total : bytes, total, ticket, whole_grid());
 }
 
 /* The page return of a split restore (MST_RESTORE_RETURN): one warp. */
 __global__ void __maxnreg__(32) return_kernel(mst_stash_args a) { finish_restore(a); }
 
-__global__ void __launch_bounds__(kThreads) reset_kernel(mst_stash_args a) {
-    const int64_t start = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+/* A reset on the blocks of part pt: both rings refilled, then (thread 0 of
+ * block 0) the counters; blocks read nothing they write. */
+__device__ void reset_body(const mst_stash_args& a, part pt) {
+    const int64_t start = (int64_t)pt.bid * blockDim.x + threadIdx.x, stride = (int64_t)pt.nb * blockDim.x;
     for (int b = 0; b < MST_N_BLK; b++) mst_ring_fill(a.ring, a.cap, b, start, stride);
     if (start == 0) mst_state_reset(a.st, a.cap);
+}
+
+__global__ void __launch_bounds__(kThreads) reset_kernel(mst_stash_args a) { reset_body(a, whole_grid()); }
+
+/* A batch as one launch: slot i runs on blocks [first[i], first[i + 1]). */
+typedef struct batch_launch {
+    mst_stash_batch b;
+    uint32_t first[MST_STASH_BATCH_MAX + 1];
+} batch_launch;
+
+/* Each block finds its slot (a few compares, the same for the whole block)
+ * and runs that slot's operation on its range. */
+template <typename V>
+__global__ void __launch_bounds__(kThreads, 4) batch_kernel(const __grid_constant__ batch_launch L) {
+    int s = 0;
+    while (s + 1 < L.b.n && blockIdx.x >= L.first[s + 1]) s++;
+    const part pt = {blockIdx.x - L.first[s], L.first[s + 1] - L.first[s]};
+    if (L.b.op[s] == MST_STASH_OP_SAVE) copy_body<V, false>(L.b.slot[s], pt);
+    else if (L.b.op[s] == MST_STASH_OP_RESTORE) copy_body<V, true>(L.b.slot[s], pt);
+    else reset_body(L.b.slot[s], pt);
 }
 
 /* SMs a copy of pool state a may use: the pool's copy_sms, or all. */
@@ -382,26 +428,28 @@ mst_status bulk_setup() {
     return MST_OK;
 }
 
-/* Persistent grid for a handle's largest copy (static: graph-safe): as many
- * blocks as fit on the copy's SMs at once (kHostBlocks for a pool of host
- * pages only), fewer for small handles. */
-template <typename V, bool RESTORE>
-mst_status copy_grid(mst_ctx_t* ctx, const mst_stash_args* a, unsigned* grid) {
-    const int per_sm = mst_cuda(ctx)->copy_per_sm[RESTORE][vec_index<V>()]; /* resident blocks per SM */
-    const int64_t max_vec = a->max_pages * a->page_rows * a->row_bytes / (int64_t)sizeof(V);
+/* Context creation: resident blocks per SM of batch_kernel. */
+mst_status batch_setup(mst_cuda_impl* c) {
+    MST_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c->batch_per_sm, batch_kernel<uint4>, kThreads, 0));
+    return MST_OK;
+}
+
+/* Persistent grid for a handle's largest copy by vectors of vec_bytes, on
+ * blocks of which per_sm fit on an SM (static: graph-safe): as many blocks
+ * as fit on the copy's SMs at once (kHostBlocks for a pool of host pages
+ * only), fewer for small handles. */
+unsigned copy_grid(mst_ctx_t* ctx, const mst_stash_args* a, int64_t vec_bytes, int per_sm) {
+    const int64_t max_vec = a->max_pages * a->page_rows * a->row_bytes / vec_bytes;
     const int64_t per_block = (int64_t)kThreads * kUnroll;
     const int64_t want = (max_vec + per_block - 1) / per_block;
     int64_t cap = (int64_t)copy_sms(ctx, a) * (per_sm > 0 ? per_sm : 1);
     if (a->cap[MST_BLK_DEV] == 0 && cap > kHostBlocks) cap = kHostBlocks;
-    *grid = (unsigned)(want < 1 ? 1 : want < cap ? want : cap);
-    return MST_OK;
+    return (unsigned)(want < 1 ? 1 : want < cap ? want : cap);
 }
 
 template <typename V, bool RESTORE>
 mst_status launch_copy(mst_ctx_t* ctx, const mst_stash_args* a) {
-    unsigned grid = 1;
-    const mst_status st = copy_grid<V, RESTORE>(ctx, a, &grid);
-    if (st != MST_OK) return st;
+    const unsigned grid = copy_grid(ctx, a, sizeof(V), mst_cuda(ctx)->copy_per_sm[RESTORE][vec_index<V>()]);
     copy_kernel<V, RESTORE><<<grid, kThreads, 0, mst_cuda(ctx)->stream>>>(*a);
     MST_CUDA_LAUNCHED();
     return MST_OK;
@@ -434,6 +482,34 @@ mst_status copy(mst_ctx_t* ctx, const mst_stash_args* a, const void* rows) {
     return launch_copy<uint16_t, RESTORE>(ctx, a);
 }
 
+/* Blocks of a reset: one ring entry per thread, at most a few waves. */
+unsigned reset_grid(mst_ctx_t* ctx, const mst_stash_args* a) {
+    const int64_t n = a->cap[MST_BLK_DEV] > a->cap[MST_BLK_HOST] ? a->cap[MST_BLK_DEV] : a->cap[MST_BLK_HOST];
+    const int64_t want = (n + kThreads - 1) / kThreads, cap = (int64_t)mst_cuda(ctx)->n_sm * 4;
+    return (unsigned)(want < 1 ? 1 : want < cap ? want : cap);
+}
+
+/* The rows a slot copies (NULL: none: a claim, a page return, a reset). */
+const char* slot_rows(int32_t op, const mst_stash_args* a) {
+    if (op == MST_STASH_OP_SAVE) return a->src;
+    return op == MST_STASH_OP_RESTORE && a->restore_part != MST_RESTORE_RETURN ? a->dst : NULL;
+}
+
+/* A slot that runs alone, by the single kernels: a copy whose handle may
+ * hold more than kBatchBytes (there the copy is the cost, and the bulk copy
+ * applies), or whose rows are not 16-byte aligned. */
+bool alone(int32_t op, const mst_stash_args* a) {
+    const char* rows = slot_rows(op, a);
+    return rows && (a->max_pages * a->page_rows * a->row_bytes > kBatchBytes || (uintptr_t)rows % 16 != 0);
+}
+
+/* Blocks of a slot in batch_kernel: a copy's persistent grid, a reset's, one
+ * block for a claim or a page return. */
+unsigned slot_blocks(mst_ctx_t* ctx, int32_t op, const mst_stash_args* a) {
+    if (op == MST_STASH_OP_RESET) return reset_grid(ctx, a);
+    return slot_rows(op, a) ? copy_grid(ctx, a, sizeof(uint4), mst_cuda(ctx)->batch_per_sm) : 1;
+}
+
 } // namespace
 
 mst_status mst_cuda_stash_setup(mst_cuda_impl* c) {
@@ -444,14 +520,12 @@ mst_status mst_cuda_stash_setup(mst_cuda_impl* c) {
     MST_TRY((copy_setup<uint32_t, false>(c)));
     MST_TRY((copy_setup<uint32_t, true>(c)));
     MST_TRY((copy_setup<uint16_t, false>(c)));
-    return copy_setup<uint16_t, true>(c);
+    MST_TRY((copy_setup<uint16_t, true>(c)));
+    return batch_setup(c);
 }
 
 extern "C" mst_status mst_cuda_stash_reset(mst_ctx_t* ctx, const mst_stash_args* a) {
-    const int64_t n = a->cap[MST_BLK_DEV] > a->cap[MST_BLK_HOST] ? a->cap[MST_BLK_DEV] : a->cap[MST_BLK_HOST];
-    const int64_t want = (n + kThreads - 1) / kThreads, cap = (int64_t)mst_cuda(ctx)->n_sm * 4; /* a few waves */
-    const unsigned grid = (unsigned)(want < 1 ? 1 : want < cap ? want : cap);
-    reset_kernel<<<grid, kThreads, 0, mst_cuda(ctx)->stream>>>(*a);
+    reset_kernel<<<reset_grid(ctx, a), kThreads, 0, mst_cuda(ctx)->stream>>>(*a);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
@@ -468,6 +542,32 @@ extern "C" mst_status mst_cuda_stash_restore(mst_ctx_t* ctx, const mst_stash_arg
     return_kernel<<<1, kWarpThreads, 0, mst_cuda(ctx)->stream>>>(*a);
     MST_CUDA_LAUNCHED();
     return MST_OK;
+}
+
+/* The slots that run alone first (single kernels), then the rest in one
+ * launch of batch_kernel; slots touch distinct pools, so the order is free. */
+extern "C" mst_status mst_cuda_stash_batch(mst_ctx_t* ctx, const mst_stash_batch* b) {
+    batch_launch L;
+    memset(&L, 0, sizeof L);
+    uint32_t blocks = 0;
+    mst_status first = MST_OK;
+    for (int32_t i = 0; i < b->n; i++) {
+        const mst_stash_args* a = &b->slot[i];
+        if (alone(b->op[i], a)) {
+            const mst_status st = b->op[i] == MST_STASH_OP_SAVE ? mst_cuda_stash_save(ctx, a) : mst_cuda_stash_restore(ctx, a);
+            if (first == MST_OK) first = st;
+            continue;
+        }
+        L.first[L.b.n] = blocks;
+        L.b.op[L.b.n] = b->op[i];
+        L.b.slot[L.b.n++] = *a;
+        blocks += slot_blocks(ctx, b->op[i], a);
+    }
+    if (!L.b.n) return first;
+    L.first[L.b.n] = blocks;
+    batch_kernel<uint4><<<blocks, kThreads, 0, mst_cuda(ctx)->stream>>>(L);
+    MST_CUDA_LAUNCHED();
+    return first;
 }
 
 extern "C" mst_status mst_cuda_host_alloc(mst_ctx_t* ctx, size_t n_bytes, void** out) {
