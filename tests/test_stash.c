@@ -8,7 +8,8 @@
  * a save past the handle's rows from a larger src (an overflow),
  * sizing from a measured peak, every bad-input case, and on CUDA a captured
  * graph of a save / restore sequence replayed with different counts (the
- * CPU backend runs the same sequence eagerly).
+ * CPU backend runs the same sequence eagerly); batches of saves, claims,
+ * restores and resets on distinct pools against the same calls one by one.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -767,6 +768,208 @@ static void check_sees_corruption(mst_ctx_t* ctx, mst_rng* rng) {
     env_close(&e);
 }
 
+/* ---- batches against the same operations one by one ---- */
+
+enum { B_POOLS = 6, B_R = 200, B_E = 5 };
+
+/* One pool kind of the batch test, twice: [0] driven by batches, [1] by the
+ * single calls. */
+typedef struct twin {
+    mst_pool_t* pool[2];
+    mst_stash_handle_t* h[2];
+    mst_guarded src, counts, dst[2];
+    int64_t rb;        /* row bytes                           */
+    int64_t n;         /* rows of the save                    */
+    unsigned char* in; /* [B_R, rb] the saved rows            */
+} twin;
+
+/* The pool, handle and table of twin t, [0] and [1], byte for byte. */
+static void expect_twins(mst_ctx_t* ctx, twin* t, int i, const char* what) {
+    mst_pool_state st[2];
+    mst_handle_state hs[2];
+    uint32_t table[2][B_R];
+    for (int k = 0; k < 2; k++) {
+        state_io(t->pool[k], &st[k], 0);
+        CHECK_OK(mst_copy_b2h(ctx, &hs[k], t->h[k]->hs, sizeof hs[k]));
+        CHECK_OK(mst_copy_b2h(ctx, table[k], mst_handle_table(t->h[k]->hs), sizeof(uint32_t) * (size_t)t->h[k]->max_pages));
+        CHECK_OK(mst_pool_check(t->pool[k]));
+    }
+    CHECK(memcmp(&st[0], &st[1], sizeof st[0]) == 0, "%s: pool %d: the batch left another pool state", what, i);
+    CHECK(memcmp(&hs[0], &hs[1], sizeof hs[0]) == 0, "%s: pool %d: the batch left another handle state", what, i);
+    CHECK(memcmp(table[0], table[1], sizeof(uint32_t) * (size_t)t->h[0]->max_pages) == 0,
+          "%s: pool %d: the batch tabled other pages", what, i);
+}
+
+/* dst [k] of twin t after a restore of `rows` rows: t->in's rows, the rest
+ * poisoned, guards intact. */
+static void expect_restored(mst_ctx_t* ctx, twin* t, int i, int k, int64_t rows, const char* what) {
+    unsigned char* got = (unsigned char*)malloc(t->dst[k].n_bytes);
+    mst_guarded_get(ctx, &t->dst[k], got);
+    CHECK(mst_first_diff(got, t->in, (size_t)(rows * t->rb)) < 0, "%s: pool %d (%s): restored rows differ", what, i,
+          k ? "single" : "batch");
+    int clean = 1;
+    for (int64_t b = rows * t->rb; b < (int64_t)t->dst[k].n_bytes; b++) clean &= got[b] == MST_POISON;
+    CHECK(clean, "%s: pool %d (%s): rows past %lld written", what, i, k ? "single" : "batch", (long long)rows);
+    CHECK(mst_guarded_intact(ctx, &t->dst[k]), "%s: pool %d (%s): guard bytes overwritten", what, i,
+          k ? "single" : "batch");
+    free(got);
+}
+
+/* Saves (a claim, an overflow, a spill among them), restores (whole, copy
+ * then page return) and resets of six pools of different dtypes and widths
+ * in batches leave the pools, handles and tables of the same calls made one
+ * by one, and restore the same bytes: rows past n still poisoned, guards
+ * intact, the overflow flagged on its pool alone. Then the batch's own
+ * errors. */
+static void batch_twins(mst_ctx_t* ctx, mst_rng* rng) {
+    const struct { mst_dtype dt; int64_t W, pr, dev, host; int claim, overflow; } spec[B_POOLS] = {
+        {MST_DTYPE_BF16, 64, 16, 20, 0, 0, 0},  /* fc1_input-like                   */
+        {MST_DTYPE_BF16, 40, 8, 6, 30, 0, 0},   /* spills into host pages            */
+        {MST_DTYPE_FP32, 1, 64, 8, 0, 0, 0},    /* probs                             */
+        {MST_DTYPE_BF16, 512, 16, 20, 0, 1, 0}, /* 16 KiB pages, claimed             */
+        {MST_DTYPE_BF16, 24, 8, 2, 1, 0, 1},    /* too few pages: overflows          */
+        {MST_DTYPE_BF16, 8, 8, 30, 0, 0, 0},    /* 16-byte rows, restored unaligned  */
+    };
+    twin tw[B_POOLS];
+    memset(tw, 0, sizeof tw);
+    mst_stash_batch b = {0};
+    for (int i = 0; i < B_POOLS; i++) {
+        twin* t = &tw[i];
+        const mst_pool_config cfg = {spec[i].pr, spec[i].dev, spec[i].host, 0};
+        t->rb = spec[i].W * (int64_t)mst_dtype_size(spec[i].dt);
+        for (int k = 0; k < 2; k++) {
+            CHECK_OK(mst_pool_create(ctx, spec[i].dt, spec[i].W, &cfg, &t->pool[k]));
+            CHECK_OK(mst_stash_handle_create(t->pool[k], B_R, &t->h[k]));
+            t->dst[k] = mst_guarded_alloc(ctx, (size_t)(B_R * t->rb) + 2); /* + 2: room to misalign */
+        }
+        t->n = spec[i].overflow ? 4 * spec[i].pr : mst_rng_int(rng, 1, B_R); /* 4 pages of 3 */
+        t->in = (unsigned char*)malloc((size_t)(B_R * t->rb));
+        if (spec[i].dt == MST_DTYPE_BF16) mst_rng_bf16(rng, (uint16_t*)t->in, (size_t)(B_R * spec[i].W), 1.0);
+        else mst_rng_fp32(rng, (float*)t->in, (size_t)(B_R * spec[i].W), -2.0, 2.0);
+        int32_t c[B_E];
+        mst_rng_counts(rng, c, B_E, t->n, mst_rng_uniform(rng));
+        t->src = mst_guarded_alloc(ctx, (size_t)(B_R * t->rb));
+        t->counts = mst_guarded_alloc(ctx, sizeof c);
+        mst_guarded_put(ctx, &t->src, t->in);
+        mst_guarded_put(ctx, &t->counts, c);
+        const mst_tensor src = mst_tensor_make(t->src.data, spec[i].dt, B_R, spec[i].W);
+        const mst_tensor tc = mst_tensor_make(t->counts.data, MST_DTYPE_INT32, B_E, 1);
+        if (spec[i].claim) {
+            CHECK_OK(mst_stash_batch_claim(&b, t->pool[0], t->h[0], B_R, &tc));
+            CHECK_OK(mst_stash_claim(t->pool[1], t->h[1], B_R, &tc));
+        } else {
+            CHECK_OK(mst_stash_batch_save(&b, t->pool[0], t->h[0], &src, &tc));
+            CHECK_OK(mst_stash_save(t->pool[1], t->h[1], &src, &tc));
+        }
+    }
+    CHECK_OK(mst_stash_batch_run(ctx, &b));
+    CHECK(b.n == 0, "a batch run leaves %d slots", b.n);
+    for (int i = 0; i < B_POOLS; i++) {
+        mst_guarded_put(ctx, &tw[i].src, NULL); /* the restores must read the pages */
+        expect_twins(ctx, &tw[i], i, "batched saves");
+        CHECK_STATUS(mst_pool_poll(tw[i].pool[0]), spec[i].overflow ? MST_ERR_OVERFLOW : MST_OK);
+    }
+    CHECK_STATUS(mst_ctx_check(ctx), MST_ERR_OVERFLOW);
+    /* restores: pool 1 split (copy now, pages back in a second batch), the
+       claim's pages (never written) only given back, the last pool's dst
+       2 bytes past 16-byte alignment */
+    for (int i = 0; i < B_POOLS; i++) {
+        twin* t = &tw[i];
+        const int part = i == 1 ? MST_RESTORE_COPY : spec[i].claim ? MST_RESTORE_RETURN : MST_RESTORE_ALL;
+        for (int k = 0; k < 2; k++) {
+            mst_guarded_put(ctx, &t->dst[k], NULL);
+            mst_tensor dst = mst_tensor_make((char*)t->dst[k].data + (i == B_POOLS - 1 ? 2 : 0), spec[i].dt, B_R,
+                                             spec[i].W);
+            if (k == 0) CHECK_OK(mst_stash_batch_restore(&b, t->pool[0], t->h[0], &dst, part));
+            else if (part == MST_RESTORE_COPY) CHECK_OK(mst_stash_restore_copy(t->pool[1], t->h[1], &dst));
+            else if (part == MST_RESTORE_RETURN) CHECK_OK(mst_stash_restore_return(t->pool[1], t->h[1]));
+            else CHECK_OK(mst_stash_restore(t->pool[1], t->h[1], &dst));
+        }
+    }
+    CHECK_OK(mst_stash_batch_run(ctx, &b));
+    CHECK_OK(mst_stash_batch_restore(&b, tw[1].pool[0], tw[1].h[0], NULL, MST_RESTORE_RETURN));
+    CHECK_OK(mst_stash_batch_run(ctx, &b));
+    CHECK_OK(mst_stash_restore_return(tw[1].pool[1], tw[1].h[1]));
+    for (int i = 0; i < B_POOLS; i++) {
+        twin* t = &tw[i];
+        expect_twins(ctx, t, i, "batched restores");
+        mst_pool_stats st;
+        CHECK_OK(mst_pool_stats_get(t->pool[0], &st));
+        CHECK(st.dev_used + st.host_used == 0, "pool %d: %lld pages still held", i, (long long)(st.dev_used + st.host_used));
+        if (spec[i].claim) continue;
+        for (int k = 0; k < 2; k++) {
+            if (i == B_POOLS - 1) { /* 2 bytes in: shift back before the comparison */
+                unsigned char* raw = (unsigned char*)malloc(t->dst[k].n_bytes);
+                mst_guarded_get(ctx, &t->dst[k], raw);
+                CHECK(raw[0] == MST_POISON && raw[1] == MST_POISON, "pool %d: bytes before the unaligned dst written", i);
+                CHECK(mst_first_diff(raw + 2, t->in, (size_t)(t->n * t->rb)) < 0, "pool %d (%s): unaligned restore differs",
+                      i, k ? "single" : "batch");
+                int clean = 1;
+                for (size_t c = 2 + (size_t)(t->n * t->rb); c < t->dst[k].n_bytes; c++) clean &= raw[c] == MST_POISON;
+                CHECK(clean && mst_guarded_intact(ctx, &t->dst[k]), "pool %d: rows past n or guards written", i);
+                free(raw);
+                continue;
+            }
+            expect_restored(ctx, t, i, k, spec[i].overflow ? 0 : t->n, "batched restores");
+        }
+    }
+    for (int i = 0; i < B_POOLS; i++) { /* resets */
+        CHECK_OK(mst_stash_batch_reset(&b, tw[i].pool[0]));
+        CHECK_OK(mst_pool_reset(tw[i].pool[1]));
+    }
+    CHECK_OK(mst_stash_batch_run(ctx, &b));
+    for (int i = 0; i < B_POOLS; i++) {
+        expect_twins(ctx, &tw[i], i, "batched resets");
+        CHECK_OK(mst_pool_poll(tw[i].pool[0]));
+    }
+    /* bad counts in one slot: that save takes nothing and raises the flag
+       (CPU: MST_ERR_COUNTS returned), the slot after it still saves */
+    {
+        const int32_t bad[B_E] = {3, -1, 4, 0, 2};
+        mst_guarded_put(ctx, &tw[0].counts, bad);
+        mst_guarded_put(ctx, &tw[2].src, tw[2].in);
+        const mst_tensor tc0 = mst_tensor_make(tw[0].counts.data, MST_DTYPE_INT32, B_E, 1);
+        const mst_tensor tc2 = mst_tensor_make(tw[2].counts.data, MST_DTYPE_INT32, B_E, 1);
+        const mst_tensor src0 = mst_tensor_make(tw[0].src.data, spec[0].dt, B_R, spec[0].W);
+        const mst_tensor src2 = mst_tensor_make(tw[2].src.data, spec[2].dt, B_R, spec[2].W);
+        CHECK_OK(mst_stash_batch_save(&b, tw[0].pool[0], tw[0].h[0], &src0, &tc0));
+        CHECK_OK(mst_stash_batch_save(&b, tw[2].pool[0], tw[2].h[0], &src2, &tc2));
+        CHECK_STATUS(mst_stash_batch_run(ctx, &b), mst_ctx_backend(ctx) == MST_BACKEND_CPU ? MST_ERR_COUNTS : MST_OK);
+        CHECK_STATUS(mst_ctx_check(ctx), MST_ERR_COUNTS);
+        for (int i = 0; i <= 2; i += 2) {
+            mst_guarded_put(ctx, &tw[i].dst[0], NULL);
+            mst_tensor dst = mst_tensor_make(tw[i].dst[0].data, spec[i].dt, B_R, spec[i].W);
+            CHECK_OK(mst_stash_batch_restore(&b, tw[i].pool[0], tw[i].h[0], &dst, MST_RESTORE_ALL));
+        }
+        CHECK_OK(mst_stash_batch_run(ctx, &b));
+        expect_restored(ctx, &tw[0], 0, 0, 0, "bad counts in a batch");
+        expect_restored(ctx, &tw[2], 2, 0, tw[2].n, "the slot after bad counts");
+        CHECK_OK(mst_ctx_check(ctx));
+    }
+    /* the batch's own errors: a pool twice, more than MST_STASH_BATCH_MAX slots */
+    CHECK_OK(mst_stash_batch_reset(&b, tw[0].pool[0]));
+    CHECK_STATUS(mst_stash_batch_reset(&b, tw[0].pool[0]), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "in it already") != NULL, "a pool twice: '%s'", mst_last_error());
+    for (int i = 1; i < 2 * B_POOLS; i++) {
+        const mst_status st = mst_stash_batch_reset(&b, tw[i / 2].pool[i % 2]);
+        CHECK_STATUS(st, i < MST_STASH_BATCH_MAX ? MST_OK : MST_ERR_INVALID);
+    }
+    CHECK(strstr(mst_last_error(), "full") != NULL, "a full batch: '%s'", mst_last_error());
+    CHECK(b.n == MST_STASH_BATCH_MAX, "a full batch holds %d slots", b.n);
+    CHECK_OK(mst_stash_batch_run(ctx, &b));
+    for (int i = 0; i < B_POOLS; i++) {
+        twin* t = &tw[i];
+        for (int k = 0; k < 2; k++) {
+            mst_stash_handle_destroy(t->h[k]);
+            mst_pool_destroy(t->pool[k]);
+            mst_guarded_free(ctx, &t->dst[k]);
+        }
+        mst_guarded_free(ctx, &t->src);
+        mst_guarded_free(ctx, &t->counts);
+        free(t->in);
+    }
+}
+
 static void run(mst_ctx_t* ctx) {
     mst_rng rng = {0x5157a5};
     bad_input(ctx, &rng);
@@ -774,6 +977,7 @@ static void run(mst_ctx_t* ctx) {
     spill(ctx, &rng);
     overflow(ctx, &rng);
     claim(ctx, &rng);
+    batch_twins(ctx, &rng);
     handle_capacity(ctx, &rng);
     sizing(ctx, &rng);
     unaligned(ctx, &rng);
