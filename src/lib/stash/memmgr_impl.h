@@ -26,7 +26,9 @@
  *              A name read in place whose producer can write pages
  *              (act_input, fc2_input: the activation) is claimed instead
  *              (sv_claim): its pages are taken before the producer runs,
- *              which writes them besides the compute buffer; no copy
+ *              which writes them besides the compute buffer; no copy. The
+ *              first claim of a layer call takes every produced name read
+ *              in place, in one ring batch with the saves queued before it
  *   OFFLOAD    as STASH, into pinned host pages
  *   RECOMPUTE  fc2_input only: not saved; the grouped MLP recomputes it
  *   layer recompute (uniform / block): a recomputed layer saves nothing in

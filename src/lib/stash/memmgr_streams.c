@@ -11,14 +11,24 @@
  *   copy  the copies of restores (mst_stash_restore_copy), which run beside
  *         the saves (on PCIe: D2H and H2D at once)
  *
+ * Batches: a side operation is queued in its stream's batch (distinct
+ * pools) and the batch launched as one backend call (mst_mm_flush) at the
+ * next layer call, at the end of one (layer, mb)'s restores, at step end,
+ * before a second operation on a pool it holds, when full, or when a wait
+ * needs it. The waits of an operation are enqueued when it is queued (before
+ * the launch); an event recorded after a queued operation is recorded after
+ * the launch; a wait on an event whose record is queued launches that batch
+ * first. So each edge below holds for the whole batch of its operation, and
+ * each pool's ring updates stay in host order.
+ *
  * Every event edge (record on one stream -> wait on another), and what it
  * guards. A side operation starts only after main's work so far (ev_main), so
  * the other edges order work that main enqueues AFTER a side operation.
  *
  *   event             recorded on / where        waited on / where          guards
  *   ----------------  -------------------------  -------------------------  ------------------------------
- *   ev_main           main, before each side op  ring / copy, before that   the tensor a save reads is
- *                     (mst_mm_on_side)           op (mst_mm_on_side)        written; the pages a return
+ *   ev_main           main, as each side op is   ring / copy, before that   the tensor a save reads is
+ *                     queued (mst_mm_on_side)    op's batch                 written; the pages a return
  *                                                                           gives back and the restore
  *                                                                           buffer a copy overwrites are
  *                                                                           no longer read
