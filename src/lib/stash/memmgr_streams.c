@@ -154,6 +154,7 @@ mst_status mst_mm_on_side(mst_memmgr_t* m, mst_stream_sel side, void* after, mst
     side_batch* q = &m->batch[side];
     if (q->b.n == MST_STASH_BATCH_MAX || mst_stash_batch_has(&q->b, p)) MST_TRY(mst_mm_flush(m, side));
     if (!host_streams(m)) { /* main's work so far, then `after`: waits enqueued now, before the launch */
+        m->side_used |= 1 << side; /* joined at step end from now on */
         MST_TRY(mst_mm_ev_record(m, m->ev_main, MST_STREAM_MAIN));
         MST_TRY(mst_mm_ev_wait(m, m->ev_main, side));
     }
@@ -166,7 +167,6 @@ static mst_status launch(mst_memmgr_t* m, mst_stream_sel side, mst_stash_batch* 
     if (host_streams(m)) return mst_mm_host_on_side(m, side, b);
     void* main_stream = mst_ctx_stream(m->ctx);
     MST_TRY(mst_ctx_set_stream(m->ctx, m->ctx->be->side_stream(m->ctx, side)));
-    m->side_used |= 1 << side;
     mst_status st = slow_down(m, side);
     if (st == MST_OK) st = mst_stash_batch_run(m->ctx, b);
     mst_status st2 = mst_ctx_set_stream(m->ctx, main_stream);
