@@ -688,10 +688,10 @@ static void shared_needs(mst_ctx_t* ctx, mst_stack* s, mst_rng* rng) {
  * is an error, and so is a name taken that way and committed without having
  * been asked for (its pages would hold nothing), the message naming it. */
 static void claim_together(mst_ctx_t* ctx, mst_stack* s, mst_rng* rng) {
-    mst_schedule_config sc = {MST_SCHEDULE_PLAIN, 1, 0, M, 1};
+    mst_schedule_config sc = {sizeof(mst_schedule_config), MST_SCHEDULE_PLAIN, 1, 0, M, 1};
     mst_sched_entry sch[2 * M];
     CHECK_OK(mst_schedule_make(&sc, sch, 2 * M));
-    mst_memmgr_config mc = {L, M, 1, R, H, F, sch, 2 * M, PAGE, 1.10, 0, NULL, NULL};
+    mst_memmgr_config mc = {sizeof(mst_memmgr_config), L, M, 1, R, H, F, sch, 2 * M, PAGE, 1.10, 0, NULL, NULL};
     CHECK_OK(mst_memmgr_create(ctx, &mc, &s->mm));
     CHECK_OK(mst_memmgr_set_policy_spec(s->mm, "stash"));
     int32_t counts[L * M * E];

@@ -835,7 +835,7 @@ static void batch_twins(mst_ctx_t* ctx, mst_rng* rng) {
     mst_stash_batch b = {0};
     for (int i = 0; i < B_POOLS; i++) {
         twin* t = &tw[i];
-        const mst_pool_config cfg = {spec[i].pr, spec[i].dev, spec[i].host, 0};
+        const mst_pool_config cfg = {sizeof(mst_pool_config), spec[i].pr, spec[i].dev, spec[i].host, 0};
         t->rb = spec[i].W * (int64_t)mst_dtype_size(spec[i].dt);
         for (int k = 0; k < 2; k++) {
             CHECK_OK(mst_pool_create(ctx, spec[i].dt, spec[i].W, &cfg, &t->pool[k]));
