@@ -893,7 +893,7 @@ static void batch_twins(mst_ctx_t* ctx, mst_rng* rng) {
     for (int i = 0; i < B_POOLS; i++) {
         twin* t = &tw[i];
         expect_twins(ctx, t, i, "batched restores");
-        mst_pool_stats st;
+        mst_pool_stats st = MST_POOL_STATS_INIT;
         CHECK_OK(mst_pool_stats_get(t->pool[0], &st));
         CHECK(st.dev_used + st.host_used == 0, "pool %d: %lld pages still held", i, (long long)(st.dev_used + st.host_used));
         if (spec[i].claim) continue;
