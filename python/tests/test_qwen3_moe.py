@@ -185,3 +185,35 @@ def test_patch_refuses():
     gelu.config.hidden_act = "gelu"
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
         mt.patch_qwen3_moe(gelu)
+
+
+def test_copies_and_checkpointing_keep_the_bits():
+    """A patched model deep-copied (its blocks get Bindings of their own on
+    the same StashManager) and run with transformers' gradient checkpointing
+    (each layer's forward run again in the backward) gives the bits of the
+    model it was copied from."""
+    model = make_model(torch.float32, True)
+    stash = mt.StashManager(page_rows=16)
+    mt.patch_qwen3_moe(model, policy="stash", stash=stash)
+    twin = copy.deepcopy(model)
+    assert twin.model.layers[0].mlp.binding.id != model.model.layers[0].mlp.binding.id
+    assert twin.model.layers[0].mlp.binding.saver.manager is stash
+    twin.gradient_checkpointing_enable()
+    model.train()
+    twin.train()
+    calls = []
+    twin.model.layers[0].mlp.register_forward_hook(lambda *_: calls.append(1))
+    ids, mask = batch(0)
+    outs = []
+    for m in (model, twin):
+        for _ in range(3):  # the first steps grow the pools: rerun
+            stash.step_begin()
+            out, grads = run(m, ids, mask)
+            if stash.step_check():
+                break
+        outs.append((out, grads))
+    (want, wg), (got, gg) = outs
+    assert len(calls) >= 2 and len(calls) % 2 == 0, f"{len(calls)} forwards: no recompute in the backward"
+    assert torch.equal(got.logits, want.logits) and torch.equal(got.loss, want.loss)
+    for n, g in wg.items():
+        assert torch.equal(gg[n], g), n

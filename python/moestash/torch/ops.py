@@ -47,12 +47,19 @@ class Binding:
     registry = {}
 
     def __init__(self, policy="keep", manager=None, delay_wgrad=False):
+        self.policy = policy
         self.saver = Saver(parse_policy(policy), manager)
         self.delay_wgrad = delay_wgrad
         self.own_ctx = {}  # device -> Context (delay_wgrad only)
         self.pending = []  # tensors the deferred wgrads read until backward_dw()
         self.id = next(Binding._ids)
         Binding.registry[self.id] = self
+
+    def __deepcopy__(self, memo):
+        """copy.deepcopy of a module holding a Binding (a reference model, an
+        EMA copy): a Binding of its own, same policy and the same
+        StashManager (shared, as the manager is meant to be)."""
+        return Binding(self.policy, self.saver.manager, self.delay_wgrad)
 
     def ctx(self, device):
         if not self.delay_wgrad:
