@@ -217,3 +217,22 @@ def test_copies_and_checkpointing_keep_the_bits():
     assert torch.equal(got.logits, want.logits) and torch.equal(got.loss, want.loss)
     for n, g in wg.items():
         assert torch.equal(gg[n], g), n
+
+
+def test_block_compiles_fullgraph():
+    """torch.compile(fullgraph=True) of a patched block: no graph break (the
+    router, the routing and the grouped MLP trace), the eager bits (aot_eager:
+    the same tracing, no C++ build on a 2-core CI machine)."""
+    model = make_model(torch.bfloat16, True)
+    block = mt.patch_qwen3_moe(model)[0]
+    x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    assert torch._dynamo.explain(block)(x).graph_break_count == 0
+    outs = []
+    for fn in (block, torch.compile(block, fullgraph=True, backend="aot_eager")):
+        xx = x.clone().requires_grad_()
+        block.zero_grad(set_to_none=True)
+        y = fn(xx)
+        y.float().square().sum().backward()
+        outs.append([y.detach(), xx.grad] + [p.grad.clone() for p in block.parameters()])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
