@@ -24,8 +24,15 @@ import shutil
 import subprocess
 
 from setuptools import Distribution, setup
-from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_py import build_py
+
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel  # setuptools >= 70.1
+except ImportError:  # an older one (--no-build-isolation): the wheel package's, if any
+    try:
+        from wheel.bdist_wheel import bdist_wheel
+    except ImportError:
+        bdist_wheel = None
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)  # python/ -> the source tree
@@ -92,10 +99,13 @@ class WithLibrary(Distribution):
         return _plan() is not None
 
 
-class BdistWheel(bdist_wheel):
-    def get_tag(self):
-        python, abi, plat = super().get_tag()
-        return (python, abi, plat) if self.root_is_pure else ("py3", "none", plat)
+commands = {"build_py": BuildPy}
+if bdist_wheel is not None:
+    class BdistWheel(bdist_wheel):
+        def get_tag(self):
+            python, abi, plat = super().get_tag()
+            return (python, abi, plat) if self.root_is_pure else ("py3", "none", plat)
 
+    commands["bdist_wheel"] = BdistWheel
 
-setup(distclass=WithLibrary, cmdclass={"build_py": BuildPy, "bdist_wheel": BdistWheel})
+setup(distclass=WithLibrary, cmdclass=commands)

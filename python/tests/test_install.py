@@ -31,10 +31,10 @@ def _header_version():
 def clone(tmp_path_factory):
     if not os.path.exists(os.path.join(ROOT, ".git")) or not shutil.which("git") or not shutil.which("cmake"):
         pytest.skip("not a git checkout, or no git / cmake")
-    try:
-        import setuptools.command.bdist_wheel  # noqa: F401 (what --no-build-isolation builds with)
+    try:  # what --no-build-isolation builds with
+        import setuptools.command.bdist_wheel  # noqa: F401
     except ImportError:
-        pytest.skip("setuptools >= 70.1 missing from this environment")
+        pytest.importorskip("wheel.bdist_wheel", reason="neither setuptools >= 70.1 nor wheel here")
     where = tmp_path_factory.mktemp("fresh") / "moestash"
     subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", ROOT, str(where)], check=True, env=CLEAN)
     return where
