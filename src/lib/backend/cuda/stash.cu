@@ -21,9 +21,10 @@
  *   batch   = slots on distinct pools (mst_stash_batch) in one launch of
  *             batch_kernel: each slot a range of its blocks, running the
  *             vector copy (a save, claim or restore part) or the reset of
- *             the single kernels on that range. Slots whose copy may be
- *             large (kBatchBytes) or whose rows are not 16-byte aligned get
- *             their own single launch instead (bulk copies where they apply)
+ *             the single kernels on that range; page returns alone, one
+ *             warp each (returns_kernel). Slots whose copy may be large
+ *             (kBatchBytes) or whose rows are not 16-byte aligned get their
+ *             own single launch instead (bulk copies where they apply)
  *
  * No block waits for another: a block counts itself as a reader once its
  * reads of the pool and handle state are done (an atomic whose result is
@@ -37,8 +38,8 @@
  *
  * Vector copies run on a persistent grid (as many blocks as fit on the
  * device at once). The bookkeeping is the source the CPU backend runs too
- * (page_table.h). Host pages are pinned, mapped host memory that the
- * copy kernels write and read over PCIe.
+ * (page_table.h). Host pages are pinned, mapped host memory (stash_host.cu)
+ * that the copy kernels write and read over PCIe.
  */
 #include "counts.cuh"
 #include "cuda_common.cuh"
@@ -402,6 +403,13 @@ __global__ void __launch_bounds__(kThreads, 4) batch_kernel(const __grid_constan
     else reset_body(L.b.slot[s], pt);
 }
 
+/* A batch of page returns only (a backward's): block i, one warp of at most
+ * 32 registers as return_kernel (it fits beside a persistent GEMM), returns
+ * slot i's pages. */
+__global__ void __maxnreg__(32) returns_kernel(const __grid_constant__ batch_launch L) {
+    finish_restore(L.b.slot[blockIdx.x]);
+}
+
 /* SMs a copy of pool state a may use: the pool's copy_sms, or all. */
 int copy_sms(mst_ctx_t* ctx, const mst_stash_args* a) {
     const int n = mst_cuda(ctx)->n_sm;
@@ -545,11 +553,13 @@ extern "C" mst_status mst_cuda_stash_restore(mst_ctx_t* ctx, const mst_stash_arg
 }
 
 /* The slots that run alone first (single kernels), then the rest in one
- * launch of batch_kernel; slots touch distinct pools, so the order is free. */
+ * launch: returns_kernel when all are page returns, else batch_kernel;
+ * slots touch distinct pools, so the order is free. */
 extern "C" mst_status mst_cuda_stash_batch(mst_ctx_t* ctx, const mst_stash_batch* b) {
     batch_launch L;
     memset(&L, 0, sizeof L);
     uint32_t blocks = 0;
+    bool returns = true; /* every batched slot a page return */
     mst_status first = MST_OK;
     for (int32_t i = 0; i < b->n; i++) {
         const mst_stash_args* a = &b->slot[i];
@@ -558,6 +568,7 @@ extern "C" mst_status mst_cuda_stash_batch(mst_ctx_t* ctx, const mst_stash_batch
             if (first == MST_OK) first = st;
             continue;
         }
+        returns &= b->op[i] == MST_STASH_OP_RESTORE && a->restore_part == MST_RESTORE_RETURN;
         L.first[L.b.n] = blocks;
         L.b.op[L.b.n] = b->op[i];
         L.b.slot[L.b.n++] = *a;
@@ -565,33 +576,8 @@ extern "C" mst_status mst_cuda_stash_batch(mst_ctx_t* ctx, const mst_stash_batch
     }
     if (!L.b.n) return first;
     L.first[L.b.n] = blocks;
-    batch_kernel<uint4><<<blocks, kThreads, 0, mst_cuda(ctx)->stream>>>(L);
+    if (returns) returns_kernel<<<(unsigned)L.b.n, kWarpThreads, 0, mst_cuda(ctx)->stream>>>(L);
+    else batch_kernel<uint4><<<blocks, kThreads, 0, mst_cuda(ctx)->stream>>>(L);
     MST_CUDA_LAUNCHED();
     return first;
-}
-
-extern "C" mst_status mst_cuda_host_alloc(mst_ctx_t* ctx, size_t n_bytes, void** out) {
-    (void)ctx;
-    *out = NULL;
-    cudaError_t e = cudaHostAlloc(out, n_bytes, cudaHostAllocMapped | cudaHostAllocPortable);
-    if (e != cudaSuccess) {
-        cudaGetLastError();
-        *out = NULL;
-        return mst_set_error(MST_ERR_OOM, "cudaHostAlloc of %zu bytes (host block) failed: %s", n_bytes,
-                             cudaGetErrorString(e));
-    }
-    void* dev = NULL;
-    e = cudaHostGetDevicePointer(&dev, *out, 0);
-    if (e == cudaSuccess && dev == *out) return MST_OK;
-    cudaGetLastError();
-    cudaFreeHost(*out);
-    *out = NULL;
-    return mst_set_error(MST_ERR_UNSUPPORTED,
-                         "host block: mapped pinned memory has no device address equal to its host "
-                         "address (%s)", cudaGetErrorString(e));
-}
-
-extern "C" void mst_cuda_host_free(mst_ctx_t* ctx, void* ptr) {
-    (void)ctx;
-    cudaFreeHost(ptr);
 }
