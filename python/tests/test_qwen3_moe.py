@@ -198,7 +198,7 @@ def test_copies_and_checkpointing_keep_the_bits():
     twin = copy.deepcopy(model)
     assert twin.model.layers[0].mlp.binding.id != model.model.layers[0].mlp.binding.id
     assert twin.model.layers[0].mlp.binding.saver.manager is stash
-    twin.gradient_checkpointing_enable()
+    twin.activation_checkpointing_enable()
     model.train()
     twin.train()
     calls = []
