@@ -139,6 +139,9 @@ static mst_status sv_commit(void* self, mst_saved_name n, const mst_tensor* src,
         return MST_OK;
     }
     mst_tensor t = *src;
+    /* an op output: what was queued before its producer ran is launched
+       first, so it does not wait for the producer as this save must */
+    if (from_compute) MST_TRY(mst_mm_flush(m, MST_STREAM_RING));
     MST_TRY(mst_mm_on_side(m, MST_STREAM_RING, NULL, MM_SAVE, m->pool[n][kind_of(p)], s->handle, &t, counts));
     MST_TRY(mst_mm_ev_record(m, s->saved_ev, MST_STREAM_RING));
     if (from_compute) {

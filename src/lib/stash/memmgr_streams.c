@@ -14,8 +14,9 @@
  * Batches: a side operation is queued in its stream's batch (distinct
  * pools) and the batch launched as one backend call (mst_mm_flush) at the
  * next layer call, at the end of one (layer, mb)'s restores, at step end,
- * before a second operation on a pool it holds, when full, or when a wait
- * needs it. The waits of an operation are enqueued when it is queued (before
+ * before a second operation on a pool it holds, when full, when a wait
+ * needs it, or before the save of an op output (sv_commit: what was queued
+ * before its producer ran does not wait for the producer). The waits of an operation are enqueued when it is queued (before
  * the launch); an event recorded after a queued operation is recorded after
  * the launch; a wait on an event whose record is queued launches that batch
  * first. So each edge below holds for the whole batch of its operation, and
