@@ -102,6 +102,14 @@ class WithLibrary(Distribution):
 commands = {"build_py": BuildPy}
 if bdist_wheel is not None:
     class BdistWheel(bdist_wheel):
+        def finalize_options(self):
+            """Platform-specific whenever a library is bundled, whatever
+            this setuptools makes of has_ext_modules (seen on a GPU machine's
+            setuptools: a py3-none-any wheel holding the library)."""
+            super().finalize_options()
+            if _plan() is not None:
+                self.root_is_pure = False
+
         def get_tag(self):
             python, abi, plat = super().get_tag()
             return (python, abi, plat) if self.root_is_pure else ("py3", "none", plat)
