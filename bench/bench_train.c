@@ -11,14 +11,19 @@
  * (graph), host wall clock from the upload of the step's inputs to its
  * record read back.
  *
- * Model FLOPs of a step (stated in the output):
+ * Model FLOPs of a step (stated in the output), Qwen3-MoE with grouped-
+ * query attention (NH query heads, KV key-value heads of dim D) and top-k:
  *   6 x active parameters x tokens + attention,
- *   active parameters per token = (L + 1) (4 H^2 + E H + k 3 F H)
- *     (attention projections, router, the k experts' fc1 2F x H and fc2
- *     H x F; the MTP layer counted as layer L) + 2 H^2 (MTP projection)
- *     + 2 H V (the tied head, used by the next-token and the MTP loss),
- *   attention = 6 T^2 H per layer and sequence (QK^T and PV, forward and
- *     backward, the causal half of the score matrix).
+ *   active parameters per token = (L + 1) ((NH + 2 KV) D H + H NH D + E H
+ *     + k 3 F H) (q/k/v and o projections, router over all E experts, the
+ *     k chosen experts' gate/up 2F x H and down H x F; the MTP layer
+ *     counted as layer L) + 2 H^2 (MTP projection) + 2 H V (the head, used
+ *     by the next-token and the MTP loss, tied or not),
+ *   attention = 6 T^2 NH D per layer and sequence (QK^T and PV of every
+ *     query head, forward and backward, the causal half of the score
+ *     matrix; grouping the keys and values saves no FLOPs).
+ * QK-norm, rotary embedding, norms, softmax and SwiGLU's elementwise work
+ * are not counted.
  * MFU = model TFLOP/s / the dense cuBLAS bf16 TFLOP/s of an 8192^3 GEMM
  * (bf16 in, fp32 accumulate) measured in the same run. --ops adds a per-op
  * time table of one eager sized step for each run (see op_table).
@@ -48,9 +53,11 @@ static double median(double* v, int64_t n) {
 static double step_flops(const mst_train_config* t) {
     const mst_model_config* c = &t->model;
     const double H = (double)c->hidden, F = (double)c->ffn, E = c->experts, k = c->top_k, V = (double)c->vocab;
+    const double NH = (double)c->n_head, KV = (double)c->n_kv_head, D = (double)c->head_dim;
     const double T = (double)c->seq, seqs = (double)(c->batch * t->microbatches), L1 = c->layers + 1;
-    const double active = L1 * (4 * H * H + E * H + k * 3 * F * H) + 2 * H * H + 2 * H * V;
-    return 6 * active * T * seqs + 6 * T * T * H * L1 * seqs;
+    const double attn_proj = (NH + 2 * KV) * D * H + H * NH * D;
+    const double active = L1 * (attn_proj + E * H + k * 3 * F * H) + 2 * H * H + 2 * H * V;
+    return 6 * active * T * seqs + 6 * T * T * NH * D * L1 * seqs;
 }
 
 /* Dense cuBLAS bf16 TFLOP/s: n^3 GEMMs (bf16 out), 20 timed after 3. */

@@ -19,7 +19,8 @@
 
 static mst_train_config tiny(int64_t hidden) {
     mst_train_config t = {0};
-    mst_model_config m = {.vocab = 256, .hidden = hidden, .ffn = 16, .n_head = 2, .seq = 8, .batch = 2,
+    mst_model_config m = {.vocab = 256, .hidden = hidden, .ffn = 16, .n_head = 2,
+                          .n_kv_head = 1, .head_dim = hidden / 2, .rope_theta = 10000.0f, .norm_topk_prob = 1, .tie_embeddings = 1, .seq = 8, .batch = 2,
                           .layers = 2, .experts = 4, .top_k = 2, .ep = 2, .capacity_factor = 2.0f,
                           .mtp_weight = 0.3f, .aux_coef = 0.01f, .norm_eps = 1e-5f, .init_std = 0.02f,
                           .seed = 12345678901234ull};

@@ -1,10 +1,14 @@
 /*
  * test_model_grad.c — the model's gradients (bf16 weights and activations,
  * fp32 main_grad) against central finite differences of the loss computed by
- * a float64 reference model on the host, for sampled elements of every
- * parameter kind: embedding (input, tied head, MTP next-token input), norms,
- * attention (Wqkv, Wo), router, experts (W1, W2), the MTP projection, of the
- * main layer and of the MTP layer.
+ * a float64 reference Qwen3-MoE model on the host (written from
+ * transformers' definitions: RMSNorm, q/k/v projection, per-head QK-norm,
+ * rotary embedding with rotate_half, grouped-query attention, softmax
+ * router with renormalised top-k, SwiGLU experts, load_balancing_loss_func
+ * over the main layers; plus the MTP module), for sampled elements of every
+ * parameter kind: embedding (input, tied or untied head, MTP next-token
+ * input), norms (QK-norm included), attention (Wqkv, Wo), router, experts
+ * (W1, W2), the MTP projection, of the main layers and of the MTP layer.
  *
  * Tolerance 5e-2 (relative norm error over 24 sampled elements per tensor):
  * the model stores every activation and activation gradient in bf16 (each
@@ -49,7 +53,7 @@ static void ref_linear(const double* x, const double* w, int64_t n, int64_t in, 
         }
 }
 
-/* mean over rows of the cross-entropy of x emb^T against targets */
+/* mean over rows of the cross-entropy of x head^T against targets */
 static double ref_head(const ref* R, const double* x, int j) {
     const mst_model_config* c = &R->m->cfg;
     const int64_t T = c->seq, H = c->hidden, V = c->vocab;
@@ -61,7 +65,7 @@ static double ref_head(const ref* R, const double* x, int j) {
             double mx = -INFINITY, s = 0;
             for (int64_t v = 0; v < V; v++) {
                 double a = 0;
-                for (int64_t i = 0; i < H; i++) a += xr[i] * R->w[R->m->emb + v * H + i];
+                for (int64_t i = 0; i < H; i++) a += xr[i] * R->w[R->m->head + v * H + i];
                 lg[v] = a;
                 mx = fmax(mx, a);
             }
@@ -72,17 +76,39 @@ static double ref_head(const ref* R, const double* x, int j) {
     return total / (double)(c->batch * T);
 }
 
-static void ref_attention(const ref* R, const double* qkv, double* out) {
+/* Per-head RMSNorm (weight w [D]) then the rotation of rotate_half at
+ * position pos, in place on one head's u [D]. */
+static void ref_qk_head(double* u, const double* w, int64_t D, double eps, double theta, int64_t pos) {
+    double ss = 0, y[512];
+    for (int64_t i = 0; i < D; i++) ss += u[i] * u[i];
+    const double rs = 1.0 / sqrt(ss / (double)D + eps);
+    for (int64_t i = 0; i < D; i++) u[i] *= rs * w[i];
+    for (int64_t i = 0; i < D; i++) {
+        const double a = (double)pos / pow(theta, (double)(2 * (i % (D / 2))) / (double)D);
+        y[i] = u[i] * cos(a) + (i < D / 2 ? -u[i + D / 2] : u[i - D / 2]) * sin(a);
+    }
+    memcpy(u, y, sizeof(double) * (size_t)D);
+}
+
+/* qkv [N, (NH + 2 KV) D] (q and k normed and rotated here) -> out [N, NH D]:
+ * query head h reads key-value head h / (NH / KV). */
+static void ref_attention(const ref* R, int32_t l, double* qkv, double* out) {
     const mst_model_config* c = &R->m->cfg;
-    const int64_t T = c->seq, H = c->hidden, NH = c->n_head, D = H / NH;
+    const int64_t T = c->seq, NH = c->n_head, KV = c->n_kv_head, D = c->head_dim, W = (NH + 2 * KV) * D, HO = NH * D;
+    const mst_layer_params* P = &R->m->lp[l];
+    for (int64_t r = 0; r < c->batch * T; r++)
+        for (int64_t h = 0; h < NH + KV; h++)
+            ref_qk_head(qkv + r * W + h * D, R->w + (h < NH ? P->q_norm : P->k_norm), D, c->norm_eps, c->rope_theta,
+                        r % T);
     double* p = (double*)malloc(sizeof(double) * (size_t)T);
     for (int64_t b = 0; b < c->batch; b++)
         for (int64_t h = 0; h < NH; h++)
             for (int64_t i = 0; i < T; i++) {
-                const double* q = qkv + (b * T + i) * 3 * H + h * D;
+                const int64_t g = h / (NH / KV);
+                const double* q = qkv + (b * T + i) * W + h * D;
                 double mx = -INFINITY, s = 0;
                 for (int64_t j = 0; j <= i; j++) {
-                    const double* k = qkv + (b * T + j) * 3 * H + H + h * D;
+                    const double* k = qkv + (b * T + j) * W + (NH + g) * D;
                     double a = 0;
                     for (int64_t d = 0; d < D; d++) a += q[d] * k[d];
                     p[j] = a / sqrt((double)D);
@@ -91,31 +117,46 @@ static void ref_attention(const ref* R, const double* qkv, double* out) {
                 for (int64_t j = 0; j <= i; j++) s += (p[j] = exp(p[j] - mx));
                 for (int64_t d = 0; d < D; d++) {
                     double a = 0;
-                    for (int64_t j = 0; j <= i; j++) a += p[j] / s * qkv[(b * T + j) * 3 * H + 2 * H + h * D + d];
-                    out[(b * T + i) * H + h * D + d] = a;
+                    for (int64_t j = 0; j <= i; j++) a += p[j] / s * qkv[(b * T + j) * W + (NH + KV + g) * D + d];
+                    out[(b * T + i) * HO + h * D + d] = a;
                 }
             }
     free(p);
 }
 
-/* The MoE block: softmax router, top-k, SwiGLU experts scaled by the prob,
- * summed; returns the load-balancing loss. x [N, H] -> y [N, H]. */
-static double ref_moe(const ref* R, int32_t l, const double* x, double* y) {
+/* The load-balancing statistics of the layers one loss spans: top-k hits
+ * and softmax sums per expert, and their rows. */
+typedef struct ref_lb {
+    double load[64], psum[64], rows;
+} ref_lb;
+
+/* transformers' load_balancing_loss_func: coef E sum_e (L_e / rows) (P_e / rows). */
+static double ref_lb_loss(const ref* R, const ref_lb* s) {
+    const mst_model_config* c = &R->m->cfg;
+    double aux = 0;
+    for (int32_t e = 0; e < c->experts; e++) aux += s->load[e] / s->rows * (s->psum[e] / s->rows);
+    return c->aux_coef * (double)c->experts * aux;
+}
+
+/* The MoE block: softmax router, top-k renormalised (norm_topk_prob), SwiGLU
+ * experts scaled by their weights, summed; its statistics into *lb. x [N, H]
+ * -> y [N, H]. */
+static void ref_moe(const ref* R, int32_t l, const double* x, double* y, ref_lb* lb) {
     const mst_model_config* c = &R->m->cfg;
     const mst_layer_params* P = &R->m->lp[l];
     const int64_t N = c->batch * c->seq, H = c->hidden, F = c->ffn, E = c->experts, K = c->top_k;
     double* pr = (double*)malloc(sizeof(double) * (size_t)(N * E));
     double* hh = (double*)malloc(sizeof(double) * (size_t)(2 * F));
     double* z = (double*)malloc(sizeof(double) * (size_t)F);
-    int64_t* load = (int64_t*)calloc((size_t)E, sizeof(int64_t));
     ref_linear(x, R->w + P->wr, N, H, E, H, pr, 0);
     memset(y, 0, sizeof(double) * (size_t)(N * H));
+    lb->rows += (double)N;
     for (int64_t t = 0; t < N; t++) {
         double* p = pr + t * E;
-        double mx = -INFINITY, s = 0;
+        double mx = -INFINITY, s = 0, chosen_sum = 0;
         for (int64_t e = 0; e < E; e++) mx = fmax(mx, p[e]);
         for (int64_t e = 0; e < E; e++) s += (p[e] = exp(p[e] - mx));
-        for (int64_t e = 0; e < E; e++) p[e] /= s;
+        for (int64_t e = 0; e < E; e++) lb->psum[e] += (p[e] /= s);
         int64_t chosen[64];
         for (int64_t k = 0; k < K; k++) {
             int64_t best = -1;
@@ -125,44 +166,41 @@ static double ref_moe(const ref* R, int32_t l, const double* x, double* y) {
                 if (!taken && (best < 0 || p[e] > p[best])) best = e;
             }
             chosen[k] = best;
-            load[best]++;
-            ref_linear(x + t * H, R->w + P->w1 + best * 2 * F * H, 1, H, 2 * F, H, hh, 0);
-            for (int64_t f = 0; f < F; f++) z[f] = hh[f] / (1 + exp(-hh[f])) * hh[F + f] * p[best];
-            ref_linear(z, R->w + P->w2 + best * H * F, 1, F, H, F, y + t * H, 1);
+            chosen_sum += p[best];
+            lb->load[best] += 1;
         }
-    }
-    double aux = 0;
-    for (int64_t e = 0; e < E; e++) {
-        double pe = 0;
-        for (int64_t t = 0; t < N; t++) pe += pr[t * E + e];
-        aux += (double)load[e] / (double)(N * K) * pe / (double)N;
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t e = chosen[k];
+            const double wk = p[e] / (c->norm_topk_prob ? chosen_sum : 1.0);
+            ref_linear(x + t * H, R->w + P->w1 + e * 2 * F * H, 1, H, 2 * F, H, hh, 0);
+            for (int64_t f = 0; f < F; f++) z[f] = hh[f] / (1 + exp(-hh[f])) * hh[F + f] * wk;
+            ref_linear(z, R->w + P->w2 + e * H * F, 1, F, H, F, y + t * H, 1);
+        }
     }
     free(pr);
     free(hh);
     free(z);
-    free(load);
-    return c->aux_coef * (double)E * aux;
 }
 
-/* x [N, H] -> x + attn, then + MoE; returns the layer's aux loss. */
-static double ref_layer(const ref* R, int32_t l, double* x) {
+/* x [N, H] -> x + attn, then + MoE; the router's statistics into *lb. */
+static void ref_layer(const ref* R, int32_t l, double* x, ref_lb* lb) {
     const mst_model_config* c = &R->m->cfg;
     const mst_layer_params* P = &R->m->lp[l];
-    const int64_t N = c->batch * c->seq, H = c->hidden;
+    const int64_t N = c->batch * c->seq, H = c->hidden, HO = c->n_head * c->head_dim;
+    const int64_t W = (c->n_head + 2 * c->n_kv_head) * c->head_dim;
     double* a = (double*)malloc(sizeof(double) * (size_t)(N * H));
-    double* qkv = (double*)malloc(sizeof(double) * (size_t)(N * 3 * H));
-    double* att = (double*)malloc(sizeof(double) * (size_t)(N * H));
+    double* qkv = (double*)malloc(sizeof(double) * (size_t)(N * W));
+    double* att = (double*)malloc(sizeof(double) * (size_t)(N * (HO > H ? HO : H)));
     ref_norm(x, R->w + P->ln1, N, H, c->norm_eps, a);
-    ref_linear(a, R->w + P->wqkv, N, H, 3 * H, H, qkv, 0);
-    ref_attention(R, qkv, att);
-    ref_linear(att, R->w + P->wo, N, H, H, H, x, 1);
+    ref_linear(a, R->w + P->wqkv, N, H, W, H, qkv, 0);
+    ref_attention(R, l, qkv, att);
+    ref_linear(att, R->w + P->wo, N, HO, H, HO, x, 1);
     ref_norm(x, R->w + P->ln2, N, H, c->norm_eps, a);
-    double aux = ref_moe(R, l, a, att);
+    ref_moe(R, l, a, att, lb);
     for (int64_t i = 0; i < N * H; i++) x[i] += att[i];
     free(a);
     free(qkv);
     free(att);
-    return aux;
 }
 
 static double ref_loss(const ref* R) {
@@ -179,8 +217,8 @@ static double ref_loss(const ref* R) {
                 x[(b * T + t) * H + i] = R->w[m->emb + R->tok[b * (T + 2) + t] * H + i];
                 e[(b * T + t) * H + i] = R->w[m->emb + R->tok[b * (T + 2) + t + 1] * H + i];
             }
-    double aux = 0;
-    for (int32_t l = 0; l < c->layers; l++) aux += ref_layer(R, l, x);
+    ref_lb main_lb = {{0}, {0}, 0}, mtp_lb = {{0}, {0}, 0}; /* the main layers' loss spans them all */
+    for (int32_t l = 0; l < c->layers; l++) ref_layer(R, l, x, &main_lb);
     ref_norm(x, R->w + m->lnf, N, H, c->norm_eps, p);
     double main_loss = ref_head(R, p, 1);
     /* MTP: [norm_e(e) | norm_h(x)] Wproj^T, one layer, own norm, shared head */
@@ -193,7 +231,7 @@ static double ref_loss(const ref* R) {
         memcpy(cat + r * 2 * H + H, nh + r * H, sizeof(double) * (size_t)H);
     }
     ref_linear(cat, R->w + m->proj, N, 2 * H, H, 2 * H, p, 0);
-    aux += ref_layer(R, c->layers, p);
+    ref_layer(R, c->layers, p, &mtp_lb);
     ref_norm(p, R->w + m->ln_mf, N, H, c->norm_eps, x);
     double mtp_loss = ref_head(R, x, 2);
     free(x);
@@ -202,7 +240,7 @@ static double ref_loss(const ref* R) {
     free(p);
     free(ne);
     free(nh);
-    return main_loss + c->mtp_weight * mtp_loss + aux;
+    return main_loss + c->mtp_weight * mtp_loss + ref_lb_loss(R, &main_lb) + ref_lb_loss(R, &mtp_lb);
 }
 
 /* ---- the check -------------------------------------------------------- */
@@ -241,9 +279,20 @@ static double check_kind(ref* R, double* w, const float* grad, const pkind* k, m
 
 /* The gradients of one model under the memory configuration mem (NULL:
  * every activation kept) against float64 finite differences. */
-static void check_model(mst_ctx_t* ctx, const mst_mem_config* mem, const char* label) {
-    printf("  %s\n", label);
-    mst_model_config c = {.vocab = 256, .hidden = 16, .ffn = 8, .n_head = 2, .seq = 5, .batch = 2,
+/* The attention shape and the two switches of one case. */
+typedef struct grad_case {
+    int64_t n_head, n_kv_head, head_dim;
+    int32_t tie, norm_topk;
+} grad_case;
+
+static void check_model(mst_ctx_t* ctx, const mst_mem_config* mem, grad_case g, const char* label) {
+    printf("  %s (heads %lld / %lld of dim %lld, head %s, top-k %s)\n", label, (long long)g.n_head,
+           (long long)g.n_kv_head, (long long)g.head_dim, g.tie ? "tied" : "untied",
+           g.norm_topk ? "renormalised" : "not renormalised");
+    /* rope theta 100: the rotation turns every pair of dims visibly over 5 positions */
+    mst_model_config c = {.vocab = 256, .hidden = 16, .ffn = 8, .n_head = g.n_head, .n_kv_head = g.n_kv_head,
+                          .head_dim = g.head_dim, .rope_theta = 100.0f, .norm_topk_prob = g.norm_topk,
+                          .tie_embeddings = g.tie, .seq = 5, .batch = 2,
                           .layers = 2, .experts = 4, .top_k = 2, .ep = 2, .capacity_factor = 4.0f,
                           .mtp_weight = 0.3f, .aux_coef = 0.1f, .norm_eps = 1e-5f,
                           .init_std = 0.3f, .seed = 7};
@@ -287,22 +336,25 @@ static void check_model(mst_ctx_t* ctx, const mst_mem_config* mem, const char* l
     const mst_layer_params* L0 = &m->lp[0];
     const mst_layer_params* L1 = &m->lp[1];
     const mst_layer_params* LM = &m->lp[c.layers];
-    const int64_t E = c.experts, F = c.ffn;
+    const int64_t E = c.experts, F = c.ffn, D = c.head_dim, Wq = (c.n_head + 2 * c.n_kv_head) * D, HO = c.n_head * D;
     pkind kinds[] = {
         {"embedding", m->emb, c.vocab * H},   {"mtp projection", m->proj, 2 * H * H},
-        {"wqkv[0]", L0->wqkv, 3 * H * H},     {"wo[0]", L0->wo, H * H},
+        {"wqkv[0]", L0->wqkv, Wq * H},        {"wo[0]", L0->wo, H * HO},
         {"router[0]", L0->wr, E * H},         {"w1[0]", L0->w1, E * 2 * F * H},
         {"w2[0]", L0->w2, E * H * F},         {"ln1[0]", L0->ln1, H},
-        {"ln2[0]", L0->ln2, H},               {"wqkv[1]", L1->wqkv, 3 * H * H},
+        {"q_norm[0]", L0->q_norm, D},         {"k_norm[0]", L0->k_norm, D},
+        {"ln2[0]", L0->ln2, H},               {"wqkv[1]", L1->wqkv, Wq * H},
         {"router[1]", L1->wr, E * H},         {"w1[1]", L1->w1, E * 2 * F * H},
-        {"wqkv[mtp]", LM->wqkv, 3 * H * H},   {"wo[mtp]", LM->wo, H * H},
+        {"wqkv[mtp]", LM->wqkv, Wq * H},      {"wo[mtp]", LM->wo, H * HO},
         {"router[mtp]", LM->wr, E * H},       {"w1[mtp]", LM->w1, E * 2 * F * H},
         {"w2[mtp]", LM->w2, E * H * F},       {"ln1[mtp]", LM->ln1, H},
+        {"q_norm[mtp]", LM->q_norm, D},       {"k_norm[mtp]", LM->k_norm, D},
         {"ln2[mtp]", LM->ln2, H},             {"final norm", m->lnf, H},
         {"mtp norm (embedding)", m->ln_e, H}, {"mtp norm (hidden)", m->ln_h, H},
-        {"mtp final norm", m->ln_mf, H},
+        {"mtp final norm", m->ln_mf, H},      {"lm_head (untied)", m->head, c.vocab * H},
     };
-    for (size_t k = 0; k < sizeof kinds / sizeof *kinds; k++) {
+    const size_t n_kinds = sizeof kinds / sizeof *kinds - (c.tie_embeddings ? 1 : 0);
+    for (size_t k = 0; k < n_kinds; k++) {
         double err = check_kind(&R, w, grad, &kinds[k], &rng, k == 0 ? used : NULL, H);
         printf("    %-22s rel err %.2e\n", kinds[k].name, err);
         CHECK(err < 5e-2, "%s, %s: gradient rel err %.3e vs float64 finite differences", label, kinds[k].name, err);
@@ -314,16 +366,17 @@ static void check_model(mst_ctx_t* ctx, const mst_mem_config* mem, const char* l
 }
 
 static void run(mst_ctx_t* ctx) {
-    check_model(ctx, NULL, "every activation kept");
+    check_model(ctx, NULL, (grad_case){2, 1, 8, 1, 1}, "every activation kept");
+    check_model(ctx, NULL, (grad_case){4, 2, 6, 0, 0}, "every activation kept");
     mst_mem_config full = mst_mem_config_default();
     full.recompute = (mst_recompute_config){sizeof(mst_recompute_config), MST_RECOMPUTE_UNIFORM, 2};
     full.recompute_mtp = 1;
-    check_model(ctx, &full, "whole-layer recompute uniform:2 (MTP layer included)");
+    check_model(ctx, &full, (grad_case){4, 1, 4, 0, 1}, "whole-layer recompute uniform:2 (MTP layer included)");
     mst_mem_config block = mst_mem_config_default();
     block.recompute = (mst_recompute_config){sizeof(mst_recompute_config), MST_RECOMPUTE_BLOCK, 1};
     block.recompute_mtp = 1;
     block.policy = "stash";
-    check_model(ctx, &block, "whole-layer recompute block:1 + --recompute-mtp, stash");
+    check_model(ctx, &block, (grad_case){2, 2, 8, 1, 1}, "whole-layer recompute block:1 + --recompute-mtp, stash");
 }
 
 int main(int argc, char** argv) { return mst_test_main(argc, argv, run); }

@@ -250,21 +250,29 @@ static void test_xent(mst_ctx_t* ctx) {
 
 /* ---- attention --------------------------------------------------------------- */
 
+/* NH query heads over KV key-value heads (KV 0: NH, no grouping). */
 typedef struct attn_dims {
-    int64_t B, T, NH, D;
+    int64_t B, T, NH, D, KV;
 } attn_dims;
 
-/* float64 causal attention of qkv [B*T, 3H] and dout [B*T, H]: out [B*T, H],
- * P [B, NH, T, T] (0 above the diagonal), lse [B, NH, T], dqkv [B*T, 3H]
- * (all zeroed by the caller). */
+static int64_t kv_of(attn_dims z) { return z.KV ? z.KV : z.NH; }
+/* The qkv row (NH + 2 KV) D and the output row NH D. */
+static int64_t qkv_w(attn_dims z) { return (z.NH + 2 * kv_of(z)) * z.D; }
+
+/* float64 causal grouped-query attention of qkv [B*T, (NH + 2 KV) D] and
+ * dout [B*T, NH D], written from the definition with the query heads of
+ * one key-value head repeated (transformers' repeat_kv: query head h reads
+ * key-value head h / (NH / KV)): out [B*T, NH D], P [B, NH, T, T] (0 above
+ * the diagonal), lse [B, NH, T], dqkv [B*T, (NH + 2 KV) D] (all zeroed by
+ * the caller). */
 static void attn_ref(attn_dims z, const uint16_t* qkv, const uint16_t* dout, double* out, double* P, double* lse,
                      double* dqkv) {
-    const int64_t B = z.B, T = z.T, NH = z.NH, D = z.D, H = NH * D;
+    const int64_t B = z.B, T = z.T, NH = z.NH, D = z.D, KV = kv_of(z), H = NH * D, W = qkv_w(z), rep = NH / KV;
     const double sc = 1 / sqrt((double)D);
     double* dp = (double*)malloc(sizeof(double) * (size_t)T);
-#define Q(b, t, h, d) bf(qkv[((b) * T + (t)) * 3 * H + (h) * D + (d)])
-#define K_(b, t, h, d) bf(qkv[((b) * T + (t)) * 3 * H + H + (h) * D + (d)])
-#define V_(b, t, h, d) bf(qkv[((b) * T + (t)) * 3 * H + 2 * H + (h) * D + (d)])
+#define Q(b, t, h, d) bf(qkv[((b) * T + (t)) * W + (h) * D + (d)])
+#define K_(b, t, h, d) bf(qkv[((b) * T + (t)) * W + H + ((h) / rep) * D + (d)])
+#define V_(b, t, h, d) bf(qkv[((b) * T + (t)) * W + H + KV * D + ((h) / rep) * D + (d)])
 #define G(b, t, h, d) bf(dout[((b) * T + (t)) * H + (h) * D + (d)])
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < NH; h++) {
@@ -290,9 +298,9 @@ static void attn_ref(attn_dims z, const uint16_t* qkv, const uint16_t* dout, dou
                 for (int64_t j = 0; j <= i; j++) {
                     double ds = p[i * T + j] * (dp[j] - dot);
                     for (int64_t d = 0; d < D; d++) {
-                        dqkv[(b * T + i) * 3 * H + h * D + d] += ds * K_(b, j, h, d) * sc;
-                        dqkv[(b * T + j) * 3 * H + H + h * D + d] += ds * Q(b, i, h, d) * sc;
-                        dqkv[(b * T + j) * 3 * H + 2 * H + h * D + d] += p[i * T + j] * G(b, i, h, d);
+                        dqkv[(b * T + i) * W + h * D + d] += ds * K_(b, j, h, d) * sc;
+                        dqkv[(b * T + j) * W + H + (h / rep) * D + d] += ds * Q(b, i, h, d) * sc;
+                        dqkv[(b * T + j) * W + H + (KV + h / rep) * D + d] += p[i * T + j] * G(b, i, h, d);
                     }
                 }
             }
@@ -315,12 +323,12 @@ typedef struct attn_case {
 static attn_case attn_case_make(attn_dims z) {
     attn_case c = {.z = z, .N = z.B * z.T, .H = z.NH * z.D};
     const size_t rows = (size_t)(z.B * z.NH * z.T);
-    c.qkv = rand_bf16((size_t)(c.N * 3 * c.H), 2);
+    c.qkv = rand_bf16((size_t)(c.N * qkv_w(z)), 2);
     c.dout = rand_bf16((size_t)(c.N * c.H), 1);
     c.out = (double*)calloc((size_t)(c.N * c.H), sizeof(double));
     c.P = (double*)calloc(rows * (size_t)z.T, sizeof(double));
     c.lse = (double*)calloc(rows, sizeof(double));
-    c.dqkv = (double*)calloc((size_t)(c.N * 3 * c.H), sizeof(double));
+    c.dqkv = (double*)calloc((size_t)(c.N * qkv_w(z)), sizeof(double));
     attn_ref(z, c.qkv, c.dout, c.out, c.P, c.lse, c.dqkv);
     return c;
 }
@@ -339,16 +347,17 @@ static attn_bufs attn_bufs_make(mst_ctx_t* ctx, const attn_case* c, int flash) {
     const attn_dims z = c->z;
     const size_t rows = (size_t)(z.B * z.NH * z.T), tt = flash ? 1 : rows * (size_t)z.T;
     attn_bufs g;
-    g.qkv = up(ctx, c->qkv, sizeof(uint16_t) * (size_t)(c->N * 3 * c->H));
+    g.qkv = up(ctx, c->qkv, sizeof(uint16_t) * (size_t)(c->N * qkv_w(z)));
     g.dout = up(ctx, c->dout, sizeof(uint16_t) * (size_t)(c->N * c->H));
     g.out = up(ctx, NULL, sizeof(uint16_t) * (size_t)(c->N * c->H));
-    g.dqkv = up(ctx, NULL, sizeof(uint16_t) * (size_t)(c->N * 3 * c->H));
+    g.dqkv = up(ctx, NULL, sizeof(uint16_t) * (size_t)(c->N * qkv_w(z)));
     g.probs = up(ctx, NULL, sizeof(float) * tt);
     g.lse = up(ctx, NULL, sizeof(float) * rows);
     g.delta = up(ctx, NULL, sizeof(float) * rows);
     g.s32 = up(ctx, NULL, sizeof(float) * tt);
     g.s16 = up(ctx, NULL, sizeof(uint16_t) * tt);
-    mst_attn_args a = {.batch = z.B, .seq = z.T, .n_head = z.NH, .head_dim = z.D, .qkv = (uint16_t*)g.qkv.data,
+    mst_attn_args a = {.batch = z.B, .seq = z.T, .n_head = z.NH, .head_dim = z.D, .n_kv_head = kv_of(z),
+                       .qkv = (uint16_t*)g.qkv.data,
                        .probs = flash ? NULL : (float*)g.probs.data, .lse = flash ? (float*)g.lse.data : NULL,
                        .out = (uint16_t*)g.out.data, .dout = (uint16_t*)g.dout.data, .dqkv = (uint16_t*)g.dqkv.data,
                        .delta = flash ? (float*)g.delta.data : NULL, .scratch32 = flash ? NULL : (float*)g.s32.data,
@@ -369,17 +378,31 @@ static mst_status attn_run(mst_ctx_t* ctx, const mst_attn_args* a, int flash) {
     return flash ? o->attn_flash_backward(ctx, a) : o->attn_backward(ctx, a);
 }
 
-static void test_attn(mst_ctx_t* ctx) {
-    attn_case c = attn_case_make((attn_dims){2, 13, 3, 8});
+/* The probabilities contract of one case against the float64 reference. */
+static void attn_case_probs(mst_ctx_t* ctx, attn_dims z) {
+    char what[160];
+    snprintf(what, sizeof what, "attention B %lld T %lld heads %lld / %lld D %lld", (long long)z.B, (long long)z.T,
+             (long long)z.NH, (long long)kv_of(z), (long long)z.D);
+    attn_case c = attn_case_make(z);
     attn_bufs g = attn_bufs_make(ctx, &c, 0);
+    char w[224];
     CHECK_OK(ops(ctx)->attn_forward(ctx, &g.a));
-    expect_bf16(ctx, &g.out, c.out, (size_t)(c.N * c.H), "attention forward out");
-    expect_fp32(ctx, &g.probs, c.P, (size_t)(c.z.B * c.z.NH * c.z.T * c.z.T), MST_TOL_FP32,
-                "attention forward probs (0 above the diagonal)");
+    snprintf(w, sizeof w, "%s: forward out", what);
+    expect_bf16(ctx, &g.out, c.out, (size_t)(c.N * c.H), w);
+    snprintf(w, sizeof w, "%s: forward probs (0 above the diagonal)", what);
+    expect_fp32(ctx, &g.probs, c.P, (size_t)(c.z.B * c.z.NH * c.z.T * c.z.T), MST_TOL_FP32, w);
     CHECK_OK(ops(ctx)->attn_backward(ctx, &g.a));
-    expect_bf16(ctx, &g.dqkv, c.dqkv, (size_t)(c.N * 3 * c.H), "attention backward dqkv");
+    snprintf(w, sizeof w, "%s: backward dqkv", what);
+    expect_bf16(ctx, &g.dqkv, c.dqkv, (size_t)(c.N * qkv_w(z)), w);
     attn_bufs_free(ctx, &g);
     attn_case_free(&c);
+}
+
+/* Multi-head (KV = NH) and grouped-query: 2 and 4 query heads per
+ * key-value head, one key-value head for all (multi-query). */
+static void test_attn(mst_ctx_t* ctx) {
+    const attn_dims cases[] = {{2, 13, 3, 8, 0}, {2, 11, 4, 8, 2}, {1, 9, 4, 6, 1}, {2, 7, 6, 4, 3}};
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) attn_case_probs(ctx, cases[i]);
 }
 
 /* The bits of out, lse and dqkv after a run (the outputs poisoned before). */
@@ -412,9 +435,9 @@ static void attn_bits_free(attn_bits* b) { free(b->out), free(b->lse), free(b->d
 static void attn_flash_case(mst_ctx_t* ctx, attn_dims z) {
     const mst_model_backend* o = ops(ctx);
     char what[128];
-    snprintf(what, sizeof what, "flash attention B %lld T %lld heads %lld D %lld", (long long)z.B, (long long)z.T,
-             (long long)z.NH, (long long)z.D);
-    const mst_attn_args probe = {.batch = z.B, .seq = z.T, .n_head = z.NH, .head_dim = z.D};
+    snprintf(what, sizeof what, "flash attention B %lld T %lld heads %lld / %lld D %lld", (long long)z.B,
+             (long long)z.T, (long long)z.NH, (long long)kv_of(z), (long long)z.D);
+    const mst_attn_args probe = {.batch = z.B, .seq = z.T, .n_head = z.NH, .head_dim = z.D, .n_kv_head = kv_of(z)};
     if (o->attn_flash_check && o->attn_flash_check(ctx, &probe) != MST_OK) {
         CHECK(strstr(mst_last_error(), "head_dim") != NULL, "%s: refused without naming head_dim: %s", what,
               mst_last_error());
@@ -432,20 +455,20 @@ static void attn_flash_case(mst_ctx_t* ctx, attn_dims z) {
     expect_fp32(ctx, &g.lse, c.lse, rows, MST_TOL_FP32, w);
     CHECK_OK(o->attn_flash_backward(ctx, &g.a));
     snprintf(w, sizeof w, "%s: backward dqkv", what);
-    expect_bf16(ctx, &g.dqkv, c.dqkv, (size_t)(c.N * 3 * c.H), w);
+    expect_bf16(ctx, &g.dqkv, c.dqkv, (size_t)(c.N * qkv_w(z)), w);
     attn_bits first = attn_take(ctx, &g, what);
     /* the probabilities contract of the same backend, as the reference */
     attn_bufs r = attn_bufs_make(ctx, &c, 0);
     CHECK_OK(attn_run(ctx, &r.a, 0));
     uint16_t *ro = (uint16_t*)down(ctx, &r.out, what), *rd = (uint16_t*)down(ctx, &r.dqkv, what);
     double *ref_o = (double*)malloc(sizeof(double) * (size_t)(c.N * c.H)),
-           *ref_d = (double*)malloc(sizeof(double) * (size_t)(c.N * 3 * c.H));
+           *ref_d = (double*)malloc(sizeof(double) * (size_t)(c.N * qkv_w(z)));
     for (int64_t i = 0; i < c.N * c.H; i++) ref_o[i] = bf(ro[i]);
-    for (int64_t i = 0; i < c.N * 3 * c.H; i++) ref_d[i] = bf(rd[i]);
+    for (int64_t i = 0; i < c.N * qkv_w(z); i++) ref_d[i] = bf(rd[i]);
     snprintf(w, sizeof w, "%s: out against the probabilities contract", what);
     expect_bf16(ctx, &g.out, ref_o, (size_t)(c.N * c.H), w);
     snprintf(w, sizeof w, "%s: dqkv against the probabilities contract", what);
-    expect_bf16(ctx, &g.dqkv, ref_d, (size_t)(c.N * 3 * c.H), w);
+    expect_bf16(ctx, &g.dqkv, ref_d, (size_t)(c.N * qkv_w(z)), w);
     free(ro), free(rd), free(ref_o), free(ref_d);
     attn_bufs_free(ctx, &r);
     /* run to run */
@@ -482,15 +505,135 @@ static void attn_flash_case(mst_ctx_t* ctx, attn_dims z) {
 static void test_attn_flash(mst_ctx_t* ctx) {
     /* T past whole blocks of 64 (77, 200, 333), a whole number of them (128),
      * the head dims of the configs (64, 128) and one the CUDA kernels refuse */
-    const attn_dims cases[] = {{2, 13, 3, 8}, {2, 77, 3, 64}, {1, 333, 2, 64}, {2, 128, 1, 128}, {1, 200, 2, 128}};
+    const attn_dims cases[] = {{2, 13, 3, 8, 0},   {2, 77, 3, 64, 0},   {1, 333, 2, 64, 0}, {2, 128, 1, 128, 0},
+                               {1, 200, 2, 128, 0}, {2, 13, 4, 8, 2},   {2, 77, 4, 64, 1},  {1, 130, 8, 128, 2}};
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) attn_flash_case(ctx, cases[i]);
+}
+
+/* ---- QK-norm and rotary embedding ------------------------------------------ */
+
+/* float64 reference of mst_qk_args from the definition (transformers'
+ * Qwen3MoeRMSNorm per head, then apply_rotary_pos_emb with rotate_half):
+ * y, rstd [N, NH + KV], and from dy: dx, dwq, dwk (added to their inputs). */
+typedef struct qk_case {
+    int64_t N, T, NH, KV, D;
+    double theta, eps;
+} qk_case;
+
+static void qk_ref(const qk_case* q, const uint16_t* x, const uint16_t* wq, const uint16_t* wk, const uint16_t* dy,
+                   double* y, double* rstd, double* dx, double* dwq, double* dwk) {
+    const int64_t D = q->D, D2 = D / 2, NQK = q->NH + q->KV, W = (NQK + q->KV) * D;
+    double *u = (double*)malloc(sizeof(double) * (size_t)D), *du = (double*)malloc(sizeof(double) * (size_t)D);
+    for (int64_t r = 0; r < q->N; r++) {
+        const double pos = (double)(r % q->T);
+        for (int64_t h = 0; h < NQK; h++) {
+            const uint16_t *xh = x + r * W + h * D, *gh = dy + r * W + h * D, *w = h < q->NH ? wq : wk;
+            double* dw = h < q->NH ? dwq : dwk;
+            double ss = 0, dot = 0;
+            for (int64_t i = 0; i < D; i++) ss += bf(xh[i]) * bf(xh[i]);
+            const double rs = 1 / sqrt(ss / (double)D + q->eps);
+            rstd[r * NQK + h] = rs;
+            for (int64_t i = 0; i < D; i++) u[i] = bf(xh[i]) * rs * bf(w[i]);
+            for (int64_t i = 0; i < D; i++) { /* rotate_half: [-u2, u1] */
+                const double a = pos / pow(q->theta, (double)(2 * (i % D2)) / (double)D);
+                const double rot = i < D2 ? -u[i + D2] : u[i - D2];
+                y[r * W + h * D + i] = u[i] * cos(a) + rot * sin(a);
+            }
+            for (int64_t i = 0; i < D; i++) { /* the transpose: du = cos dy + rotate_half^T (sin dy) */
+                const double a = pos / pow(q->theta, (double)(2 * (i % D2)) / (double)D);
+                du[i] = bf(gh[i]) * cos(a) + (i < D2 ? bf(gh[i + D2]) : -bf(gh[i - D2])) * sin(a);
+            }
+            for (int64_t i = 0; i < D; i++) {
+                dw[i] += du[i] * bf(xh[i]) * rs;
+                dot += du[i] * bf(w[i]) * bf(xh[i]);
+            }
+            for (int64_t i = 0; i < D; i++)
+                dx[r * W + h * D + i] = rs * du[i] * bf(w[i]) - bf(xh[i]) * dot * rs * rs * rs / (double)D;
+        }
+        for (int64_t i = NQK * D; i < W; i++) y[r * W + i] = bf(x[r * W + i]), dx[r * W + i] = bf(dy[r * W + i]);
+    }
+    free(u), free(du);
+}
+
+static void qk_one(mst_ctx_t* ctx, qk_case q) {
+    const int64_t NQK = q.NH + q.KV, W = (NQK + q.KV) * q.D, n = q.N * W;
+    char what[128];
+    snprintf(what, sizeof what, "qk N %lld T %lld heads %lld / %lld D %lld theta %g", (long long)q.N, (long long)q.T,
+             (long long)q.NH, (long long)q.KV, (long long)q.D, q.theta);
+    uint16_t *x = rand_bf16((size_t)n, 2), *dy = rand_bf16((size_t)n, 1);
+    uint16_t *wq = rand_bf16((size_t)q.D, 0.5), *wk = rand_bf16((size_t)q.D, 0.5);
+    for (int64_t i = 0; i < q.D; i++) /* norm weights around 1, each its own */
+        wq[i] = mst_fp32_to_bf16(1.0f + (float)bf(wq[i])), wk[i] = mst_fp32_to_bf16(1.0f + (float)bf(wk[i]));
+    float *dwq0 = (float*)malloc(sizeof(float) * (size_t)q.D), *dwk0 = (float*)malloc(sizeof(float) * (size_t)q.D);
+    mst_rng_fp32(&rng, dwq0, (size_t)q.D, -1, 1);
+    mst_rng_fp32(&rng, dwk0, (size_t)q.D, -1, 1);
+    double *y = (double*)malloc(sizeof(double) * (size_t)n), *dx = (double*)malloc(sizeof(double) * (size_t)n);
+    double* rs = (double*)malloc(sizeof(double) * (size_t)(q.N * NQK));
+    double *dwq = (double*)malloc(sizeof(double) * (size_t)q.D), *dwk = (double*)malloc(sizeof(double) * (size_t)q.D);
+    for (int64_t i = 0; i < q.D; i++) dwq[i] = dwq0[i], dwk[i] = dwk0[i];
+    qk_ref(&q, x, wq, wk, dy, y, rs, dx, dwq, dwk);
+    mst_guarded gx = up(ctx, x, sizeof(uint16_t) * (size_t)n), gdy = up(ctx, dy, sizeof(uint16_t) * (size_t)n);
+    mst_guarded gwq = up(ctx, wq, sizeof(uint16_t) * (size_t)q.D), gwk = up(ctx, wk, sizeof(uint16_t) * (size_t)q.D);
+    mst_guarded gy = up(ctx, NULL, sizeof(uint16_t) * (size_t)n), gdx = up(ctx, NULL, sizeof(uint16_t) * (size_t)n);
+    mst_guarded grs = up(ctx, NULL, sizeof(float) * (size_t)(q.N * NQK));
+    mst_guarded gdwq = up(ctx, dwq0, sizeof(float) * (size_t)q.D), gdwk = up(ctx, dwk0, sizeof(float) * (size_t)q.D);
+    mst_qk_args a = {.rows = q.N, .seq = q.T, .n_head = q.NH, .n_kv_head = q.KV, .head_dim = q.D, .eps = (float)q.eps,
+                     .theta = (float)q.theta, .x = (uint16_t*)gx.data, .wq = (uint16_t*)gwq.data,
+                     .wk = (uint16_t*)gwk.data, .y = (uint16_t*)gy.data, .rstd = (float*)grs.data,
+                     .dy = (uint16_t*)gdy.data, .dx = (uint16_t*)gdx.data, .dwq = (float*)gdwq.data,
+                     .dwk = (float*)gdwk.data};
+    char w[192];
+    CHECK_OK(ops(ctx)->qk_forward(ctx, &a));
+    snprintf(w, sizeof w, "%s: forward y", what);
+    expect_bf16(ctx, &gy, y, (size_t)n, w);
+    snprintf(w, sizeof w, "%s: forward rstd", what);
+    expect_fp32(ctx, &grs, rs, (size_t)(q.N * NQK), MST_TOL_FP32, w);
+    uint16_t* gyv = (uint16_t*)down(ctx, &gy, what);
+    int same = 1;
+    for (int64_t r = 0; r < q.N; r++) same &= memcmp(gyv + r * W + NQK * q.D, x + r * W + NQK * q.D, sizeof(uint16_t) * (size_t)(q.KV * q.D)) == 0;
+    CHECK(same, "%s: v is not copied bit for bit", what);
+    free(gyv);
+    CHECK_OK(ops(ctx)->qk_backward(ctx, &a));
+    snprintf(w, sizeof w, "%s: backward dx", what);
+    expect_bf16(ctx, &gdx, dx, (size_t)n, w);
+    snprintf(w, sizeof w, "%s: backward dwq (accumulated)", what);
+    expect_fp32(ctx, &gdwq, dwq, (size_t)q.D, MST_TOL_FP32, w);
+    snprintf(w, sizeof w, "%s: backward dwk (accumulated)", what);
+    expect_fp32(ctx, &gdwk, dwk, (size_t)q.D, MST_TOL_FP32, w);
+    mst_guarded* all[] = {&gx, &gdy, &gwq, &gwk, &gy, &gdx, &grs, &gdwq, &gdwk};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++) mst_guarded_free(ctx, all[i]);
+    free(x), free(dy), free(wq), free(wk), free(dwq0), free(dwk0), free(y), free(dx), free(rs), free(dwq), free(dwk);
+}
+
+/* Positions past one sequence (row % T), GQA 4/2 and 8/1, head dims 16
+ * and 128, rope theta 1e4 and 1e6 (Qwen3-30B-A3B). A backend without the
+ * op yet is named and skipped. */
+static void test_qk(mst_ctx_t* ctx) {
+    if (!ops(ctx)->qk_forward || !ops(ctx)->qk_backward) {
+        printf("  SKIP qk: backend %s has no qk_forward / qk_backward yet\n", ops(ctx)->name);
+        return;
+    }
+    qk_one(ctx, (qk_case){.N = 2 * 37, .T = 37, .NH = 4, .KV = 2, .D = 16, .theta = 1e4, .eps = 1e-6});
+    qk_one(ctx, (qk_case){.N = 3 * 50, .T = 50, .NH = 8, .KV = 1, .D = 128, .theta = 1e6, .eps = 1e-6});
+    qk_one(ctx, (qk_case){.N = 300, .T = 300, .NH = 2, .KV = 2, .D = 64, .theta = 1e4, .eps = 1e-5});
 }
 
 /* ---- router ------------------------------------------------------------------ */
 
 typedef struct route_bufs {
-    mst_guarded logits, probs, idx, w, pos, counts, load, peak, aux, dw, dl;
+    mst_guarded logits, probs, idx, w, pos, counts, load, peak, aux, dw, dl, loads;
 } route_bufs;
+
+/* One router case: N tokens, E experts, top-k, G groups of R rows; ties:
+ * logits rounded to whole numbers; norm: norm_topk; world W ranks whose
+ * tokens the load-balancing statistics span, over 3 layers (this one the
+ * middle: the others' loads made up). */
+typedef struct route_cfg {
+    int64_t N;
+    int E, K, G;
+    int64_t R;
+    int ties, norm, world;
+} route_cfg;
 
 /* The plan on the host from top-k ids: groups packed in order, rows in
  * expert, token, slot order. */
@@ -516,10 +659,16 @@ static void ref_plan(const int32_t* idx, int64_t NK, int E, int G, int64_t R, in
 }
 
 /* ties: logits rounded to whole numbers, so tokens have equal top
- * probabilities and the tie rule (the lower expert id first) decides. */
-static void route_case(mst_ctx_t* ctx, int64_t N, int E, int K, int G, int64_t R, int ties) {
+ * probabilities and the tie rule (the lower expert id first) decides.
+ * The reference of the load-balancing loss is transformers'
+ * load_balancing_loss_func over the layers' rows: coef E sum_e (L_e / rows)
+ * (P_e / rows); this layer's share of it and its gradient through the
+ * renormalised top-k and the softmax, from the definition. */
+static void route_case(mst_ctx_t* ctx, route_cfg rc) {
+    const int64_t N = rc.N, R = rc.R;
+    const int E = rc.E, K = rc.K, G = rc.G, ties = rc.ties, NL = 3, W = rc.world;
     const int64_t NK = N * K;
-    const float coef = 0.05f;
+    const float coef = 0.05f, gscale = 0.7f;
     float* logits = (float*)malloc(sizeof(float) * (size_t)(N * E));
     mst_rng_fp32(&rng, logits, (size_t)(N * E), -3, 3);
     for (int64_t i = 0; ties && i < N * E; i++) logits[i] = roundf(logits[i]);
@@ -552,17 +701,31 @@ static void route_case(mst_ctx_t* ctx, int64_t N, int E, int K, int G, int64_t R
     int32_t* pos = (int32_t*)malloc(sizeof(int32_t) * (size_t)NK);
     int over = 0;
     ref_plan(idx, NK, E, G, R, load, counts, pos, &over);
+    /* the layers' loads: this layer's in row 1, the others' made up (W ranks:
+     * the sums over the ranks, this rank's share among them) */
+    int32_t* loads = (int32_t*)malloc(sizeof(int32_t) * (size_t)(NL * E));
+    int64_t Ltot[64] = {0};
+    for (int l = 0; l < NL; l++)
+        for (int e = 0; e < E; e++) {
+            loads[l * E + e] = l == 1 ? load[e] * W : (int32_t)mst_rng_int(&rng, 0, 3 * N * K / E * W);
+            Ltot[e] += loads[l * E + e];
+        }
+    const double rows = (double)NL * (double)N * (double)W;
     double aux = 0, *dl = (double*)malloc(sizeof(double) * (size_t)(N * E)), *tw = (double*)malloc(sizeof(double) * (size_t)NK);
     for (int e = 0; e < E; e++) {
         double pe = 0;
         for (int64_t t = 0; t < N; t++) pe += probs[t * E + e];
-        aux += (double)load[e] / (double)NK * pe / (double)N;
+        aux += (double)Ltot[e] / rows * pe / rows;
     }
     aux *= coef * E;
     for (int64_t t = 0; t < N; t++) {
-        double dp[64], dot = 0;
-        for (int e = 0; e < E; e++) dp[e] = coef * E * (double)load[e] / (double)NK / (double)N;
-        for (int k = 0; k < K; k++) dp[idx[t * K + k]] += dw[t * K + k], tw[t * K + k] = probs[t * E + idx[t * K + k]];
+        double dp[64], dot = 0, chosen = 0, wdot = 0;
+        for (int k = 0; k < K; k++) chosen += probs[t * E + idx[t * K + k]];
+        for (int k = 0; k < K; k++) tw[t * K + k] = probs[t * E + idx[t * K + k]] / (rc.norm ? chosen : 1.0);
+        for (int k = 0; k < K; k++) wdot += dw[t * K + k] * tw[t * K + k];
+        for (int e = 0; e < E; e++) dp[e] = gscale * coef * E * (double)Ltot[e] / (rows * rows);
+        /* w_k = p_k / S: d w_k / d p_j = (delta_kj - w_k) / S */
+        for (int k = 0; k < K; k++) dp[idx[t * K + k]] += rc.norm ? (dw[t * K + k] - wdot) / chosen : dw[t * K + k];
         for (int e = 0; e < E; e++) dot += probs[t * E + e] * dp[e];
         for (int e = 0; e < E; e++) dl[t * E + e] = probs[t * E + e] * (dp[e] - dot);
     }
@@ -572,21 +735,22 @@ static void route_case(mst_ctx_t* ctx, int64_t N, int E, int K, int G, int64_t R
                     up(ctx, NULL, sizeof(int32_t) * (size_t)NK), up(ctx, NULL, sizeof(int32_t) * (size_t)E),
                     up(ctx, NULL, sizeof(int32_t) * (size_t)E), up(ctx, peak0, sizeof(int32_t) * (size_t)G),
                     up(ctx, NULL, sizeof(float)), up(ctx, dw, sizeof(float) * (size_t)NK),
-                    up(ctx, NULL, sizeof(uint16_t) * (size_t)(N * E))};
+                    up(ctx, NULL, sizeof(uint16_t) * (size_t)(N * E)), up(ctx, loads, sizeof(int32_t) * (size_t)(NL * E))};
     mst_route_args a = {.n_tok = N, .n_experts = E, .top_k = K, .n_groups = G, .max_rows = R, .aux_coef = coef,
+                        .norm_topk = rc.norm, .grad_scale = gscale, .n_layers = NL, .loads = (int32_t*)b.loads.data,
+                        .world = W,
                         .logits = (float*)b.logits.data, .probs = (float*)b.probs.data, .topk_idx = (int32_t*)b.idx.data,
                         .topk_w = (float*)b.w.data, .pos = (int32_t*)b.pos.data, .counts = (int32_t*)b.counts.data,
                         .load = (int32_t*)b.load.data, .peak_rows = (int32_t*)b.peak.data, .aux_loss = (float*)b.aux.data,
                         .flag = ctx->err_flag, .dtopk_w = (float*)b.dw.data, .dlogits = (uint16_t*)b.dl.data};
     CHECK_OK(ops(ctx)->route_forward(ctx, &a));
     char what[128];
-    snprintf(what, sizeof what, "route N=%lld E=%d k=%d G=%d R=%lld", (long long)N, E, K, G, (long long)R);
+    snprintf(what, sizeof what, "route N=%lld E=%d k=%d G=%d R=%lld norm=%d W=%d", (long long)N, E, K, G, (long long)R,
+             rc.norm, W);
     CHECK_STATUS(mst_ctx_check(ctx), over ? MST_ERR_COUNTS : MST_OK);
     CHECK(over == (R < NK), "%s: test case expected %s", what, R < NK ? "over budget" : "no overflow");
     expect_fp32(ctx, &b.probs, probs, (size_t)(N * E), MST_TOL_FP32, what);
     expect_fp32(ctx, &b.w, tw, (size_t)NK, MST_TOL_FP32, what);
-    double aux_ref[1] = {aux};
-    expect_fp32(ctx, &b.aux, aux_ref, 1, MST_TOL_FP32, what);
     int32_t *gi = (int32_t*)down(ctx, &b.idx, what), *gp = (int32_t*)down(ctx, &b.pos, what);
     int32_t *gc = (int32_t*)down(ctx, &b.counts, what), *gl = (int32_t*)down(ctx, &b.load, what);
     int32_t* gk = (int32_t*)down(ctx, &b.peak, what);
@@ -602,18 +766,22 @@ static void route_case(mst_ctx_t* ctx, int64_t N, int E, int K, int G, int64_t R
     }
     CHECK_OK(ops(ctx)->route_backward(ctx, &a));
     expect_bf16(ctx, &b.dl, dl, (size_t)(N * E), what);
+    double aux_ref[1] = {aux};
+    expect_fp32(ctx, &b.aux, aux_ref, 1, MST_TOL_FP32, what);
     free(gi), free(gp), free(gc), free(gl), free(gk);
     mst_guarded* all = &b.logits;
     for (size_t i = 0; i < sizeof b / sizeof b.logits; i++) mst_guarded_free(ctx, &all[i]);
-    free(logits), free(dw), free(probs), free(idx), free(load), free(counts), free(pos), free(dl), free(tw);
+    free(logits), free(dw), free(probs), free(idx), free(load), free(counts), free(pos), free(dl), free(tw), free(loads);
 }
 
 static void test_route(mst_ctx_t* ctx) {
-    route_case(ctx, 300, 8, 2, 2, 600, 0);  /* R = N k: never over budget */
-    route_case(ctx, 300, 8, 2, 2, 200, 0);  /* group 0 over budget (skewed) */
-    route_case(ctx, 5000, 16, 3, 4, 15000, 0); /* more entries than one plan tile */
-    route_case(ctx, 77, 6, 1, 3, 77, 0);
-    route_case(ctx, 400, 8, 3, 2, 1200, 1); /* ties */
+    route_case(ctx, (route_cfg){300, 8, 2, 2, 600, 0, 1, 1});  /* R = N k: never over budget */
+    route_case(ctx, (route_cfg){300, 8, 2, 2, 200, 0, 1, 1});  /* group 0 over budget (skewed) */
+    route_case(ctx, (route_cfg){5000, 16, 3, 4, 15000, 0, 1, 2}); /* more entries than one plan tile; 2 ranks */
+    route_case(ctx, (route_cfg){77, 6, 1, 3, 77, 0, 0, 1});    /* top-1 not renormalised */
+    route_case(ctx, (route_cfg){77, 6, 1, 3, 77, 0, 1, 1});    /* top-1 renormalised: weight 1 */
+    route_case(ctx, (route_cfg){400, 8, 3, 2, 1200, 1, 1, 1}); /* ties */
+    route_case(ctx, (route_cfg){300, 8, 2, 2, 600, 0, 0, 3});  /* not renormalised, 3 ranks */
 }
 
 /* ---- rows gather / sum ----------------------------------------------------- */
@@ -763,6 +931,7 @@ static void run(mst_ctx_t* ctx) {
     test_norm(ctx);
     test_add_embed(ctx);
     test_xent(ctx);
+    test_qk(ctx);
     test_attn(ctx);
     test_attn_flash(ctx);
     test_route(ctx);

@@ -37,7 +37,8 @@ static void test_schedule(void) {
 }
 
 static mst_model_config tiny(void) {
-    mst_model_config m = {.vocab = 256, .hidden = 32, .ffn = 32, .n_head = 2, .seq = 16, .batch = 2,
+    mst_model_config m = {.vocab = 256, .hidden = 32, .ffn = 32, .n_head = 2,
+                          .n_kv_head = 1, .head_dim = 16, .rope_theta = 10000.0f, .norm_topk_prob = 1, .tie_embeddings = 1, .seq = 16, .batch = 2,
                           .layers = 1, .experts = 4, .top_k = 2, .ep = 2, .capacity_factor = 2.0f,
                           .mtp_weight = 0.3f, .aux_coef = 0.01f, .norm_eps = 1e-5f, .init_std = 0.02f,
                           .seed = 5};

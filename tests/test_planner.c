@@ -28,10 +28,11 @@ enum { STEPS = 2 };
 
 static mst_train_config tiny(void) {
     mst_train_config t = {0};
-    mst_model_config m = {.vocab = 256, .hidden = 32, .ffn = 64, .n_head = 2, .seq = 32, .batch = 4,
+    mst_model_config m = {.vocab = 256, .hidden = 32, .ffn = 64, .n_head = 2,
+                          .n_kv_head = 1, .head_dim = 16, .rope_theta = 10000.0f, .norm_topk_prob = 1, .tie_embeddings = 1, .seq = 32, .batch = 4,
                           .layers = 3, .experts = 4, .top_k = 2, .ep = 2, .capacity_factor = 2.0f,
                           .mtp_weight = 0.3f, .aux_coef = 0.01f, .norm_eps = 1e-5f, .init_std = 0.02f,
-                          .seed = 11};
+                          .seed = 12};
     mst_optim_config o = {.lr = 1e-2f, .min_lr_frac = 0.1f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f,
                           .weight_decay = 0.1f, .clip = 1.0f, .warmup = 2, .steps = STEPS};
     t.model = m;

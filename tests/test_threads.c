@@ -27,7 +27,8 @@ static const char* self_path;
 
 static mst_train_config config(void) {
     mst_train_config t = {0};
-    mst_model_config m = {.vocab = 256, .hidden = 64, .ffn = 128, .n_head = 4, .seq = 64, .batch = 8,
+    mst_model_config m = {.vocab = 256, .hidden = 64, .ffn = 128, .n_head = 4,
+                          .n_kv_head = 2, .head_dim = 16, .rope_theta = 10000.0f, .norm_topk_prob = 1, .tie_embeddings = 1, .seq = 64, .batch = 8,
                           .layers = 2, .experts = 8, .top_k = 2, .ep = 2, .capacity_factor = 2.0f,
                           .mtp_weight = 0.3f, .aux_coef = 0.01f, .norm_eps = 1e-5f, .init_std = 0.02f,
                           .seed = 7};

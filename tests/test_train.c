@@ -24,7 +24,8 @@ static const char* self_path; /* argv[0]: the moestash program is beside it */
 
 static mst_train_config tiny(void) {
     mst_train_config t = {0};
-    mst_model_config m = {.vocab = 256, .hidden = 32, .ffn = 32, .n_head = 2, .seq = 16, .batch = 4,
+    mst_model_config m = {.vocab = 256, .hidden = 32, .ffn = 32, .n_head = 2,
+                          .n_kv_head = 1, .head_dim = 16, .rope_theta = 10000.0f, .norm_topk_prob = 1, .tie_embeddings = 1, .seq = 16, .batch = 4,
                           .layers = 1, .experts = 4, .top_k = 2, .ep = 2, .capacity_factor = 2.0f,
                           .mtp_weight = 0.3f, .aux_coef = 0.01f, .norm_eps = 1e-5f, .init_std = 0.02f,
                           .seed = 3};
@@ -215,6 +216,8 @@ static void graph_vs_eager(mst_ctx_t* ctx) {
         if (capturing) { /* a head dim the flash kernels take, so they run in the graph */
             cfg.model.hidden = 64;
             cfg.model.n_head = 1;
+            cfg.model.n_kv_head = 1;
+            cfg.model.head_dim = 64;
             cfg.model.attention = MST_ATTN_FLASH;
         }
         CHECK_OK(mst_recompute_parse(cases[i].recompute, &cfg.mem.recompute));

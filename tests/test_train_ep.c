@@ -56,7 +56,8 @@ static mst_backend_kind kind = MST_BACKEND_CPU;
 /* B sequences per rank; the one rank gets W B. */
 static mst_train_config small(int32_t W, int64_t B, int64_t steps) {
     mst_train_config t = {0};
-    mst_model_config m = {.vocab = 256, .hidden = 32, .ffn = 32, .n_head = 2, .seq = 16, .batch = B,
+    mst_model_config m = {.vocab = 256, .hidden = 32, .ffn = 32, .n_head = 2,
+                          .n_kv_head = 1, .head_dim = 16, .rope_theta = 10000.0f, .norm_topk_prob = 1, .tie_embeddings = 1, .seq = 16, .batch = B,
                           .layers = 2, .experts = 8, .top_k = 2, .ep = W, .capacity_factor = (float)W,
                           .mtp_weight = 0.3f, .aux_coef = 0.01f, .norm_eps = 1e-5f, .init_std = 0.02f,
                           .seed = 5};
@@ -221,7 +222,7 @@ static void graph_on_two_ranks(void) {
 static void gpu_size_on_two_ranks(void) {
     mst_train_config d = small(2, 16, 10), one;
     mst_model_config* m = &d.model;
-    m->hidden = 512, m->ffn = 1024, m->n_head = 8, m->seq = 256, m->layers = 4, m->experts = 16;
+    m->hidden = 512, m->ffn = 1024, m->n_head = 8, m->n_kv_head = 2, m->head_dim = 64, m->seq = 256, m->layers = 4, m->experts = 16;
     d.optim.lr = 1e-3f;
     d.graph_from = 1;
     one = d;

@@ -15,15 +15,20 @@
 #include "trainer/run/checkpoint.h"
 #include "trainer/run/planner.h"
 
-/* Defaults: small on the CPU (200 steps in well under 3 minutes on 2 cores),
- * larger on a GPU so the KEEP vs exact-shapes difference shows. */
+/* Defaults: a tiny Qwen3-MoE over bytes on the CPU (200 steps in well
+ * under 3 minutes on 2 cores), larger on a GPU so the KEEP vs exact-shapes
+ * difference shows. Qwen3-MoE's own defaults where the size does not
+ * matter: rms eps 1e-6, router_aux_loss_coef 0.001, norm_topk_prob on,
+ * initializer_range 0.02. */
 void mst_train_defaults(mst_train_config* t, mst_backend_kind kind) {
     const int gpu = kind == MST_BACKEND_CUDA;
     mst_model_config m = {.vocab = 256, .hidden = gpu ? 512 : 64, .ffn = gpu ? 1024 : 128,
-                          .n_head = gpu ? 8 : 4, .seq = gpu ? 256 : 64, .batch = gpu ? 16 : 8,
+                          .n_head = gpu ? 8 : 4, .n_kv_head = gpu ? 4 : 2, .head_dim = gpu ? 64 : 16,
+                          .rope_theta = 10000.0f, .norm_topk_prob = 1, .tie_embeddings = 1,
+                          .seq = gpu ? 256 : 64, .batch = gpu ? 16 : 8,
                           .layers = gpu ? 4 : 2, .experts = gpu ? 16 : 8, .top_k = 2, .ep = gpu ? 4 : 2,
-                          .capacity_factor = 0.0f /* = --ep */, .mtp_weight = 0.3f, .aux_coef = 0.01f,
-                          .norm_eps = 1e-5f, .init_std = 0.02f, .seed = 1};
+                          .capacity_factor = 0.0f /* = --ep */, .mtp_weight = 0.3f, .aux_coef = 0.001f,
+                          .norm_eps = 1e-6f, .init_std = 0.02f, .seed = 1};
     mst_optim_config o = {.lr = gpu ? 1e-3f : 3e-3f, .min_lr_frac = 0.1f, .beta1 = 0.9f, .beta2 = 0.95f,
                           .eps = 1e-8f, .weight_decay = 0.1f, .clip = 1.0f, .warmup = 20, .steps = 200};
     memset(t, 0, sizeof *t);
@@ -37,7 +42,8 @@ void mst_train_defaults(mst_train_config* t, mst_backend_kind kind) {
 
 static void help(const mst_train_config* c, const mst_train_config* g) {
     printf("usage: moestash train [FLAGS]\n"
-           "Trains a small MoE transformer language model with multi-token prediction (byte tokens).\n"
+           "Trains a Qwen3-MoE language model (transformers' qwen3_moe) with multi-token prediction\n"
+           "(a DeepSeek-V3-style MTP module); byte tokens unless --vocab says otherwise.\n"
            "Where two defaults are shown: the CPU backend's / the CUDA backend's.\n"
            "  --backend cpu|cuda        backend (default: cuda when a GPU is present, else cpu)\n"
            "  --steps N                 optimizer steps (%lld)\n"
@@ -45,8 +51,14 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            "  --batch B                 sequences per microbatch (%lld / %lld)\n"
            "  --layers L                transformer layers, each with an MoE block (%d / %d)\n"
            "  --hidden H                model width (%lld / %lld)\n"
-           "  --heads NH                attention heads, must divide H (%lld / %lld)\n"
-           "  --ffn F                   expert MLP width (SwiGLU, H -> 2F -> H) (%lld / %lld)\n"
+           "  --heads NH                query heads (%lld / %lld)\n"
+           "  --kv-heads KV             key-value heads (grouped-query attention), must divide NH (%lld / %lld)\n"
+           "  --head-dim D              width of each head, even (%lld / %lld)\n"
+           "  --rope-theta X            rotary position embedding base (%g)\n"
+           "  --norm-topk-prob on|off   the top-k router weights renormalised to sum 1 (on)\n"
+           "  --tie-embeddings on|off   the output head is the embedding table (on)\n"
+           "  --vocab V                 vocabulary size (%lld: bytes)\n"
+           "  --ffn F                   expert MLP width, moe_intermediate_size (SwiGLU, H -> 2F -> H) (%lld / %lld)\n"
            "  --experts E               experts per MoE block (%d / %d)\n"
            "  --top-k K                 experts per token (%d)\n"
            "  --ep G                    expert groups playing expert-parallel ranks, must divide E (%d / %d)\n"
@@ -77,7 +89,8 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            "                            final weights are bit-identical; one line each, exit 1 if not\n"
            "  --pool-factor X           stash pool pages over the measured peak (1.1; below 1 forces overflows)\n"
            "  --mtp-weight W            weight of the multi-token-prediction loss (%g)\n"
-           "  --aux-weight A            load-balancing loss coefficient (%g)\n"
+           "  --aux-coef A              load-balancing loss coefficient, router_aux_loss_coef (%g); the loss is\n"
+           "                            transformers' over the main layers of each microbatch (--aux-weight: the same)\n"
            "  --lr LR                   peak learning rate, warmup then cosine to 10%% (%g / %g)\n"
            "  --warmup N                warmup steps (%lld)\n"
            "  --data FILE               train on a text file (bytes) or an llm.c .bin token file (magic 20240520)\n"
@@ -86,11 +99,14 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            "  --graph on|off            replay each sized step from one captured CUDA graph (cpu: off / cuda: on)\n"
            "  --attention A             flash: fused, saves the output and row logsumexp | cublas: saves the T x T\n"
            "                            probabilities (cuBLAS on cuda) | auto: flash where the backend takes the\n"
-           "                            head dim (cuda: H / heads 64 or 128), else cublas (auto)\n"
+           "                            head dim (cuda: --head-dim 64 or 128), else cublas (auto)\n"
            "  --log-every N             a progress line every N steps (1)\n"
-           "  --preset h100             H 2048, 16 heads, 8 layers, 64 experts top-4, F 1024, T 2048, B 2, ep 1,\n"
-           "                            8 microbatches, 1f1b\n"
-           "                            (flags given after it override it)\n"
+           "  --preset NAME             h100: H 2048, 16 query / 4 key-value heads of dim 128, 8 layers, 64 experts\n"
+           "                            top-4, F 1024, T 2048, B 2, ep 1, 8 microbatches, 1f1b;\n"
+           "                            qwen3-30b-a3b: Qwen3-30B-A3B's published configuration: 48 layers, H 2048,\n"
+           "                            32 query / 4 key-value heads of dim 128, 128 experts top-8, F 768, vocab\n"
+           "                            151936, rope theta 1e6, untied head, T 2048, B 1, 8 microbatches, 1f1b\n"
+           "                            (fit it with --layers N, --gpus N; flags given after a preset override it)\n"
            "  --json FILE               write losses, timings and the memory table as JSON\n"
            "  --save DIR                checkpoints: DIR/step-N every --save-every N steps and DIR/final\n"
            "                            (model.safetensors bf16, optimizer.safetensors fp32, trainer.json)\n"
@@ -109,7 +125,9 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            (long long)c->steps, (long long)c->model.seq, (long long)g->model.seq,
            (long long)c->model.batch, (long long)g->model.batch, c->model.layers, g->model.layers,
            (long long)c->model.hidden, (long long)g->model.hidden, (long long)c->model.n_head,
-           (long long)g->model.n_head, (long long)c->model.ffn, (long long)g->model.ffn,
+           (long long)g->model.n_head, (long long)c->model.n_kv_head, (long long)g->model.n_kv_head,
+           (long long)c->model.head_dim, (long long)g->model.head_dim, (double)c->model.rope_theta,
+           (long long)c->model.vocab, (long long)c->model.ffn, (long long)g->model.ffn,
            c->model.experts, g->model.experts, c->model.top_k, c->model.ep, g->model.ep,
            c->microbatches, (double)c->model.mtp_weight,
            (double)c->model.aux_coef, (double)c->optim.lr, (double)g->optim.lr, (long long)c->optim.warmup,
@@ -117,21 +135,28 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
 }
 
 /* --preset h100: the model of the whole-step benchmark, sized for one
- * 80 GB card: H 2048, 16 heads, 8 layers, 64 experts top-4 of F 1024,
- * T 2048. Its 3.8 G parameters take 68 GB with their gradients and AdamW
- * state (18 bytes each), which leaves room for B 2 with one group (ep 1,
- * capacity factor 1: dropless and never over budget); 8 microbatches under
- * 1F1B (one set of activations in flight) make 32768 tokens a step, so the
- * optimizer's pass over the parameters is paid once per 8 microbatches.
- * The other flags still override it. */
+ * 80 GB card: H 2048, 16 query heads of dim 128 over 4 key-value heads,
+ * 8 layers, 64 experts top-4 of F 1024, T 2048. Its 3.7 G parameters take
+ * 67 GB with their gradients and AdamW state (18 bytes each), which leaves
+ * room for B 2 with one group (ep 1, capacity factor 1: dropless and never
+ * over budget); 8 microbatches under 1F1B (one set of activations in
+ * flight) make 32768 tokens a step, so the optimizer's pass over the
+ * parameters is paid once per 8 microbatches.
+ * --preset qwen3-30b-a3b: the published Qwen3-30B-A3B configuration (its
+ * config.json), 30.5 G parameters: with --layers N and --gpus N sized to
+ * the machine. The other flags still override either. */
 int mst_train_preset(mst_args* a, mst_train_config* t, const char** name) {
-    static const char* const presets[] = {"h100", NULL};
+    static const char* const presets[] = {"h100", "qwen3-30b-a3b", NULL};
     int which = 0, rc = mst_args_choice(a, presets, &which);
     if (rc) return rc;
     *name = presets[which];
     mst_model_config* m = &t->model;
-    m->hidden = 2048, m->n_head = 16, m->layers = 8, m->experts = 64, m->top_k = 4, m->ffn = 1024;
-    m->seq = 2048, m->batch = 2, m->ep = 1;
+    m->hidden = 2048, m->n_head = 16, m->n_kv_head = 4, m->head_dim = 128, m->layers = 8, m->experts = 64;
+    m->top_k = 4, m->ffn = 1024, m->seq = 2048, m->batch = 2, m->ep = 1;
+    if (which == 1) {
+        m->vocab = 151936, m->layers = 48, m->n_head = 32, m->experts = 128, m->top_k = 8, m->ffn = 768;
+        m->rope_theta = 1e6f, m->norm_topk_prob = 1, m->tie_embeddings = 0, m->norm_eps = 1e-6f, m->batch = 1;
+    }
     t->microbatches = 8, t->mem.schedule = MST_SCHEDULE_1F1B;
     return 0;
 }
@@ -190,7 +215,10 @@ static int parse_flag(train_cli* t, mst_args* a) {
     INT_FLAG("--batch", 1, 65536, m->batch);
     INT_FLAG("--layers", 1, 256, m->layers);
     INT_FLAG("--hidden", 8, 65536, m->hidden);
-    INT_FLAG("--heads", 1, 65536, m->n_head);
+    INT_FLAG("--heads", 1, 1024, m->n_head);
+    INT_FLAG("--kv-heads", 1, 1024, m->n_kv_head);
+    INT_FLAG("--head-dim", 2, 1024, m->head_dim);
+    INT_FLAG("--vocab", 2, 1 << 24, m->vocab);
     INT_FLAG("--ffn", 1, 262144, m->ffn);
     INT_FLAG("--experts", 1, 1024, m->experts);
     INT_FLAG("--top-k", 1, 1024, m->top_k);
@@ -208,7 +236,12 @@ static int parse_flag(train_cli* t, mst_args* a) {
 #undef INT_FLAG
     if (mst_args_is(a, "--capacity-factor")) return mst_args_float(a, 1e-6, 1024, &m->capacity_factor);
     if (mst_args_is(a, "--mtp-weight")) return mst_args_float(a, 0, 100, &m->mtp_weight);
-    if (mst_args_is(a, "--aux-weight")) return mst_args_float(a, 0, 100, &m->aux_coef);
+    if (mst_args_is(a, "--aux-coef") || mst_args_is(a, "--aux-weight")) return mst_args_float(a, 0, 100, &m->aux_coef);
+    if (mst_args_is(a, "--rope-theta")) return mst_args_float(a, 1, 1e12, &m->rope_theta);
+    if (mst_args_is(a, "--norm-topk-prob"))
+        return (rc = mst_args_choice(a, on_off, &i)) ? rc : (m->norm_topk_prob = i, 0);
+    if (mst_args_is(a, "--tie-embeddings"))
+        return (rc = mst_args_choice(a, on_off, &i)) ? rc : (m->tie_embeddings = i, 0);
     if (mst_args_is(a, "--lr")) return mst_args_float(a, 0, 10, &t->cfg.optim.lr);
     if (mst_args_is(a, "--pool-factor")) {
         float f = 0;
@@ -478,13 +511,13 @@ int mst_cmd_train(int argc, char** argv) {
     FILE* out = rank0 ? stdout : NULL; /* only rank 0 prints */
     const mst_model_config* m = &t.cfg.model;
     if (!t.quiet && rank0)
-        printf("moestash train on %s%s\n  H=%lld F=%lld heads=%lld T=%lld B=%lld M=%d L=%d E=%d k=%d ep=%d cf=%g "
+        printf("moestash train on %s%s\n  H=%lld F=%lld heads=%lld/%lld D=%lld V=%lld T=%lld B=%lld M=%d L=%d E=%d k=%d ep=%d cf=%g "
                "max_rows=%lld mtp-weight=%g steps=%lld data=%s\n  schedule %s, policy %s, recompute %s, graph %s, "
                "attention %s%s%s\n",
                mst_ctx_describe(ctx), ep ? ", one process per GPU: B per rank"
                                       : t.gpus > 1 ? ", ranks as threads (--gpus): B per rank" : "",
-               (long long)m->hidden, (long long)m->ffn, (long long)m->n_head,
-               (long long)m->seq, (long long)m->batch, t.cfg.microbatches, m->layers, m->experts,
+               (long long)m->hidden, (long long)m->ffn, (long long)m->n_head, (long long)m->n_kv_head,
+               (long long)m->head_dim, (long long)m->vocab, (long long)m->seq, (long long)m->batch, t.cfg.microbatches, m->layers, m->experts,
                m->top_k, m->ep, (double)m->capacity_factor, (long long)mst_model_max_rows(m, t.gpus > 1 ? (int32_t)t.gpus : 1),
                (double)m->mtp_weight, (long long)t.cfg.steps, t.cfg.data_path ? t.cfg.data_path : "synthetic",
                mst_schedule_kind_str(t.cfg.mem.schedule), t.cfg.memory_budget ? "planned (--memory-budget)" : t.cfg.mem.policy,

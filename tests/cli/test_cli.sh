@@ -66,6 +66,16 @@ bad "--ep '3': on --gpus N ranks" train --backend cpu --gpus 2 --ep 3
 bad "--gpus '4': the ranks share the 6 experts (--experts)" train --backend cpu --gpus 4 --experts 6
 bad "--gpus '3': the ranks share the 8 experts (--experts)" train --backend cpu --gpus 3
 bad "--attention 'fast'" train --attention fast
+bad "--kv-heads 3: must divide --heads 4" train --kv-heads 3
+bad "--kv-heads '0'" train --kv-heads 0
+bad "--head-dim 7: expected an even number" train --head-dim 7
+bad "--head-dim 'x'" train --head-dim x
+bad "--rope-theta '0'" train --rope-theta 0
+bad "--norm-topk-prob 'maybe'" train --norm-topk-prob maybe
+bad "--tie-embeddings 'yes'" train --tie-embeddings yes
+bad "--vocab '1'" train --vocab 1
+bad "--preset 'qwen3'" train --preset qwen3
+bad "--hidden '131072" train --preset qwen3-30b-a3b --hidden 131072
 bad "--save-every '3': needs --save" train --save-every 3
 bad "--model" sample --prompt x
 bad "--prompt" sample --checkpoint "$tmp"

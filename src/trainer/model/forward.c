@@ -2,7 +2,7 @@
  * forward.c — one training step's passes along the schedule: for each entry
  * (forward or backward of a chunk of layers for a microbatch) the layers of
  * the chunk, with the memory manager's savers. Around the layers: the
- * embedding (before layer 0), the final norm and the tied output head (loss
+ * embedding (before layer 0), the final norm and the output head (loss
  * on the next token, after the last main layer L-1), and the MTP module
  * (docs/DESIGN.md, "The trainer") around layer L: norms of the next token's embedding and of the
  * last hidden state, their concatenation projected 2H -> H, the layer, its
@@ -45,21 +45,21 @@ mst_status mst_model_upload(mst_model* m, int slot) {
 
 static int64_t n_tok(const mst_model* m) { return m->cfg.batch * m->cfg.seq; }
 
-/* logits = x emb^T, then cross-entropy forward and backward into dl. */
+/* logits = x head^T, then cross-entropy forward and backward into dl. */
 static mst_status head_forward(mst_model* m, const uint16_t* x, const int32_t* targets, float scale,
                                float* loss, uint16_t* dl) {
     const mst_model_config* c = &m->cfg;
-    MST_TRY(mst_op_linear(m, n_tok(m), c->hidden, c->vocab, x, m->w + m->emb, m->logits));
+    MST_TRY(mst_op_linear(m, n_tok(m), c->hidden, c->vocab, x, m->w + m->head, m->logits));
     mst_xent_args a = {.rows = n_tok(m), .vocab = c->vocab, .scale = scale, .logits = m->logits,
                        .targets = targets, .loss = loss, .dlogits = dl};
     return MST_MODEL_OP(m, xent, &a);
 }
 
-/* dx [N, H] = dl emb; g(emb) += dl^T x. */
+/* dx [N, H] = dl head; g(head) += dl^T x (the embedding's when tied). */
 static mst_status head_backward(mst_model* m, const uint16_t* dl, const uint16_t* x, uint16_t* dx) {
     const mst_model_config* c = &m->cfg;
-    MST_TRY(mst_op_linear_wgrad(m, n_tok(m), c->hidden, c->vocab, dl, x, m->grad + m->emb, c->hidden));
-    return mst_op_linear_dgrad(m, n_tok(m), c->hidden, c->vocab, dl, m->w + m->emb, c->hidden, dx);
+    MST_TRY(mst_op_linear_wgrad(m, n_tok(m), c->hidden, c->vocab, dl, x, m->grad + m->head, c->hidden));
+    return mst_op_linear_dgrad(m, n_tok(m), c->hidden, c->vocab, dl, m->w + m->head, c->hidden, dx);
 }
 
 static mst_status embed(mst_model* m, const int32_t* tok, uint16_t* x) {
@@ -128,7 +128,6 @@ static mst_status forward_chunk(mst_model* m, int32_t chunk, int32_t mb) {
         if (l == 0) MST_TRY(embed(m, u->tok, u->x0));
         if (l == L) MST_TRY(mtp_input(m, mb, 1));
         MST_TRY(mst_layer_forward(m, l, &u->acts[l], layer_input(m, u, l), sv));
-        MST_TRY(mst_copy_b2b(m->ctx, m->aux_sum + mb * (L + 1) + l, u->acts[l].aux, sizeof(float)));
         if (l == L - 1) MST_TRY(main_head(m, mb));
         if (l == L) MST_TRY(mtp_head(m, mb));
     }
@@ -190,11 +189,13 @@ static mst_status backward_chunk(mst_model* m, int32_t chunk, int32_t mb) {
         MST_TRY(mst_memmgr_backward(m->mm, l, mb, &sv));
         if (l == L) {
             MST_TRY(mtp_backward(m, mb, sv));
-            continue;
+        } else {
+            if (l == L - 1) MST_TRY(main_head_backward(m, mb));
+            MST_TRY(mst_layer_backward(m, l, &u->acts[l], sv, u->dh));
+            if (l == 0) MST_TRY(embed_bwd(m, u->tok, u->dh));
         }
-        if (l == L - 1) MST_TRY(main_head_backward(m, mb));
-        MST_TRY(mst_layer_backward(m, l, &u->acts[l], sv, u->dh));
-        if (l == 0) MST_TRY(embed_bwd(m, u->tok, u->dh));
+        /* the layer's share of the load-balancing loss, from its backward */
+        MST_TRY(mst_copy_b2b(m->ctx, m->aux_sum + mb * (L + 1) + l, u->acts[l].aux, sizeof(float)));
     }
     return MST_OK;
 }

@@ -1,6 +1,6 @@
 /*
- * model.c — the model's configuration checks, parameter layout and
- * initialisation, the backend buffers of its activations by memory category
+ * model.c — the model's backend buffers: parameters (laid out and drawn by
+ * params.c), activations by memory category
  * (weights, gradients, optimizer, saved activations, compute), and its
  * memory manager (grouped-MLP activations) with the schedule it follows.
  */
@@ -11,30 +11,6 @@
 #include "model.h"
 
 #define BAD(...) mst_set_error(MST_ERR_INVALID, __VA_ARGS__)
-
-mst_status mst_model_config_check(const mst_model_config* c) {
-    if (c->hidden < 8 || c->hidden > 65536) return BAD("--hidden %lld: expected 8 .. 65536", (long long)c->hidden);
-    if (c->ffn < 1 || c->ffn > 262144) return BAD("--ffn %lld: expected 1 .. 262144", (long long)c->ffn);
-    if (c->n_head < 1 || c->hidden % c->n_head)
-        return BAD("--heads %lld: must divide --hidden %lld", (long long)c->n_head, (long long)c->hidden);
-    if (c->seq < 2 || c->seq > 8192) return BAD("--seq %lld: expected 2 .. 8192", (long long)c->seq);
-    if (c->batch < 1 || c->batch > 65536) return BAD("--batch %lld: expected 1 .. 65536", (long long)c->batch);
-    if (c->layers < 1 || c->layers > 256) return BAD("--layers %d: expected 1 .. 256", c->layers);
-    if (c->experts < 1 || c->experts > 1024) return BAD("--experts %d: expected 1 .. 1024", c->experts);
-    if (c->top_k < 1 || c->top_k > c->experts)
-        return BAD("--top-k %d: expected 1 .. --experts (%d)", c->top_k, c->experts);
-    if (c->ep < 1 || c->experts % c->ep)
-        return BAD("--ep %d: must divide --experts %d", c->ep, c->experts);
-    if (!(c->capacity_factor > 0.0f) || c->capacity_factor > 1024.0f)
-        return BAD("--capacity-factor %g: expected > 0 and <= 1024", (double)c->capacity_factor);
-    if (!(c->mtp_weight >= 0.0f) || c->mtp_weight > 100.0f)
-        return BAD("--mtp-weight %g: expected 0 .. 100", (double)c->mtp_weight);
-    if (c->attention < MST_ATTN_AUTO || c->attention > MST_ATTN_CUBLAS)
-        return BAD("--attention %d: expected auto, flash or cublas", c->attention);
-    if (c->batch * c->seq * c->top_k > INT32_MAX / 4)
-        return BAD("--batch %lld x --seq %lld: too many tokens", (long long)c->batch, (long long)c->seq);
-    return MST_OK;
-}
 
 const char* mst_attn_kind_str(int32_t kind) {
     static const char* const names[] = {"auto", "flash", "cublas"};
@@ -60,108 +36,6 @@ mst_status mst_model_ep_config(const mst_model_config* c, int32_t world, mst_ep_
                        .max_tokens = c->batch * c->seq, .max_rows = mst_model_max_rows(c, world)};
     *out = e; /* pair_rows 0: N k, which no routing passes; path auto */
     return MST_OK;
-}
-
-/* ---- parameters ---------------------------------------------------------- */
-
-static int64_t take(int64_t* n, int64_t size) {
-    int64_t off = *n;
-    *n += size;
-    return off;
-}
-
-/* Matrices first (weight decay), then the norm weights. On W ranks the
- * matrices every rank holds come first and this rank's El experts after
- * them, so that the replicated gradients are two runs: [0, n_dense) and
- * the norm weights. */
-static void layout(mst_model* m) {
-    const mst_model_config* c = &m->cfg;
-    const int64_t H = c->hidden, F = c->ffn, E = c->experts, El = m->n_local;
-    const int apart = m->dist.ep != NULL;
-    int64_t n = 0;
-    m->emb = take(&n, c->vocab * H);
-    m->proj = take(&n, H * 2 * H);
-    for (int32_t l = 0; l <= c->layers; l++) {
-        mst_layer_params* p = &m->lp[l];
-        p->wqkv = take(&n, 3 * H * H);
-        p->wo = take(&n, H * H);
-        p->wr = take(&n, E * H);
-        if (apart) continue;
-        p->w1 = take(&n, El * 2 * F * H);
-        p->w2 = take(&n, El * H * F);
-    }
-    m->n_dense = n;
-    for (int32_t l = 0; apart && l <= c->layers; l++) {
-        m->lp[l].w1 = take(&n, El * 2 * F * H);
-        m->lp[l].w2 = take(&n, El * H * F);
-    }
-    m->n_decay = n;
-    for (int32_t l = 0; l <= c->layers; l++) {
-        m->lp[l].ln1 = take(&n, H);
-        m->lp[l].ln2 = take(&n, H);
-    }
-    m->lnf = take(&n, H);
-    m->ln_e = take(&n, H);
-    m->ln_h = take(&n, H);
-    m->ln_mf = take(&n, H);
-    m->n_params = n;
-}
-
-/* Draw j of the splitmix64 stream from state s: the normal of counters
- * 2j + 1 and 2j + 2 (Box-Muller), so that draws can be made in any order
- * (in parallel) with the bits of a sequential stream. */
-static double normal_at(uint64_t s, int64_t j) {
-    uint64_t z[2];
-    for (int i = 0; i < 2; i++) z[i] = mst_splitmix64_at(s, (uint64_t)(2 * j + 1 + i));
-    double u = ((double)(z[0] >> 11) + 0.5) * 0x1.0p-53, v = (double)(z[1] >> 11) * 0x1.0p-53;
-    return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
-}
-
-/* p[i] = the next n draws times std; the state moves past them. */
-mst_status mst_model_bytes_at_least(const mst_model_config* c, double* total_bytes, double* params_bytes) {
-    mst_model m = {.cfg = *c, .n_local = c->experts};
-    m.lp = (mst_layer_params*)calloc((size_t)c->layers + 1, sizeof *m.lp);
-    if (!m.lp) return mst_set_error(MST_ERR_OOM, "layer parameter table");
-    layout(&m); /* the parameter count, as the model lays them out */
-    free(m.lp);
-    *params_bytes = (double)m.n_params * (2 + 4 + 3 * 4);
-    const double N = (double)c->batch * (double)c->seq, rows = N * (double)c->n_head;
-    const double attn = c->attention == MST_ATTN_CUBLAS ? 4.0 * rows * (double)c->seq
-                                                        : 8.0 * N * (double)c->hidden + 4.0 * rows;
-    *total_bytes = *params_bytes + attn + 6.0 * N * (double)c->vocab;
-    return MST_OK;
-}
-
-/* p[i] = draw lo + i of the next n draws (i < count) times std; the state
- * moves past all n. */
-static void fill_normal_part(float* p, int64_t n, int64_t lo, int64_t count, double std, uint64_t* s) {
-    const uint64_t s0 = *s;
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < count; i++) p[i] = (float)(normal_at(s0, lo + i) * std);
-    *s = s0 + (uint64_t)(2 * n) * MST_SPLITMIX_GAMMA;
-}
-
-static void fill_normal(float* p, int64_t n, double std, uint64_t* s) { fill_normal_part(p, n, 0, n, std, s); }
-
-/* Host init: normal(0, std) matrices (output projections scaled down by
- * sqrt(2 (L+1))), norm weights 1. On W ranks each rank draws the whole
- * stream's positions of its experts: the weights of one rank's run. */
-static void init_host(const mst_model* m, float* p) {
-    const mst_model_config* c = &m->cfg;
-    const int64_t H = c->hidden, F = c->ffn, E = c->experts, El = m->n_local, e0 = (int64_t)m->dist.rank * El;
-    const double std = c->init_std, out_std = std / sqrt(2.0 * (c->layers + 1));
-    uint64_t s = c->seed * 0x2545F4914F6CDD1Dull + 1;
-    fill_normal(p + m->emb, c->vocab * H, std, &s);
-    fill_normal(p + m->proj, 2 * H * H, std, &s);
-    for (int32_t l = 0; l <= c->layers; l++) {
-        const mst_layer_params* q = &m->lp[l];
-        fill_normal(p + q->wqkv, 3 * H * H, std, &s);
-        fill_normal(p + q->wo, H * H, out_std, &s);
-        fill_normal(p + q->wr, E * H, std, &s);
-        fill_normal_part(p + q->w1, E * 2 * F * H, e0 * 2 * F * H, El * 2 * F * H, std, &s);
-        fill_normal_part(p + q->w2, E * H * F, e0 * H * F, El * H * F, out_std, &s);
-    }
-    for (int64_t i = m->n_decay; i < m->n_params; i++) p[i] = 1.0f;
 }
 
 /* ---- buffers ------------------------------------------------------------- */
@@ -206,7 +80,7 @@ static mst_status alloc_params(mst_model* m) {
     uint16_t* host16 = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)n);
     mst_status st = host && host16 ? MST_OK : mst_set_error(MST_ERR_OOM, "host parameter init (%lld)", (long long)n);
     if (st == MST_OK) {
-        init_host(m, host);
+        mst_model_init_params(m, host);
         mst_fp32_to_bf16_array(host16, host, (size_t)n);
         for (int64_t i = 0; i < n; i++) host[i] = mst_bf16_to_fp32(host16[i]); /* master = weights */
         st = mst_copy_h2b(m->ctx, m->master, host, sizeof(float) * (size_t)n);
@@ -229,20 +103,28 @@ static mst_status alloc_params(mst_model* m) {
         else (dst)->field = (from)->field;                                         \
     } while (0)
 
+/* q|k|v row of the attention projection: (NH + 2 KV) D. */
+static int64_t qkv_cols(const mst_model_config* c) { return (c->n_head + 2 * c->n_kv_head) * c->head_dim; }
+
 /* A layer's activations: its own buffers (slot NULL), or the recompute
  * slot's, but for the output when keep_out (the input of the next chunk).
- * cats: attention, norms, router categories. ref: count as kept. */
+ * cats: attention, norms, router categories. ref: count as kept. loads:
+ * the router loads [L+1, E] of the activation set (row l this layer's: the
+ * main layers' loss spans rows [0, L), the MTP layer's its own row L), or
+ * NULL (a recompute slot). */
 static mst_status alloc_layer(mst_model* m, mst_layer_acts* a, const mst_layer_acts* slot, int keep_out,
-                              const int cats[3], int ref) {
+                              const int cats[3], int ref, int32_t* loads, int32_t l) {
     const mst_model_config* c = &m->cfg;
     const int64_t N = c->batch * c->seq, H = c->hidden, E = c->experts, K = c->top_k;
+    const int64_t rows = c->batch * c->n_head * c->seq, HO = c->n_head * c->head_dim;
     const int own = slot == NULL, A = cats[0], R = cats[2], Nm = cats[1];
     ACT(Nm, a, slot, a, N * H, own, ref);
     ACT(Nm, a, slot, rstd1, N, own, ref);
-    ACT(A, a, slot, qkv, N * 3 * H, own, ref);
-    if (m->flash) ACT(A, a, slot, lse, c->batch * c->n_head * c->seq, own, ref);
-    else ACT(A, a, slot, attp, c->batch * c->n_head * c->seq * c->seq, own, ref);
-    ACT(A, a, slot, att, N * H, own, ref);
+    ACT(A, a, slot, qkv, N * qkv_cols(c), own, ref);
+    ACT(A, a, slot, rstdqk, N * (c->n_head + c->n_kv_head), own, ref);
+    if (m->flash) ACT(A, a, slot, lse, rows, own, ref);
+    else ACT(A, a, slot, attp, rows * c->seq, own, ref);
+    ACT(A, a, slot, att, N * HO, own, ref);
     ACT(Nm, a, slot, x1, N * H, own, ref);
     ACT(Nm, a, slot, b, N * H, own, ref);
     ACT(Nm, a, slot, rstd2, N, own, ref);
@@ -252,7 +134,15 @@ static mst_status alloc_layer(mst_model* m, mst_layer_acts* a, const mst_layer_a
     ACT(R, a, slot, topk_w, N * K, own, ref);
     ACT(R, a, slot, pos, N * K, own, ref);
     ACT(R, a, slot, counts, E, own, ref);
-    ACT(R, a, slot, load, E, own, ref);
+    if (loads) {
+        a->load = loads + (int64_t)l * E;
+        a->loads = l < c->layers ? loads : a->load;
+        a->n_loads = l < c->layers ? c->layers : 1;
+    } else { /* a recompute slot: the loads stay in the activation set */
+        a->load = NULL;
+        a->loads = NULL;
+        a->n_loads = 0;
+    }
     ACT(R, a, slot, aux, 1, own, ref);
     ACT(Nm, a, slot, out, N * H, own || keep_out, ref);
     return MST_OK;
@@ -294,11 +184,14 @@ static mst_status alloc_micro(mst_model* m, mst_micro* u) {
     const int32_t L = c->layers;
     u->acts = (mst_layer_acts*)calloc((size_t)L + 1, sizeof *u->acts);
     if (!u->acts) return mst_set_error(MST_ERR_OOM, "layer table");
+    /* the loads: a few bytes a layer that every layer keeps, recomputed or
+     * not (compute, as u->dh) */
+    BUF(MST_MEM_COMPUTE, u->loads, (L + 1) * c->experts);
     for (int32_t l = 0; l <= L; l++) {
         const int kinds[3] = {MST_MEM_SAVED_ATTN, MST_MEM_SAVED_NORM, MST_MEM_SAVED_ROUTER};
         const int mtp[3] = {MST_MEM_SAVED_MTP, MST_MEM_SAVED_MTP, MST_MEM_SAVED_MTP};
         const mst_layer_acts* slot = recomputed(m, l) ? &m->slots[l - m->chunk_start[l]] : NULL;
-        MST_TRY(alloc_layer(m, &u->acts[l], slot, slot && keeps_out(m, l), l == L ? mtp : kinds, 1));
+        MST_TRY(alloc_layer(m, &u->acts[l], slot, slot && keeps_out(m, l), l == L ? mtp : kinds, 1, u->loads, l));
     }
     for (int32_t l = 0; m->dist.ep && l <= L; l++) MST_TRY(mst_ep_handle_create(m->dist.ep, &u->acts[l].eph));
     const int S = MST_MEM_SAVED_HEAD;
@@ -345,7 +238,7 @@ static mst_status alloc_slots(mst_model* m) {
     m->slots = (mst_layer_acts*)calloc((size_t)(m->n_slots > 0 ? m->n_slots : 1), sizeof *m->slots);
     if (!m->slots) return mst_set_error(MST_ERR_OOM, "recompute slots");
     const int rc[3] = {MST_MEM_RECOMPUTE, MST_MEM_RECOMPUTE, MST_MEM_RECOMPUTE};
-    for (int32_t k = 0; k < m->n_slots; k++) MST_TRY(alloc_layer(m, &m->slots[k], NULL, 0, rc, 0));
+    for (int32_t k = 0; k < m->n_slots; k++) MST_TRY(alloc_layer(m, &m->slots[k], NULL, 0, rc, 0, NULL, 0));
     if (recomputed(m, L1 - 1)) MST_TRY(alloc_mtp(m, &m->mtp_slot, NULL, 1));
     return MST_OK;
 }
@@ -382,7 +275,9 @@ static mst_status alloc_acts(mst_model* m) {
     BUF(C, m->dtopk, N * c->top_k);
     BUF(C, m->drl, N * c->experts);
     BUF(C, m->emb_order, V + 1 + N);
-    BUF(C, m->dqkv, N * 3 * H);
+    BUF(C, m->qkvr, N * qkv_cols(c));
+    BUF(C, m->dqkv, N * qkv_cols(c));
+    BUF(C, m->datt, N * c->n_head * c->head_dim);
     if (m->flash) BUF(C, m->att_delta, c->batch * c->n_head * c->seq);
     else if (m->ops->attn_scratch) {
         BUF(C, m->att32, c->batch * c->n_head * c->seq * c->seq);
@@ -398,7 +293,8 @@ static mst_status alloc_acts(mst_model* m) {
 mst_status mst_model_attention(mst_ctx_t* ctx, const mst_model_config* c, int* flash, char* note, size_t note_size) {
     const mst_model_backend* ops;
     MST_TRY(mst_model_backend_of(ctx, &ops));
-    const mst_attn_args a = {.batch = c->batch, .seq = c->seq, .n_head = c->n_head, .head_dim = c->hidden / c->n_head};
+    const mst_attn_args a = {.batch = c->batch, .seq = c->seq, .n_head = c->n_head, .head_dim = c->head_dim,
+                             .n_kv_head = c->n_kv_head};
     *flash = 0;
     if (note_size) note[0] = 0;
     if (c->attention == MST_ATTN_CUBLAS) return MST_OK;
@@ -606,7 +502,7 @@ mst_status mst_model_create_dist(mst_ctx_t* ctx, const mst_model_config* cfg, in
     if (st == MST_OK) st = mst_model_attention(ctx, cfg, &m->flash, m->attn_note, sizeof m->attn_note);
     if (st == MST_OK) st = make_schedule(m);
     if (st == MST_OK) {
-        layout(m);
+        mst_model_layout(m);
         st = alloc_params(m);
     }
     if (st == MST_OK) st = mst_model_set_max_rows(m, m->static_rows); /* the manager: the recompute plan */

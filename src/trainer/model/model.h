@@ -1,17 +1,22 @@
 /*
- * model.h — the MoE transformer language model that `moestash train` trains
- * (docs/DESIGN.md, "The trainer"): byte tokens, RMSNorm, causal multi-head attention,
- * an MoE block in every layer (softmax router, top-k, load-balancing loss,
- * dropless dispatch into the --ep groups' grouped rows, grouped MLP,
- * combine), one multi-token-prediction (MTP) module, final norm and an output
- * head tied to the embedding. bf16 weights and activations, fp32 master
+ * model.h — the language model that `moestash train` trains: the Qwen3-MoE
+ * architecture (transformers' qwen3_moe; docs/DESIGN.md, "The trainer"):
+ * token embedding, pre-norm layers of RMSNorm, grouped-query attention with
+ * QK-norm and rotary positions, an MoE block in every layer (softmax
+ * router, top-k renormalised, transformers' load-balancing loss, dropless
+ * dispatch into the --ep groups' grouped rows, grouped SwiGLU MLP,
+ * combine), final norm and an output head (tied to the embedding or its
+ * own), plus one DeepSeek-V3-style multi-token-prediction (MTP) module
+ * built from the same layer. bf16 weights and activations, fp32 master
  * weights, main_grad and AdamW state.
  *
  * The grouped MLP's saved activations go through the memory manager (policy
  * per name, layer recompute, schedules); the model keeps its own attention,
  * norm and router activations per (microbatch, layer).
  *
- * Shapes: V vocab, H hidden, F ffn, NH heads, B batch, T seq, N = B T tokens
+ * Shapes: V vocab, H hidden, F ffn (moe_intermediate_size), NH query heads,
+ * KV key-value heads, D head dim, Wq = (NH + 2 KV) D the q|k|v row, B batch,
+ * T seq, N = B T tokens
  * of one microbatch, M microbatches, L layers (+1: the MTP module's layer has
  * index L), E experts, k top-k, G = --ep groups of E / G experts, R = max_rows
  * of each group; the groups' rows are packed into one [G R] grouped-rows
@@ -130,10 +135,12 @@ typedef struct mst_layer_acts {
     const uint16_t* in;  /* [N, H] the layer's input (another buffer, not owned) */
     uint16_t* a;         /* [N, H] norm1 output                             */
     float* rstd1;        /* [N]                                             */
-    uint16_t* qkv;       /* [N, 3H]                                         */
+    uint16_t* qkv;       /* [N, Wq] q|k|v projection output (before QK-norm
+                            and rotation: the backward reruns qk_forward)   */
+    float* rstdqk;       /* [N, NH + KV] QK-norm's 1 / rms per head         */
     float* attp;         /* [B, NH, T, T] attention probabilities (NULL: flash) */
     float* lse;          /* [B, NH, T] attention row logsumexp (flash; else NULL) */
-    uint16_t* att;       /* [N, H] attention output (before Wo)             */
+    uint16_t* att;       /* [N, NH D] attention output (before Wo)          */
     uint16_t* x1;        /* [N, H] residual after attention                 */
     uint16_t* b;         /* [N, H] norm2 output (router and MLP input)      */
     float* rstd2;        /* [N]                                             */
@@ -144,8 +151,14 @@ typedef struct mst_layer_acts {
     int32_t* pos;        /* [N, k] row in the [G*R] grouped rows, or -1     */
     int32_t* counts;     /* [E] rows per expert for the grouped MLP (W ranks:
                             the first El, this rank's, from dispatch)       */
-    int32_t* load;       /* [E] token copies per expert                     */
-    float* aux;          /* [1] load-balancing loss                         */
+    int32_t* load;       /* [E] token copies per expert (W ranks: summed over
+                            the ranks): row l of mst_micro.loads             */
+    const int32_t* loads;/* [n_loads, E] the loads the load-balancing loss of
+                            this layer spans: the main layers' (rows [0, L) of
+                            mst_micro.loads), or the MTP layer's own row L  */
+    int32_t n_loads;     /* L, or 1 (the MTP layer)                         */
+    float* aux;          /* [1] this layer's share of the load-balancing loss
+                            (written by the backward)                       */
     uint16_t* out;       /* [N, H] the layer's output                       */
     mst_ep_handle_t* eph;/* W ranks: the routing of this (layer, microbatch)
                             from dispatch to the backward (NULL: one rank)   */
@@ -166,6 +179,8 @@ typedef struct mst_micro {
     float* rstd_mf;          /* [N]                                           */
     uint16_t *dl_main, *dl_mtp; /* [N, V] d(loss)/d(logits)                   */
     uint16_t* dh;            /* [N, H] gradient flowing down the main layers  */
+    int32_t* loads;          /* [L+1, E] each layer's router loads (the main
+                                layers' load-balancing loss spans rows [0, L)) */
     mst_layer_acts* acts;    /* [L+1]                                         */
 } mst_micro;
 
@@ -249,7 +264,10 @@ typedef struct mst_model {
     float* dtopk;            /* [N, k]                                        */
     uint16_t* drl;           /* [N, E] d(router logits)                       */
     int32_t* emb_order;      /* [V + 1 + N] embedding backward scratch        */
-    uint16_t* dqkv;          /* [N, 3H]                                       */
+    uint16_t* qkvr;          /* [N, Wq] q|k|v after QK-norm and rotation
+                                (attention's input); backward: d(qkv)          */
+    uint16_t* dqkv;          /* [N, Wq] d(qkvr)                                */
+    uint16_t* datt;          /* [N, NH D] d(attention output)                  */
     float* att32;            /* [B, NH, T, T] attention scratch (probabilities
                                 contract, ops->attn_scratch)                  */
     uint16_t* att16;         /* [B, NH, T, T] likewise                        */
@@ -267,6 +285,13 @@ typedef struct mst_model {
     void** owned;            /* [n_owned] backend buffers freed by destroy    */
     int n_owned, cap_owned;
 } mst_model;
+
+/* ---- parameters (params.c) ---- */
+/* Offsets of every parameter (m->cfg, m->n_local, m->dist) into m: emb,
+ * head, lp, n_dense, n_decay, n_params, ... */
+void mst_model_layout(mst_model* m);
+/* p [n_params] host fp32: the initial weights of seed cfg.seed. */
+void mst_model_init_params(const mst_model* m, float* p);
 
 /* mem: NULL for mst_mem_config_default(). */
 mst_status mst_model_create(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t n_micro,

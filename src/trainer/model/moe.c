@@ -1,7 +1,7 @@
 /*
  * moe.c — the MoE block of a layer, forward and backward side by side:
- * router logits (matmul), route (softmax, top-k, dropless plan with counts
- * on the backend, over-budget flag, load-balancing loss), the token copies
+ * router logits (matmul), route (softmax, top-k renormalised, dropless plan
+ * with counts on the backend, over-budget flag), the token copies
  * to the experts' grouped rows (written straight into the buffers the
  * memory manager hands out for fc1_input and probs), one grouped MLP over
  * the experts held here, and back (the MLP already scales each row by its
@@ -9,7 +9,10 @@
  * copies go into the --ep groups' packed rows (rows gather / sum); on W
  * ranks through the communicator's dispatch and combine, with the router's
  * loads summed over the ranks first (the load-balancing loss and its
- * gradient are those of the global batch).
+ * gradient are those of the global batch). The loss spans the main layers
+ * of one microbatch (transformers' load_balancing_loss_func), so the
+ * backward computes it, from the loads every main layer's forward left in
+ * the activation set; the MTP layer's spans itself.
  */
 #include "moe.h"
 
@@ -36,14 +39,16 @@ static mst_mlp_weights mlp_weights(const mst_model* m, int32_t l) {
 /* One rank: the plan into the G groups' packed rows. W ranks: route's plan
  * is one group that never overflows (dispatch checks the budget where the
  * rows arrive), its peak unused; the loads are summed over the ranks before
- * route_aux (peak rows per rank, the loss) and the backward. */
+ * route_peak (peak rows per rank) and the backward (the loss). */
 static mst_route_args route_args(mst_model* m, int32_t l, mst_layer_acts* a) {
     const mst_model_config* c = &m->cfg;
     const int64_t N = c->batch * c->seq;
     const int dist = m->dist.ep != NULL;
     mst_route_args r = {.n_tok = N, .n_experts = c->experts, .top_k = c->top_k,
-                        .n_groups = dist ? 1 : c->ep, .max_rows = dist ? N * c->top_k : m->max_rows,
-                        .aux_coef = c->aux_coef, .logits = a->rlogits, .probs = a->rprobs,
+                        .n_groups = dist ? 1 : c->ep, .norm_topk = c->norm_topk_prob,
+                        .max_rows = dist ? N * c->top_k : m->max_rows, .aux_coef = c->aux_coef,
+                        .grad_scale = 1.0f / (float)m->n_micro, /* the loss is the mean over microbatches */
+                        .n_layers = a->n_loads, .loads = a->loads, .logits = a->rlogits, .probs = a->rprobs,
                         .topk_idx = a->topk_idx, .topk_w = a->topk_w, .pos = a->pos, .counts = a->counts,
                         .load = a->load, .peak_rows = dist ? m->peak_local : m->peak + (int64_t)l * c->ep,
                         .aux_loss = a->aux, .world = m->dist.world, .flag = m->ctx->err_flag};
@@ -57,7 +62,7 @@ static mst_status route(mst_model* m, int32_t l, mst_layer_acts* a) {
     MST_TRY(mst_ep_allreduce(m->dist.ep, a->load, m->cfg.experts, MST_EP_SUM_I32));
     r.n_groups = m->cfg.ep;
     r.peak_rows = m->peak + (int64_t)l * m->cfg.ep;
-    return MST_MODEL_OP(m, route_aux, &r);
+    return MST_MODEL_OP(m, route_peak, &r);
 }
 
 mst_status mst_moe_forward(mst_model* m, int32_t l, mst_layer_acts* a, const mst_saver* saver, uint16_t* y) {
@@ -118,7 +123,6 @@ mst_status mst_moe_backward(mst_model* m, int32_t l, mst_layer_acts* a, const ms
         MST_TRY(MST_MODEL_OP(m, rows_sum, &s));
     }
     mst_route_args r = route_args(m, l, a);
-    r.aux_coef = c->aux_coef / (float)m->n_micro; /* the loss is the mean over microbatches */
     r.dtopk_w = m->dtopk;
     r.dlogits = m->drl;
     MST_TRY(MST_MODEL_OP(m, route_backward, &r));

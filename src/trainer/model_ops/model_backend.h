@@ -134,33 +134,54 @@ typedef struct mst_qk_args {
     float* dwk;            /* [D] fp32 main_grad, += (backward)              */
 } mst_qk_args;
 
-/* Router: softmax over E experts, top-k (ties to the lower index), the
- * dropless plan into G groups of E/G experts (groups packed in order into
- * one [G*R] grouped-rows buffer, each group limited to R rows; rows ordered
- * by expert, then token, then slot), and the load-balancing loss
- * coef * E * sum_e f_e P_e
- * (f_e = load_e / (N k), P_e = mean_t probs[t][e]). A group with more than R
- * rows is over budget: its counts are zeroed, its positions set to -1, and
- * MST_FLAG_COUNTS raised in `flag`; nothing is written past the buffers. */
+/* Router (Qwen3-MoE): softmax over E experts, top-k (ties to the lower
+ * index), the chosen probabilities divided by their sum when norm_topk
+ * (topk_w: the weights that scale the experts' outputs), and the dropless
+ * plan into G groups of E/G experts (groups packed in order into one [G*R]
+ * grouped-rows buffer, each group limited to R rows; rows ordered by
+ * expert, then token, then slot). A group with more than R rows is over
+ * budget: its counts are zeroed, its positions set to -1, and
+ * MST_FLAG_COUNTS raised in `flag`; nothing is written past the buffers.
+ *
+ * The load-balancing loss is transformers' load_balancing_loss_func over
+ * the n_layers layers of one forward (attention mask None):
+ *   aux = coef E sum_e (L_e / rows) (P_e / rows),  rows = n_layers N W,
+ *   L_e = top-k hits of expert e, P_e = sum of the softmax probs of e, both
+ *   over those layers' tokens on all W ranks.
+ * It couples the layers (d aux / d probs[t][e] = coef E L_e / rows^2 for
+ * every layer), so route_backward computes it, from the loads of every
+ * layer it spans (`loads`, each summed over the ranks) and this layer's
+ * probs: aux_loss = this layer's and rank's share, coef E sum_e
+ * (L_e / rows) (sum_t probs[t][e] / rows) (the shares over the layers and
+ * ranks add up to aux), and dlogits its gradient times grad_scale.
+ *   route_forward: probs, topk_idx, topk_w, pos, counts, load (this call's
+ *     N tokens), peak_rows;
+ *   route_peak: peak_rows from `load` as given (on W ranks the caller sums
+ *     the loads over the ranks between the two);
+ *   route_backward: dlogits from dtopk_w (through the renormalisation) and
+ *     the load-balancing term, through the softmax; aux_loss. */
 typedef struct mst_route_args {
     int64_t n_tok;         /* N                                              */
     int32_t n_experts, top_k, n_groups; /* E, k, G (E % G == 0)             */
+    int32_t norm_topk;     /* 1: topk_w renormalised to sum 1 (norm_topk_prob) */
     int64_t max_rows;      /* R: rows of each group's grouped-rows buffer    */
-    float aux_coef;
+    float aux_coef;        /* coef (router_aux_loss_coef)                    */
+    float grad_scale;      /* backward: d(total loss) / d(aux) (1 / M over M
+                              microbatches)                                  */
+    int32_t n_layers;      /* backward: layers the loss spans (>= 1)         */
+    const int32_t* loads;  /* backward: [n_layers, E] int32 each layer's loads
+                              (summed over the W ranks); this layer's among them */
     const float* logits;   /* [N, E] fp32                                    */
     float* probs;          /* [N, E] fp32 softmax                            */
     int32_t* topk_idx;     /* [N, k] int32 expert ids                        */
-    float* topk_w;         /* [N, k] fp32 probs of the chosen experts        */
+    float* topk_w;         /* [N, k] fp32 router weights of the chosen experts */
     int32_t* pos;          /* [N, k] int32 row in [0, sum(counts)), or -1    */
     int32_t* counts;       /* [E] int32 rows per expert for the grouped MLP  */
     int32_t* load;         /* [E] int32 token copies routed to each expert   */
     int32_t* peak_rows;    /* [G] int32 max over calls of each group's rows  */
-    float* aux_loss;       /* [1] fp32                                       */
-    int32_t world;         /* W ranks whose tokens f_e and P_e span (0 or 1:
-                              this call's N): load then holds the loads summed
-                              over the ranks (route_aux, route_backward), and
-                              aux_loss this rank's share of the loss (its
-                              tokens' P_e terms: the shares add up to it)   */
+    float* aux_loss;       /* [1] fp32 (backward: this layer's share)        */
+    int32_t world;         /* W ranks whose tokens the loss spans (0 or 1:
+                              this call's N)                                 */
     int32_t* flag;         /* [1] the context's error flag                   */
     const float* dtopk_w;  /* [N, k] fp32 (backward)                         */
     uint16_t* dlogits;     /* [N, E] bf16 (backward; aux-loss term included) */
@@ -247,10 +268,10 @@ typedef struct mst_model_backend {
     mst_status (*attn_flash_backward)(mst_ctx_t* ctx, const mst_attn_args* a);
     mst_status (*route_forward)(mst_ctx_t* ctx, const mst_route_args* a);
     mst_status (*route_backward)(mst_ctx_t* ctx, const mst_route_args* a);
-    /* the load-balancing loss and peak rows per group from `load` as given
-     * (route_forward computes both itself; on W ranks the caller sums the
-     * loads over the ranks between the two) */
-    mst_status (*route_aux)(mst_ctx_t* ctx, const mst_route_args* a);
+    /* peak rows per group from `load` as given (route_forward computes
+     * them itself; on W ranks the caller sums the loads over the ranks
+     * between the two) */
+    mst_status (*route_peak)(mst_ctx_t* ctx, const mst_route_args* a);
     mst_status (*rows_gather)(mst_ctx_t* ctx, const mst_rows_args* a);
     mst_status (*rows_sum)(mst_ctx_t* ctx, const mst_rows_args* a);
     mst_status (*sumsq)(mst_ctx_t* ctx, const mst_sumsq_args* a);

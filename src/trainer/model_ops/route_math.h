@@ -1,7 +1,8 @@
 /*
  * route_math.h — the router's per-token math, shared by the CPU reference
  * (C11) and the CUDA kernel (host/device inline): softmax over the E logits
- * of token t, then its top-k (ties to the lower index).
+ * of token t, then its top-k (ties to the lower index), the chosen
+ * probabilities divided by their sum when norm_topk.
  */
 #ifndef MST_ROUTE_MATH_H
 #define MST_ROUTE_MATH_H
@@ -28,6 +29,10 @@ MST_HD void mst_route_token(const mst_route_args* a, int64_t t) {
         a->topk_idx[t * K + s] = best;
         a->topk_w[t * K + s] = p[best];
     }
+    if (!a->norm_topk) return;
+    float chosen = 0.0f;
+    for (int32_t s = 0; s < K; s++) chosen += a->topk_w[t * K + s];
+    for (int32_t s = 0; s < K; s++) a->topk_w[t * K + s] /= chosen;
 }
 
 #endif

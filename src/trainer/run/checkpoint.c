@@ -42,15 +42,17 @@ static int params_of(const mst_model* m, param* out) {
     const mst_model_config* c = &m->cfg;
     const int64_t H = c->hidden, F = c->ffn, E = c->experts, El = m->n_local; /* W ranks: this rank's E / W */
     int n = 0;
+    const int64_t D = c->head_dim, Wq = (c->n_head + 2 * c->n_kv_head) * D, HO = c->n_head * D;
     add(out, &n, "", "embed.weight", m->emb, 2, c->vocab, H, 0);
+    if (m->head != m->emb) add(out, &n, "", "lm_head.weight", m->head, 2, c->vocab, H, 0);
     add(out, &n, "", "mtp.proj.weight", m->proj, 2, H, 2 * H, 0);
     char pre[40];
     for (int32_t l = 0; l <= c->layers; l++) {
         const mst_layer_params* q = &m->lp[l];
         if (l < c->layers) snprintf(pre, sizeof pre, "layers.%d.", l);
         else snprintf(pre, sizeof pre, "mtp.layer.");
-        add(out, &n, pre, "attn.wqkv", q->wqkv, 2, 3 * H, H, 0);
-        add(out, &n, pre, "attn.wo", q->wo, 2, H, H, 0);
+        add(out, &n, pre, "attn.wqkv", q->wqkv, 2, Wq, H, 0);
+        add(out, &n, pre, "attn.wo", q->wo, 2, H, HO, 0);
         add(out, &n, pre, "router.weight", q->wr, 2, E, H, 0);
         add(out, &n, pre, "experts.w1", q->w1, 3, El, 2 * F, H);
         add(out, &n, pre, "experts.w2", q->w2, 3, El, H, F);
@@ -59,6 +61,8 @@ static int params_of(const mst_model* m, param* out) {
         if (l < c->layers) snprintf(pre, sizeof pre, "layers.%d.", l);
         else snprintf(pre, sizeof pre, "mtp.layer.");
         add(out, &n, pre, "attn_norm.weight", m->lp[l].ln1, 1, H, 0, 0);
+        add(out, &n, pre, "attn.q_norm.weight", m->lp[l].q_norm, 1, D, 0, 0);
+        add(out, &n, pre, "attn.k_norm.weight", m->lp[l].k_norm, 1, D, 0, 0);
         add(out, &n, pre, "mlp_norm.weight", m->lp[l].ln2, 1, H, 0, 0);
     }
     add(out, &n, "", "final_norm.weight", m->lnf, 1, H, 0, 0);
@@ -68,7 +72,7 @@ static int params_of(const mst_model* m, param* out) {
     return n;
 }
 
-static int n_params_of(const mst_model* m) { return 6 + 7 * (m->cfg.layers + 1); }
+static int n_params_of(const mst_model* m) { return 6 + (m->head != m->emb) + 9 * (m->cfg.layers + 1); }
 
 /* The table of m's parameters (malloc'd, n_params_of(m) entries), checked to
  * cover the flat buffers exactly; NULL when out of memory. */
@@ -294,7 +298,9 @@ static const field fields[] = {
     FLD("model.capacity_factor", F_F32, model.capacity_factor), FLD("model.mtp_weight", F_F32, model.mtp_weight),
     FLD("model.aux_coef", F_F32, model.aux_coef), FLD("model.norm_eps", F_F32, model.norm_eps),
     FLD("model.init_std", F_F32, model.init_std), FLD("model.seed", F_U64, model.seed),
-    FLD("model.attention", F_I32, model.attention),
+    FLD("model.attention", F_I32, model.attention), FLD("model.kv_heads", F_I64, model.n_kv_head),
+    FLD("model.head_dim", F_I64, model.head_dim), FLD("model.rope_theta", F_F32, model.rope_theta),
+    FLD("model.norm_topk_prob", F_I32, model.norm_topk_prob), FLD("model.tie_embeddings", F_I32, model.tie_embeddings),
     FLD("optim.lr", F_F32, optim.lr), FLD("optim.min_lr_frac", F_F32, optim.min_lr_frac),
     FLD("optim.beta1", F_F32, optim.beta1), FLD("optim.beta2", F_F32, optim.beta2), FLD("optim.eps", F_F32, optim.eps),
     FLD("optim.weight_decay", F_F32, optim.weight_decay), FLD("optim.clip", F_F32, optim.clip),

@@ -23,10 +23,13 @@ mst_status mst_cpu_attn_forward(mst_ctx_t* ctx, const mst_attn_args* a);
 mst_status mst_cpu_attn_backward(mst_ctx_t* ctx, const mst_attn_args* a);
 mst_status mst_cpu_attn_flash_forward(mst_ctx_t* ctx, const mst_attn_args* a);
 mst_status mst_cpu_attn_flash_backward(mst_ctx_t* ctx, const mst_attn_args* a);
+/* model_ops_qk.c */
+mst_status mst_cpu_qk_forward(mst_ctx_t* ctx, const mst_qk_args* a);
+mst_status mst_cpu_qk_backward(mst_ctx_t* ctx, const mst_qk_args* a);
 /* model_ops_route.c */
 mst_status mst_cpu_route_forward(mst_ctx_t* ctx, const mst_route_args* a);
 mst_status mst_cpu_route_backward(mst_ctx_t* ctx, const mst_route_args* a);
-mst_status mst_cpu_route_aux(mst_ctx_t* ctx, const mst_route_args* a);
+mst_status mst_cpu_route_peak(mst_ctx_t* ctx, const mst_route_args* a);
 mst_status mst_cpu_rows_gather(mst_ctx_t* ctx, const mst_rows_args* a);
 mst_status mst_cpu_rows_sum(mst_ctx_t* ctx, const mst_rows_args* a);
 

@@ -1,10 +1,11 @@
 /*
  * model_ops_route.c (CPU) — the MoE router and the token <-> grouped-rows
  * moves, reference versions:
- *   route forward: softmax over experts, top-k, the dropless plan (counts,
- *     positions, over-budget detection, peak rows) and the load-balancing
- *     loss; route backward: d(router logits) from d(top-k probs) plus the
- *     load-balancing term, through the softmax.
+ *   route forward: softmax over experts, top-k (renormalised), the dropless
+ *     plan (counts, positions, over-budget detection, peak rows); route
+ *     backward: the load-balancing loss of the layers' summed loads and
+ *     d(router logits) from d(top-k weights) plus its term, through the
+ *     renormalisation and the softmax.
  *   rows gather / sum: dispatch and combine (and their transposes).
  * Counts are computed here, in backend memory, never on the host.
  */
@@ -45,31 +46,19 @@ static mst_status route_plan(const mst_route_args* a) {
     return MST_OK;
 }
 
-/* Tokens the load-balancing statistics span: N, or N on each of W ranks. */
-static int64_t stat_tok(const mst_route_args* a) { return a->n_tok * (a->world > 1 ? a->world : 1); }
-
-static void route_aux(const mst_route_args* a) {
-    const int32_t E = a->n_experts;
-    const double NK = (double)stat_tok(a) * a->top_k;
-    float aux = 0.0f;
-    for (int32_t e = 0; e < E; e++) {
-        float pe = 0.0f;
-        for (int64_t t = 0; t < a->n_tok; t++) pe += a->probs[t * E + e];
-        aux += (float)(a->load[e] / NK) * (pe / (float)stat_tok(a));
-    }
-    *a->aux_loss = a->aux_coef * (float)E * aux;
+/* Rows the load-balancing statistics span: layers x tokens x ranks. */
+static float stat_rows(const mst_route_args* a) {
+    return (float)a->n_layers * (float)a->n_tok * (float)(a->world > 1 ? a->world : 1);
 }
 
 mst_status mst_cpu_route_forward(mst_ctx_t* ctx, const mst_route_args* a) {
     (void)ctx;
     for (int64_t t = 0; t < a->n_tok; t++) mst_route_token(a, t);
-    MST_TRY(route_plan(a));
-    route_aux(a);
-    return MST_OK;
+    return route_plan(a);
 }
 
-/* Peak rows per group from the (summed) loads, then the loss. */
-mst_status mst_cpu_route_aux(mst_ctx_t* ctx, const mst_route_args* a) {
+/* Peak rows per group from the (summed) loads. */
+mst_status mst_cpu_route_peak(mst_ctx_t* ctx, const mst_route_args* a) {
     (void)ctx;
     const int32_t EG = a->n_experts / a->n_groups;
     for (int32_t g = 0; a->peak_rows && g < a->n_groups; g++) {
@@ -77,29 +66,54 @@ mst_status mst_cpu_route_aux(mst_ctx_t* ctx, const mst_route_args* a) {
         for (int32_t e = g * EG; e < (g + 1) * EG; e++) total += a->load[e];
         if (total > a->peak_rows[g]) a->peak_rows[g] = (int32_t)total;
     }
-    route_aux(a);
     return MST_OK;
 }
 
-/* dp[e] = sum of dtopk_w over slots choosing e + coef E f_e / N;
- * dlogits = p (dp - sum_j p_j dp_j). */
+/* lb[e] = coef E L_e / rows^2 (L_e: the loads summed over the layers, in
+ * layer order); aux_loss = sum_e lb[e] (sum_t probs[t][e]) (tokens in
+ * order): this layer's share of the loss. */
+static mst_status balance_term(const mst_route_args* a, float* lb) {
+    const int32_t E = a->n_experts;
+    const float rows = stat_rows(a);
+    if (a->n_layers < 1 || !a->loads)
+        return mst_set_error(MST_ERR_INVALID, "route backward: n_layers %d, loads %p", a->n_layers, (const void*)a->loads);
+    float aux = 0.0f;
+    for (int32_t e = 0; e < E; e++) {
+        int64_t L = 0;
+        for (int32_t l = 0; l < a->n_layers; l++) L += a->loads[(int64_t)l * E + e];
+        lb[e] = a->aux_coef * (float)E * ((float)L / rows) / rows;
+        float pe = 0.0f;
+        for (int64_t t = 0; t < a->n_tok; t++) pe += a->probs[t * E + e];
+        aux += lb[e] * pe;
+    }
+    *a->aux_loss = aux;
+    return MST_OK;
+}
+
+/* dp[e] = grad_scale lb[e] + d(topk_w)/d(p) applied to dtopk_w (slots
+ * choosing e; through the renormalisation w_s = p_s / S when norm_topk:
+ * dp_s = (dw_s - sum_u dw_u w_u) / S); dlogits = p (dp - sum_j p_j dp_j). */
 mst_status mst_cpu_route_backward(mst_ctx_t* ctx, const mst_route_args* a) {
     (void)ctx;
     const int32_t E = a->n_experts, K = a->top_k;
-    const float NK = (float)stat_tok(a) * (float)K;
-    float* dp = (float*)malloc(sizeof(float) * (size_t)E);
+    float* dp = (float*)malloc(sizeof(float) * (size_t)(2 * E));
     if (!dp) return mst_set_error(MST_ERR_OOM, "cpu router scratch");
-    for (int64_t t = 0; t < a->n_tok; t++) {
+    float* lb = dp + E;
+    mst_status st = balance_term(a, lb);
+    for (int64_t t = 0; st == MST_OK && t < a->n_tok; t++) {
         const float* p = a->probs + t * E;
-        for (int32_t e = 0; e < E; e++)
-            dp[e] = a->aux_coef * (float)E * ((float)a->load[e] / NK) / (float)stat_tok(a);
-        for (int32_t s = 0; s < K; s++) dp[a->topk_idx[t * K + s]] += a->dtopk_w[t * K + s];
+        const int32_t* idx = a->topk_idx + t * K;
+        const float *w = a->topk_w + t * K, *dw = a->dtopk_w + t * K;
+        for (int32_t e = 0; e < E; e++) dp[e] = a->grad_scale * lb[e];
+        float chosen = 0.0f, dot_w = 0.0f;
+        for (int32_t s = 0; s < K; s++) chosen += p[idx[s]], dot_w += dw[s] * w[s];
+        for (int32_t s = 0; s < K; s++) dp[idx[s]] += a->norm_topk ? (dw[s] - dot_w) / chosen : dw[s];
         float dot = 0.0f;
         for (int32_t e = 0; e < E; e++) dot += p[e] * dp[e];
         for (int32_t e = 0; e < E; e++) a->dlogits[t * E + e] = mst_fp32_to_bf16(p[e] * (dp[e] - dot));
     }
     free(dp);
-    return MST_OK;
+    return st;
 }
 
 mst_status mst_cpu_rows_gather(mst_ctx_t* ctx, const mst_rows_args* a) {
