@@ -38,10 +38,14 @@ mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
         snprintf(rec, sizeof rec, "%s:%d", recompute[cfg->mem.recompute.method], cfg->mem.recompute.num_layers);
     fprintf(f, "{\n  \"device\": ");
     mst_json_write_string(f, device);
-    fprintf(f, ",\n  \"config\": {\"hidden\": %lld, \"ffn\": %lld, \"heads\": %lld, \"seq\": %lld, "
+    fprintf(f, ",\n  \"config\": {\"vocab\": %lld, \"hidden\": %lld, \"ffn\": %lld, \"heads\": %lld, "
+               "\"kv_heads\": %lld, \"head_dim\": %lld, \"rope_theta\": %g, \"norm_topk_prob\": %s, "
+               "\"tie_embeddings\": %s, \"seq\": %lld, "
                "\"batch\": %lld, \"layers\": %d, \"experts\": %d, \"top_k\": %d, \"ep\": %d, "
                "\"capacity_factor\": %g, \"microbatches\": %d, \"schedule\": \"%s\", \"policy\": ",
-            (long long)c->hidden, (long long)c->ffn, (long long)c->n_head, (long long)c->seq,
+            (long long)c->vocab, (long long)c->hidden, (long long)c->ffn, (long long)c->n_head,
+            (long long)c->n_kv_head, (long long)c->head_dim, (double)c->rope_theta,
+            c->norm_topk_prob ? "true" : "false", c->tie_embeddings ? "true" : "false", (long long)c->seq,
             (long long)c->batch, c->layers, c->experts, c->top_k, c->ep, (double)c->capacity_factor,
             cfg->microbatches, mst_schedule_kind_str(cfg->mem.schedule));
     mst_json_write_string(f, cfg->memory_budget ? "planned" : cfg->mem.policy ? cfg->mem.policy : "keep");
