@@ -132,7 +132,7 @@ def hf_config(c, **extra):
 
 def train_args(c, seq, batch, **kw):
     """`moestash train` flags of config c (a model made by moestash)."""
-    a = ["--backend", "cpu", "--vocab", c["vocab"], "--layers", c["layers"], "--hidden", c["hidden"],
+    a = ["train", "--backend", "cpu", "--vocab", c["vocab"], "--layers", c["layers"], "--hidden", c["hidden"],
          "--ffn", c["ffn"], "--experts", c["experts"], "--top-k", c["top_k"], "--heads", c["heads"],
          "--kv-heads", c["kv_heads"], "--head-dim", c["head_dim"], "--rope-theta", c["rope_theta"],
          "--norm-topk-prob", switch("--norm-topk-prob", c["norm_topk"]),
@@ -158,7 +158,7 @@ def hub_params(model):
     gate_proj is the first half of the fused gate_up_proj rows)."""
     out = {}
     for name, p in model.named_parameters():
-        m = re.fullmatch(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)", name)
+        m = re.fullmatch(r"((?:.*\.)?mlp\.experts)\.(gate_up_proj|down_proj)", name)
         if not m:
             out[name] = p
             continue
@@ -176,7 +176,7 @@ def hub_grads(model, prefix=""):
     out = {}
     for name, p in model.named_parameters():
         g = p.grad if p.grad is not None else torch.zeros_like(p)
-        m = re.fullmatch(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)", name)
+        m = re.fullmatch(r"((?:.*\.)?mlp\.experts)\.(gate_up_proj|down_proj)", name)
         if not m:
             out[prefix + name] = g
             continue
@@ -416,10 +416,10 @@ def _scores(G, E, k):
     return s
 
 
-def engineered(c, seed):
+def engineered(c, seed, aux_coef=0.001):
     """(model [float32], mtp module [float32]) for config c."""
     torch.manual_seed(seed)
-    cfg = hf_config(c)
+    cfg = hf_config(c, router_aux_loss_coef=aux_coef)
     model = Qwen3MoeForCausalLM(cfg).float()
     mtp = MTP(cfg).float().init_normal(0.02)
     E, k, H = c["experts"], c["top_k"], c["hidden"]
@@ -441,12 +441,12 @@ def engineered(c, seed):
     return model, mtp
 
 
-def save_engineered(c, seed, path, dtype=torch.float32):
+def save_engineered(c, seed, path, dtype=torch.float32, aux_coef=0.001):
     """Writes the engineered model as transformers does (save_pretrained)
     and its MTP module beside it (mtp.safetensors, DeepSeek-V3 names under
     model.layers.{L}.)."""
     from safetensors.torch import save_file
-    model, mtp = engineered(c, seed)
+    model, mtp = engineered(c, seed, aux_coef)
     model.to(dtype).save_pretrained(path)
     prefix = f"model.layers.{c['layers']}."
     out = {}

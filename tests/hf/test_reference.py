@@ -98,6 +98,7 @@ def test_engineered_model_round_trip(tmp_path):
     tensors = o.read_dir_tensors(str(tmp_path / "m"))
     prefix = o.mtp_prefix(tensors)
     assert prefix == f"model.layers.{c['layers']}."
+    assert f"{prefix}mlp.experts.7.up_proj.weight" in tensors  # the hub's names, one expert each
     mtp2 = o.MTP(back.config).double()
     mtp2.load_hub(tensors, prefix)
     w = torch.randint(0, c["vocab"], (2, 18), generator=torch.Generator().manual_seed(1))
