@@ -108,6 +108,18 @@ def random_corpus(n, vocab, seed):
     return out
 
 
+def cycle_corpus(n, vocab, period, seed, noise=0.03):
+    """A fixed random sequence of `period` distinct tokens, repeated, a few
+    tokens replaced at random: each token has one likely successor, which a
+    tiny model learns in tens of steps."""
+    g = np.random.default_rng(seed)
+    cycle = g.choice(vocab, size=period, replace=False)
+    out = cycle[np.arange(n) % period].astype(np.int64)
+    flip = g.random(n) < noise
+    out[flip] = g.integers(0, vocab, size=int(flip.sum()))
+    return out
+
+
 # ---- configurations ----------------------------------------------------------
 
 def tiny(vocab=256, layers=2, tie=True, norm_topk=True, hidden=64, ffn=32, experts=8, top_k=2, heads=4,

@@ -99,7 +99,7 @@ def test_train_refuses_token_file(tmp_path, how):
     o.need("train", "--data", "--vocab")
     f = bad_tokens(tmp_path / "bad.bin", how)
     out = tmp_path / "save"
-    line = refused(["train"] + o.train_args(C, SEQ, BATCH, steps=1) + ["--data", f, "--save", out], out)
+    line = refused(o.train_args(C, SEQ, BATCH, steps=1) + ["--data", f, "--save", out], out)
     assert str(f) in line or "--data" in line, line
     if how == "token_id":
         off = 1024 + 2 * 1234  # the byte offset of the bad token

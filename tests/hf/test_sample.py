@@ -11,6 +11,7 @@ import torch
 import oracle as o
 
 NEW = 32
+STEPS = 60
 
 
 def greedy_both(path, prompt, tmp_path):
@@ -37,11 +38,12 @@ def test_sample_trained_by_moestash(tmp_path, case):
     o.need("train", "--save", "--vocab", "--kv-heads", "config.json")  # --save writes a Hugging Face directory
     vocab = 256 if case.startswith("v256") else 3000
     c = o.tiny(vocab=vocab, tie="tied" in case, norm_topk=case.endswith("-norm"))
-    data = o.write_tokens(tmp_path / "train.bin", o.random_corpus(30000, vocab, seed=21))
-    o.run(["train"] + o.train_args(c, 32, 4, steps=30, seed=3, lr=3e-3) + ["--data", data, "--save", tmp_path / "save",
-                                                               "--quiet"])
+    toks = o.cycle_corpus(30000, vocab, 48, seed=21)
+    data = o.write_tokens(tmp_path / "train.bin", toks)
+    o.run(o.train_args(c, 32, 4) + ["--steps", STEPS, "--seed", 3, "--lr", 3e-3, "--warmup", 5, "--data", data,
+                                    "--save", tmp_path / "save", "--quiet"])
     path = o.final_dir(str(tmp_path / "save"))
-    prompt = o.random_corpus(30000, vocab, seed=21)[1000:1012].tolist()
+    prompt = toks[1000:1012].tolist()
     ids = greedy_both(path, prompt, tmp_path)
     assert len(set(ids)) > 2, f"a degenerate continuation tells little: {ids}"
 
