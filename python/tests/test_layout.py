@@ -144,10 +144,33 @@ def test_sized_mirrors_carry_their_size():
             assert cls().struct_size == ctypes.sizeof(cls)
 
 
+def test_a_struct_of_another_size_is_refused():
+    """What a ctypes client built on an older header passes: a shorter
+    struct. The library refuses it with a message naming the struct."""
+    ctx = ctypes.c_void_p()
+    _lib.call("mst_ctx_create", _lib.BACKEND_CPU, 0, ctypes.byref(ctx))
+    try:
+        cfg, pool = _lib.PoolConfig(64, 4, 0, 0), ctypes.c_void_p()
+        cfg.struct_size -= 8
+        try:
+            _lib.call("mst_pool_create", ctx, _lib.DTYPE_BF16, 16, ctypes.byref(cfg), ctypes.byref(pool))
+            raise AssertionError("a mst_pool_config of another size was accepted")
+        except _lib.InvalidArgument as e:
+            want = f"cfg (mst_pool_config) has struct_size {cfg.struct_size}, this library knows {cfg.struct_size + 8}"
+            assert want in str(e), str(e)
+        assert not pool.value
+    finally:
+        _lib.lib.mst_ctx_destroy(ctx)
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1:
         os.environ["CC"] = sys.argv[1]
     problems = mismatches(compiler())
+    try:
+        test_a_struct_of_another_size_is_refused()
+    except AssertionError as e:
+        problems.append(f"a struct of another size: {e}")
     for p in problems:
         print("MISMATCH", p)
     print(f"{len(mirrors())} mirrors checked, {len(problems)} mismatches")

@@ -27,7 +27,11 @@ if ! diff "$tmp/exported" "$tmp/api" >"$tmp/diff"; then
   cat "$tmp/diff"
   exit 1
 fi
-readelf -d "$so" | grep -q "SONAME.*libmoestash\.so\.[0-9]*\.[0-9]*\]" || { echo "FAIL: no versioned SONAME"; exit 1; }
+# the SONAME carries the header's major and minor version (a layout change bumps the minor)
+ver() { grep -oE "^#define MST_VERSION_$1 [0-9]+" "$prefix/include/moestash.h" | grep -oE '[0-9]+$'; }
+soname="libmoestash.so.$(ver MAJOR).$(ver MINOR)"
+readelf -d "$so" | grep -qF "Library soname: [$soname]" \
+  || { echo "FAIL: SONAME is not $soname: $(readelf -d "$so" | grep SONAME)"; exit 1; }
 echo "exports: $(wc -l <"$tmp/exported") symbols, all MST_API; SONAME $(readelf -d "$so" | grep -oE 'libmoestash[^]]*')"
 
 needs_so() { readelf -d "$1" | grep -q 'NEEDED.*libmoestash'; }
