@@ -143,7 +143,8 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
  * flight) make 32768 tokens a step, so the optimizer's pass over the
  * parameters is paid once per 8 microbatches.
  * --preset qwen3-30b-a3b: the published Qwen3-30B-A3B configuration (its
- * config.json), 30.5 G parameters: with --layers N and --gpus N sized to
+ * config.json): 30.5 G parameters, 31.1 G with the MTP layer, 524 GiB
+ * with their gradients and AdamW state: --layers N and --gpus N size it to
  * the machine. The other flags still override either. */
 int mst_train_preset(mst_args* a, mst_train_config* t, const char** name) {
     static const char* const presets[] = {"h100", "qwen3-30b-a3b", NULL};

@@ -76,6 +76,8 @@ bad "--tie-embeddings 'yes'" train --tie-embeddings yes
 bad "--vocab '1'" train --vocab 1
 bad "--preset 'qwen3'" train --preset qwen3
 bad "--hidden '131072" train --preset qwen3-30b-a3b --hidden 131072
+bad "--hidden '2048 (with --ffn 768 --experts 128 --layers 48)': needs at least" train --preset qwen3-30b-a3b --backend cpu
+bad "--gpus '3': the ranks share the 128 experts (--experts)" train --preset qwen3-30b-a3b --backend cpu --gpus 3 --layers 2
 bad "--save-every '3': needs --save" train --save-every 3
 bad "--model" sample --prompt x
 bad "--prompt" sample --checkpoint "$tmp"
