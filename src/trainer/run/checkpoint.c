@@ -49,8 +49,7 @@ static int params_of(const mst_model* m, param* out) {
     char pre[40];
     for (int32_t l = 0; l <= c->layers; l++) {
         const mst_layer_params* q = &m->lp[l];
-        if (l < c->layers) snprintf(pre, sizeof pre, "layers.%d.", l);
-        else snprintf(pre, sizeof pre, "mtp.layer.");
+        snprintf(pre, sizeof pre, l < c->layers ? "layers.%d." : "mtp.layer.", l);
         add(out, &n, pre, "attn.wqkv", q->wqkv, 2, Wq, H, 0);
         add(out, &n, pre, "attn.wo", q->wo, 2, H, HO, 0);
         add(out, &n, pre, "router.weight", q->wr, 2, E, H, 0);
@@ -58,8 +57,7 @@ static int params_of(const mst_model* m, param* out) {
         add(out, &n, pre, "experts.w2", q->w2, 3, El, H, F);
     }
     for (int32_t l = 0; l <= c->layers; l++) {
-        if (l < c->layers) snprintf(pre, sizeof pre, "layers.%d.", l);
-        else snprintf(pre, sizeof pre, "mtp.layer.");
+        snprintf(pre, sizeof pre, l < c->layers ? "layers.%d." : "mtp.layer.", l);
         add(out, &n, pre, "attn_norm.weight", m->lp[l].ln1, 1, H, 0, 0);
         add(out, &n, pre, "attn.q_norm.weight", m->lp[l].q_norm, 1, D, 0, 0);
         add(out, &n, pre, "attn.k_norm.weight", m->lp[l].k_norm, 1, D, 0, 0);
