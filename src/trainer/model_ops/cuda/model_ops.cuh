@@ -34,7 +34,7 @@ mst_status mst_cuda_attn_flash_backward(mst_ctx_t* ctx, const mst_attn_args* a);
 /* model_ops_route.cu */
 mst_status mst_cuda_route_forward(mst_ctx_t* ctx, const mst_route_args* a);
 mst_status mst_cuda_route_backward(mst_ctx_t* ctx, const mst_route_args* a);
-mst_status mst_cuda_route_aux(mst_ctx_t* ctx, const mst_route_args* a);
+mst_status mst_cuda_route_peak(mst_ctx_t* ctx, const mst_route_args* a);
 mst_status mst_cuda_rows_gather(mst_ctx_t* ctx, const mst_rows_args* a);
 mst_status mst_cuda_rows_sum(mst_ctx_t* ctx, const mst_rows_args* a);
 }

@@ -1,19 +1,21 @@
 /*
  * model_ops_route.cu — the MoE router and the token <-> grouped-rows moves on
  * CUDA (the CPU reference is model_ops_route.c). Counts stay on the device:
- *   route_token_kernel: softmax over experts and top-k, one thread per token;
+ *   route_token_kernel: softmax over experts, top-k and its renormalisation
+ *     (route_math.h, shared with the CPU), one thread per token;
  *   route_plan_kernel (one block): per-expert loads counted in entry order
  *     from shared-memory tiles of the top-k ids (a warp per expert, 32
- *     entries a ballot), per-group totals, the
- *     over-budget flag and peak rows, each entry's row (groups packed in
- *     order; expert, then token, then slot order within), and the
- *     load-balancing loss. Deterministic: each
- *     expert's warp walks the entries in order; no atomics but the flag's
- *     atomicOr.
- *   route_aux_kernel (one block): peak rows and the load-balancing loss from
- *     loads summed over the ranks (the trainer on W ranks), the same block
- *     code as the plan's;
- *   route_backward_kernel: d(router logits), one thread per token.
+ *     entries a ballot), per-group totals, the over-budget flag and peak
+ *     rows, each entry's row (groups packed in order; expert, then token,
+ *     then slot order within). Deterministic: each expert's warp walks the
+ *     entries in order; no atomics but the flag's atomicOr.
+ *   route_peak_kernel (one thread): peak rows from loads summed over the
+ *     ranks (the trainer on W ranks);
+ *   route_balance_kernel (one block): this layer's share of the
+ *     load-balancing loss; route_backward_kernel: d(router logits), one
+ *     thread per token. Both take the loss's per-expert factor
+ *     lb[e] = coef E L_e / rows^2 from balance_lb (the layers' loads summed
+ *     in layer order, the same fp32 operations as the CPU's: the same bits).
  *   rows gather / sum: dispatch and combine, one thread per element.
  */
 #include "trainer/model_ops/route_math.h"
@@ -57,42 +59,9 @@ __device__ void plan_walk(const mst_route_args& a, int32_t* tile, int32_t* next,
     }
 }
 
-/* Tokens the load-balancing statistics span: N, or N on each of W ranks. */
-__device__ int64_t stat_tok(const mst_route_args& a) { return a.n_tok * (a.world > 1 ? a.world : 1); }
-
-/* The load-balancing loss from load (shared or global memory), by the whole
- * block: P_e over tokens in S = blockDim / E interleaved slices (each in
- * token order), the slices in order, then experts in order. part: [blockDim]
- * shared scratch; pe: [E] shared. */
-__device__ void route_aux_block(const mst_route_args& a, const int32_t* load, float* part, float* pe) {
-    const int32_t E = a.n_experts;
-    const double NK = (double)stat_tok(a) * a.top_k;
-    const int32_t S = max(1, (int32_t)blockDim.x / E);
-    __syncthreads(); /* part may be reused scratch */
-    if ((int32_t)threadIdx.x < S * E) {
-        const int32_t e = threadIdx.x % E, sl = threadIdx.x / E;
-        float s = 0.0f;
-        for (int64_t t = sl; t < a.n_tok; t += S) s += a.probs[t * E + e];
-        part[threadIdx.x] = s;
-    }
-    __syncthreads();
-    for (int32_t e = threadIdx.x; e < E; e += blockDim.x) {
-        float s = 0.0f;
-        for (int32_t sl = 0; sl < S; sl++) s += part[sl * E + e];
-        pe[e] = (float)(load[e] / NK) * (s / (float)stat_tok(a));
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float aux = 0.0f;
-        for (int32_t e = 0; e < E; e++) aux += pe[e];
-        *a.aux_loss = a.aux_coef * (float)E * aux;
-    }
-}
-
 __global__ void route_plan_kernel(mst_route_args a) {
     __shared__ int32_t tile[PLAN_TILE];
     __shared__ int32_t load[MAX_EXPERTS], next[MAX_EXPERTS];
-    __shared__ float pe[MAX_EXPERTS];
     const int32_t E = a.n_experts, G = a.n_groups, EG = E / G;
     const int64_t R = a.max_rows;
     for (int32_t e = threadIdx.x; e < E; e += blockDim.x) load[e] = 0;
@@ -115,26 +84,21 @@ __global__ void route_plan_kernel(mst_route_args a) {
         }
     }
     plan_walk(a, tile, next, load, 1);
-    route_aux_block(a, load, (float*)tile, pe); /* tile is reused for the slice sums */
 }
 
-/* Peak rows per group from the (summed) loads, then the loss: one block. */
-__global__ void route_aux_kernel(mst_route_args a) {
-    __shared__ float part[PLAN_THREADS], pe[MAX_EXPERTS];
+/* Peak rows per group from the (summed) loads: one thread. */
+__global__ void route_peak_kernel(mst_route_args a) {
     const int32_t EG = a.n_experts / a.n_groups;
-    if (threadIdx.x == 0 && a.peak_rows)
-        for (int32_t g = 0; g < a.n_groups; g++) {
-            int64_t total = 0;
-            for (int32_t e = g * EG; e < (g + 1) * EG; e++) total += a.load[e];
-            if (total > a.peak_rows[g]) a.peak_rows[g] = (int32_t)total;
-        }
-    route_aux_block(a, a.load, part, pe);
+    for (int32_t g = 0; g < a.n_groups; g++) {
+        int64_t total = 0;
+        for (int32_t e = g * EG; e < (g + 1) * EG; e++) total += a.load[e];
+        if (total > a.peak_rows[g]) a.peak_rows[g] = (int32_t)total;
+    }
 }
 
-extern "C" mst_status mst_cuda_route_aux(mst_ctx_t* ctx, const mst_route_args* a) {
-    if (a->n_experts > MAX_EXPERTS)
-        return mst_set_error(MST_ERR_INVALID, "router: %d experts, at most %d", a->n_experts, (int)MAX_EXPERTS);
-    route_aux_kernel<<<1, PLAN_THREADS, 0, mst_cuda(ctx)->stream>>>(*a);
+extern "C" mst_status mst_cuda_route_peak(mst_ctx_t* ctx, const mst_route_args* a) {
+    if (!a->peak_rows) return MST_OK;
+    route_peak_kernel<<<1, 1, 0, mst_cuda(ctx)->stream>>>(*a);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
@@ -150,29 +114,81 @@ extern "C" mst_status mst_cuda_route_forward(mst_ctx_t* ctx, const mst_route_arg
     return MST_OK;
 }
 
-/* dp[e] = coef E load[e] / (N k) / N + sum of dtopk_w over slots choosing e;
- * dlogits = p (dp - sum_j p_j dp_j). */
+/* lb [E] (shared) = coef E (L_e / rows) / rows, L_e the loads of expert e
+ * summed over the n_layers layers in layer order, rows = n_layers N W (the
+ * CPU's expression, operation for operation). By the whole block. */
+__device__ void balance_lb(const mst_route_args& a, float* lb) {
+    const int32_t E = a.n_experts;
+    const float rows = (float)a.n_layers * (float)a.n_tok * (float)(a.world > 1 ? a.world : 1);
+    for (int32_t e = threadIdx.x; e < E; e += blockDim.x) {
+        int64_t L = 0;
+        for (int32_t l = 0; l < a.n_layers; l++) L += a.loads[(int64_t)l * E + e];
+        lb[e] = a.aux_coef * (float)E * ((float)L / rows) / rows;
+    }
+    __syncthreads();
+}
+
+/* aux_loss = sum_e lb[e] P_e, P_e = sum_t probs[t][e]: over tokens in
+ * S = blockDim / E interleaved slices (each in token order), the slices in
+ * order, then the experts in order. One block. */
+__global__ void route_balance_kernel(mst_route_args a) {
+    __shared__ float part[PLAN_THREADS], lb[MAX_EXPERTS];
+    const int32_t E = a.n_experts, S = max(1, (int32_t)blockDim.x / E);
+    balance_lb(a, lb);
+    if ((int32_t)threadIdx.x < S * E) {
+        const int32_t e = threadIdx.x % E, sl = threadIdx.x / E;
+        float s = 0.0f;
+        for (int64_t t = sl; t < a.n_tok; t += S) s += a.probs[t * E + e];
+        part[threadIdx.x] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    float aux = 0.0f;
+    for (int32_t e = 0; e < E; e++) {
+        float pe = 0.0f;
+        for (int32_t sl = 0; sl < S; sl++) pe += part[sl * E + e];
+        aux += lb[e] * pe;
+    }
+    *a.aux_loss = aux;
+}
+
+/* Token t: dp[e] = grad_scale lb[e] + the top-k term of e when a slot s
+ * chose it: dw_s, or through the renormalisation w_s = p_s / S
+ * (S = sum of the chosen probs), (dw_s - sum_u dw_u w_u) / S; then
+ * dlogits = p (dp - sum_j p_j dp_j). Slots choose distinct experts: one
+ * addition per expert, in the CPU's order. */
 __global__ void route_backward_kernel(mst_route_args a) {
+    __shared__ float lb[MAX_EXPERTS];
+    balance_lb(a, lb);
     const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= a.n_tok) return;
     const int32_t E = a.n_experts, K = a.top_k;
-    const float NK = (float)stat_tok(a) * (float)K;
     const float* p = a.probs + t * E;
     const int32_t* idx = a.topk_idx + t * K;
-    const float* dw = a.dtopk_w + t * K;
+    const float *w = a.topk_w + t * K, *dw = a.dtopk_w + t * K;
+    float chosen = 0.0f, dot_w = 0.0f;
+    for (int32_t s = 0; s < K; s++) chosen += p[idx[s]], dot_w += dw[s] * w[s];
     float dot = 0.0f;
     for (int pass = 0; pass < 2; pass++)
         for (int32_t e = 0; e < E; e++) {
-            float dp = a.aux_coef * (float)E * ((float)a.load[e] / NK) / (float)stat_tok(a);
+            float dp = a.grad_scale * lb[e];
             for (int32_t s = 0; s < K; s++)
-                if (idx[s] == e) dp += dw[s];
+                if (idx[s] == e) dp += a.norm_topk ? (dw[s] - dot_w) / chosen : dw[s];
             if (pass == 0) dot += p[e] * dp;
             else a.dlogits[t * E + e] = mst_to_bf(p[e] * (dp - dot));
         }
 }
 
 extern "C" mst_status mst_cuda_route_backward(mst_ctx_t* ctx, const mst_route_args* a) {
-    route_backward_kernel<<<mst_blocks(a->n_tok, 128), 128, 0, mst_cuda(ctx)->stream>>>(*a);
+    if (a->n_experts > MAX_EXPERTS)
+        return mst_set_error(MST_ERR_INVALID, "router: %d experts, at most %d", a->n_experts, (int)MAX_EXPERTS);
+    if (a->n_layers < 1 || !a->loads)
+        return mst_set_error(MST_ERR_INVALID, "route backward: n_layers %d, loads %p", a->n_layers,
+                             (const void*)a->loads);
+    cudaStream_t s = mst_cuda(ctx)->stream;
+    route_balance_kernel<<<1, PLAN_THREADS, 0, s>>>(*a);
+    MST_CUDA_LAUNCHED();
+    route_backward_kernel<<<mst_blocks(a->n_tok, 128), 128, 0, s>>>(*a);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
