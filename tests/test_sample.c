@@ -1,7 +1,7 @@
 /*
  * test_sample.c — sampling from a Hugging Face Qwen3-MoE directory
  * (src/trainer/run/sample.h), on a random model written here through
- * trainer/io/hf.h (GQA 4 over 2 heads, head dim 16, untied head):
+ * trainer/io/hf.h (hf_model.h; GQA 4 over 2 heads, head dim 16, untied head):
  * - the picker: temperature 0 is the argmax; at temperatures 0.5, 1 and 2
  *   the draws follow softmax(logits / T) (a sampler that multiplied by T
  *   sharpens where it should flatten: caught); top-k keeps the k largest;
@@ -19,7 +19,7 @@
 #include <sys/stat.h>
 
 #include "harness.h"
-#include "trainer/io/hf.h"
+#include "hf_model.h"
 #include "trainer/run/sample.h"
 
 enum { V = 256, T = 24 };
@@ -28,41 +28,6 @@ static mst_model_config tiny(void) {
     return (mst_model_config){.vocab = V, .hidden = 32, .ffn = 16, .n_head = 4, .n_kv_head = 2, .head_dim = 16,
                               .rope_theta = 10000.0f, .norm_topk_prob = 1, .tie_embeddings = 0, .seq = T, .batch = 1,
                               .layers = 2, .experts = 4, .top_k = 2, .ep = 1, .norm_eps = 1e-6f, .init_std = 0.02f};
-}
-
-/* dir/config.json and dir/model.safetensors of a random model of config c
- * (F32; norm weights near 1, matrices of scale 0.3); skip: the index of a
- * tensor left out (-1: none); bad_shape: the index of one written with its
- * first dim one short (-1: none). */
-static void write_model(const char* dir, const mst_model_config* c, mst_rng* r, int32_t skip, int32_t bad_shape) {
-    char path[512];
-    snprintf(path, sizeof path, "%s/config.json", dir);
-    CHECK_OK(mst_hf_write_config(path, c));
-    const int32_t n = mst_hf_n_params(c);
-    mst_hf_param* p = (mst_hf_param*)calloc((size_t)n, sizeof *p);
-    mst_st_entry* e = (mst_st_entry*)calloc((size_t)n, sizeof *e);
-    mst_hf_params(c, NULL, p);
-    int32_t m = 0;
-    for (int32_t i = 0; i < n; i++) {
-        if (p[i].set != MST_HF_MODEL || i == skip) continue;
-        snprintf(e[m].name, sizeof e[m].name, "%s", p[i].name);
-        e[m].dtype = MST_ST_F32, e[m].nd = p[i].nd;
-        e[m].dims[0] = p[i].dims[0] - (i == bad_shape), e[m].dims[1] = p[i].dims[1];
-        m++;
-    }
-    snprintf(path, sizeof path, "%s/model.safetensors", dir);
-    mst_st_writer w;
-    CHECK_OK(mst_st_write_begin(&w, path, e, m));
-    for (int32_t i = 0; i < m; i++) {
-        const int64_t k = mst_st_numel(&e[i]);
-        float* v = (float*)malloc(sizeof(float) * (size_t)k);
-        const int norm = e[i].nd == 1;
-        mst_rng_fp32(r, v, (size_t)k, norm ? 0.8 : -0.3, norm ? 1.2 : 0.3);
-        CHECK_OK(mst_st_write_data(&w, v, sizeof(float) * (size_t)k));
-        free(v);
-    }
-    CHECK_OK(mst_st_write_end(&w));
-    free(p), free(e);
 }
 
 /* Frequencies of n draws at temperature t against softmax(lg / t). */
@@ -161,12 +126,12 @@ static void bad_dirs(const char* root, mst_rng* r) {
     mst_sampler* s = NULL;
     snprintf(dir, sizeof dir, "%s/skip", root);
     mkdir(dir, 0700);
-    write_model(dir, &c, r, 5, -1); /* a tensor of layer 0 left out */
+    mst_test_write_hf_model(dir, &c, r, 0.3, 5, -1); /* a tensor of layer 0 left out */
     CHECK_STATUS(mst_sampler_create(dir, 4, &s), MST_ERR_INVALID);
     CHECK(strstr(mst_last_error(), "model.layers.0.") != NULL, "missing tensor: message '%s'", mst_last_error());
     snprintf(dir, sizeof dir, "%s/shape", root);
     mkdir(dir, 0700);
-    write_model(dir, &c, r, -1, 3);
+    mst_test_write_hf_model(dir, &c, r, 0.3, -1, 3);
     CHECK_STATUS(mst_sampler_create(dir, 4, &s), MST_ERR_INVALID);
     CHECK(strstr(mst_last_error(), "model.layers.0.") != NULL, "wrong shape: message '%s'", mst_last_error());
     snprintf(path, sizeof path, "%s/config.json", dir);
@@ -188,7 +153,7 @@ static void run(mst_ctx_t* ctx) {
     picker();
     mst_rng r = {77};
     const mst_model_config c = tiny();
-    write_model(dir, &c, &r, -1, -1);
+    mst_test_write_hf_model(dir, &c, &r, 0.3, -1, -1);
     determinism(dir);
     cache(dir);
     bad_dirs(dir, &r);

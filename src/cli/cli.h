@@ -11,6 +11,7 @@ int mst_cmd_info(int argc, char** argv);
 int mst_cmd_selfcheck(int argc, char** argv);
 int mst_cmd_train(int argc, char** argv); /* train.c */
 int mst_cmd_sample(int argc, char** argv); /* sample.c */
+int mst_cmd_eval(int argc, char** argv); /* eval.c */
 int mst_cmd_ep_hello(int argc, char** argv); /* ep_hello.c: hidden, the launch path without the trainer */
 /* train.c: the configuration of `moestash train` on a backend, the value of
  * the current flag a (--preset NAME) applied to it, *name set (exit code 2

@@ -28,6 +28,7 @@ static int usage(FILE* f) {
             "  selfcheck        grouped linear on each backend against a float64 reference\n"
             "  train            train the MoE transformer\n"
             "  sample           tokens from a Qwen3-MoE model directory (train --save, or Hugging Face)\n"
+            "  eval             a model directory's mean next-token loss on a token file (the trainer's forward)\n"
             "  bench NAME       benchmarks:");
     for (const mst_bench_entry* b = benches; b->name; b++) fprintf(f, " %s", b->name);
     fprintf(f,
@@ -61,7 +62,7 @@ typedef struct command {
 
 static const command commands[] = {
     {"info", mst_cmd_info}, {"selfcheck", mst_cmd_selfcheck}, {"train", mst_cmd_train}, {"sample", mst_cmd_sample},
-    {"bench", cmd_bench}, {"ep-hello", mst_cmd_ep_hello}, /* hidden: the launch check */
+    {"eval", mst_cmd_eval}, {"bench", cmd_bench}, {"ep-hello", mst_cmd_ep_hello}, /* hidden: the launch check */
     {NULL, NULL},
 };
 

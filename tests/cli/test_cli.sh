@@ -272,6 +272,23 @@ nothing_written
 echo "some text, not tokens" >"$tmp/nomagic.bin"
 bad "--data '$tmp/nomagic.bin': offset 0: magic" train --backend cpu --data "$tmp/nomagic.bin"
 good "eval loss" train --backend cpu --steps 2 --seq 8 --batch 2 --layers 1 --quiet --data "$tmp/good.bin" --eval-data "$tmp/good.bin"
+# eval: the model's loss on a token file's windows (through the trainer's forward)
+mkbin "$tmp/v300.bin" 1 300 $(echo "$toks" | sed '9s/.*/300/')
+bad "--model" eval --data "$tmp/good.bin"
+bad "--data" eval --model "$tmp/m300"
+bad "--seq '1'" eval --model "$tmp/m300" --data "$tmp/good.bin" --seq 1
+bad "--data '$tmp/v300.bin': offset 1040: token 300 is not below the vocabulary (300)" eval --backend cpu --model "$tmp/m300" --data "$tmp/v300.bin" --json "$tmp/e.json"
+bad "--windows 34: '$tmp/good.bin' holds 33 windows" eval --backend cpu --model "$tmp/m300" --data "$tmp/good.bin" --seq 8 --windows 34
+bad "'$tmp/config.json'" eval --backend cpu --model "$tmp" --data "$tmp/good.bin"
+if [ -e "$tmp/e.json" ]; then failed=$((failed + 1)); echo "FAIL: eval refused its data but wrote --json"; fi
+good "eval loss" eval --backend cpu --model "$tmp/m300" --data "$tmp/good.bin" --seq 8 --batch 3 --json "$tmp/e.json"
+if python3 - "$tmp/e.json" <<'PY'
+import json, math, sys
+d = json.load(open(sys.argv[1]))
+assert d["windows"] == 33 and d["tokens"] == 33 * 8 and d["seq"] == 8 and len(d["window_loss"]) == 33, d
+assert math.isfinite(d["loss"]) and abs(sum(d["window_loss"]) / 33 - d["loss"]) < 1e-9 * d["loss"], d
+PY
+then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL: eval --json: not 33 windows of 8 with their mean"; fi
 corpus=$tmp/a\"corpus.txt # a quote in the name: escaped in the JSON
 for i in $(seq 200); do echo "the quick brown fox jumps over the lazy dog $i"; done >"$corpus"
 good "loss" train --backend=cpu --steps=2 --seq=8 --batch=2 --layers=1 --quiet --data="$corpus" --json="$tmp/run.json"

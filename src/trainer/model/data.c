@@ -158,7 +158,7 @@ mst_status mst_data_file(mst_data* d, const char* flag, const char* path, int64_
     mst_status st = open_src(&s);
     if (st == MST_OK) st = layout(&s, &width, &first, &n);
     if (st == MST_OK && n < min_tokens)
-        st = mst_set_error(MST_ERR_INVALID, "%s '%s': %lld tokens, need at least %lld (--seq + 2)", flag, path,
+        st = mst_set_error(MST_ERR_INVALID, "%s '%s': %lld tokens, need at least %lld (one window)", flag, path,
                            (long long)n, (long long)min_tokens);
     if (st == MST_OK && !(d->tok = (int32_t*)malloc(sizeof(int32_t) * (size_t)n)))
         st = mst_set_error(MST_ERR_OOM, "%s '%s': %lld tokens", flag, path, (long long)n);
