@@ -7,8 +7,9 @@
  *   forward written apart from the trainer's) on the same window within
  *   bf16 tolerance, and the windows' losses spread (a wrong layer cannot
  *   hide); the loss is their mean;
- * - windows, tokens counted; --windows 3 gives the first 3 windows; the same
- *   bits at B = 1, 2 and 5 (partial last batches);
+ * - windows, tokens counted; --windows 3 gives the first 3 windows; B = 1,
+ *   2 and 5 (partial last batches) give the same bits on the CPU (CUDA:
+ *   within 1e-5);
  * - --windows past the file's, a token not below the vocabulary, a file
  *   without one full window: MST_ERR_INVALID naming the flag.
  */
@@ -85,7 +86,10 @@ static void against_sampler(mst_ctx_t* ctx) {
     CHECK(f.windows == 3 && f.tokens == 3 * T && f.window_loss && r.window_loss &&
               memcmp(f.window_loss, r.window_loss, 3 * sizeof(double)) == 0,
           "--windows 3: not the first 3 windows' losses");
-    CHECK(a.loss == r.loss && r.loss == c.loss, "B 1, 2, 5 give %.17g, %.17g, %.17g", a.loss, r.loss, c.loss);
+    const int cpu = mst_ctx_backend(ctx) == MST_BACKEND_CPU; /* CUDA: GEMM shapes may change the rounding */
+    const double tol = cpu ? 0.0 : 1e-5 * r.loss;
+    CHECK(fabs(a.loss - r.loss) <= tol && fabs(c.loss - r.loss) <= tol, "B 1, 2, 5 give %.17g, %.17g, %.17g", a.loss,
+          r.loss, c.loss);
     mst_eval_result_free(&r), mst_eval_result_free(&f), mst_eval_result_free(&a), mst_eval_result_free(&c);
 }
 

@@ -10,8 +10,9 @@
  * evaluated (or the first n_windows), B at a time; the tokens after the last
  * full window are not used. The loss is the mean over every target of
  * logsumexp(logits) - logit[target] (nats). Deterministic: the same model,
- * file and T give the same bits whatever B is (each window's losses depend
- * on its own tokens only).
+ * file, T and B give the same bits; each window's losses depend on its own
+ * tokens only, so another B gives the same bits on the CPU backend (CUDA:
+ * the GEMMs' shapes change, their rounding may).
  */
 #ifndef MST_EVAL_H
 #define MST_EVAL_H
