@@ -78,7 +78,7 @@ static void against_sampler(mst_ctx_t* ctx) {
     }
     const double rel = sqrt(num / den);
     printf("  eval vs the fp32 sampler, per window: rel err %.2e (mean %.4f, spread %.4f)\n", rel, mean, sqrt(var));
-    CHECK(rel < 5e-3, "the windows' losses differ from the fp32 sampler's: rel err %.3g", rel);
+    CHECK(rel < 2e-3, "the windows' losses differ from the fp32 sampler's: rel err %.3g", rel);
     CHECK(sqrt(var) > 0.2, "the windows' losses barely spread (%.3f): a wrong layer could hide", sqrt(var));
     CHECK(fabs(all - r.loss) < 1e-12 * r.loss, "loss %.17g is not the mean of the windows' %.17g", r.loss, all);
     /* the first 3 windows alone; the same bits at B = 1, 5 */
@@ -116,7 +116,7 @@ static void run(mst_ctx_t* ctx) {
     const mst_model_config c = {.vocab = V, .hidden = 32, .ffn = 16, .n_head = 4, .n_kv_head = 2, .head_dim = 16,
                                 .rope_theta = 10000.0f, .norm_topk_prob = 1, .layers = 2, .experts = 4, .top_k = 2,
                                 .norm_eps = 1e-6f, .aux_coef = 0.01f, .init_std = 0.02f};
-    mst_test_write_hf_model(dir, &c, &r, 0.3, -1, -1);
+    mst_test_write_hf_model(dir, &c, &r, 0.5, -1, -1);
     for (size_t i = 0; i < sizeof tok / sizeof tok[0]; i++) tok[i] = (int32_t)mst_rng_int(&r, 0, V - 1);
     snprintf(data, sizeof data, "%s/tokens.bin", dir);
     write_tokens(data, tok, (int)(sizeof tok / sizeof tok[0]));
