@@ -686,14 +686,22 @@ static void shared_needs(mst_ctx_t* ctx, mst_stack* s, mst_rng* rng) {
  * that is read in place, in one batch with the saves queued before it: a
  * later claim of such a name hands out its own pages; a second claim of it
  * is an error, and so is a name taken that way and committed without having
- * been asked for (its pages would hold nothing), the message naming it. */
+ * been asked for (its pages would hold nothing), the message naming it.
+ * act_input is always read in place; fc2_input where mst_memmgr_reads_pages
+ * says so (the CPU always; CUDA's Hopper wgrad with pages of 2^k >= 64 rows,
+ * hence pages of 64 here): otherwise its claim hands out nothing, is no
+ * error twice, and its commit saves it as any other. */
 static void claim_together(mst_ctx_t* ctx, mst_stack* s, mst_rng* rng) {
+    enum { CLAIM_PAGE = 64 };
     mst_schedule_config sc = {sizeof(mst_schedule_config), MST_SCHEDULE_PLAIN, 1, 0, M, 1};
     mst_sched_entry sch[2 * M];
     CHECK_OK(mst_schedule_make(&sc, sch, 2 * M));
-    mst_memmgr_config mc = {sizeof(mst_memmgr_config), L, M, 1, R, H, F, sch, 2 * M, PAGE, 1.10, 0, NULL, NULL};
+    mst_memmgr_config mc = {sizeof(mst_memmgr_config), L, M, 1, R, H, F, sch, 2 * M, CLAIM_PAGE, 1.10, 0, NULL, NULL};
     CHECK_OK(mst_memmgr_create(ctx, &mc, &s->mm));
     CHECK_OK(mst_memmgr_set_policy_spec(s->mm, "stash"));
+    const int fc2_paged = mst_memmgr_reads_pages(s->mm, MST_SAVED_FC2_INPUT);
+    CHECK(mst_memmgr_reads_pages(s->mm, MST_SAVED_ACT_INPUT), "act_input not read in place");
+    CHECK(fc2_paged || mst_ctx_backend(ctx) != MST_BACKEND_CPU, "the CPU does not read fc2_input in place");
     int32_t counts[L * M * E];
     random_counts(rng, counts, 0.8);
     CHECK_OK(mst_stack_route(s, counts, 33));
@@ -714,17 +722,28 @@ static void claim_together(mst_ctx_t* ctx, mst_stack* s, mst_rng* rng) {
         CHECK(ph.table != NULL, "layer %d: act_input not claimed", l);
         if (l == 0) {
             CHECK_OK(sv->claim(sv->self, MST_SAVED_FC2_INPUT, tc, &pz));
-            CHECK(pz.table != NULL && pz.table != ph.table, "layer 0: fc2_input's pages not handed out");
-            CHECK_STATUS(sv->claim(sv->self, MST_SAVED_FC2_INPUT, tc, &pz), MST_ERR_STATE);
+            if (fc2_paged) {
+                CHECK(pz.table != NULL && pz.table != ph.table, "layer 0: fc2_input's pages not handed out");
+                CHECK_STATUS(sv->claim(sv->self, MST_SAVED_FC2_INPUT, tc, &pz), MST_ERR_STATE);
+            } else {
+                CHECK(pz.table == NULL, "layer 0: fc2_input, not read in place, handed out pages");
+                CHECK_OK(sv->claim(sv->self, MST_SAVED_FC2_INPUT, tc, &pz));
+            }
             CHECK_OK(sv->commit(sv->self, MST_SAVED_ACT_INPUT, &h, tc));
             CHECK_OK(sv->commit(sv->self, MST_SAVED_FC2_INPUT, &z, tc));
-        } else { /* fc2_input taken with act_input, never asked for */
+        } else if (fc2_paged) { /* fc2_input taken with act_input, never asked for */
             CHECK_OK(sv->commit(sv->self, MST_SAVED_ACT_INPUT, &h, tc));
             CHECK_STATUS(sv->commit(sv->self, MST_SAVED_FC2_INPUT, &z, tc), MST_ERR_STATE);
             CHECK(strstr(mst_last_error(), "fc2_input of (layer 1, mb 0)") != NULL &&
                       strstr(mst_last_error(), "never handed out") != NULL, "message: %s", mst_last_error());
+        } else { /* not taken with act_input: saved from its buffer */
+            CHECK_OK(sv->commit(sv->self, MST_SAVED_ACT_INPUT, &h, tc));
+            CHECK_OK(sv->commit(sv->self, MST_SAVED_FC2_INPUT, &z, tc));
         }
     }
+    const mst_saver* next;
+    CHECK_OK(mst_memmgr_forward(s->mm, 2, 0, &next)); /* launches layer 1's saves */
+    CHECK_OK(mst_memmgr_step_check(s->mm));            /* no pool ran out: every claim and save took pages */
     mst_memmgr_destroy(s->mm);
     s->mm = NULL;
 }
