@@ -292,7 +292,7 @@ static int write_json(const char* path, const char* device, double dense, const 
 
 int mst_bench_train(int argc, char** argv) {
     const char *json = NULL, *preset = NULL, *policies = "keep,stash";
-    int64_t S = 20;
+    int64_t S = 20, layers = 0;
     int ops = 0;
     mst_train_config base, pre;
     mst_train_defaults(&base, MST_BACKEND_CUDA);
@@ -307,13 +307,15 @@ int mst_bench_train(int argc, char** argv) {
         else if (mst_args_is(&a, "--policies")) rc = mst_args_str(&a, &policies);
         else if (mst_args_is(&a, "--ops")) rc = mst_args_switch(&a, &ops);
         else if (mst_args_is(&a, "--steps")) rc = mst_args_int(&a, 5, 100000, &S);
+        else if (mst_args_is(&a, "--layers")) rc = mst_args_int(&a, 1, 1024, &layers);
         else if (mst_args_is(&a, "--help") || mst_args_is(&a, "-h")) {
-            printf("usage: moestash bench train [--steps S (5 .. 100000, 20)] [--preset h100] "
-                   "[--policies P,Q (keep,stash)] [--ops] [--json FILE]\n");
+            printf("usage: moestash bench train [--steps S (5 .. 100000, 20)] [--preset h100|qwen3-30b-a3b] "
+                   "[--layers N (the preset's layers)] [--policies P,Q (keep,stash)] [--ops] [--json FILE]\n");
             return 0;
         } else rc = mst_args_unknown(&a);
         if (rc) return rc;
     }
+    if (layers) pre.model.layers = (int32_t)layers; /* a preset cut to what fits one GPU */
     pre.model.capacity_factor = (float)pre.model.ep;
     if (!mst_backend_available(MST_BACKEND_CUDA)) {
         fprintf(stderr, "moestash bench train: needs a CUDA device\n");
@@ -327,7 +329,8 @@ int mst_bench_train(int argc, char** argv) {
     double dense = 0;
     mst_status st = dense_tflops(ctx, &dense);
     printf("moestash bench train on %s\n  dense cuBLAS bf16 8192^3: %.1f TFLOP/s (the MFU denominator)\n"
-           "  model FLOPs = 6 x active params x tokens + 6 T^2 H per layer and sequence (causal attention); "
+           "  model FLOPs = 6 x active params x tokens (per layer (NH + 2 KV) D H + H NH D + E H + 3 k F H; the "
+           "heads 2 H V, the MTP projection 2 H^2) + 6 T^2 NH D per layer and sequence (causal attention); "
            "%lld eager then %lld graph steps per run, medians\n",
            mst_ctx_describe(ctx), dense, (long long)S, (long long)S);
     char buf[256];
