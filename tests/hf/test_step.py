@@ -13,8 +13,8 @@ float64 on the same windows. Two kinds of start:
 
 Bounds (moestash computes in bf16 with fp32 accumulation, the reference in
 float64 from the same bf16 weights): the losses within 0.5 % (the issue's
-bound); every logit within LOGIT_POS of the logits' RMS at each position
-whose routing has no near tie, LOGIT_FRO over all positions; every tensor's
+bound); each position's logits within LOGIT_POS (relative L2 error) at
+every position whose routing has no near tie, LOGIT_FRO over all positions; every tensor's
 gradient within GRAD_FRO relative Frobenius error. bf16 keeps 8 significant
 bits (unit roundoff 2^-9 = 0.2 %); a step rounds each activation and each
 activation gradient about 10-20 times along its path, independent roundings
@@ -154,16 +154,21 @@ def test_forward_loss_and_logits(tmp_path_factory, case, start):
     lm = dump["logits"].double().reshape(ref["logits"].shape)
     lr = ref["logits"]
     scale = lr.pow(2).mean().sqrt()
-    pos_err = (lm - lr).abs().amax(-1) / scale  # [B, T]: the largest error at each position over the RMS
+    # [B, T]: each position's logits' relative L2 error (the largest single
+    # logit's error over the RMS is printed too: an extreme of V values, it
+    # grows with the vocabulary like sqrt(2 ln V))
+    pos_err = (lm - lr).norm(dim=-1) / lr.norm(dim=-1)
+    pos_max = (lm - lr).abs().amax(-1) / scale
     tie = torch.zeros_like(pos_err, dtype=torch.bool)
     for mg in ref["margins"][: c["layers"]]:
         tie |= (mg < NEAR_TIE).reshape(tie.shape)
     fro = o.rel_fro(lm, lr)
     worst = float(pos_err[~tie].max())
-    print(f"logits: RMS {float(scale):.4f}, rel. Frobenius {fro:.2e}, worst position (max |diff| / RMS) "
-          f"{worst:.2e} over {int((~tie).sum())} positions, {int(tie.sum())} near-tie positions left out")
+    print(f"logits: RMS {float(scale):.4f}, rel. Frobenius {fro:.2e}, worst position: rel. L2 {worst:.2e}, "
+          f"max |diff| / RMS {float(pos_max[~tie].max()):.2e}, over {int((~tie).sum())} positions, "
+          f"{int(tie.sum())} near-tie positions left out")
     assert fro < LOGIT_FRO, f"{case}: logits rel. Frobenius error {fro:.3e} >= {LOGIT_FRO}"
-    assert worst < LOGIT_POS, f"{case}: a position's logits differ by {worst:.3e} of their RMS (>= {LOGIT_POS})"
+    assert worst < LOGIT_POS, f"{case}: a position's logits differ by {worst:.3e} relative (>= {LOGIT_POS})"
 
 
 def grad_table(dump, grads, only=None):
