@@ -10,7 +10,7 @@ matrices, none on the norm weights, betas 0.9 / 0.95, eps 1e-8), on the
 windows moestash draws (src/trainer/model/data.c: splitmix64 from seed
 * GAMMA + 7, M B windows of T + 2 tokens a step, start = next % (n - T - 1)).
 Loss: main + mtp_weight * MTP + aux_coef * (each microbatch's aux over the main
-layers, averaged over the microbatches).
+layers plus the MTP layer's own, averaged over the microbatches).
 
 usage: python early_loss.py --init DIR --data FILE [--seq T --batch B
        --micro M --steps N --lr LR --warmup W --total S --mtp-weight W
@@ -157,6 +157,7 @@ def step_loss(model, mtp, w, T, mtp_weight, aux_coef):
     aux = o.qm.load_balancing_loss_func(tuple(out.router_logits), E, k)
     ml, mr = mtp(model, tgt, last[0])
     mloss = torch.nn.functional.cross_entropy(ml.float().reshape(-1, V), tgt2.reshape(-1))
+    aux = aux + o.qm.load_balancing_loss_func((mr,), E, k)  # the MTP layer balances its own loads
     total = main + mtp_weight * mloss + aux_coef * aux
     return dict(total=total, main=float(main), mtp=float(mloss), aux=float(aux))
 
