@@ -18,10 +18,11 @@ LOSS_REL = 5e-3
 
 
 def eval_windows(tokens, T):
-    """The windows of `moestash eval`: consecutive, non-overlapping windows
-    of T + 1 tokens from the file's start (inputs w[0:T], targets w[1:T+1])."""
-    n = (len(tokens) - 1) // T
-    return torch.tensor(np.stack([tokens[i * T:i * T + T + 1] for i in range(n)]))
+    """The windows of `moestash eval`: the file's consecutive, disjoint
+    windows of T + 1 tokens from its start (inputs w[0:T], targets
+    w[1:T+1]), every full one."""
+    n = len(tokens) // (T + 1)
+    return torch.tensor(np.stack([tokens[i * (T + 1):(i + 1) * (T + 1)] for i in range(n)]))
 
 
 def hf_eval(path, tokens, T):
@@ -39,12 +40,11 @@ def hf_eval(path, tokens, T):
 
 
 def moestash_eval(path, data, T, tmp_path):
-    o.need("eval", "--model", "--data")
-    args = ["eval", "--model", path, "--data", data, "--seq", T]
-    p = o.run(args)
-    m = re.findall(r"loss[^0-9-]*([0-9]+\.[0-9]+)", p.stdout)
-    assert m, f"no loss in moestash eval's output:\n{p.stdout}"
-    return float(m[-1])
+    o.need("eval", "--model", "--data", "--json")
+    out = tmp_path / "eval.json"
+    o.run(["eval", "--backend", "cpu", "--model", path, "--data", data, "--seq", T, "--json", out])
+    r = json.loads(out.read_text())
+    return float(r["loss"]), int(r["windows"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -68,7 +68,8 @@ def test_transformers_to_moestash_and_back(tmp_path, dtype):
             cfg = json.load(open(f"{path}/config.json"))
             assert cfg["vocab_size"] == c["vocab"] and cfg["tie_word_embeddings"] is False, cfg
         ref = hf_eval(path, held, SEQ)
-        mine = moestash_eval(path, held_file, SEQ, tmp_path)
+        mine, windows = moestash_eval(path, held_file, SEQ, tmp_path)
+        assert windows == len(eval_windows(held, SEQ)), (windows, len(eval_windows(held, SEQ)))
         rows.append((name, f"{mine:.5f}", f"{ref:.5f}", f"{abs(mine / ref - 1):.2e}"))
     text = o.table(rows, ("eval loss", "moestash eval", "transformers", "rel. diff"))
     for r in rows:
