@@ -109,8 +109,20 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            "                            (fit it with --layers N, --gpus N; flags given after a preset override it)\n"
            "  --json FILE               write losses, timings and the memory table as JSON\n"
            "  --save DIR                checkpoints: DIR/step-N every --save-every N steps and DIR/final\n"
-           "                            (model.safetensors bf16, optimizer.safetensors fp32, trainer.json)\n"
+
+           "                            each a Hugging Face model directory (config.json, model.safetensors with\n"
+           "                            the hub's names; transformers' from_pretrained reads it) with the MTP\n"
+           "                            module (mtp.safetensors), optimizer state and trainer.json beside it;\n"
+           "                            refused before any work when the filesystem has no room for one\n"
            "  --save-every N            0: DIR/final only (0)\n"
+           "  --save-shard SIZE         shard the tensor files above SIZE (5GB; model.safetensors.index.json)\n"
+           "  --init-from DIR           start from the weights of a Hugging Face Qwen3-MoE directory (config.json,\n"
+           "                            model.safetensors or its index; F32, BF16 or F16), fresh optimizer; the\n"
+           "                            model's shape is its config.json's (a flag that contradicts it is refused)\n"
+           "  --dump-grads FILE         after step 1's backward, before its optimizer: every parameter's fp32\n"
+           "                            main_grad by its hub name (MTP: DeepSeek-V3's), \"tokens\" I32 [M B, T+2]\n"
+           "                            (the step's windows) and F32 [1] \"loss_main\", \"loss_mtp\", \"loss_aux\"\n"
+           "                            into a safetensors FILE (one rank)\n"
            "  --resume DIR              continue the run of checkpoint DIR with its stored configuration\n"
            "                            (--steps, --save, --json, --plot, --graph, --log-every, --quiet may be given)\n"
            "  --eval-data FILE          held-out text or .bin tokens for evaluation\n"
@@ -270,6 +282,9 @@ static int parse_flag(train_cli* t, mst_args* a) {
     if (mst_args_is(a, "--eval-data")) return mst_args_in_file(a, &t->cfg.eval_path);
     if (mst_args_is(a, "--save")) return mst_args_str(a, &t->cfg.save_dir);
     if (mst_args_is(a, "--resume")) return mst_args_str(a, &t->cfg.resume_dir);
+    if (mst_args_is(a, "--init-from")) return mst_args_str(a, &t->cfg.init_from);
+    if (mst_args_is(a, "--dump-grads")) return mst_args_out_file(a, &t->cfg.dump_grads);
+    if (mst_args_is(a, "--save-shard")) return parse_size(a, &t->cfg.save_shard_bytes);
     if (mst_args_is(a, "--schedule")) {
         if ((rc = mst_args_str(a, &v))) return rc;
         if (mst_schedule_kind_parse(v, &t->cfg.mem.schedule) != MST_OK)
@@ -315,7 +330,7 @@ static int parse(int argc, char** argv, train_cli* t) {
 static int resumed(int argc, char** argv, train_cli* t, mst_ckpt_meta* meta) {
     static const char* const ok[] = {"--resume", "--steps", "--backend", "--save", "--save-every", "--json", "--plot",
                                      "--graph", "--log-every", "--quiet", "--eval-every", "--eval-batches", "--timeline",
-                                     "--gpus"};
+                                     "--gpus", "--save-shard"};
     mst_args a;
     mst_args_init(&a, "moestash train", argc, argv);
     while (mst_args_next(&a)) {
@@ -337,6 +352,30 @@ static int resumed(int argc, char** argv, train_cli* t, mst_ckpt_meta* meta) {
     t->cfg = c;
     t->policy = c.mem.policy;
     return 0;
+}
+
+/* --init-from DIR: the model's shape is DIR/config.json's; a shape flag
+ * given beside it must say the same (--aux-weight overrides its
+ * router_aux_loss_coef). Returns 0 or the exit code 2. */
+static int init_from(int argc, char** argv, train_cli* t) {
+    const char* dir = t->cfg.init_from;
+    mst_model_config hc = t->cfg.model;
+    if (mst_hf_read_config(dir, &hc) != MST_OK) return mst_cli_bad("moestash train", "--init-from", dir, mst_last_error());
+    int32_t n = 0;
+    const mst_hf_field* f = mst_hf_fields(&n);
+    for (int32_t i = 0; i < n; i++) {
+        const char* given = f[i].flag ? mst_args_find(argc, argv, f[i].flag) : NULL;
+        mst_model_config one = t->cfg.model;
+        memcpy((char*)&one + f[i].off, (const char*)&hc + f[i].off, f[i].type == 0 ? 8 : 4);
+        if (!given || mst_hf_config_diff(&one, &t->cfg.model) < 0) continue;
+        char why[4400], want[32];
+        mst_hf_field_str(&hc, i, want, sizeof want);
+        snprintf(why, sizeof why, "contradicts %s %s of %s/config.json", f[i].key, want, dir);
+        return mst_cli_bad("moestash train", f[i].flag, given, why);
+    }
+    if (mst_args_find(argc, argv, "--aux-weight")) hc.aux_coef = t->cfg.model.aux_coef;
+    t->cfg.model = hc;
+    return mst_ckpt_check_hf(dir, &hc) == MST_OK ? 0 : mst_cli_bad("moestash train", "--init-from", dir, mst_last_error());
 }
 
 static int bad_value(const char* flag, int64_t value, const char* why) {
@@ -368,6 +407,12 @@ static int check_data(const mst_train_config* c) {
 static int consistent(const train_cli* t) {
     const mst_train_config* c = &t->cfg;
     if (c->save_every && !c->save_dir) return bad_value("--save-every", c->save_every, "needs --save DIR");
+    if (c->init_from && c->resume_dir) return mst_cli_bad("moestash train", "--init-from", c->init_from, "contradicts --resume");
+    if (c->dump_grads && t->gpus > 1) return mst_cli_bad("moestash train", "--dump-grads", c->dump_grads, "one rank only (not --gpus)");
+    if (c->save_dir && mst_ckpt_check_room(c, c->save_dir) != MST_OK) {
+        fprintf(stderr, "moestash train: %s\n", mst_last_error());
+        return 2;
+    }
     if (c->eval_path && c->eval_fraction > 0)
         return mst_cli_bad("moestash train", "--eval-data", c->eval_path, "contradicts --eval-fraction");
     if (c->eval_every && !c->eval_path && !(c->eval_fraction > 0))
@@ -464,6 +509,7 @@ int mst_cmd_train(int argc, char** argv) {
     t.cfg.optim.steps = t.cfg.steps;
     static mst_ckpt_meta meta; /* the strings of a resumed configuration live here */
     if (t.cfg.resume_dir && resumed(argc, argv, &t, &meta)) return 2;
+    if (t.cfg.init_from && !t.cfg.resume_dir && init_from(argc, argv, &t)) return 2;
     if (t.graph) t.cfg.graph_from = strcmp(t.graph, "on") == 0;
     if (t.gpus > 1 && mst_args_find(argc, argv, "--ep") && t.cfg.model.ep != t.gpus)
         return bad_value("--ep", t.cfg.model.ep, "on --gpus N ranks the expert groups are the ranks (--ep N)");

@@ -229,11 +229,12 @@ good "memory (MiB), max over the ranks" train --backend cpu --gpus 2 --steps 2 -
 if [ -s "$tmp/ranks-tl.svg" ] && [ -s "$tmp/ranks-tl-keep.svg" ] && [ -s "$tmp/ranks-loss.svg" ] &&
   grep -q "</svg>" "$tmp/ranks-loss.svg"; then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL: --gpus 2 --timeline/--plot: no SVGs"; fi
 good "bit-identical" train --backend cpu --gpus 2 --check-policies --steps 2 --seq 8 --batch 1 --layers 1
-# checkpoints on 2 ranks: a directory per rank; the run resumed from step 2 ends with the losses of steps
-# 3-4 and the weights hash of the run that went through; another rank count or sampling is refused
+# checkpoints on 2 ranks: one model directory (rank 0 the replicated tensors, each rank its experts, in
+# shards of their own, an index); the run resumed from step 2 ends with the losses of steps 3-4 and the
+# weights hash of the run that went through; another rank count is refused; sample reads it
 r2="--backend cpu --gpus 2 --seq 8 --batch 1 --layers 1 --quiet"
 if timeout 120 "$bin" train $r2 --steps 4 --save "$tmp/ck2" --save-every 2 --json "$tmp/ck2-a.json" >/dev/null 2>&1 &&
-  [ -s "$tmp/ck2/step-2/rank-1/model.safetensors" ] &&
+  [ -s "$tmp/ck2/step-2/model.safetensors.index.json" ] && [ -s "$tmp/ck2/step-2/model-00002-of-00002.safetensors" ] &&
   timeout 120 "$bin" train --backend cpu --gpus 2 --resume "$tmp/ck2/step-2" --quiet --json "$tmp/ck2-b.json" >/dev/null 2>&1 &&
   python3 -c "import json,sys; a=json.load(open('$tmp/ck2-a.json')); b=json.load(open('$tmp/ck2-b.json')); sys.exit(0 if a['loss'][2:]==b['loss'][-2:] and len(b['loss'])>=2 and a['weights_hash']==b['weights_hash'] else 1)"; then
   passed=$((passed + 1))
@@ -243,6 +244,7 @@ else
 fi
 bad "saved by 2 ranks, this run has 1" train --backend cpu --resume "$tmp/ck2/step-2"
 bad "saved by 2 ranks, this run has 4" train --backend cpu --gpus 4 --resume "$tmp/ck2/step-2"
+good "ab" sample --checkpoint "$tmp/ck2/final" --prompt ab --tokens 2
 # token files (llm.c .bin: 256 x int32 header, magic 20240520, version 1,
 # count; uint16 tokens): a bad one is refused before any work, naming the
 # file and the offset (exit 2, one line, no --json, no --save directory)
@@ -314,6 +316,121 @@ else
 fi
 kill $pid 2>/dev/null; wait $pid 2>/dev/null
 exec 3<&-
+
+# --init-from: a Hugging Face directory made here from a checkpoint (F32 and F16 tensors train); flags
+# that contradict its config.json and damaged directories: exit 2, one line naming the file, nothing written
+hf1="--backend cpu --steps 1 --seq 8 --batch 2 --layers 1 --quiet"
+# shellcheck disable=SC2086
+timeout 60 "$bin" train $hf1 --hidden 64 --save "$tmp/hf0" >/dev/null 2>&1
+mkhf() { # mkhf KIND DIR: the model set of $tmp/hf0/final rewritten (KIND: f32 f16 llama missing shape extra gap truncated)
+  python3 - "$tmp/hf0/final" "$2" "$1" <<'PY'
+import json, os, struct, sys
+src, dst, kind = sys.argv[1:4]
+b = open(src + "/model.safetensors", "rb").read()
+n = struct.unpack("<Q", b[:8])[0]
+h, data = json.loads(b[8:8 + n]), b[8 + n:]
+ts = [(k, v["dtype"], v["shape"], data[v["data_offsets"][0]:v["data_offsets"][1]]) for k, v in h.items() if k != "__metadata__"]
+def conv(r, fmt):  # bf16 bytes -> F32 / F16 bytes
+    xs = [struct.unpack("<f", struct.pack("<I", x << 16))[0] for x in struct.unpack("<%dH" % (len(r) // 2), r)]
+    return struct.pack("<%d%s" % (len(xs), fmt), *xs)
+if kind in ("f32", "f16"):
+    ts = [(k, kind.upper(), s, conv(r, "f" if kind == "f32" else "e")) for k, d, s, r in ts]
+if kind == "missing":
+    ts = [t for t in ts if t[0] != "model.norm.weight"]
+if kind == "shape":
+    ts = [(k, d, [s[0] // 2], r[:len(r) // 2]) if k == "model.norm.weight" else (k, d, s, r) for k, d, s, r in ts]
+if kind == "extra":
+    ts.append(("model.layers.0.mlp.shared_expert.weight", "BF16", [2], b"\0" * 4))
+hdr, off, out = {}, 0, b""
+for i, (k, d, s, r) in enumerate(ts):
+    gap = 2 if kind == "gap" and i == 1 else 0
+    hdr[k] = {"dtype": d, "shape": s, "data_offsets": [off + gap, off + gap + len(r)]}
+    off += gap + len(r)
+    out += b"\0" * gap + r
+j = json.dumps(hdr).encode()
+j += b" " * (-len(j) % 8)
+os.makedirs(dst, exist_ok=True)
+cfg = json.load(open(src + "/config.json"))
+if kind == "llama":
+    cfg["model_type"] = "llama"
+json.dump(cfg, open(dst + "/config.json", "w"))
+f = dst + "/model.safetensors"
+open(f, "wb").write(struct.pack("<Q", len(j)) + j + out)
+if kind == "truncated":
+    os.truncate(f, os.path.getsize(f) - 10)
+PY
+}
+for k in f32 f16 llama missing shape extra gap truncated; do mkhf $k "$tmp/hf-$k"; done
+# shellcheck disable=SC2086
+good "loss" train $hf1 --init-from "$tmp/hf-f32" --save "$tmp/hf-out"
+[ -s "$tmp/hf-out/final/model.safetensors" ] && passed=$((passed + 1)) || { failed=$((failed + 1)); echo "FAIL: --init-from then --save: no model"; }
+# shellcheck disable=SC2086
+good "loss" train $hf1 --init-from "$tmp/hf-f16"
+good "ab" sample --checkpoint "$tmp/hf-f32" --prompt ab --tokens 2
+# shellcheck disable=SC2086
+{
+  bad "--hidden '128': contradicts hidden_size 64 of $tmp/hf-f32/config.json" train $hf1 --init-from "$tmp/hf-f32" --hidden 128 --save "$tmp/never"
+  bad "--experts '4': contradicts num_experts 8" train $hf1 --init-from "$tmp/hf-f32" --experts 4 --save "$tmp/never"
+  bad "model_type is 'llama'" train $hf1 --init-from "$tmp/hf-llama" --save "$tmp/never"
+  bad "no tensor 'model.norm.weight' (missing)" train $hf1 --init-from "$tmp/hf-missing" --save "$tmp/never"
+  bad "$tmp/hf-shape/model.safetensors': tensor 'model.norm.weight' has shape [32], config.json makes it [64]" train $hf1 --init-from "$tmp/hf-shape" --save "$tmp/never"
+  bad "tensor 'model.layers.0.mlp.shared_expert.weight' is not a parameter" train $hf1 --init-from "$tmp/hf-extra" --save "$tmp/never"
+  bad "$tmp/hf-gap/model.safetensors': data_offsets leave bytes" train $hf1 --init-from "$tmp/hf-gap" --save "$tmp/never"
+  bad "$tmp/hf-truncated/model.safetensors': tensor" train $hf1 --init-from "$tmp/hf-truncated" --save "$tmp/never"
+  bad "--init-from '$tmp/nothing-here'" train $hf1 --init-from "$tmp/nothing-here" --save "$tmp/never"
+  bad "--init-from '$tmp/hf-f32': not with --resume" train --backend cpu --resume "$tmp/hf0/final" --init-from "$tmp/hf-f32" --steps 3
+}
+[ ! -e "$tmp/never" ] && passed=$((passed + 1)) || { failed=$((failed + 1)); echo "FAIL: a refused --init-from wrote $tmp/never"; }
+# --dump-grads: every parameter's main_grad by its hub name (the checkpoint's names, MTP included), the
+# step's tokens [M B, T+2] and its losses (the first step's of --json)
+# shellcheck disable=SC2086
+if timeout 60 "$bin" train $hf1 --microbatches 2 --dump-grads "$tmp/g.safetensors" --save "$tmp/g" --json "$tmp/g.json" >/dev/null 2>&1 &&
+  python3 - "$tmp/g.safetensors" "$tmp/g/final" "$tmp/g.json" <<'PY'
+import json, struct, sys
+def header(p):
+    b = open(p, "rb").read()
+    n = struct.unpack("<Q", b[:8])[0]
+    return json.loads(b[8:8 + n]), b[8 + n:]
+g, data = header(sys.argv[1])
+names = set(header(sys.argv[2] + "/model.safetensors")[0]) | set(header(sys.argv[2] + "/mtp.safetensors")[0])
+extra = {"tokens", "loss_main", "loss_mtp", "loss_aux", "__metadata__"}
+assert set(g) - extra == names - {"__metadata__"}, sorted(set(g) ^ names)
+assert g["tokens"]["dtype"] == "I32" and g["tokens"]["shape"] == [4, 10], g["tokens"]
+val = lambda k: struct.unpack("<f", data[g[k]["data_offsets"][0]:g[k]["data_offsets"][1]])[0]
+loss = json.load(open(sys.argv[3]))["loss"][0]
+assert val("loss_main") == struct.unpack("<f", struct.pack("<f", loss))[0], (val("loss_main"), loss)
+e = g["model.layers.0.mlp.gate.weight"]
+w = struct.unpack("<%df" % ((e["data_offsets"][1] - e["data_offsets"][0]) // 4), data[e["data_offsets"][0]:e["data_offsets"][1]])
+assert e["dtype"] == "F32" and any(x != 0 for x in w), "the router's gradient is all zeros"
+PY
+then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL: --dump-grads: names, tokens or losses"; fi
+bad "--dump-grads '$tmp/g2.safetensors': one rank only" train --backend cpu --gpus 2 --dump-grads "$tmp/g2.safetensors"
+# a full disk costs no run: a filesystem too small for one checkpoint is refused before any work; one
+# with room for one but not two fails at the second, leaving the first whole (it resumes) and no litter
+mnt=$tmp/small
+mkdir -p "$mnt"
+ck="--backend cpu --seq 8 --batch 2 --layers 1 --hidden 128 --ffn 128 --experts 4 --quiet"
+if mount -t tmpfs -o size=2m tmpfs "$mnt" 2>/dev/null; then
+  # shellcheck disable=SC2086
+  bad "--save '$mnt/ck': one checkpoint takes" train $ck --steps 3 --save "$mnt/ck"
+  [ ! -e "$mnt/ck" ] && passed=$((passed + 1)) || { failed=$((failed + 1)); echo "FAIL: a refused --save wrote $mnt/ck"; }
+  umount "$mnt"
+  mount -t tmpfs -o size=12m tmpfs "$mnt"
+  # shellcheck disable=SC2086
+  timeout 60 "$bin" train $ck --steps 3 --save "$mnt/ck" --save-every 1 >"$tmp/full.out" 2>"$tmp/full.err"
+  rc=$?
+  # shellcheck disable=SC2086
+  if [ $rc = 2 ] && grep -q "No space left on device" "$tmp/full.err" && [ -s "$mnt/ck/step-1/trainer.json" ] &&
+    [ -z "$(find "$mnt/ck" -name '*.tmp' -o -name '*.old' -o -name 'step-2*')" ] &&
+    timeout 60 "$bin" train --backend cpu --resume "$mnt/ck/step-1" --steps 2 --quiet >/dev/null 2>&1; then
+    passed=$((passed + 1))
+  else
+    failed=$((failed + 1)); echo "FAIL: a checkpoint onto a full disk: exit $rc"; head -3 "$tmp/full.err"; ls -R "$mnt" | head
+  fi
+  umount "$mnt"
+else
+  echo "test_cli: tmpfs cases skipped (mount not permitted here)"
+fi
 
 echo "test_cli: $passed passed, $failed failed"
 [ $failed = 0 ]

@@ -15,6 +15,7 @@ struct mst_hf {
     char* dir;            /* owned                                    */
     mst_st_file* files;   /* [n_files] every file of every open set    */
     int32_t n_files, cap;
+    uint8_t* checked;     /* [n_files] verify on read: 1 once verified (NULL: off) */
 };
 
 static int exists(const char* path) {
@@ -171,6 +172,7 @@ void mst_hf_close(mst_hf* h) {
     if (!h) return;
     for (int32_t i = 0; i < h->n_files; i++) mst_st_close(&h->files[i]);
     free(h->files);
+    free(h->checked);
     free(h->dir);
     free(h);
 }
@@ -182,17 +184,26 @@ int mst_hf_has(const mst_hf* h, const char* name) {
     return h && holder(h, name, &e) != NULL;
 }
 
-mst_status mst_hf_read(const mst_hf* h, const char* name, int32_t nd, const int64_t* dims, mst_st_dtype to, void* out) {
+mst_status mst_hf_check_shape(const mst_hf* h, const char* name, int32_t nd, const int64_t* dims) {
     const mst_st_entry* e = NULL;
     const mst_st_file* f = holder(h, name, &e);
     if (!f) return mst_set_error(MST_ERR_INVALID, "'%s': no tensor '%s' (missing)", h->dir, name);
     int same = e->nd == nd;
     for (int32_t d = 0; same && d < nd; d++) same = e->dims[d] == dims[d];
-    if (!same) {
-        char got[96] = "", want[96] = "";
-        for (int32_t d = 0; d < e->nd; d++) snprintf(got + strlen(got), sizeof got - strlen(got), "%s%lld", d ? ", " : "", (long long)e->dims[d]);
-        for (int32_t d = 0; d < nd; d++) snprintf(want + strlen(want), sizeof want - strlen(want), "%s%lld", d ? ", " : "", (long long)dims[d]);
-        return mst_set_error(MST_ERR_INVALID, "'%s': tensor '%s' has shape [%s], config.json makes it [%s]", f->path, name, got, want);
+    if (same) return MST_OK;
+    char got[96] = "", want[96] = "";
+    for (int32_t d = 0; d < e->nd; d++) snprintf(got + strlen(got), sizeof got - strlen(got), "%s%lld", d ? ", " : "", (long long)e->dims[d]);
+    for (int32_t d = 0; d < nd; d++) snprintf(want + strlen(want), sizeof want - strlen(want), "%s%lld", d ? ", " : "", (long long)dims[d]);
+    return mst_set_error(MST_ERR_INVALID, "'%s': tensor '%s' has shape [%s], config.json makes it [%s]", f->path, name, got, want);
+}
+
+mst_status mst_hf_read(const mst_hf* h, const char* name, int32_t nd, const int64_t* dims, mst_st_dtype to, void* out) {
+    MST_TRY(mst_hf_check_shape(h, name, nd, dims));
+    const mst_st_entry* e = NULL;
+    const mst_st_file* f = holder(h, name, &e);
+    if (h->checked && !h->checked[f - h->files]) {
+        MST_TRY(mst_st_verify(f));
+        h->checked[f - h->files] = 1;
     }
     return mst_st_read(f, e, to, out);
 }
@@ -204,4 +215,30 @@ mst_status mst_hf_read_param(const mst_hf* h, const mst_hf_param* p, mst_st_dtyp
 mst_status mst_hf_verify(const mst_hf* h) {
     for (int32_t i = 0; i < h->n_files; i++) MST_TRY(mst_st_verify(&h->files[i]));
     return MST_OK;
+}
+
+const mst_st_entry* mst_hf_entry(const mst_hf* h, const char* name, const char** path) {
+    const mst_st_entry* e = NULL;
+    const mst_st_file* f = holder(h, name, &e);
+    if (path) *path = f ? f->path : NULL;
+    return f ? e : NULL;
+}
+
+int64_t mst_hf_n_tensors(const mst_hf* h) {
+    int64_t n = 0;
+    for (int32_t i = 0; h && i < h->n_files; i++) n += h->files[i].n;
+    return n;
+}
+
+const char* mst_hf_tensor_name(const mst_hf* h, int64_t i, const char** path) {
+    for (int32_t k = 0; k < h->n_files; i -= h->files[k].n, k++)
+        if (i < h->files[k].n) {
+            if (path) *path = h->files[k].path;
+            return h->files[k].e[i].name;
+        }
+    return NULL;
+}
+
+void mst_hf_verify_on_read(mst_hf* h) {
+    if (!h->checked) h->checked = (uint8_t*)calloc((size_t)(h->n_files ? h->n_files : 1), 1);
 }

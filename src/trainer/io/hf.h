@@ -34,6 +34,19 @@
  * feature the trainer does not have (dense layers, sliding window, biases,
  * another rope_type or activation). */
 mst_status mst_hf_read_config(const char* dir, mst_model_config* cfg);
+/* The architecture fields config.json holds, by JSON key, with the train
+ * flag that sets each (NULL: none). */
+typedef struct mst_hf_field {
+    const char* key;      /* "hidden_size"                              */
+    const char* flag;     /* "--hidden", or NULL                        */
+    size_t off;           /* in mst_model_config                        */
+    int32_t type;         /* 0: int64_t, 1: int32_t, 2: float           */
+} mst_hf_field;
+const mst_hf_field* mst_hf_fields(int32_t* n);
+/* The first field (index into mst_hf_fields) where a and b differ, or -1. */
+int32_t mst_hf_config_diff(const mst_model_config* a, const mst_model_config* b);
+/* Field f of c as text ("128", "1e+06"). */
+void mst_hf_field_str(const mst_model_config* c, int32_t f, char* buf, size_t cap);
 /* Writes c as a config.json at path (fsync'ed). */
 mst_status mst_hf_write_config(const char* path, const mst_model_config* c);
 /* The query, key-value heads and head dim of c (n_kv_head 0: NH; head_dim
@@ -68,6 +81,9 @@ int32_t mst_hf_n_params(const mst_model_config* c);
  * eh_proj, shared_head.norm and layer L's tensors. m (may be NULL): the
  * offsets of its rank's tensors in its flat buffers (model.h's layout). */
 void mst_hf_params(const mst_model_config* c, const mst_model* m, mst_hf_param* out);
+/* MST_ERR_STATE unless the tensors of p [np] (mst_hf_params with m) that
+ * m's rank holds tile its flat buffers [0, n_params) exactly. */
+mst_status mst_hf_params_check(const mst_hf_param* p, int32_t np, const mst_model* m);
 
 /* ---- reading a directory ---- */
 
@@ -84,10 +100,20 @@ mst_status mst_hf_open(const char* dir, mst_hf** out);
 void mst_hf_close(mst_hf* h);
 /* 1 when the open sets hold a tensor named name. */
 int mst_hf_has(const mst_hf* h, const char* name);
+/* The header entry of tensor name (NULL: none), and its file's path. */
+const mst_st_entry* mst_hf_entry(const mst_hf* h, const char* name, const char** path);
+/* Tensors in the open sets, and the i-th's name and file (0 <= i < n). */
+int64_t mst_hf_n_tensors(const mst_hf* h);
+const char* mst_hf_tensor_name(const mst_hf* h, int64_t i, const char** path);
+/* From now on each file's data is checked against its hash (mst_st_verify)
+ * before its first tensor is read. */
+void mst_hf_verify_on_read(mst_hf* h);
 /* Tensor name, which must have shape dims [nd], converted into out (to:
  * MST_ST_F32 float [numel], MST_ST_BF16 uint16_t [numel]). MST_ERR_INVALID
  * naming the file when it is missing or of another shape. */
 mst_status mst_hf_read(const mst_hf* h, const char* name, int32_t nd, const int64_t* dims, mst_st_dtype to, void* out);
+/* MST_ERR_INVALID naming the file unless tensor name is there with shape dims [nd]. */
+mst_status mst_hf_check_shape(const mst_hf* h, const char* name, int32_t nd, const int64_t* dims);
 /* The same for a parameter of mst_hf_params. */
 mst_status mst_hf_read_param(const mst_hf* h, const mst_hf_param* p, mst_st_dtype to, void* out);
 /* Checks every file's data against the hash in its header (files without

@@ -6,6 +6,7 @@
 #define _POSIX_C_SOURCE 200809L /* fileno, fsync */
 #include <errno.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -158,11 +159,54 @@ mst_status mst_hf_read_config(const char* dir, mst_model_config* cfg) {
     return st;
 }
 
+/* ---- the fields by name ---- */
+
+#define FIELD(key, flag, member, type) {key, flag, offsetof(mst_model_config, member), type}
+static const mst_hf_field fields[] = {
+    FIELD("vocab_size", "--vocab", vocab, 0), FIELD("hidden_size", "--hidden", hidden, 0),
+    FIELD("moe_intermediate_size", "--ffn", ffn, 0), FIELD("num_hidden_layers", "--layers", layers, 1),
+    FIELD("num_attention_heads", "--heads", n_head, 0), FIELD("num_key_value_heads", "--kv-heads", n_kv_head, 0),
+    FIELD("head_dim", "--head-dim", head_dim, 0), FIELD("num_experts", "--experts", experts, 1),
+    FIELD("num_experts_per_tok", "--top-k", top_k, 1), FIELD("rope_theta", "--rope-theta", rope_theta, 2),
+    FIELD("norm_topk_prob", "--norm-topk-prob", norm_topk_prob, 1), FIELD("tie_word_embeddings", "--tie-embeddings", tie_embeddings, 1),
+    FIELD("rms_norm_eps", NULL, norm_eps, 2),
+};
+#undef FIELD
+
+const mst_hf_field* mst_hf_fields(int32_t* n) {
+    *n = (int32_t)(sizeof fields / sizeof fields[0]);
+    return fields;
+}
+
+/* Field f of c as config.json states it (the defaults of 0 spelled out). */
+static double field_value(const mst_model_config* c, int32_t f) {
+    const char* p = (const char*)c + fields[f].off;
+    if (fields[f].off == offsetof(mst_model_config, n_kv_head)) return (double)mst_hf_kv_heads(c);
+    if (fields[f].off == offsetof(mst_model_config, head_dim)) return (double)mst_hf_head_dim(c);
+    if (fields[f].off == offsetof(mst_model_config, rope_theta)) return c->rope_theta > 0 ? (double)c->rope_theta : 10000.0;
+    return fields[f].type == 0 ? (double)*(const int64_t*)p : fields[f].type == 1 ? (double)*(const int32_t*)p : (double)*(const float*)p;
+}
+
+int32_t mst_hf_config_diff(const mst_model_config* a, const mst_model_config* b) {
+    for (int32_t f = 0; f < (int32_t)(sizeof fields / sizeof fields[0]); f++)
+        if (field_value(a, f) != field_value(b, f)) return f;
+    return -1;
+}
+
+void mst_hf_field_str(const mst_model_config* c, int32_t f, char* buf, size_t cap) { snprintf(buf, cap, "%.9g", field_value(c, f)); }
+
 /* ---- writing ---------------------------------------------------------------- */
 
 /* A float as a JSON number that reads back as a float (a point or exponent kept). */
 static void number(char* buf, size_t cap, double x) {
-    snprintf(buf, cap, "%.9g", x);
+    if (x == (double)(int64_t)x && x > -1e15 && x < 1e15) { /* whole: 10000.0, 1000000.0 */
+        snprintf(buf, cap, "%.1f", x);
+        return;
+    }
+    for (int digits = 6; digits <= 9; digits++) { /* the shortest that reads back as the same float */
+        snprintf(buf, cap, "%.*g", digits, x);
+        if (strtof(buf, NULL) == (float)x) break;
+    }
     if (!strpbrk(buf, ".eEn")) strncat(buf, ".0", cap - strlen(buf) - 1);
 }
 

@@ -5,6 +5,7 @@
  * w2 per expert).
  */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "hf.h"
@@ -91,4 +92,31 @@ void mst_hf_params(const mst_model_config* c, const mst_model* m, mst_hf_param* 
     add(&t, pre, "shared_head.norm.weight", m ? m->ln_mf : -1, H, 0, -1);
     layer(&t, c, m, c->layers);
     MST_ASSERT(t.n == mst_hf_n_params(c));
+}
+
+static int by_off(const void* a, const void* b) {
+    const int64_t x = (*(const mst_hf_param* const*)a)->off, y = (*(const mst_hf_param* const*)b)->off;
+    return x < y ? -1 : x > y;
+}
+
+mst_status mst_hf_params_check(const mst_hf_param* p, int32_t np, const mst_model* m) {
+    const mst_hf_param** o = (const mst_hf_param**)malloc(sizeof *o * (size_t)np);
+    if (!o) return mst_set_error(MST_ERR_OOM, "parameter names: %d", np);
+    int32_t n = 0;
+    for (int32_t i = 0; i < np; i++)
+        if (p[i].off >= 0) o[n++] = &p[i];
+    qsort(o, (size_t)n, sizeof *o, by_off);
+    int64_t at = 0;
+    mst_status st = MST_OK;
+    for (int32_t i = 0; i < n && st == MST_OK; i++) {
+        if (o[i]->off != at)
+            st = mst_set_error(MST_ERR_STATE, "parameter names: '%s' at element %lld, the one before it ends at %lld (model.h's "
+                               "layout and hf_params.c disagree)", o[i]->name, (long long)o[i]->off, (long long)at);
+        at = o[i]->off + mst_hf_numel(o[i]);
+    }
+    if (st == MST_OK && at != m->n_params)
+        st = mst_set_error(MST_ERR_STATE, "parameter names: they cover %lld of the model's %lld elements (model.h's layout and "
+                           "hf_params.c disagree)", (long long)at, (long long)m->n_params);
+    free(o);
+    return st;
 }

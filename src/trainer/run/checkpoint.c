@@ -1,490 +1,194 @@
 /*
- * checkpoint.c — save and load of a training run (checkpoint.h): the
- * parameter names, the safetensors files, trainer.json.
+ * checkpoint.c — writing a checkpoint (checkpoint.h): the file sets and
+ * their shards (the same plan on every rank), the indexes, the directory
+ * published by one rename; the room one checkpoint takes.
  */
-#define _POSIX_C_SOURCE 200809L /* mkdir, rename */
+#define _POSIX_C_SOURCE 200809L /* mkdir, rename, statvfs, fsync */
 #include "checkpoint.h"
 
+#include <dirent.h>
 #include <errno.h>
-#include <stddef.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
 
-#include "trainer/io/hash.h"
-#include "trainer/io/json.h"
+/* ---- the file sets and their shards --------------------------------------------- */
 
-/* ---- the parameters by name ------------------------------------------------- */
+/* A file set: its tensors (the parameters of one or both hf sets) in
+ * n_kinds dtypes/buffers each. */
+typedef struct set_spec {
+    const char* prefix;   /* "model", "mtp", "optimizer" */
+    int32_t which;        /* MST_HF_MODEL, MST_HF_MTP, or -1: both */
+    int32_t n_kinds;      /* 1: the bf16 weights; 3: master, adam_m, adam_v */
+} set_spec;
 
-typedef struct param {
-    char name[64];
-    int64_t off;       /* element offset in the flat buffers */
-    int64_t dims[3];
-    int nd;
-} param;
+static const set_spec sets[] = {{"model", MST_HF_MODEL, 1}, {"mtp", MST_HF_MTP, 1}, {"optimizer", -1, 3}};
+enum { N_SETS = 3 };
 
-static int64_t numel(const param* p) {
-    int64_t n = 1;
-    for (int d = 0; d < p->nd; d++) n *= p->dims[d];
-    return n;
+static const char* const kind_prefix[3] = {"master.", "adam_m.", "adam_v."};
+
+typedef struct shard {
+    int32_t owner;        /* the rank that writes it            */
+    int32_t first, n;     /* its items: order[first .. first+n) */
+} shard;
+
+typedef struct plan {
+    int32_t* order;       /* [n_items] parameter indices: by owner rank, then table order */
+    int32_t n_items;
+    shard* shards;        /* [n_shards]                          */
+    int32_t n_shards;
+} plan;
+
+static int32_t owner_of(const mst_hf_param* p, int32_t per_rank) { return p->expert < 0 ? 0 : p->expert / per_rank; }
+
+static uint64_t item_bytes(const mst_hf_param* p, const set_spec* s) {
+    return (uint64_t)mst_hf_numel(p) * (s->n_kinds == 1 ? 2u : 12u);
 }
 
-static void add(param* out, int* n, const char* prefix, const char* name, int64_t off, int nd, int64_t d0,
-                int64_t d1, int64_t d2) {
-    param* p = &out[(*n)++];
-    *p = (param){.off = off, .nd = nd, .dims = {d0, d1, d2}, .name = {0}};
-    snprintf(p->name, sizeof p->name, "%s%s", prefix, name);
-}
-
-/* Every parameter of m in buffer order; out [mst_ckpt_n_params]. Returns the
- * count. Layer L is the MTP module's transformer layer. */
-static int params_of(const mst_model* m, param* out) {
-    const mst_model_config* c = &m->cfg;
-    const int64_t H = c->hidden, F = c->ffn, E = c->experts, El = m->n_local; /* W ranks: this rank's E / W */
-    int n = 0;
-    const int64_t D = c->head_dim, Wq = (c->n_head + 2 * c->n_kv_head) * D, HO = c->n_head * D;
-    add(out, &n, "", "embed.weight", m->emb, 2, c->vocab, H, 0);
-    if (m->head != m->emb) add(out, &n, "", "lm_head.weight", m->head, 2, c->vocab, H, 0);
-    add(out, &n, "", "mtp.proj.weight", m->proj, 2, H, 2 * H, 0);
-    char pre[40];
-    for (int32_t l = 0; l <= c->layers; l++) {
-        const mst_layer_params* q = &m->lp[l];
-        snprintf(pre, sizeof pre, l < c->layers ? "layers.%d." : "mtp.layer.", l);
-        add(out, &n, pre, "attn.wqkv", q->wqkv, 2, Wq, H, 0);
-        add(out, &n, pre, "attn.wo", q->wo, 2, H, HO, 0);
-        add(out, &n, pre, "router.weight", q->wr, 2, E, H, 0);
-        add(out, &n, pre, "experts.w1", q->w1, 3, El, 2 * F, H);
-        add(out, &n, pre, "experts.w2", q->w2, 3, El, H, F);
-    }
-    for (int32_t l = 0; l <= c->layers; l++) {
-        snprintf(pre, sizeof pre, l < c->layers ? "layers.%d." : "mtp.layer.", l);
-        add(out, &n, pre, "attn_norm.weight", m->lp[l].ln1, 1, H, 0, 0);
-        add(out, &n, pre, "attn.q_norm.weight", m->lp[l].q_norm, 1, D, 0, 0);
-        add(out, &n, pre, "attn.k_norm.weight", m->lp[l].k_norm, 1, D, 0, 0);
-        add(out, &n, pre, "mlp_norm.weight", m->lp[l].ln2, 1, H, 0, 0);
-    }
-    add(out, &n, "", "final_norm.weight", m->lnf, 1, H, 0, 0);
-    add(out, &n, "", "mtp.norm_emb.weight", m->ln_e, 1, H, 0, 0);
-    add(out, &n, "", "mtp.norm_hidden.weight", m->ln_h, 1, H, 0, 0);
-    add(out, &n, "", "mtp.final_norm.weight", m->ln_mf, 1, H, 0, 0);
-    return n;
-}
-
-static int n_params_of(const mst_model* m) { return 6 + (m->head != m->emb) + 9 * (m->cfg.layers + 1); }
-
-/* The table of m's parameters (malloc'd, n_params_of(m) entries), checked to
- * cover the flat buffers exactly; NULL when out of memory. */
-static param* param_table(const mst_model* m) {
-    param* p = (param*)malloc(sizeof(param) * (size_t)n_params_of(m));
-    if (!p) return NULL;
-    MST_ASSERT(params_of(m, p) == n_params_of(m));
-    int64_t total = 0;
-    for (int i = 0; i < n_params_of(m); i++) total += numel(&p[i]);
-    MST_ASSERT(total == m->n_params);
-    return p;
-}
-
-/* "0.1": the version written into the files. */
-static const char* version(void) {
-    static char v[16];
-    snprintf(v, sizeof v, "%d.%d", MST_VERSION_MAJOR, MST_VERSION_MINOR);
-    return v;
-}
-
-/* ---- one safetensors file ---------------------------------------------------- *
- * Entries: `n_kinds` tensors per parameter (optimizer: master, m, v), each
- * read from / written to the backend buffer of its kind at the parameter's
- * offset. */
-
-typedef struct st_kind {
-    const char* prefix;    /* "" or "master." ... */
-    void* base;            /* backend buffer [n_params] of this kind */
-    int bf16;              /* 1: BF16 (2 bytes), 0: F32 (4 bytes)    */
-} st_kind;
-
-static size_t elem_bytes(const st_kind* k) { return k->bf16 ? 2 : 4; }
-
-/* Elements of the largest parameter: the size of a host staging buffer. */
-static int64_t biggest(const param* p, int np) {
-    int64_t b = 0;
-    for (int i = 0; i < np; i++) b = numel(&p[i]) > b ? numel(&p[i]) : b;
-    return b;
-}
-
-/* The header JSON (padded with spaces to a multiple of 8 bytes) into buf. */
-static size_t header(char* buf, size_t cap, const param* p, int np, const st_kind* kinds, int nk) {
-    size_t at = (size_t)snprintf(buf, cap, "{\"__metadata__\":{\"format\":\"pt\",\"writer\":\"moestash %s\"}",
-                                 version());
-    uint64_t off = 0;
-    for (int k = 0; k < nk; k++)
-        for (int i = 0; i < np && at < cap; i++) {
-            const uint64_t bytes = (uint64_t)numel(&p[i]) * elem_bytes(&kinds[k]);
-            at += (size_t)snprintf(buf + at, cap - at, ",\"%s%s\":{\"dtype\":\"%s\",\"shape\":[", kinds[k].prefix,
-                                   p[i].name, kinds[k].bf16 ? "BF16" : "F32");
-            for (int d = 0; d < p[i].nd && at < cap; d++)
-                at += (size_t)snprintf(buf + at, cap - at, "%s%lld", d ? "," : "", (long long)p[i].dims[d]);
-            if (at < cap)
-                at += (size_t)snprintf(buf + at, cap - at, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)off,
-                                       (unsigned long long)(off + bytes));
-            off += bytes;
+/* The shards of set s over W ranks: each rank's tensors packed in table
+ * order into shards of at most `limit` bytes (a bigger tensor alone). */
+static mst_status plan_set(const mst_hf_param* p, int32_t np, const set_spec* s, int32_t W, int32_t per_rank,
+                           uint64_t limit, plan* out) {
+    memset(out, 0, sizeof *out);
+    out->order = (int32_t*)malloc(sizeof(int32_t) * (size_t)np);
+    out->shards = (shard*)malloc(sizeof(shard) * (size_t)(np + W));
+    if (!out->order || !out->shards) return mst_set_error(MST_ERR_OOM, "checkpoint: shard plan of %d tensors", np);
+    for (int32_t r = 0; r < W; r++) {
+        uint64_t bytes = 0;
+        for (int32_t i = 0; i < np; i++) {
+            if ((s->which >= 0 && p[i].set != s->which) || owner_of(&p[i], per_rank) != r) continue;
+            const uint64_t b = item_bytes(&p[i], s);
+            shard* last = out->n_shards ? &out->shards[out->n_shards - 1] : NULL;
+            if (!last || last->owner != r || (last->n && bytes + b > limit)) {
+                out->shards[out->n_shards++] = (shard){r, out->n_items, 0};
+                last = &out->shards[out->n_shards - 1];
+                bytes = 0;
+            }
+            out->order[out->n_items++] = i;
+            last->n++;
+            bytes += b;
         }
-    if (at + 9 > cap) return 0;
-    buf[at++] = '}';
-    while (at % 8) buf[at++] = ' ';
-    buf[at] = 0;
-    return at;
-}
-
-static size_t header_cap(int np, int nk) { return 256 + (size_t)np * (size_t)nk * 200; }
-
-static mst_status write_tensors(mst_ctx_t* ctx, const char* path, const param* p, int np, const st_kind* kinds,
-                                int nk, uint64_t* hash) {
-    const size_t cap = header_cap(np, nk);
-    char* hdr = (char*)malloc(cap);
-    void* host = malloc((size_t)biggest(p, np) * 4);
-    FILE* f = fopen(path, "wb");
-    mst_status st = hdr && host ? MST_OK : mst_set_error(MST_ERR_OOM, "checkpoint '%s': staging buffers", path);
-    if (st == MST_OK && !f) st = mst_set_error(MST_ERR_IO, "checkpoint '%s': %s", path, strerror(errno));
-    const size_t n_hdr = st == MST_OK ? header(hdr, cap, p, np, kinds, nk) : 0;
-    uint8_t len[8];
-    for (int b = 0; b < 8; b++) len[b] = (uint8_t)((uint64_t)n_hdr >> (8 * b));
-    if (st == MST_OK && (fwrite(len, 1, 8, f) != 8 || fwrite(hdr, 1, n_hdr, f) != n_hdr))
-        st = mst_set_error(MST_ERR_IO, "checkpoint '%s': header write failed", path);
-    *hash = MST_FNV1A_SEED;
-    for (int k = 0; k < nk && st == MST_OK; k++)
-        for (int i = 0; i < np && st == MST_OK; i++) {
-            const size_t bytes = (size_t)numel(&p[i]) * elem_bytes(&kinds[k]);
-            st = mst_copy_b2h(ctx, host, (char*)kinds[k].base + (size_t)p[i].off * elem_bytes(&kinds[k]), bytes);
-            if (st == MST_OK && fwrite(host, 1, bytes, f) != bytes)
-                st = mst_set_error(MST_ERR_IO, "checkpoint '%s': write of %s%s failed", path, kinds[k].prefix,
-                                   p[i].name);
-            *hash = mst_fnv1a(*hash, host, bytes);
-        }
-    if (f && fclose(f) != 0 && st == MST_OK) st = mst_set_error(MST_ERR_IO, "checkpoint '%s': close failed", path);
-    free(hdr);
-    free(host);
-    return st;
-}
-
-/* Reads the header of a safetensors file open at its start: its text
- * (*hdr, malloc'd; the caller frees it) tokenized into j, and its length;
- * leaves f at the first data byte. */
-static mst_status read_header(FILE* f, const char* path, char** hdr, mst_json* j, uint64_t* n_hdr) {
-    uint8_t len[8];
-    *hdr = NULL;
-    if (fread(len, 1, 8, f) != 8) return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': truncated (no header)", path);
-    *n_hdr = 0;
-    for (int b = 0; b < 8; b++) *n_hdr |= (uint64_t)len[b] << (8 * b);
-    if (*n_hdr > (100u << 20))
-        return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': header of %llu bytes", path, (unsigned long long)*n_hdr);
-    *hdr = (char*)malloc((size_t)*n_hdr + 1);
-    if (!*hdr) return mst_set_error(MST_ERR_OOM, "checkpoint '%s': header", path);
-    size_t err_at = 0;
-    if (fread(*hdr, 1, (size_t)*n_hdr, f) != *n_hdr)
-        return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': truncated header", path);
-    if (mst_json_parse(*hdr, (size_t)*n_hdr, j, &err_at))
-        return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': header is not JSON (byte %zu)", path, err_at);
+    }
     return MST_OK;
 }
 
-/* Checks the header of an open file against the expected entries; leaves f at
- * the first data byte. */
-static mst_status check_header(FILE* f, const char* path, const param* p, int np, const st_kind* kinds, int nk) {
-    char* hdr = NULL;
-    mst_json j;
-    uint64_t n_hdr = 0;
-    mst_status st = read_header(f, path, &hdr, &j, &n_hdr);
-    if (st != MST_OK) {
-        free(hdr);
-        return st;
-    }
-    /* every expected entry present with its dtype, shape and offsets; nothing else */
-    uint64_t off = 0;
-    int found = 0;
-    char name[160], want[96];
-    for (int k = 0; k < nk && st == MST_OK; k++)
-        for (int i = 0; i < np && st == MST_OK; i++) {
-            snprintf(name, sizeof name, "%s%s", kinds[k].prefix, p[i].name);
-            const int32_t t = mst_json_get(&j, 0, name);
-            const uint64_t bytes = (uint64_t)numel(&p[i]) * elem_bytes(&kinds[k]);
-            int at = snprintf(want, sizeof want, "[");
-            for (int d = 0; d < p[i].nd; d++) at += snprintf(want + at, sizeof want - (size_t)at, "%s%lld", d ? "," : "", (long long)p[i].dims[d]);
-            snprintf(want + at, sizeof want - (size_t)at, "]");
-            const int32_t dt = mst_json_get(&j, t, "dtype"), sh = mst_json_get(&j, t, "shape"),
-                          of = mst_json_get(&j, t, "data_offsets");
-            char got_shape[96] = "?";
-            if (sh >= 0) mst_json_str(&j, sh, got_shape, sizeof got_shape);
-            int64_t o0 = -1, o1 = -1;
-            if (of >= 0 && j.tok[of].n_children == 2) mst_json_i64(&j, of + 1, &o0), mst_json_i64(&j, of + 2, &o1);
-            if (t < 0) st = mst_set_error(MST_ERR_INVALID, "checkpoint '%s': no tensor '%s' (another model configuration?)", path, name);
-            else if (dt < 0 || !mst_json_eq(&j, dt, kinds[k].bf16 ? "BF16" : "F32"))
-                st = mst_set_error(MST_ERR_INVALID, "checkpoint '%s': tensor '%s' is not %s", path, name, kinds[k].bf16 ? "BF16" : "F32");
-            else if (strcmp(got_shape, want) != 0)
-                st = mst_set_error(MST_ERR_INVALID, "checkpoint '%s': tensor '%s' has shape %s, this model %s (another model configuration)",
-                                   path, name, got_shape, want);
-            else if (o0 != (int64_t)off || o1 != (int64_t)(off + bytes))
-                st = mst_set_error(MST_ERR_INVALID, "checkpoint '%s': tensor '%s' at bytes [%lld, %lld), expected [%llu, %llu)",
-                                   path, name, (long long)o0, (long long)o1, (unsigned long long)off, (unsigned long long)(off + bytes));
-            off += bytes;
-            found++;
-        }
-    if (st == MST_OK) {
-        const int entries = j.tok[0].n_children / 2 - (mst_json_get(&j, 0, "__metadata__") >= 0);
-        if (entries != found)
-            st = mst_set_error(MST_ERR_INVALID, "checkpoint '%s': %d tensors, this model has %d (another model configuration)",
-                               path, entries, found);
-    }
-    mst_json_free(&j);
-    free(hdr);
-    if (st != MST_OK) return st;
-    /* truncation: the data must be exactly `off` bytes */
-    const long here = ftell(f);
-    if (here < 0 || fseek(f, 0, SEEK_END) != 0) return mst_set_error(MST_ERR_IO, "checkpoint '%s': cannot seek", path);
-    const long size = ftell(f);
-    if (size != here + (long)off)
-        return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': %ld bytes, expected %lld (truncated or damaged)", path, size,
-                             (long long)(here + (long)off));
-    return fseek(f, here, SEEK_SET) == 0 ? MST_OK : mst_set_error(MST_ERR_IO, "checkpoint '%s': cannot seek", path);
+static void plan_free(plan* pl) {
+    free(pl->order);
+    free(pl->shards);
+    memset(pl, 0, sizeof *pl);
 }
 
-/* Opens path and checks its header (*f NULL on failure). */
-static mst_status open_checked(const char* path, const param* p, int np, const st_kind* kinds, int nk, FILE** f) {
-    *f = fopen(path, "rb");
-    if (!*f) return mst_set_error(MST_ERR_IO, "checkpoint '%s': %s", path, strerror(errno));
-    mst_status st = check_header(*f, path, p, np, kinds, nk);
-    if (st != MST_OK) fclose(*f), *f = NULL;
-    return st;
+/* The file name of shard k of K. */
+static void shard_name(const set_spec* s, int32_t k, int32_t K, char* buf, size_t cap) {
+    if (K == 1) snprintf(buf, cap, "%s.safetensors", s->prefix);
+    else snprintf(buf, cap, "%s-%05d-of-%05d.safetensors", s->prefix, k + 1, K);
 }
 
-/* Reads the data of a checked file into the model's buffers; closes f. */
-static mst_status read_tensors(mst_ctx_t* ctx, FILE* f, const char* path, const param* p, int np, const st_kind* kinds,
-                               int nk, uint64_t want_hash) {
-    mst_status st = MST_OK;
-    void* host = st == MST_OK ? malloc((size_t)biggest(p, np) * 4) : NULL;
-    if (st == MST_OK && !host) st = mst_set_error(MST_ERR_OOM, "checkpoint '%s': staging buffer", path);
-    uint64_t hash = MST_FNV1A_SEED;
-    for (int k = 0; k < nk && st == MST_OK; k++)
-        for (int i = 0; i < np && st == MST_OK; i++) {
-            const size_t bytes = (size_t)numel(&p[i]) * elem_bytes(&kinds[k]);
-            if (fread(host, 1, bytes, f) != bytes) st = mst_set_error(MST_ERR_IO, "checkpoint '%s': read failed", path);
-            else st = mst_copy_h2b(ctx, (char*)kinds[k].base + (size_t)p[i].off * elem_bytes(&kinds[k]), host, bytes);
-            hash = mst_fnv1a(hash, host, bytes);
+/* The backend buffer and element size of kind k of set s. */
+static void *kind_base(mst_model* m, const set_spec* s, int32_t k, size_t* elem) {
+    *elem = s->n_kinds == 1 ? 2 : 4;
+    if (s->n_kinds == 1) return m->w;
+    return k == 0 ? (void*)m->master : k == 1 ? (void*)m->adam_m : (void*)m->adam_v;
+}
+
+static void entry_of(const mst_hf_param* p, const set_spec* s, int32_t k, mst_st_entry* e) {
+    memset(e, 0, sizeof *e);
+    snprintf(e->name, sizeof e->name, "%s%s", s->n_kinds == 1 ? "" : kind_prefix[k], p->name);
+    e->dtype = s->n_kinds == 1 ? MST_ST_BF16 : MST_ST_F32;
+    e->nd = p->nd;
+    e->dims[0] = p->dims[0], e->dims[1] = p->dims[1];
+}
+
+/* Writes shard sh of set s (this rank's) as path. */
+static mst_status write_shard(mst_model* m, const mst_hf_param* p, const set_spec* s, const plan* pl, const shard* sh,
+                              const char* path) {
+    const int32_t n = sh->n * s->n_kinds;
+    mst_st_entry* e = (mst_st_entry*)malloc(sizeof *e * (size_t)n);
+    int64_t big = 1;
+    for (int32_t i = 0; i < sh->n; i++) {
+        const mst_hf_param* q = &p[pl->order[sh->first + i]];
+        MST_ASSERT(q->off >= 0); /* this rank's own */
+        big = mst_hf_numel(q) > big ? mst_hf_numel(q) : big;
+        for (int32_t k = 0; e && k < s->n_kinds; k++) entry_of(q, s, k, &e[i * s->n_kinds + k]);
+    }
+    void* host = malloc((size_t)big * 4);
+    mst_st_writer w;
+    mst_status st = e && host ? mst_st_write_begin(&w, path, e, n) : mst_set_error(MST_ERR_OOM, "checkpoint '%s'", path);
+    for (int32_t i = 0; st == MST_OK && i < sh->n; i++) {
+        const mst_hf_param* q = &p[pl->order[sh->first + i]];
+        for (int32_t k = 0; st == MST_OK && k < s->n_kinds; k++) {
+            size_t elem = 0;
+            const char* base = (const char*)kind_base(m, s, k, &elem);
+            const size_t bytes = (size_t)mst_hf_numel(q) * elem;
+            st = mst_copy_b2h(m->ctx, host, base + (size_t)q->off * elem, bytes);
+            if (st == MST_OK) st = mst_st_write_data(&w, host, bytes);
+            else mst_st_write_abort(&w);
         }
-    fclose(f);
+    }
+    if (st == MST_OK) st = mst_st_write_end(&w);
     free(host);
-    if (st == MST_OK && hash != want_hash)
-        st = mst_set_error(MST_ERR_INVALID, "checkpoint '%s': data hash %016llx, trainer.json says %016llx (damaged)", path,
-                           (unsigned long long)hash, (unsigned long long)want_hash);
+    free(e);
     return st;
 }
 
-/* ---- trainer.json: the configuration, field by field ------------------------- */
-
-typedef enum { F_I32, F_I64, F_U64, F_F32, F_F64 } ftype;
-typedef struct field {
-    const char* name;
-    ftype type;
-    size_t off; /* in mst_train_config */
-} field;
-
-#define FLD(name, type, member) {name, type, offsetof(mst_train_config, member)}
-static const field fields[] = {
-    FLD("model.vocab", F_I64, model.vocab), FLD("model.hidden", F_I64, model.hidden),
-    FLD("model.ffn", F_I64, model.ffn), FLD("model.heads", F_I64, model.n_head), FLD("model.seq", F_I64, model.seq),
-    FLD("model.batch", F_I64, model.batch), FLD("model.layers", F_I32, model.layers),
-    FLD("model.experts", F_I32, model.experts), FLD("model.top_k", F_I32, model.top_k), FLD("model.ep", F_I32, model.ep),
-    FLD("model.capacity_factor", F_F32, model.capacity_factor), FLD("model.mtp_weight", F_F32, model.mtp_weight),
-    FLD("model.aux_coef", F_F32, model.aux_coef), FLD("model.norm_eps", F_F32, model.norm_eps),
-    FLD("model.init_std", F_F32, model.init_std), FLD("model.seed", F_U64, model.seed),
-    FLD("model.attention", F_I32, model.attention), FLD("model.kv_heads", F_I64, model.n_kv_head),
-    FLD("model.head_dim", F_I64, model.head_dim), FLD("model.rope_theta", F_F32, model.rope_theta),
-    FLD("model.norm_topk_prob", F_I32, model.norm_topk_prob), FLD("model.tie_embeddings", F_I32, model.tie_embeddings),
-    FLD("optim.lr", F_F32, optim.lr), FLD("optim.min_lr_frac", F_F32, optim.min_lr_frac),
-    FLD("optim.beta1", F_F32, optim.beta1), FLD("optim.beta2", F_F32, optim.beta2), FLD("optim.eps", F_F32, optim.eps),
-    FLD("optim.weight_decay", F_F32, optim.weight_decay), FLD("optim.clip", F_F32, optim.clip),
-    FLD("optim.warmup", F_I64, optim.warmup), FLD("optim.steps", F_I64, optim.steps),
-    FLD("mem.recompute_layers", F_I32, mem.recompute.num_layers), FLD("mem.virtual_stages", F_I32, mem.virtual_stages),
-    FLD("mem.pool_factor", F_F64, mem.pool_factor), FLD("mem.recompute_full", F_I32, mem.recompute_full),
-    FLD("mem.recompute_mtp", F_I32, mem.recompute_mtp), FLD("microbatches", F_I32, microbatches),
-    FLD("steps", F_I64, steps), FLD("eval_fraction", F_F64, eval_fraction), FLD("eval_every", F_I64, eval_every),
-    FLD("eval_batches", F_I32, eval_batches),
-};
-#undef FLD
-#define N_FIELDS (int)(sizeof fields / sizeof fields[0])
-
-static const char* const recompute_names[] = {"none", "uniform", "block"};
-
-static void write_field(FILE* f, const mst_train_config* c, const field* d) {
-    const char* p = (const char*)c + d->off;
-    switch (d->type) {
-    case F_I32: fprintf(f, "  \"config.%s\": %d,\n", d->name, *(const int32_t*)p); break;
-    case F_I64: fprintf(f, "  \"config.%s\": %lld,\n", d->name, (long long)*(const int64_t*)p); break;
-    case F_U64: fprintf(f, "  \"config.%s\": %llu,\n", d->name, (unsigned long long)*(const uint64_t*)p); break;
-    case F_F32: fprintf(f, "  \"config.%s\": %.9g,\n", d->name, (double)*(const float*)p); break;
-    case F_F64: fprintf(f, "  \"config.%s\": %.17g,\n", d->name, *(const double*)p); break;
-    }
-}
-
-static int read_field(const mst_json* j, mst_train_config* c, const field* d) {
-    char key[96];
-    snprintf(key, sizeof key, "config.%s", d->name);
-    const int32_t t = mst_json_get(j, 0, key);
-    char* p = (char*)c + d->off;
-    int64_t i = 0;
-    double x = 0;
-    switch (d->type) {
-    case F_I32: return mst_json_i64(j, t, &i) || i != (int32_t)i ? -1 : (*(int32_t*)p = (int32_t)i, 0);
-    case F_I64: return mst_json_i64(j, t, &i) ? -1 : (*(int64_t*)p = i, 0);
-    case F_U64: {
-        char buf[32], *end;
-        if (t < 0 || mst_json_str(j, t, buf, sizeof buf)) return -1;
-        errno = 0;
-        unsigned long long u = strtoull(buf, &end, 10);
-        return errno || *end ? -1 : (*(uint64_t*)p = u, 0);
-    }
-    case F_F32: {
-        char buf[64], *end;
-        if (t < 0 || mst_json_str(j, t, buf, sizeof buf)) return -1;
-        float v = strtof(buf, &end); /* the float printed with %.9g, exactly */
-        return *end ? -1 : (*(float*)p = v, 0);
-    }
-    case F_F64: return mst_json_f64(j, t, &x) ? -1 : (*(double*)p = x, 0);
-    }
-    return -1;
-}
-
-/* A JSON string value without characters that would need escaping. */
-static mst_status plain_string(const char* what, const char* s) {
-    for (const char* c = s; *c; c++)
-        if (*c == '"' || *c == '\\' || (unsigned char)*c < 0x20)
-            return mst_set_error(MST_ERR_INVALID, "checkpoint: %s '%s' holds a quote, backslash or control character", what, s);
-    return MST_OK;
-}
-
-static mst_status write_meta(const char* path, const mst_train_config* c, int32_t ranks, int64_t step,
-                             uint64_t data_rng, uint64_t h_model, uint64_t h_optim) {
-    MST_TRY(plain_string("--policy", c->mem.policy ? c->mem.policy : ""));
-    MST_TRY(plain_string("--data", c->data_path ? c->data_path : ""));
-    MST_TRY(plain_string("--eval-data", c->eval_path ? c->eval_path : ""));
+/* model.safetensors.index.json (or the set's): every tensor to its shard. */
+static mst_status write_index(const mst_hf_param* p, const set_spec* s, const plan* pl, const char* dir) {
+    char path[4400], name[64];
+    snprintf(path, sizeof path, "%s/%s.safetensors.index.json", dir, s->prefix);
     FILE* f = fopen(path, "w");
     if (!f) return mst_set_error(MST_ERR_IO, "checkpoint '%s': %s", path, strerror(errno));
-    fprintf(f, "{\n  \"format\": \"moestash-checkpoint\",\n  \"version\": %d,\n  \"library\": \"%s\",\n", MST_CKPT_VERSION,
-            version());
-    fprintf(f, "  \"ranks\": %d,\n  \"step\": %lld,\n  \"data_rng\": \"%016llx\",\n", ranks, (long long)step,
-            (unsigned long long)data_rng);
-    fprintf(f, "  \"model_fnv1a\": \"%016llx\",\n  \"optimizer_fnv1a\": \"%016llx\",\n", (unsigned long long)h_model,
-            (unsigned long long)h_optim);
-    for (int i = 0; i < N_FIELDS; i++) write_field(f, c, &fields[i]);
-    fprintf(f, "  \"config.mem.policy\": \"%s\",\n", c->mem.policy ? c->mem.policy : "");
-    fprintf(f, "  \"config.mem.recompute\": \"%s\",\n", recompute_names[c->mem.recompute.method]);
-    fprintf(f, "  \"config.mem.schedule\": \"%s\",\n", mst_schedule_kind_str(c->mem.schedule));
-    fprintf(f, "  \"config.eval_data\": \"%s\",\n", c->eval_path ? c->eval_path : "");
-    fprintf(f, "  \"config.data\": \"%s\"\n}\n", c->data_path ? c->data_path : "");
-    int bad = ferror(f);
+    uint64_t total = 0;
+    for (int32_t i = 0; i < pl->n_items; i++) total += item_bytes(&p[pl->order[i]], s);
+    fprintf(f, "{\n  \"metadata\": {\"total_size\": %llu},\n  \"weight_map\": {", (unsigned long long)total);
+    int first = 1;
+    for (int32_t k = 0; k < pl->n_shards; k++) {
+        shard_name(s, k, pl->n_shards, name, sizeof name);
+        for (int32_t i = 0; i < pl->shards[k].n; i++)
+            for (int32_t t = 0; t < s->n_kinds; t++) {
+                fprintf(f, "%s\n    \"%s%s\": \"%s\"", first ? "" : ",", s->n_kinds == 1 ? "" : kind_prefix[t],
+                        p[pl->order[pl->shards[k].first + i]].name, name);
+                first = 0;
+            }
+    }
+    fprintf(f, "\n  }\n}\n");
+    int bad = ferror(f) || fflush(f) != 0 || fsync(fileno(f)) != 0;
     bad |= fclose(f) != 0;
-    return bad ? mst_set_error(MST_ERR_IO, "checkpoint '%s': write failed", path) : MST_OK;
+    return bad ? mst_set_error(MST_ERR_IO, "checkpoint '%s': write failed: %s", path, strerror(errno)) : MST_OK;
 }
 
-static int read_hex(const mst_json* j, const char* key, uint64_t* out) {
-    char buf[32], *end;
-    if (mst_json_str(j, mst_json_get(j, 0, key), buf, sizeof buf) || !buf[0]) return -1;
-    errno = 0;
-    *out = strtoull(buf, &end, 16);
-    return errno || *end ? -1 : 0;
-}
-
-static mst_status read_file(const char* path, char** text, size_t* n) {
-    FILE* f = fopen(path, "rb");
-    if (!f) return mst_set_error(MST_ERR_IO, "checkpoint '%s': %s", path, strerror(errno));
-    char* buf = (char*)malloc(1 << 20);
-    size_t got = buf ? fread(buf, 1, (1 << 20) - 1, f) : 0;
-    const int more = !feof(f);
-    fclose(f);
-    if (!buf || more) {
-        free(buf);
-        return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': not a trainer.json (over 1 MiB)", path);
+/* This rank's shards of every set into dir; rank 0 also the indexes. */
+static mst_status write_sets(mst_model* m, const mst_train_config* cfg, const char* dir) {
+    const mst_model_config* c = &m->cfg;
+    const int32_t np = mst_hf_n_params(c), W = m->dist.ep ? m->dist.world : 1, rank = m->dist.ep ? m->dist.rank : 0;
+    mst_hf_param* p = (mst_hf_param*)malloc(sizeof *p * (size_t)np);
+    if (!p) return mst_set_error(MST_ERR_OOM, "checkpoint: %d tensor names", np);
+    mst_hf_params(c, m, p);
+    const uint64_t limit = cfg->save_shard_bytes ? (uint64_t)cfg->save_shard_bytes : MST_CKPT_SHARD_BYTES;
+    mst_status st = mst_hf_params_check(p, np, m);
+    char path[4400], name[64];
+    for (int s = 0; s < N_SETS && st == MST_OK; s++) {
+        plan pl;
+        st = plan_set(p, np, &sets[s], W, c->experts / W, limit, &pl);
+        for (int32_t k = 0; st == MST_OK && k < pl.n_shards; k++) {
+            if (pl.shards[k].owner != rank) continue;
+            shard_name(&sets[s], k, pl.n_shards, name, sizeof name);
+            snprintf(path, sizeof path, "%s/%s", dir, name);
+            st = write_shard(m, p, &sets[s], &pl, &pl.shards[k], path);
+        }
+        if (st == MST_OK && rank == 0 && pl.n_shards > 1) st = write_index(p, &sets[s], &pl, dir);
+        plan_free(&pl);
     }
-    buf[got] = 0;
-    *text = buf, *n = got;
-    return MST_OK;
-}
-
-static mst_status parse_meta(const char* path, const mst_json* j, mst_ckpt_meta* out) {
-    int64_t version = 0;
-    if (mst_json_get(j, 0, "format") < 0 || !mst_json_eq(j, mst_json_get(j, 0, "format"), "moestash-checkpoint"))
-        return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': not a moestash checkpoint (format)", path);
-    if (mst_json_i64(j, mst_json_get(j, 0, "version"), &version) || version != MST_CKPT_VERSION)
-        return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': format version %lld, this build reads version %d", path,
-                             (long long)version, MST_CKPT_VERSION);
-    mst_ckpt_meta* o = out;
-    int64_t ranks = 1; /* absent: one rank */
-    const int32_t tr = mst_json_get(j, 0, "ranks");
-    if (tr >= 0 && (mst_json_i64(j, tr, &ranks) || ranks < 1 || ranks > 1024))
-        return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': ranks not a count of 1 .. 1024", path);
-    o->ranks = (int32_t)ranks;
-    for (int i = 0; i < N_FIELDS; i++)
-        if (read_field(j, &o->cfg, &fields[i]))
-            return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': config.%s missing or not a number", path, fields[i].name);
-    char rec[16], sched[32];
-    if (mst_json_i64(j, mst_json_get(j, 0, "step"), &o->step) || read_hex(j, "data_rng", &o->data_rng) ||
-        mst_json_str(j, mst_json_get(j, 0, "config.mem.policy"), o->policy, sizeof o->policy) ||
-        mst_json_str(j, mst_json_get(j, 0, "config.data"), o->data_path, sizeof o->data_path) ||
-        mst_json_str(j, mst_json_get(j, 0, "config.eval_data"), o->eval_path, sizeof o->eval_path) ||
-        mst_json_str(j, mst_json_get(j, 0, "config.mem.recompute"), rec, sizeof rec) ||
-        mst_json_str(j, mst_json_get(j, 0, "config.mem.schedule"), sched, sizeof sched))
-        return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': step, data_rng, policy, data, recompute or schedule missing", path);
-    o->cfg.mem.recompute.method = MST_RECOMPUTE_NONE;
-    for (int k = 0; k < 3; k++)
-        if (strcmp(rec, recompute_names[k]) == 0) o->cfg.mem.recompute.method = (mst_recompute_method)k;
-    MST_TRY(mst_schedule_kind_parse(sched, &o->cfg.mem.schedule));
-    o->cfg.mem.policy = o->policy[0] ? o->policy : NULL;
-    o->cfg.data_path = o->data_path[0] ? o->data_path : NULL;
-    o->cfg.eval_path = o->eval_path[0] ? o->eval_path : NULL;
-    if (o->step < 0 || o->step > o->cfg.steps)
-        return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': step %lld outside the run's %lld steps", path,
-                             (long long)o->step, (long long)o->cfg.steps);
-    return MST_OK;
-}
-
-/* dir/trainer.json, or dir/rank-0/trainer.json when only that one is there. */
-static void meta_path(const char* dir, char* path, size_t cap) {
-    snprintf(path, cap, "%s/rank-0/trainer.json", dir);
-    FILE* f = fopen(path, "rb");
-    if (f) fclose(f);
-    if (!f) snprintf(path, cap, "%s/trainer.json", dir);
-}
-
-mst_status mst_ckpt_check_ranks(const mst_ckpt_meta* meta, const char* dir, int32_t ranks) {
-    if (meta->ranks == ranks) return MST_OK;
-    return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': saved by %d rank%s, this run has %d", dir, meta->ranks,
-                         meta->ranks == 1 ? "" : "s", ranks);
-}
-
-mst_status mst_ckpt_read_meta(const char* dir, mst_ckpt_meta* out) {
-    char path[4200];
-    meta_path(dir, path, sizeof path);
-    memset(out, 0, sizeof *out);
-    out->cfg.mem = mst_mem_config_default();
-    char* text = NULL;
-    size_t n = 0, err_at = 0;
-    MST_TRY(read_file(path, &text, &n));
-    mst_json j;
-    mst_status st = mst_json_parse(text, n, &j, &err_at)
-                        ? mst_set_error(MST_ERR_INVALID, "checkpoint '%s': not JSON (byte %zu)", path, err_at)
-                        : MST_OK;
-    if (st == MST_OK) {
-        st = j.tok[0].kind == MST_JSON_OBJECT ? parse_meta(path, &j, out)
-                                              : mst_set_error(MST_ERR_INVALID, "checkpoint '%s': not an object", path);
-        mst_json_free(&j);
-    }
-    free(text);
+    free(p);
     return st;
 }
 
-/* ---- save / load --------------------------------------------------------------- */
+/* ---- the directory ----------------------------------------------------------------- */
 
 static mst_status mkdirs(const char* dir) {
-    char p[4096];
+    char p[4300];
     if (snprintf(p, sizeof p, "%s", dir) >= (int)sizeof p) return mst_set_error(MST_ERR_INVALID, "--save '%s': path too long", dir);
     for (char* c = p + 1; *c; c++) {
         if (*c != '/') continue;
@@ -496,105 +200,119 @@ static mst_status mkdirs(const char* dir) {
     return MST_OK;
 }
 
-static void kinds_of(mst_model* m, st_kind* weights, st_kind optim[3]) {
-    *weights = (st_kind){"", m->w, 1};
-    optim[0] = (st_kind){"master.", m->master, 0};
-    optim[1] = (st_kind){"adam_m.", m->adam_m, 0};
-    optim[2] = (st_kind){"adam_v.", m->adam_v, 0};
-}
-
-/* dir/name.tmp, written first, and dir/name, its place after the rename. */
-static void place(const char* dir, const char* name, char* tmp, char* final, size_t cap) {
-    snprintf(tmp, cap, "%s/%s.tmp", dir, name);
-    snprintf(final, cap, "%s/%s", dir, name);
-}
-
-static mst_status commit(const char* tmp, const char* final) {
-    return rename(tmp, final) == 0 ? MST_OK : mst_set_error(MST_ERR_IO, "checkpoint '%s': %s", final, strerror(errno));
-}
-
-mst_status mst_ckpt_save(mst_model* m, const mst_train_config* cfg, int64_t step, uint64_t data_rng, const char* dir) {
-    MST_TRY(mkdirs(dir));
-    const int np = n_params_of(m);
-    param* p = param_table(m);
-    if (!p) return mst_set_error(MST_ERR_OOM, "checkpoint: parameter table");
-    st_kind w, o[3];
-    kinds_of(m, &w, o);
-    char tmp[3][4200], fin[3][4200];
-    uint64_t hm = 0, ho = 0;
-    place(dir, "model.safetensors", tmp[0], fin[0], sizeof tmp[0]);
-    place(dir, "optimizer.safetensors", tmp[1], fin[1], sizeof tmp[1]);
-    place(dir, "trainer.json", tmp[2], fin[2], sizeof tmp[2]);
-    remove(fin[2]); /* no trainer.json while the tensors change */
-    mst_status st = write_tensors(m->ctx, tmp[0], p, np, &w, 1, &hm);
-    if (st == MST_OK) st = write_tensors(m->ctx, tmp[1], p, np, o, 3, &ho);
-    if (st == MST_OK) st = commit(tmp[0], fin[0]);
-    if (st == MST_OK) st = commit(tmp[1], fin[1]);
-    if (st == MST_OK) st = write_meta(tmp[2], cfg, m->dist.ep ? m->dist.world : 1, step, data_rng, hm, ho);
-    if (st == MST_OK) st = commit(tmp[2], fin[2]);
-    free(p);
-    return st;
-}
-
-mst_status mst_ckpt_load(mst_model* m, const char* dir) {
-    char path[4200];
-    snprintf(path, sizeof path, "%s/trainer.json", dir);
-    char* text = NULL;
-    size_t n = 0;
-    MST_TRY(read_file(path, &text, &n));
-    mst_json j;
-    uint64_t hm = 0, ho = 0;
-    int bad = mst_json_parse(text, n, &j, NULL);
-    if (!bad) {
-        bad = read_hex(&j, "model_fnv1a", &hm) || read_hex(&j, "optimizer_fnv1a", &ho);
-        mst_json_free(&j);
+/* Removes dir and the files in it (a checkpoint has no subdirectories). */
+static void remove_dir(const char* dir) {
+    DIR* d = opendir(dir);
+    if (!d) return;
+    char path[4600];
+    for (struct dirent* e; (e = readdir(d));) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        unlink(path);
     }
-    free(text);
-    if (bad) return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': no tensor hashes", path);
-    const int np = n_params_of(m);
-    param* p = param_table(m);
-    if (!p) return mst_set_error(MST_ERR_OOM, "checkpoint: parameter table");
-    st_kind w, o[3];
-    kinds_of(m, &w, o);
-    /* both headers and sizes checked before any byte reaches the model */
-    char pm[4200], po[4200];
-    snprintf(pm, sizeof pm, "%s/model.safetensors", dir);
-    snprintf(po, sizeof po, "%s/optimizer.safetensors", dir);
-    FILE *fm = NULL, *fo = NULL;
-    mst_status st = open_checked(pm, p, np, &w, 1, &fm);
-    if (st == MST_OK) st = open_checked(po, p, np, o, 3, &fo);
-    if (st == MST_OK) st = read_tensors(m->ctx, fm, pm, p, np, &w, 1, hm), fm = NULL;
-    if (st == MST_OK) st = read_tensors(m->ctx, fo, po, p, np, o, 3, ho), fo = NULL;
-    if (fm) fclose(fm);
-    if (fo) fclose(fo);
-    free(p);
-    return st;
+    closedir(d);
+    rmdir(dir);
 }
 
-mst_status mst_ckpt_read_bf16(const char* dir, const char* name, int64_t n, float* out) {
-    char path[4200];
-    snprintf(path, sizeof path, "%s/model.safetensors", dir);
-    FILE* f = fopen(path, "rb");
-    if (!f) return mst_set_error(MST_ERR_IO, "checkpoint '%s': %s", path, strerror(errno));
-    char* hdr = NULL;
-    mst_json j = {0};
-    uint64_t n_hdr = 0;
-    int64_t o0 = -1, o1 = -1;
-    mst_status st = read_header(f, path, &hdr, &j, &n_hdr);
-    if (st == MST_OK) {
-        const int32_t t = mst_json_get(&j, 0, name), dt = mst_json_get(&j, t, "dtype"), of = mst_json_get(&j, t, "data_offsets");
-        if (of >= 0 && j.tok[of].n_children == 2) mst_json_i64(&j, of + 1, &o0), mst_json_i64(&j, of + 2, &o1);
-        if (t < 0 || dt < 0 || !mst_json_eq(&j, dt, "BF16") || o0 < 0 || o1 - o0 != 2 * n)
-            st = mst_set_error(MST_ERR_INVALID, "checkpoint '%s': no BF16 tensor '%s' of %lld values", path, name, (long long)n);
-        mst_json_free(&j);
+static int is_dir(const char* path) {
+    struct stat sb;
+    return stat(path, &sb) == 0 && S_ISDIR(sb.st_mode);
+}
+
+/* dir's parent ("." when it has none) into buf. */
+static void parent_of(const char* dir, char* buf, size_t cap) {
+    snprintf(buf, cap, "%s", dir);
+    char* slash = strrchr(buf, '/');
+    while (slash && slash > buf && slash[1] == 0) *slash = 0, slash = strrchr(buf, '/'); /* trailing slashes */
+    if (!slash) snprintf(buf, cap, ".");
+    else if (slash == buf) buf[1] = 0;
+    else *slash = 0;
+}
+
+/* tmp (complete and synced) becomes dir; an older dir goes only then. */
+static mst_status publish(const char* tmp, const char* dir) {
+    char old[4300], parent[4300];
+    snprintf(old, sizeof old, "%s.old", dir);
+    parent_of(dir, parent, sizeof parent);
+    MST_TRY(mst_fsync_dir(tmp));
+    const int had = is_dir(dir);
+    if (had) {
+        remove_dir(old);
+        if (rename(dir, old) != 0) return mst_set_error(MST_ERR_IO, "checkpoint '%s': rename to '%s': %s", dir, old, strerror(errno));
     }
-    uint16_t* raw = st == MST_OK ? (uint16_t*)malloc(sizeof(uint16_t) * (size_t)n) : NULL;
-    if (st == MST_OK && (!raw || fseek(f, (long)(8 + n_hdr + (uint64_t)o0), SEEK_SET) != 0 ||
-                         fread(raw, 2, (size_t)n, f) != (size_t)n))
-        st = mst_set_error(MST_ERR_INVALID, "checkpoint '%s': tensor '%s' truncated", path, name);
-    for (int64_t i = 0; st == MST_OK && i < n; i++) out[i] = mst_bf16_to_fp32(raw[i]);
-    free(raw);
-    free(hdr);
-    fclose(f);
-    return st;
+    if (rename(tmp, dir) != 0) {
+        mst_status st = mst_set_error(MST_ERR_IO, "checkpoint '%s': rename from '%s': %s", dir, tmp, strerror(errno));
+        if (had) rename(old, dir);
+        return st;
+    }
+    if (had) remove_dir(old);
+    return mst_fsync_dir(parent);
+}
+
+/* W ranks: the first failure of any rank is every rank's (MST_ERR_STATE on
+ * the ranks that did not fail themselves); one rank: st. */
+static mst_status agree(mst_model* m, mst_status st, const char* dir) {
+    int32_t failed = st != MST_OK;
+    if (!m->dist.ep) return st;
+    const mst_status sync = mst_model_allreduce_host(m, &failed, 1, MST_EP_MAX_I32);
+    if (st != MST_OK) return st;
+    if (sync != MST_OK) return sync;
+    return failed ? mst_set_error(MST_ERR_STATE, "checkpoint '%s': another rank failed writing it", dir) : MST_OK;
+}
+
+mst_status mst_ckpt_save(mst_model* m, const mst_train_config* cfg, int64_t step, uint64_t data_rng,
+                         const mst_train_result* res, const char* dir) {
+    const int rank0 = !m->dist.ep || m->dist.rank == 0;
+    char tmp[4300], path[4400], parent[4300];
+    snprintf(tmp, sizeof tmp, "%s.tmp", dir);
+    parent_of(dir, parent, sizeof parent);
+    mst_status st = MST_OK;
+    if (rank0) { /* a stale DIR.tmp of an interrupted write goes first */
+        remove_dir(tmp);
+        st = mkdirs(parent);
+        if (st == MST_OK) st = mkdirs(tmp);
+    }
+    st = agree(m, st, dir);
+    if (st == MST_OK) st = agree(m, write_sets(m, cfg, tmp), dir);
+    if (st == MST_OK && rank0) {
+        snprintf(path, sizeof path, "%s/config.json", tmp);
+        st = mst_hf_write_config(path, &m->cfg);
+        snprintf(path, sizeof path, "%s/trainer.json", tmp);
+        if (st == MST_OK) st = mst_ckpt_write_meta(path, cfg, m->dist.ep ? m->dist.world : 1, step, data_rng, res);
+        if (st == MST_OK) st = publish(tmp, dir);
+    }
+    if (st != MST_OK && rank0) remove_dir(tmp);
+    return agree(m, st, dir);
+}
+
+/* ---- room on the disk -------------------------------------------------------------- */
+
+double mst_ckpt_bytes(const mst_model_config* c, int64_t steps) {
+    const int32_t np = mst_hf_n_params(c);
+    mst_hf_param* p = (mst_hf_param*)malloc(sizeof *p * (size_t)np);
+    if (!p) return 0;
+    mst_hf_params(c, NULL, p);
+    double elems = 0;
+    for (int32_t i = 0; i < np; i++) elems += (double)mst_hf_numel(&p[i]);
+    free(p);
+    /* 2 bytes (weights) + 12 (master, m, v) per element; each tensor named
+     * in up to 4 headers and 4 index lines of under 256 bytes; config.json,
+     * trainer.json (about 100 bytes a step) */
+    return elems * 14 + (double)np * 2048 + 65536 + 128.0 * (double)steps;
+}
+
+mst_status mst_ckpt_check_room(const mst_train_config* cfg, const char* dir) {
+    char at[4300];
+    snprintf(at, sizeof at, "%s", dir);
+    while (!is_dir(at) && strcmp(at, ".") != 0 && strcmp(at, "/") != 0) {
+        char up[4300];
+        parent_of(at, up, sizeof up);
+        snprintf(at, sizeof at, "%s", up);
+    }
+    struct statvfs sv;
+    if (statvfs(at, &sv) != 0) return mst_set_error(MST_ERR_IO, "--save '%s': %s: %s", dir, at, strerror(errno));
+    const double have = (double)sv.f_bavail * (double)sv.f_frsize, need = mst_ckpt_bytes(&cfg->model, cfg->steps);
+    if (need <= have) return MST_OK;
+    return mst_set_error(MST_ERR_INVALID, "--save '%s': one checkpoint takes %.1f MiB, the filesystem there has %.1f MiB free",
+                         dir, need / 1048576.0, have / 1048576.0);
 }

@@ -143,12 +143,27 @@ static mst_status evaluate(mst_model* m, mst_data* e, const mst_train_config* cf
 
 /* DIR/step-N (or DIR/final) of the run after `step`; rng: the sampler's
  * state before the next step's batches were drawn. */
-static mst_status save(mst_model* m, const mst_train_config* cfg, int64_t step, uint64_t rng, int final) {
-    char dir[4200], rank[16] = "";
-    if (m->dist.ep) snprintf(rank, sizeof rank, "/rank-%d", m->dist.rank); /* W ranks: a directory each */
-    if (final) snprintf(dir, sizeof dir, "%s/final%s", cfg->save_dir, rank);
-    else snprintf(dir, sizeof dir, "%s/step-%lld%s", cfg->save_dir, (long long)step, rank);
-    return mst_ckpt_save(m, cfg, step, rng, dir);
+static mst_status save(mst_model* m, const mst_train_config* cfg, int64_t step, uint64_t rng, int final,
+                       const mst_train_result* res) {
+    char dir[4200];
+    if (final) snprintf(dir, sizeof dir, "%s/final", cfg->save_dir);
+    else snprintf(dir, sizeof dir, "%s/step-%lld", cfg->save_dir, (long long)step);
+    return mst_ckpt_save(m, cfg, step, rng, res, dir);
+}
+
+/* --dump-grads: step 1's forward and backward on its staged inputs (slot
+ * 0) without the optimizer, which gives the gradients the step hands
+ * AdamW, written out with the step's tokens and losses; step 1 itself runs
+ * after, on the same inputs. */
+static mst_status dump_grads(mst_model* m, const mst_train_config* cfg, const int32_t* tok, mst_train_result* res) {
+    MST_TRY(mst_model_upload(m, 0));
+    MST_TRY(mst_step_eval(m, 1));
+    mst_step_record r;
+    MST_TRY(mst_step_read(m, &r));
+    if (r.flag) MST_TRY(rerun(m, cfg, res, &r, 1));
+    const double MN = (double)(m->n_micro * m->cfg.batch * m->cfg.seq);
+    const double loss[3] = {r.loss_main / MN, r.loss_mtp / MN, r.aux / (double)m->n_micro};
+    return mst_ckpt_dump_grads(m, cfg->dump_grads, tok, loss);
 }
 
 /* --plot: the train loss every step, the eval loss where evaluated. */
@@ -217,6 +232,7 @@ static mst_status train_loop(mst_model* m, mst_data* d, mst_data* e, const mst_t
     if (!tok) return mst_set_error(MST_ERR_OOM, "token batch");
     const double t0 = mst_clock_s();
     mst_status st = stage_next(m, d, cfg, tok, res->first_step);
+    if (st == MST_OK && cfg->dump_grads && res->first_step == 1) st = dump_grads(m, cfg, tok, res);
     uint64_t rng = d->rng; /* the sampler before the next step's batches */
     for (int64_t i = res->first_step - 1; i < cfg->steps && st == MST_OK; i++) {
         double ts = mst_clock_s();
@@ -227,7 +243,7 @@ static mst_status train_loop(mst_model* m, mst_data* d, mst_data* e, const mst_t
         if (e && ((cfg->eval_every > 0 && (i + 1) % cfg->eval_every == 0) || i + 1 == cfg->steps))
             st = evaluate(m, e, cfg, tok, i + 1, res, &res->eval_loss[i]);
         if (st == MST_OK && cfg->save_dir && cfg->save_every > 0 && (i + 1) % cfg->save_every == 0)
-            st = save(m, cfg, i + 1, rng, 0);
+            st = save(m, cfg, i + 1, rng, 0, res);
         size_t in_use = 0;
         mst_ctx_mem(m->ctx, &in_use, NULL);
         if (st == MST_OK && progress && ((i + 1) % every == 0 || i + 1 == cfg->steps || isfinite(res->eval_loss[i]))) {
@@ -243,7 +259,7 @@ static mst_status train_loop(mst_model* m, mst_data* d, mst_data* e, const mst_t
     }
     res->seconds = mst_clock_s() - t0;
     free(tok);
-    if (st == MST_OK && cfg->save_dir) st = save(m, cfg, cfg->steps, rng, 1);
+    if (st == MST_OK && cfg->save_dir) st = save(m, cfg, cfg->steps, rng, 1, res);
     if (st == MST_OK && cfg->plot_path && m->dist.rank == 0) st = plot(cfg, res); /* W ranks: the same curves */
     if (st == MST_OK) st = mst_memmgr_check(m->mm);
     if (st == MST_OK) st = mst_train_memory_table(m, res);
@@ -258,9 +274,7 @@ static mst_status train_loop(mst_model* m, mst_data* d, mst_data* e, const mst_t
 static mst_status resume(mst_model* m, const mst_train_config* cfg, mst_data* d, mst_train_result* res) {
     mst_ckpt_meta meta;
     const int32_t W = m->dist.ep ? m->dist.world : 1;
-    char dir[4200];
-    if (W > 1) snprintf(dir, sizeof dir, "%s/rank-%d", cfg->resume_dir, m->dist.rank);
-    else snprintf(dir, sizeof dir, "%s", cfg->resume_dir);
+    const char* dir = cfg->resume_dir;
     MST_TRY(mst_ckpt_read_meta(dir, &meta));
     MST_TRY(mst_ckpt_check_ranks(&meta, cfg->resume_dir, W));
     if (memcmp(&meta.cfg.model, &cfg->model, sizeof cfg->model) != 0 || meta.cfg.microbatches != cfg->microbatches ||
@@ -271,6 +285,7 @@ static mst_status resume(mst_model* m, const mst_train_config* cfg, mst_data* d,
         return mst_set_error(MST_ERR_INVALID, "--resume '%s': the checkpoint is at step %lld, --steps %lld leaves "
                              "nothing to do", cfg->resume_dir, (long long)meta.step, (long long)cfg->steps);
     MST_TRY(mst_ckpt_load(m, dir));
+    MST_TRY(mst_ckpt_read_losses(dir, meta.step, res));
     d->rng = meta.data_rng;
     res->first_step = meta.step + 1;
     return MST_OK;
@@ -293,6 +308,9 @@ mst_status mst_train_run(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* prog
                          mst_train_result* res) {
     if (cfg->steps < 1) return mst_set_error(MST_ERR_INVALID, "--steps %lld: expected >= 1", (long long)cfg->steps);
     MST_TRY(mst_model_config_check(&cfg->model));
+    if (cfg->save_dir) MST_TRY(mst_ckpt_check_room(cfg, cfg->save_dir));
+    if (cfg->init_from && cfg->resume_dir)
+        return mst_set_error(MST_ERR_INVALID, "--init-from '%s': contradicts --resume (which has its own weights)", cfg->init_from);
     MST_TRY(alloc_result(res, cfg->steps));
     mst_data d, e = {0};
     MST_TRY(load_data(cfg, &d));
@@ -306,6 +324,7 @@ mst_status mst_train_run(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* prog
     mst_model* m = NULL;
     if (st == MST_OK) st = mst_model_create_dist(ctx, &cfg->model, cfg->microbatches, &cfg->mem, &cfg->dist, &m);
     if (st == MST_OK && cfg->resume_dir) st = resume(m, cfg, &d, res);
+    if (st == MST_OK && cfg->init_from) st = mst_ckpt_init_from(m, cfg->init_from);
     if (st == MST_OK) st = train_loop(m, &d, e.tok ? &e : NULL, cfg, progress, res);
     mst_model_destroy(m);
     mst_data_free(&d);

@@ -28,6 +28,14 @@ typedef struct mst_train_config {
     const char* save_dir;      /* checkpoints (checkpoint.h): DIR/step-N every
                                   save_every steps and DIR/final; NULL: none     */
     int64_t save_every;        /* 0: DIR/final only                              */
+    size_t save_shard_bytes;   /* shards of a checkpoint's file sets at most this
+                                  (0: MST_CKPT_SHARD_BYTES, 5 GB)               */
+    const char* init_from;     /* a Hugging Face Qwen3-MoE directory whose weights
+                                  start the run (model's config from its
+                                  config.json; fresh optimizer); NULL: random  */
+    const char* dump_grads;    /* after step 1's backward, before its optimizer:
+                                  every main_grad, the step's tokens and losses
+                                  into this safetensors file (one rank); NULL  */
     const char* resume_dir;    /* a checkpoint of this configuration: its weights,
                                   optimizer state, sampler; the run continues
                                   after its step (NULL: from the start)         */
