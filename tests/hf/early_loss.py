@@ -90,10 +90,14 @@ def main():
     ap.add_argument("--wd", type=float, default=0.1)
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu", help="cuda: the preset's full size on a GPU")
+    ap.add_argument("--bf16-weights", action="store_true",
+                    help="as moestash: fp32 master weights, the forward on their bf16 rounding")
     a = ap.parse_args()
     dt = getattr(torch, a.dtype)
     torch.manual_seed(0)
-    model = o.load_hf(a.init, torch.float32).to(dt).train()
+    dev = torch.device(a.device)
+    model = o.load_hf(a.init, torch.float32).to(dt).to(dev).train()
     tensors = o.read_dir_tensors(a.init)
     prefix = o.mtp_prefix(tensors)
     mtp = o.MTP(model.config)
@@ -105,14 +109,20 @@ def main():
             for n, p in mtp.named_parameters():
                 if p.dim() == 1:
                     p.fill_(1.0)
-    mtp = mtp.to(dt).train()
+    mtp = mtp.to(dt).to(dev).train()
     params = list(model.parameters()) + list(mtp.parameters())
     seen, uniq = set(), []
     for p in params:  # the tied head is the embedding: one parameter
         if id(p) not in seen:
             seen.add(id(p))
             uniq.append(p)
+    load_master(a.init, model, mtp, prefix)
     state = [(torch.zeros_like(p), torch.zeros_like(p)) for p in uniq]
+    master = [p.detach().clone() for p in uniq]  # the fp32 weights AdamW updates
+    if a.bf16_weights:
+        with torch.no_grad():
+            for p in uniq:
+                p.copy_(p.to(torch.bfloat16).to(p.dtype))
     data = Windows(read_data(a.data), a.seed)
     T, B, M = a.seq, a.batch, a.micro
     print(f"{'step':>4} {'lr':>9} {'|g|':>9} {'main':>8} {'mtp':>8} {'aux':>8}")
@@ -121,7 +131,7 @@ def main():
             p.grad = None
         lm = lp = la = 0.0
         for _ in range(M):
-            w = data.batch(B, T)
+            w = data.batch(B, T).to(dev)
             r = step_loss(model, mtp, w, T, a.mtp_weight, a.aux)
             (r["total"] / M).backward()
             lm, lp, la = lm + r["main"] / M, lp + r["mtp"] / M, la + r["aux"] / M
@@ -130,16 +140,38 @@ def main():
         lr = lr_at(step, a.lr, a.warmup, a.total)
         b1, b2, eps = 0.9, 0.95, 1e-8
         with torch.no_grad():
-            for p, (m, v) in zip(uniq, state):
+            for p, w, (m, v) in zip(uniq, master, state):
                 if p.grad is None:
                     continue
                 g = p.grad * gs
                 m.mul_(b1).add_(g, alpha=1 - b1)
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
                 if p.dim() >= 2:
-                    p.mul_(1 - lr * a.wd)
-                p.sub_(lr * (m / (1 - b1 ** step)) / ((v / (1 - b2 ** step)).sqrt() + eps))
+                    w.mul_(1 - lr * a.wd)
+                w.sub_(lr * (m / (1 - b1 ** step)) / ((v / (1 - b2 ** step)).sqrt() + eps))
+                p.copy_(w.to(torch.bfloat16).to(p.dtype) if a.bf16_weights else w)
         print(f"{step:>4} {lr:>9.3e} {norm:>9.3e} {lm:>8.4f} {lp:>8.4f} {la:>8.4f}", flush=True)
+
+
+def load_master(path, model, mtp, prefix):
+    """moestash's fp32 master weights (optimizer.safetensors' master.NAME,
+    where the directory has them) over the bf16 ones of model.safetensors."""
+    f = os.path.join(path, "optimizer.safetensors")
+    if not os.path.exists(f):
+        return
+    t = o.read_safetensors(f)
+    views = dict(o.hub_params(model))
+    if prefix is not None:
+        params = dict(mtp.named_parameters())
+        views.update({prefix + hub: params[mine] for hub, mine in o.MTP.NAMES.items()})
+        views.update({prefix + k: v for k, v in o.hub_params(mtp.layer).items()})
+    n = 0
+    with torch.no_grad():
+        for name, v in views.items():
+            if "master." + name in t:
+                v.copy_(t["master." + name].to(v.dtype))
+                n += 1
+    print(f"master weights: {n} tensors from {f}")
 
 
 def step_loss(model, mtp, w, T, mtp_weight, aux_coef):

@@ -202,8 +202,8 @@ def hub_grads(model, prefix=""):
     return out
 
 
-def causal_mask(T, dtype):
-    m = torch.full((T, T), float("-inf"), dtype=dtype).triu(1)
+def causal_mask(T, dtype, device=None):
+    m = torch.full((T, T), float("-inf"), dtype=dtype, device=device).triu(1)
     return m[None, None]
 
 
@@ -244,12 +244,12 @@ class MTP(torch.nn.Module):
         e = main.model.embed_tokens(next_tokens)
         x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1))
         T = x.shape[1]
-        pos = torch.arange(T)[None]
+        pos = torch.arange(T, device=x.device)[None]
         rope = main.model.rotary_emb(x, position_ids=pos)
         router = []
         hook = self.layer.mlp.gate.register_forward_hook(lambda mod, i, o: router.append(o[0]))
         try:
-            x = self.layer(x, attention_mask=causal_mask(T, x.dtype), position_ids=pos, position_embeddings=rope)
+            x = self.layer(x, attention_mask=causal_mask(T, x.dtype, x.device), position_ids=pos, position_embeddings=rope)
         finally:
             hook.remove()
         return main.lm_head(self.norm(x)), router[0]
