@@ -8,9 +8,10 @@ scripts/setup.sh asan || { echo "0 passed, 1 failed"; exit 1; }
 # ---- the PyTorch venv: the Python package tests and CTest's hf_oracle (the
 # Hugging Face transformers oracle, tests/hf) run in it. Installed when
 # missing into $MST_TORCH_VENV (default ~/.cache/moestash/venv-torch, kept
-# between runs): PyTorch's CPU wheel (about 200 MB, from $MST_TORCH_INDEX,
-# default PyTorch's CPU index; a venv made by hand with the CUDA wheel serves
-# as well), transformers, safetensors, pytest. MST_TORCH_INSTALL=0: no
+# between runs): PyTorch from PyPI (5.4 GB with its CUDA libraries, about
+# 3 min; MST_TORCH_INDEX=URL takes it from another index, e.g. PyTorch's CPU
+# wheels, about 200 MB, where that host is reachable), transformers,
+# safetensors, pytest. MST_TORCH_INSTALL=0: no
 # install; then hf_oracle skips and the package tests run the binding test
 # alone. A failed install counts as a failed test.
 venv=${MST_TORCH_VENV:-$HOME/.cache/moestash/venv-torch}
@@ -18,7 +19,7 @@ torch_ok() { "$venv/bin/python" -c 'import torch, transformers, safetensors, pyt
 if ! torch_ok && [ "${MST_TORCH_INSTALL:-1}" != 0 ]; then
   echo "== installing torch, transformers, safetensors, pytest into $venv"
   { [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"; } &&
-    "$venv/bin/pip" install -q --index-url "${MST_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" torch &&
+    "$venv/bin/pip" install -q ${MST_TORCH_INDEX:+--index-url "$MST_TORCH_INDEX"} torch &&
     "$venv/bin/pip" install -q transformers safetensors pytest ||
     { echo "installing into $venv failed (counted as a failure): hf_oracle skips"; install_failed=1; }
 fi
