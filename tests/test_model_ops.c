@@ -179,11 +179,11 @@ static void test_norm(mst_ctx_t* ctx) {
 
 /* ---- add, embedding, cross-entropy ------------------------------------------- */
 
-static void test_add_embed(mst_ctx_t* ctx) {
-    const int64_t N = 4500, V = 50, H = 40; /* more tokens than one bucketing tile */
+/* N tokens of ids stride x [0, 12] (repeats) over a vocabulary of V. */
+static void test_add_embed(mst_ctx_t* ctx, int64_t N, int64_t V, int64_t H, int64_t stride) {
     uint16_t *a = rand_bf16((size_t)(N * H), 1), *b = rand_bf16((size_t)(N * H), 1), *tab = rand_bf16((size_t)(V * H), 1);
     int32_t* tok = (int32_t*)malloc(sizeof(int32_t) * (size_t)N);
-    for (int64_t t = 0; t < N; t++) tok[t] = (int32_t)mst_rng_int(&rng, 0, 12); /* repeats */
+    for (int64_t t = 0; t < N; t++) tok[t] = (int32_t)(mst_rng_int(&rng, 0, 12) * stride); /* repeats */
     float* dt0 = (float*)malloc(sizeof(float) * (size_t)(V * H));
     mst_rng_fp32(&rng, dt0, (size_t)(V * H), -1, 1);
     double *sum = (double*)malloc(sizeof(double) * (size_t)(N * H)), *emb = (double*)malloc(sizeof(double) * (size_t)(N * H));
@@ -929,7 +929,8 @@ static void test_sum(mst_ctx_t* ctx) {
 static void run(mst_ctx_t* ctx) {
     test_mm(ctx);
     test_norm(ctx);
-    test_add_embed(ctx);
+    test_add_embed(ctx, 4500, 50, 40, 1);     /* more tokens than one bucketing tile */
+    test_add_embed(ctx, 300, 70001, 8, 5833); /* ids past 65535 (Qwen3's vocabulary is 151 936) */
     test_xent(ctx);
     test_qk(ctx);
     test_attn(ctx);

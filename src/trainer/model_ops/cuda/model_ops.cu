@@ -166,9 +166,10 @@ __global__ void embed_bucket_kernel(mst_embed_args a) {
 }
 
 /* dtable[v][c] += sum of dx[t][c] over entry v's tokens in token order: one
- * block per (v, 256 columns). */
+ * block per (v, 256 columns); v on the grid's x (any vocabulary: 151 936
+ * for Qwen3), the columns on y. */
 __global__ void embed_backward_kernel(mst_embed_args a) {
-    const int64_t v = blockIdx.y, c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t v = blockIdx.x, c = (int64_t)blockIdx.y * blockDim.x + threadIdx.x;
     const int32_t* list = a.order + a.vocab + 1;
     const int32_t b = a.order[v], e = a.order[v + 1];
     if (c >= a.cols || b == e) return;
@@ -184,12 +185,13 @@ extern "C" mst_status mst_cuda_embed_forward(mst_ctx_t* ctx, const mst_embed_arg
 }
 
 extern "C" mst_status mst_cuda_embed_backward(mst_ctx_t* ctx, const mst_embed_args* a) {
-    if (a->vocab > 65535)
-        return mst_set_error(MST_ERR_INVALID, "embedding backward: vocab %lld > 65535", (long long)a->vocab);
+    if (a->vocab > INT32_MAX || a->n_tok > INT32_MAX)
+        return mst_set_error(MST_ERR_INVALID, "embedding backward: vocab %lld, tokens %lld: above 2^31 - 1",
+                             (long long)a->vocab, (long long)a->n_tok);
     cudaStream_t s = mst_cuda(ctx)->stream;
     embed_bucket_kernel<<<1, 1024, 0, s>>>(*a);
     MST_CUDA_LAUNCHED();
-    embed_backward_kernel<<<dim3(mst_blocks(a->cols, 256), (unsigned)a->vocab), 256, 0, s>>>(*a);
+    embed_backward_kernel<<<dim3((unsigned)a->vocab, mst_blocks(a->cols, 256)), 256, 0, s>>>(*a);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
