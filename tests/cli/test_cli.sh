@@ -291,6 +291,7 @@ assert d["windows"] == 33 and d["tokens"] == 33 * 8 and d["seq"] == 8 and len(d[
 assert math.isfinite(d["loss"]) and abs(sum(d["window_loss"]) / 33 - d["loss"]) < 1e-9 * d["loss"], d
 PY
 then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL: eval --json: not 33 windows of 8 with their mean"; fi
+good "eval loss" eval --backend cpu --model "$tmp/ck2/final" --data "$tmp/good.bin" --seq 8 # what train --save wrote (2 ranks)
 corpus=$tmp/a\"corpus.txt # a quote in the name: escaped in the JSON
 for i in $(seq 200); do echo "the quick brown fox jumps over the lazy dog $i"; done >"$corpus"
 good "loss" train --backend=cpu --steps=2 --seq=8 --batch=2 --layers=1 --quiet --data="$corpus" --json="$tmp/run.json"

@@ -9,40 +9,18 @@
 
 #include "lib/internal.h"
 #include "trainer/io/hf.h"
+#include "trainer/run/checkpoint.h"
 
 /* The model of dir with T, B of the evaluation: one group holding every
  * expert and R = N k rows (no routing goes over it: nothing is rerun or
  * dropped), the MTP module at its initialisation unless dir has one (its
- * loss is not reported). */
+ * loss is not reported); dir's files checked against it (before any work). */
 static mst_status model_config(const mst_eval_config* c, mst_model_config* m) {
     *m = (mst_model_config){.seq = c->seq, .batch = c->batch, .ep = 1, .capacity_factor = 1.0f, .mtp_weight = 0.3f,
                             .init_std = 0.02f, .seed = 1};
     MST_TRY(mst_hf_read_config(c->model_dir, m));
-    return mst_model_config_check(m);
-}
-
-/* The weights of dir into m: bf16 (what the forward reads) and fp32
- * master, every tensor of the model set; the MTP set's where dir has it. */
-static mst_status load_weights(mst_model* m, const char* dir) {
-    const int32_t n = mst_hf_n_params(&m->cfg);
-    mst_hf_param* p = (mst_hf_param*)calloc((size_t)n, sizeof *p);
-    int64_t most = 0;
-    if (p) mst_hf_params(&m->cfg, m, p);
-    for (int32_t i = 0; p && i < n; i++) most = mst_hf_numel(&p[i]) > most ? mst_hf_numel(&p[i]) : most;
-    float* host = p ? (float*)malloc(sizeof(float) * (size_t)most) : NULL;
-    mst_hf* h = NULL;
-    mst_status st = host ? mst_hf_open(dir, &h) : mst_set_error(MST_ERR_OOM, "eval: weights of '%s'", dir);
-    for (int32_t i = 0; i < n && st == MST_OK; i++) {
-        if (p[i].off < 0 || (p[i].set == MST_HF_MTP && !mst_hf_has(h, p[i].name))) continue;
-        const size_t k = (size_t)mst_hf_numel(&p[i]);
-        st = mst_hf_read_param(h, &p[i], MST_ST_F32, host);
-        if (st == MST_OK) st = mst_copy_h2b(m->ctx, m->master + p[i].off, host, sizeof(float) * k);
-        if (st == MST_OK) st = mst_hf_read_param(h, &p[i], MST_ST_BF16, host);
-        if (st == MST_OK) st = mst_copy_h2b(m->ctx, m->w + p[i].off, host, sizeof(uint16_t) * k);
-    }
-    mst_hf_close(h);
-    free(host), free(p);
-    return st;
+    MST_TRY(mst_model_config_check(m));
+    return mst_ckpt_check_hf(c->model_dir, m);
 }
 
 /* Stages windows [first, first + B) of T+1 tokens as the step's [B, T+2]
@@ -101,7 +79,7 @@ mst_status mst_eval_run(mst_ctx_t* ctx, const mst_eval_config* c, mst_eval_resul
     mst_model* m = NULL;
     mst_status st = out->window_loss ? mst_model_create(ctx, &mc, 1, NULL, &m)
                                      : mst_set_error(MST_ERR_OOM, "eval: %lld windows", (long long)n_win);
-    if (st == MST_OK) st = load_weights(m, c->model_dir);
+    if (st == MST_OK) st = mst_ckpt_init_from(m, c->model_dir);
     if (st == MST_OK) st = run_windows(m, &d, n_win, out->window_loss);
     mst_model_destroy(m);
     mst_data_free(&d);

@@ -34,11 +34,12 @@ typedef struct mst_eval_result {
     double* window_loss;    /* [windows] each window's mean loss (owned)        */
 } mst_eval_result;
 
-/* Reads the model's config and the data, checks them (MST_ERR_INVALID
- * naming the flag and value: a token not below the vocabulary, no full
- * window, --windows past the file's, a directory that is not a qwen3_moe
- * model), then builds the model on ctx, loads its weights and runs the
- * windows through it. */
+/* Reads the model's config, checks its files (mst_ckpt_check_hf) and the
+ * data (MST_ERR_INVALID naming the flag and value: a directory that is not
+ * a qwen3_moe model, a tensor missing, extra or of another shape, a token
+ * not below the vocabulary, no full window, --windows past the file's),
+ * then builds the model on ctx, loads its weights (mst_ckpt_init_from) and
+ * runs the windows through it. */
 mst_status mst_eval_run(mst_ctx_t* ctx, const mst_eval_config* c, mst_eval_result* out);
 void mst_eval_result_free(mst_eval_result* r);
 
