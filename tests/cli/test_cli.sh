@@ -383,7 +383,8 @@ good "ab" sample --checkpoint "$tmp/hf-f32" --prompt ab --tokens 2
 }
 [ ! -e "$tmp/never" ] && passed=$((passed + 1)) || { failed=$((failed + 1)); echo "FAIL: a refused --init-from wrote $tmp/never"; }
 # --dump-grads: every parameter's main_grad by its hub name (the checkpoint's names, MTP included), the
-# step's tokens [M B, T+2] and its losses (the first step's of --json)
+# step's tokens [M B, T+2], its losses (the first step's of --json) and the main head's logits (their
+# cross-entropy is the main loss)
 # shellcheck disable=SC2086
 if timeout 60 "$bin" train $hf1 --microbatches 2 --dump-grads "$tmp/g.safetensors" --save "$tmp/g" --json "$tmp/g.json" >/dev/null 2>&1 &&
   python3 - "$tmp/g.safetensors" "$tmp/g/final" "$tmp/g.json" <<'PY'
@@ -394,7 +395,7 @@ def header(p):
     return json.loads(b[8:8 + n]), b[8 + n:]
 g, data = header(sys.argv[1])
 names = set(header(sys.argv[2] + "/model.safetensors")[0]) | set(header(sys.argv[2] + "/mtp.safetensors")[0])
-extra = {"tokens", "loss_main", "loss_mtp", "loss_aux", "__metadata__"}
+extra = {"tokens", "loss_main", "loss_mtp", "loss_aux", "logits", "__metadata__"}
 assert set(g) - extra == names - {"__metadata__"}, sorted(set(g) ^ names)
 assert g["tokens"]["dtype"] == "I32" and g["tokens"]["shape"] == [4, 10], g["tokens"]
 val = lambda k: struct.unpack("<f", data[g[k]["data_offsets"][0]:g[k]["data_offsets"][1]])[0]
@@ -403,6 +404,19 @@ assert val("loss_main") == struct.unpack("<f", struct.pack("<f", loss))[0], (val
 e = g["model.layers.0.mlp.gate.weight"]
 w = struct.unpack("<%df" % ((e["data_offsets"][1] - e["data_offsets"][0]) // 4), data[e["data_offsets"][0]:e["data_offsets"][1]])
 assert e["dtype"] == "F32" and any(x != 0 for x in w), "the router's gradient is all zeros"
+# the logits are the main head's: their cross-entropy against the next tokens is loss_main
+import math
+e = g["logits"]
+V = e["shape"][1]
+assert e["shape"] == [4 * 8, V], e["shape"]
+lg = struct.unpack("<%df" % (e["shape"][0] * V), data[e["data_offsets"][0]:e["data_offsets"][1]])
+tok = struct.unpack("<40i", data[g["tokens"]["data_offsets"][0]:g["tokens"]["data_offsets"][1]])
+ce = 0
+for r in range(32):
+    row, target = lg[r * V:(r + 1) * V], tok[(r // 8) * 10 + r % 8 + 1]
+    mx = max(row)
+    ce += mx + math.log(sum(math.exp(x - mx) for x in row)) - row[target]
+assert abs(ce / 32 / val("loss_main") - 1) < 1e-4, (ce / 32, val("loss_main"))
 PY
 then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL: --dump-grads: names, tokens or losses"; fi
 bad "--dump-grads '$tmp/g2.safetensors': one rank only" train --backend cpu --gpus 2 --dump-grads "$tmp/g2.safetensors"

@@ -90,8 +90,10 @@ mst_status mst_ckpt_init_from(mst_model* m, const char* dir);
 mst_status mst_ckpt_check_hf(const char* dir, const mst_model_config* c);
 /* --dump-grads: every parameter's fp32 main_grad by its hub name into the
  * safetensors file path, with "tokens" I32 [M B, T+2] (the step's
- * windows, tok [M, B, T+2]) and F32 [1] "loss_main", "loss_mtp",
- * "loss_aux" (means, as the progress line prints them). One rank. */
-mst_status mst_ckpt_dump_grads(mst_model* m, const char* path, const int32_t* tok, const double loss[3]);
+ * windows, tok [M, B, T+2]), F32 [1] "loss_main", "loss_mtp", "loss_aux"
+ * (as the progress line prints them) and "logits" F32 [M B T, V] (the
+ * main head's, logits [M, B T, V]). One rank. */
+mst_status mst_ckpt_dump_grads(mst_model* m, const char* path, const int32_t* tok, const double loss[3],
+                               const float* logits);
 
 #endif

@@ -202,12 +202,13 @@ mst_status mst_ckpt_init_from(mst_model* m, const char* dir) {
 
 /* ---- --dump-grads --------------------------------------------------------------- */
 
-mst_status mst_ckpt_dump_grads(mst_model* m, const char* path, const int32_t* tok, const double loss[3]) {
+mst_status mst_ckpt_dump_grads(mst_model* m, const char* path, const int32_t* tok, const double loss[3],
+                               const float* logits) {
     if (m->dist.ep) return mst_set_error(MST_ERR_UNSUPPORTED, "--dump-grads '%s': one rank only", path);
     int32_t np = 0;
     mst_hf_param* p = NULL;
     mst_status st = table_of(m, &p, &np);
-    mst_st_entry* e = (mst_st_entry*)calloc((size_t)np + 4, sizeof *e);
+    mst_st_entry* e = (mst_st_entry*)calloc((size_t)np + 5, sizeof *e);
     float* host = (float*)malloc((size_t)(p ? biggest(p, np) : 1) * 4);
     char tmp[4300];
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
@@ -224,9 +225,11 @@ mst_status mst_ckpt_dump_grads(mst_model* m, const char* path, const int32_t* to
             e[np + 1 + k] = (mst_st_entry){.dtype = MST_ST_F32, .nd = 1, .dims = {1}};
             snprintf(e[np + 1 + k].name, sizeof e[np + 1 + k].name, "%s", lname[k]);
         }
+        e[np + 4] = (mst_st_entry){.name = "logits", .dtype = MST_ST_F32, .nd = 2,
+                                   .dims = {m->n_micro * c->batch * c->seq, c->vocab}};
     }
     mst_st_writer w;
-    if (st == MST_OK) st = mst_st_write_begin(&w, tmp, e, np + 4);
+    if (st == MST_OK) st = mst_st_write_begin(&w, tmp, e, np + 5);
     for (int32_t i = 0; st == MST_OK && i < np; i++) {
         const size_t bytes = (size_t)mst_hf_numel(&p[i]) * 4;
         st = mst_copy_b2h(m->ctx, host, m->grad + p[i].off, bytes);
@@ -238,6 +241,7 @@ mst_status mst_ckpt_dump_grads(mst_model* m, const char* path, const int32_t* to
         const float x = (float)loss[k];
         st = mst_st_write_data(&w, &x, 4);
     }
+    if (st == MST_OK) st = mst_st_write_data(&w, logits, sizeof(float) * (size_t)(e[np + 4].dims[0] * e[np + 4].dims[1]));
     if (st == MST_OK) st = mst_st_write_end(&w);
     if (st == MST_OK && rename(tmp, path) != 0) {
         st = mst_set_error(MST_ERR_IO, "--dump-grads '%s': rename: %s", path, strerror(errno));

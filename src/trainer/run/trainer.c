@@ -19,6 +19,7 @@
 #include "checkpoint.h"
 #include "planner.h"
 #include "trainer/io/plot.h"
+#include "trainer/model/ops.h"
 #include "report.h"
 
 /* The largest group of any layer so far (host read: the rerun path only). */
@@ -151,19 +152,44 @@ static mst_status save(mst_model* m, const mst_train_config* cfg, int64_t step, 
     return mst_ckpt_save(m, cfg, step, rng, res, dir);
 }
 
+/* After each forward entry that ran the main head (the chunk of layer
+ * L-1): its logits again, the same op on the same inputs (the final norm's
+ * output and the head), into user: float [M, N, V] at the microbatch's rows.
+ * m->logits is free between entries (the backward reads d logits). */
+static mst_status main_logits(mst_model* m, int32_t entry, void* user) {
+    const mst_sched_entry e = m->sched[entry];
+    const mst_model_config* c = &m->cfg;
+    if (e.backward || e.chunk != (c->layers - 1) / m->layers_per_chunk) return MST_OK;
+    const int64_t N = c->batch * c->seq, V = c->vocab;
+    uint16_t* h = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)(N * V));
+    mst_status st = h ? mst_op_linear(m, N, c->hidden, V, m->micro[e.microbatch].xf, m->w + m->head, m->logits)
+                      : mst_set_error(MST_ERR_OOM, "--dump-grads: logits");
+    if (st == MST_OK) st = mst_copy_b2h(m->ctx, h, m->logits, sizeof(uint16_t) * (size_t)(N * V));
+    if (st == MST_OK) mst_bf16_to_fp32_array((float*)user + e.microbatch * N * V, h, (size_t)(N * V));
+    free(h);
+    return st;
+}
+
 /* --dump-grads: step 1's forward and backward on its staged inputs (slot
  * 0) without the optimizer, which gives the gradients the step hands
  * AdamW, written out with the step's tokens and losses; step 1 itself runs
  * after, on the same inputs. */
 static mst_status dump_grads(mst_model* m, const mst_train_config* cfg, const int32_t* tok, mst_train_result* res) {
-    MST_TRY(mst_model_upload(m, 0));
-    MST_TRY(mst_step_eval(m, 1));
+    const int64_t N = m->cfg.batch * m->cfg.seq, V = m->cfg.vocab;
+    float* logits = (float*)malloc(sizeof(float) * (size_t)(m->n_micro * N * V));
+    if (!logits) return mst_set_error(MST_ERR_OOM, "--dump-grads: logits of %lld tokens", (long long)(m->n_micro * N));
+    m->after_entry = main_logits, m->after_entry_user = logits;
+    mst_status st = mst_model_upload(m, 0);
+    if (st == MST_OK) st = mst_step_eval(m, 1);
     mst_step_record r;
-    MST_TRY(mst_step_read(m, &r));
-    if (r.flag) MST_TRY(rerun(m, cfg, res, &r, 1));
-    const double MN = (double)(m->n_micro * m->cfg.batch * m->cfg.seq);
+    if (st == MST_OK) st = mst_step_read(m, &r);
+    if (st == MST_OK && r.flag) st = rerun(m, cfg, res, &r, 1);
+    m->after_entry = NULL, m->after_entry_user = NULL;
+    const double MN = (double)(m->n_micro * N);
     const double loss[3] = {r.loss_main / MN, r.loss_mtp / MN, r.aux / (double)m->n_micro};
-    return mst_ckpt_dump_grads(m, cfg->dump_grads, tok, loss);
+    if (st == MST_OK) st = mst_ckpt_dump_grads(m, cfg->dump_grads, tok, loss, logits);
+    free(logits);
+    return st;
 }
 
 /* --plot: the train loss every step, the eval loss where evaluated. */
