@@ -17,6 +17,20 @@
  * throughout; measured errors are 0.4e-2 .. 3e-2. A wrong term is far
  * outside: dropping the load-balancing gradient (aux_coef 0.1 here so that it
  * matters) gives 0.1 .. 1.0 on most tensors.
+ *
+ * Routing: the reference takes the backend's top-k choices (topk_idx of
+ * every layer, read back after the step) and computes everything else in
+ * float64, so the finite differences are of a smooth function along the
+ * routing the model's gradient is of. Top-k is discontinuous: a token
+ * whose k-th and (k+1)-th router logits are closer than the bf16 noise of
+ * the logits (about 1e-2 here) may choose differently on a backend (CUDA's
+ * GEMMs round otherwise than the CPU's) than in float64, and one such token
+ * moves the loss by far more than any gradient error (renormalised top-k:
+ * rel errs 0.2 .. 0.7 on CUDA before this; the first case has an MTP-layer
+ * token of margin 5.7e-3). Every router logit must be within LOGIT_TOL of
+ * float64, and a flip is allowed only where the reference's margin
+ * (log p_k - log p_k+1, a logit gap) is under MARGIN: a routing bug flips
+ * tokens of any margin and fails. Flips per layer are printed.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -27,10 +41,28 @@
 
 /* ---- float64 reference model (same layout as the model's flat buffer) ---- */
 
+/* Router logits: the backend's within LOGIT_TOL of float64's (measured on
+ * the CPU: 1.0e-2 .. 3.0e-2 absolute, from the bf16 activations below).
+ * Then a token whose two logits at the k-th place differ by more than
+ * MARGIN = 2 LOGIT_TOL in float64 cannot be routed otherwise. */
+#define LOGIT_TOL 5e-2
+#define MARGIN (2 * LOGIT_TOL)
+
+/* Per layer: how the backend's routing compares with the reference's own. */
+typedef struct ref_route {
+    int flips;           /* tokens whose chosen set differs                */
+    double flip_margin;  /* the largest reference margin among them        */
+    double min_margin;   /* the smallest margin of any token               */
+    double logit_err;    /* max |backend's router logit - float64's|       */
+} ref_route;
+
 typedef struct ref {
     const mst_model* m;     /* layout and config only */
     const double* w;        /* [n_params] */
     const int32_t* tok;     /* [B, T+2] */
+    const int32_t* route;   /* [L+1, N k] the backend's top-k choices */
+    const float* logits;    /* [L+1, N, E] the backend's router logits */
+    ref_route* seen;        /* [L+1] filled by ref_loss when not NULL */
 } ref;
 
 static void ref_norm(const double* x, const double* w, int64_t n, int64_t h, double eps, double* y) {
@@ -138,9 +170,39 @@ static double ref_lb_loss(const ref* R, const ref_lb* s) {
     return c->aux_coef * (double)c->experts * aux;
 }
 
-/* The MoE block: softmax router, top-k renormalised (norm_topk_prob), SwiGLU
- * experts scaled by their weights, summed; its statistics into *lb. x [N, H]
- * -> y [N, H]. */
+/* The reference's own top-k of probabilities p [E] into own [k] (ties to
+ * the lower index); returns the margin log p_k - log p_k+1. */
+static double ref_topk(const double* p, int64_t E, int64_t K, int64_t* own) {
+    double next = 0;
+    for (int64_t k = 0; k <= K && k < E; k++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t u = 0; u < k; u++) taken |= own[u] == e;
+            if (!taken && (best < 0 || p[e] > p[best])) best = e;
+        }
+        if (k < K) own[k] = best;
+        else next = p[best];
+    }
+    return K < E ? log(p[own[K - 1]]) - log(next) : INFINITY;
+}
+
+/* Records token t's routing: the backend's chosen set idx [k] against the
+ * reference's own [k] of margin `margin`. */
+static void ref_see(ref_route* s, const int32_t* idx, const int64_t* own, int64_t K, double margin) {
+    int same = 1;
+    for (int64_t k = 0; k < K; k++) {
+        int found = 0;
+        for (int64_t u = 0; u < K; u++) found |= idx[u] == own[k];
+        same &= found;
+    }
+    if (!same) s->flips++, s->flip_margin = fmax(s->flip_margin, margin);
+    s->min_margin = fmin(s->min_margin, margin);
+}
+
+/* The MoE block: softmax router, top-k (the backend's choices, R->route)
+ * renormalised (norm_topk_prob), SwiGLU experts scaled by their weights,
+ * summed; its statistics into *lb. x [N, H] -> y [N, H]. */
 static void ref_moe(const ref* R, int32_t l, const double* x, double* y, ref_lb* lb) {
     const mst_model_config* c = &R->m->cfg;
     const mst_layer_params* P = &R->m->lp[l];
@@ -154,20 +216,19 @@ static void ref_moe(const ref* R, int32_t l, const double* x, double* y, ref_lb*
     for (int64_t t = 0; t < N; t++) {
         double* p = pr + t * E;
         double mx = -INFINITY, s = 0, chosen_sum = 0;
+        for (int64_t e = 0; R->seen && e < E; e++)
+            R->seen[l].logit_err = fmax(R->seen[l].logit_err, fabs(p[e] - R->logits[(l * N + t) * E + e]));
         for (int64_t e = 0; e < E; e++) mx = fmax(mx, p[e]);
         for (int64_t e = 0; e < E; e++) s += (p[e] = exp(p[e] - mx));
         for (int64_t e = 0; e < E; e++) lb->psum[e] += (p[e] /= s);
-        int64_t chosen[64];
+        int64_t chosen[64], own[64];
+        const int32_t* idx = R->route + (l * N + t) * K;
+        const double margin = ref_topk(p, E, K, own);
+        if (R->seen) ref_see(&R->seen[l], idx, own, K, margin);
         for (int64_t k = 0; k < K; k++) {
-            int64_t best = -1;
-            for (int64_t e = 0; e < E; e++) {
-                int taken = 0;
-                for (int64_t u = 0; u < k; u++) taken |= chosen[u] == e;
-                if (!taken && (best < 0 || p[e] > p[best])) best = e;
-            }
-            chosen[k] = best;
-            chosen_sum += p[best];
-            lb->load[best] += 1;
+            chosen[k] = idx[k];
+            chosen_sum += p[idx[k]];
+            lb->load[idx[k]] += 1;
         }
         for (int64_t k = 0; k < K; k++) {
             const int64_t e = chosen[k];
@@ -277,6 +338,58 @@ static double check_kind(ref* R, double* w, const float* grad, const pkind* k, m
     return den > 0 ? sqrt(num / den) : sqrt(num);
 }
 
+/* route [L+1, N k], logits [L+1, N, E]: the top-k choices and router
+ * logits of every layer of m's last step (microbatch 0). A layer that m recomputes runs in a slot that later
+ * layers reuse, so such a model (mem not NULL) is asked through a twin
+ * keeping every activation, run on the same weights and tokens (the same
+ * forward), whose per-layer loads must equal m's. */
+static void read_routing(mst_ctx_t* ctx, mst_model* m, const mst_mem_config* mem, const int32_t* tok,
+                         const float* hyper, int32_t* route, float* logits) {
+    const mst_model_config* c = &m->cfg;
+    const int64_t NK = c->batch * c->seq * c->top_k, NE = c->batch * c->seq * c->experts;
+    const int64_t LE = (int64_t)(c->layers + 1) * c->experts;
+    mst_model* src = m;
+    if (mem) {
+        CHECK_OK(mst_model_create(ctx, c, 1, NULL, &src));
+        if (!src) return;
+        CHECK_OK(mst_copy_b2b(ctx, src->w, m->w, sizeof(uint16_t) * (size_t)m->n_params));
+        CHECK_OK(mst_model_stage(src, 0, tok, hyper));
+        CHECK_OK(mst_model_upload(src, 0));
+        CHECK_OK(mst_model_step(src, 1));
+        int32_t* loads = (int32_t*)malloc(sizeof(int32_t) * (size_t)(2 * LE));
+        CHECK_OK(mst_copy_b2h(ctx, loads, m->micro[0].loads, sizeof(int32_t) * (size_t)LE));
+        CHECK_OK(mst_copy_b2h(ctx, loads + LE, src->micro[0].loads, sizeof(int32_t) * (size_t)LE));
+        CHECK(memcmp(loads, loads + LE, sizeof(int32_t) * (size_t)LE) == 0,
+              "the loads of the model and of its twin keeping every activation differ");
+        free(loads);
+    }
+    for (int32_t l = 0; l <= c->layers; l++) {
+        CHECK_OK(mst_copy_b2h(ctx, route + l * NK, src->micro[0].acts[l].topk_idx, sizeof(int32_t) * (size_t)NK));
+        CHECK_OK(mst_copy_b2h(ctx, logits + l * NE, src->micro[0].acts[l].rlogits, sizeof(float) * (size_t)NE));
+    }
+    for (int64_t i = 0; i < (c->layers + 1) * NK; i++)
+        CHECK(route[i] >= 0 && route[i] < c->experts, "topk_idx[%lld] = %d: not an expert", (long long)i, route[i]);
+    if (src != m) mst_model_destroy(src);
+}
+
+/* Prints each layer's tokens routed otherwise than in float64 and checks
+ * they are near ties (margin under MARGIN) and the logits within LOGIT_TOL. */
+static void check_routing(const mst_model_config* c, const ref_route* seen, const char* label) {
+    printf("    routing flips vs float64 (of %lld tokens; margin: log p_k - log p_k+1):\n",
+           (long long)(c->batch * c->seq));
+    for (int32_t l = 0; l <= c->layers; l++) {
+        char name[16];
+        snprintf(name, sizeof name, l < c->layers ? "layer %d" : "mtp", l);
+        printf("      %-8s %d flipped (largest margin %.2e), smallest margin %.2e, logits off by %.2e\n", name,
+               seen[l].flips, seen[l].flip_margin, seen[l].min_margin, seen[l].logit_err);
+        CHECK(seen[l].logit_err < LOGIT_TOL, "%s, %s: router logits off float64 by %.3e (bound %.0e)", label, name,
+              seen[l].logit_err, LOGIT_TOL);
+        CHECK(seen[l].flips == 0 || seen[l].flip_margin < MARGIN,
+              "%s, %s: a token of margin %.3e routed otherwise than in float64 (bound %.0e)", label, name,
+              seen[l].flip_margin, MARGIN);
+    }
+}
+
 /* The gradients of one model under the memory configuration mem (NULL:
  * every activation kept) against float64 finite differences. */
 /* The attention shape and the two switches of one case. */
@@ -322,8 +435,14 @@ static void check_model(mst_ctx_t* ctx, const mst_mem_config* mem, grad_case g, 
     CHECK_OK(mst_copy_b2h(ctx, grad, m->grad, sizeof(float) * (size_t)m->n_params));
     CHECK_OK(mst_copy_b2h(ctx, w16, m->w, sizeof(uint16_t) * (size_t)m->n_params));
     for (int64_t i = 0; i < m->n_params; i++) w[i] = mst_bf16_to_fp32(w16[i]);
+    const int64_t NK = c.batch * c.seq * c.top_k;
+    int32_t* route = (int32_t*)malloc(sizeof(int32_t) * (size_t)((c.layers + 1) * NK));
+    float* logits = (float*)malloc(sizeof(float) * (size_t)((c.layers + 1) * NK / c.top_k * c.experts));
+    ref_route seen[8];
+    for (int32_t l = 0; l <= c.layers; l++) seen[l] = (ref_route){0, 0, INFINITY, 0};
+    read_routing(ctx, m, mem, tok, hyper, route, logits);
     /* the loss itself: model (fp32 sums of bf16 activations) vs float64 */
-    ref R = {m, w, tok};
+    ref R = {m, w, tok, route, logits, seen};
     float lm[10], lt[10], aux[3];
     CHECK_OK(mst_copy_b2h(ctx, lm, m->loss_main, sizeof lm));
     CHECK_OK(mst_copy_b2h(ctx, lt, m->loss_mtp, sizeof lt));
@@ -332,6 +451,8 @@ static void check_model(mst_ctx_t* ctx, const mst_mem_config* mem, grad_case g, 
     for (int i = 0; i < 10; i++) got += (lm[i] + c.mtp_weight * lt[i]) / 10.0;
     got += (double)aux[0] + aux[1] + aux[2];
     double want = ref_loss(&R);
+    R.seen = NULL;
+    check_routing(&c, seen, label);
     CHECK(fabs(got - want) < 1e-2 * fabs(want), "loss %.6f vs float64 reference %.6f", got, want);
     const mst_layer_params* L0 = &m->lp[0];
     const mst_layer_params* L1 = &m->lp[1];
@@ -359,6 +480,8 @@ static void check_model(mst_ctx_t* ctx, const mst_mem_config* mem, grad_case g, 
         printf("    %-22s rel err %.2e\n", kinds[k].name, err);
         CHECK(err < 5e-2, "%s, %s: gradient rel err %.3e vs float64 finite differences", label, kinds[k].name, err);
     }
+    free(route);
+    free(logits);
     free(grad);
     free(w16);
     free(w);
