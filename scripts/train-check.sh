@@ -17,7 +17,7 @@ if [ ! -x "$build/moestash" ]; then
     { tail -20 "$out/train-build.log"; exit 1; }
 fi
 bin=$build/moestash
-small="--steps 12 --hidden 64 --ffn 128 --heads 4 --seq 64 --batch 8 --layers 2 --experts 8 --top-k 2 --ep 2 --lr 3e-3 --warmup 4"
+small="--steps 12 --hidden 64 --ffn 128 --heads 4 --kv-heads 2 --head-dim 16 --seq 64 --batch 8 --layers 2 --experts 8 --top-k 2 --ep 2 --lr 3e-3 --warmup 4"
 rc=0
 "$bin" train --backend cpu $small --quiet --json "$out/train-cpu.json" >"$out/train-cpu.log" 2>&1 || rc=1
 "$bin" train --backend cuda $small --json "$out/train-cuda.json" >"$out/train-cuda.log" 2>&1 || rc=1
