@@ -108,7 +108,7 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            "                            151936, rope theta 1e6, untied head, T 2048, B 1, 8 microbatches, 1f1b\n"
            "                            (fit it with --layers N, --gpus N; flags given after a preset override it)\n"
            "  --json FILE               write losses, timings and the memory table as JSON\n"
-           "  --save DIR                checkpoints: DIR/step-N every --save-every N steps and DIR/final\n"
+           "  --save DIR                checkpoints: DIR/step-N every --save-every N steps and DIR/final,\n"
 
            "                            each a Hugging Face model directory (config.json, model.safetensors with\n"
            "                            the hub's names; transformers' from_pretrained reads it) with the MTP\n"
