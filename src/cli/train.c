@@ -602,8 +602,8 @@ int mst_cmd_train(int argc, char** argv) {
                res.loss[res.steps - 1], res.mtp_loss[f], res.mtp_loss[res.steps - 1], (long long)(res.steps - f),
                res.seconds, (long long)res.reruns);
         if (isfinite(res.eval_loss[res.steps - 1]))
-            printf("eval loss %.4f (%.3f bits per byte) on held-out text\n", res.eval_loss[res.steps - 1],
-                   res.eval_loss[res.steps - 1] / log(2.0));
+            printf("eval loss %.4f (%.3f bits per %s) on held-out data\n", res.eval_loss[res.steps - 1],
+                   res.eval_loss[res.steps - 1] / log(2.0), t.cfg.model.vocab == 256 ? "byte" : "token");
         if (t.json) st = mst_train_write_json(t.json, &t.cfg, &res, mst_ctx_describe(ctx));
     }
     if (st != MST_OK) {

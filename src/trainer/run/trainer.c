@@ -278,7 +278,8 @@ static mst_status train_loop(mst_model* m, mst_data* d, mst_data* e, const mst_t
                     (double)mst_optim_lr(&cfg->optim, i + 1), res->tok_per_s[i],
                     (double)in_use / (1 << 20), (long long)res->reruns, (long long)res->captures);
             if (isfinite(res->eval_loss[i]))
-                fprintf(progress, " | eval %.4f (%.3f bits/byte)", res->eval_loss[i], res->eval_loss[i] / log(2.0));
+                fprintf(progress, " | eval %.4f (%.3f bits/%s)", res->eval_loss[i], res->eval_loss[i] / log(2.0),
+                        cfg->model.vocab == 256 ? "byte" : "token");
             fprintf(progress, "\n");
             fflush(progress);
         }
