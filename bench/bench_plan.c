@@ -194,9 +194,9 @@ int mst_bench_plan(int argc, char** argv) {
     mst_status st = MST_OK;
     for (int i = 0; i < ng; i++) {
         mst_train_config c = cfg;
-        c.mem.policy = g[i].policy;
         c.mem.recompute_full = g[i].full;
-        st = mst_recompute_parse(g[i].recompute, &c.mem.recompute);
+        st = mst_policy_spec_parse(g[i].policy, c.mem.policy.name);
+        if (st == MST_OK) st = mst_recompute_parse(g[i].recompute, &c.mem.recompute);
         if (st == MST_OK) st = measure(ctx, &c, &g[i].peak, &g[i].step_s, i == 0 ? &keep_acts : NULL, NULL);
         g[i].ok = st == MST_OK;
         if (g[i].ok) printf("  grid %-44s peak %8.3f GiB  step %9.3f ms\n", g[i].label, gib(g[i].peak), 1e3 * g[i].step_s);

@@ -213,8 +213,10 @@ static mst_status op_table(mst_ctx_t* ctx, const mst_train_config* cfg, const ch
         double sum = 0;
         for (int i = 0; i < g_n_rows; i++) sum += g_rows[i].s;
         qsort(g_rows, (size_t)g_n_rows, sizeof *g_rows, cmp_row);
+        char policy[MST_POLICY_SPEC_MAX] = "?";
+        mst_policy_spec_format(cfg->mem.policy.name, policy, sizeof policy);
         printf("  per-op time of one eager sized step, %s, policy %s: step %.2f ms eager unsynchronized; ops "
-               "synchronized one by one:\n", label, cfg->mem.policy, 1e3 * whole);
+               "synchronized one by one:\n", label, policy, 1e3 * whole);
         for (int i = 0; i < g_n_rows; i++)
             printf("    %-16s %8.3f ms %5.1f%%  %5lld calls\n", g_rows[i].name, 1e3 * g_rows[i].s,
                    100 * g_rows[i].s / sum, (long long)g_rows[i].n);
@@ -228,7 +230,8 @@ static mst_status op_table(mst_ctx_t* ctx, const mst_train_config* cfg, const ch
 
 typedef struct train_fig {
     const char* config;        /* "gpu default" or the preset's name           */
-    const char* policy;
+    const char* policy;        /* the --policies item                          */
+    mst_policy name[MST_N_SAVED]; /* policy, parsed                           */
     double eager_tok_s, graph_tok_s;  /* medians                               */
     double flops;              /* model FLOPs of one step                      */
     double tokens;             /* tokens of one step                           */
@@ -241,7 +244,7 @@ static mst_status measure(mst_ctx_t* ctx, mst_train_config cfg, int64_t S, train
     cfg.steps = 2 * S;
     cfg.optim.steps = cfg.steps;
     cfg.graph_from = S + 1;
-    cfg.mem.policy = f->policy;
+    memcpy(cfg.mem.policy.name, f->name, sizeof f->name);
     mst_train_result r = {0};
     mst_status st = mst_train_run(ctx, &cfg, NULL, &r);
     if (st == MST_OK) {
@@ -317,6 +320,16 @@ int mst_bench_train(int argc, char** argv) {
     }
     if (layers) pre.model.layers = (int32_t)layers; /* a preset cut to what fits one GPU */
     pre.model.capacity_factor = (float)pre.model.ep;
+    char buf[256];
+    const char* pol[8];
+    mst_policy pv[8][MST_N_SAVED];
+    int n_pol = 0;
+    snprintf(buf, sizeof buf, "%s", policies);
+    for (char* p = strtok(buf, ","); p && n_pol < 8; p = strtok(NULL, ",")) {
+        if (mst_policy_spec_parse(p, pv[n_pol]) != MST_OK)
+            return mst_cli_bad("moestash bench train", "--policies", policies, mst_last_error());
+        pol[n_pol++] = p;
+    }
     if (!mst_backend_available(MST_BACKEND_CUDA)) {
         fprintf(stderr, "moestash bench train: needs a CUDA device\n");
         return 2;
@@ -333,11 +346,6 @@ int mst_bench_train(int argc, char** argv) {
            "heads 2 H V, the MTP projection 2 H^2) + 6 T^2 NH D per layer and sequence (causal attention); "
            "%lld eager then %lld graph steps per run, medians\n",
            mst_ctx_describe(ctx), dense, (long long)S, (long long)S);
-    char buf[256];
-    const char* pol[8];
-    int n_pol = 0;
-    snprintf(buf, sizeof buf, "%s", policies);
-    for (char* p = strtok(buf, ","); p && n_pol < 8; p = strtok(NULL, ",")) pol[n_pol++] = p;
     train_fig figs[16];
     int n = 0;
     for (int c = 0; c < (preset ? 2 : 1) && st == MST_OK; c++)
@@ -346,11 +354,12 @@ int mst_bench_train(int argc, char** argv) {
             memset(f, 0, sizeof *f);
             f->config = c ? preset : "gpu default";
             f->policy = pol[i];
+            memcpy(f->name, pv[i], sizeof f->name);
             st = measure(ctx, c ? pre : base, S, f);
             if (st == MST_OK) print_fig(&figs[n++], dense);
             if (st == MST_OK && ops) {
                 mst_train_config oc = c ? pre : base;
-                oc.mem.policy = pol[i];
+                memcpy(oc.mem.policy.name, pv[i], sizeof pv[i]);
                 st = op_table(ctx, &oc, f->config);
             }
         }

@@ -267,6 +267,13 @@ MST_API mst_status mst_policy_parse(const char* s, mst_policy* out);
  * an unknown name or policy, a name given twice, a bare policy among items,
  * recompute for a name other than fc2_input. */
 MST_API mst_status mst_policy_spec_parse(const char* spec, mst_policy out[MST_N_SAVED]);
+/* The spec of p[] that mst_policy_spec_parse reads back as p[]: the policy
+ * when every name has it ("recompute" when fc2_input alone is recomputed),
+ * else NAME=POLICY for every name in mst_saved_name order. MST_ERR_INVALID
+ * for a value that is not a policy (or recompute beside a name other than
+ * fc2_input) or an out[size] too small (MST_POLICY_SPEC_MAX holds any). */
+#define MST_POLICY_SPEC_MAX 96
+MST_API mst_status mst_policy_spec_format(const mst_policy p[MST_N_SAVED], char* out, size_t size);
 /* The shape of saved tensor `name` of a grouped MLP of width `hidden` and
  * `ffn`: [R, *cols] of *dtype (the table in the comments of mst_saved_name). */
 MST_API mst_status mst_saved_shape(mst_saved_name name, int64_t hidden, int64_t ffn, int64_t* cols,

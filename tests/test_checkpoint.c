@@ -40,7 +40,7 @@ static mst_train_config tiny(int64_t hidden) {
     t.model = m;
     t.optim = o;
     t.mem = mst_mem_config_default();
-    t.mem.policy = "fc1_input=stash,act_input=offload";
+    CHECK_OK(mst_policy_spec_parse("fc1_input=stash,act_input=offload", t.mem.policy.name));
     t.mem.recompute = (mst_recompute_config){sizeof(mst_recompute_config), MST_RECOMPUTE_UNIFORM, 1};
     t.mem.schedule = MST_SCHEDULE_1F1B;
     t.mem.pool_factor = 1.25;
@@ -243,7 +243,8 @@ static void round_trip(mst_ctx_t* ctx, const char* dir, size_t shard_bytes) {
     const mst_train_config* r = &meta.cfg;
     CHECK(memcmp(&r->model, &cfg.model, sizeof cfg.model) == 0, "model config differs after the round trip");
     CHECK(memcmp(&r->optim, &cfg.optim, sizeof cfg.optim) == 0, "optimizer config differs after the round trip");
-    CHECK(r->mem.policy && strcmp(r->mem.policy, cfg.mem.policy) == 0, "policy '%s'", r->mem.policy ? r->mem.policy : "(null)");
+    CHECK(memcmp(&r->mem.policy, &cfg.mem.policy, sizeof cfg.mem.policy) == 0, "policy (%d %d %d %d)", r->mem.policy.name[0],
+          r->mem.policy.name[1], r->mem.policy.name[2], r->mem.policy.name[3]);
     CHECK(r->data_path && strcmp(r->data_path, cfg.data_path) == 0, "data '%s'", r->data_path ? r->data_path : "(null)");
     CHECK(r->mem.schedule == MST_SCHEDULE_1F1B && r->mem.pool_factor == 1.25 && r->microbatches == 2 && r->steps == 7,
           "schedule %d, pool factor %g, microbatches %d, steps %lld", (int)r->mem.schedule, r->mem.pool_factor,

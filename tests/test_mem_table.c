@@ -25,7 +25,7 @@ static mst_train_config tiny(const char* policy, mst_schedule_kind sched) {
     t.model = m;
     t.optim = o;
     t.mem = mst_mem_config_default();
-    t.mem.policy = policy;
+    CHECK_OK(mst_policy_spec_parse(policy, t.mem.policy.name));
     t.mem.schedule = sched;
     t.microbatches = 3;
     t.steps = 3;

@@ -499,7 +499,7 @@ static void run(mst_ctx_t* ctx) {
     mst_mem_config block = mst_mem_config_default();
     block.recompute = (mst_recompute_config){sizeof(mst_recompute_config), MST_RECOMPUTE_BLOCK, 1};
     block.recompute_mtp = 1;
-    block.policy = "stash";
+    CHECK_OK(mst_policy_spec_parse("stash", block.policy.name));
     check_model(ctx, &block, (grad_case){2, 2, 8, 1, 1}, "whole-layer recompute block:1 + --recompute-mtp, stash");
 }
 

@@ -57,7 +57,7 @@ static size_t budgets(mst_ctx_t* ctx, mst_schedule_kind sched, const double* at,
     cfg.mem.schedule = sched;
     mst_train_result off = {0};
     CHECK_OK(mst_train_run(ctx, &cfg, NULL, keep));
-    cfg.mem.policy = "offload";
+    CHECK_OK(mst_policy_spec_parse("offload", cfg.mem.policy.name));
     CHECK_OK(mst_train_run(ctx, &cfg, NULL, &off));
     const size_t hi = keep->mem.peak, lo = off.mem.peak;
     CHECK(lo < hi && same_run(keep, &off), "%s: all-OFFLOAD peak %zu, all-KEEP %zu (bits %s)",
@@ -192,7 +192,7 @@ static void two_ranks(mst_backend_kind kind) {
     mst_train_result keep[W], off[W], r[W];
     memset(keep, 0, sizeof keep), memset(off, 0, sizeof off), memset(r, 0, sizeof r);
     CHECK_OK(mst_train_ranks(kind, &c, W, 0, NULL, NULL, keep));
-    c.mem.policy = "offload";
+    CHECK_OK(mst_policy_spec_parse("offload", c.mem.policy.name));
     CHECK_OK(mst_train_ranks(kind, &c, W, 0, NULL, NULL, off));
     const size_t hi = keep[0].mem_max.peak, lo = off[0].mem_max.peak;
     CHECK(lo < hi, "2 ranks: all-OFFLOAD peak %zu, all-KEEP %zu", lo, hi);

@@ -31,7 +31,7 @@ static mst_train_config tiny(const char* data) {
     t.model = m;
     t.optim = o;
     t.mem = mst_mem_config_default();
-    t.mem.policy = "stash";
+    CHECK_OK(mst_policy_spec_parse("stash", t.mem.policy.name));
     t.microbatches = 2;
     t.steps = STEPS;
     t.graph_from = 2; /* CUDA: steps after the first replayed from the captured step */

@@ -37,7 +37,7 @@ static mst_train_config config(void) {
     t.model = m;
     t.optim = o;
     t.mem = mst_mem_config_default();
-    t.mem.policy = "stash";
+    CHECK_OK(mst_policy_spec_parse("stash", t.mem.policy.name));
     t.microbatches = 2;
     t.steps = 4;
     return t;

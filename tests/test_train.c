@@ -90,7 +90,7 @@ static void training(mst_ctx_t* ctx) {
     if (overflow.loss) same_losses(&base, &overflow, "forced overflow");
 
     cfg = tiny();
-    cfg.mem.policy = "stash";
+    CHECK_OK(mst_policy_spec_parse("stash", cfg.mem.policy.name));
     cfg.mem.pool_factor = 0.5; /* pools at half the measured peak: every sized step overflows */
     CHECK_OK(mst_train_run(ctx, &cfg, NULL, &tight));
     CHECK(tight.reruns == cfg.steps - 1 && tight.mem.manager.overflows == cfg.steps - 1,
@@ -106,7 +106,7 @@ static void training(mst_ctx_t* ctx) {
         cfg.microbatches = 2;
         cfg.mem.schedule = kinds[k];
         cfg.mem.virtual_stages = kinds[k] == MST_SCHEDULE_INTERLEAVED ? 2 : 1;
-        cfg.mem.policy = "stash";
+        CHECK_OK(mst_policy_spec_parse("stash", cfg.mem.policy.name));
         mst_train_result r = {0};
         CHECK_OK(mst_train_run(ctx, &cfg, NULL, &r));
         if (r.loss)
@@ -139,7 +139,7 @@ static void check_policies(mst_ctx_t* ctx) {
     memset(res, 0, sizeof res);
     for (int i = 0; i < N; i++) {
         mst_train_config c = cfg;
-        c.mem.policy = runs[i][0];
+        CHECK_OK(mst_policy_spec_parse(runs[i][0], c.mem.policy.name));
         CHECK_OK(mst_recompute_parse(runs[i][1], &c.mem.recompute));
         CHECK_OK(mst_train_run(ctx, &c, NULL, &res[i]));
         if (!res[i].loss || !res[0].loss || i == 0) continue;
@@ -208,7 +208,7 @@ static void graph_vs_eager(mst_ctx_t* ctx) {
         mst_train_config cfg = tiny();
         cfg.steps = 6;
         cfg.microbatches = 2;
-        cfg.mem.policy = cases[i].policy;
+        CHECK_OK(mst_policy_spec_parse(cases[i].policy, cfg.mem.policy.name));
         cfg.mem.schedule = cases[i].sched;
         cfg.mem.virtual_stages = cases[i].sched == MST_SCHEDULE_INTERLEAVED ? 2 : 1;
         cfg.force_over_budget = cases[i].over;

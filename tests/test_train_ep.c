@@ -164,7 +164,7 @@ static void bits_on_two_ranks(void) {
     memset(base, 0, sizeof base);
     for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {
         mst_train_config c = small(2, 2, 8);
-        c.mem.policy = runs[i].policy;
+        CHECK_OK(mst_policy_spec_parse(runs[i].policy, c.mem.policy.name));
         CHECK_OK(mst_recompute_parse(runs[i].recompute, &c.mem.recompute));
         c.force_over_budget = runs[i].over;
         c.force_overflow = runs[i].overflow;
@@ -190,7 +190,7 @@ static void bits_on_two_ranks(void) {
 /* CUDA: the step captured once per rank and replayed against eager steps. */
 static void graph_on_two_ranks(void) {
     mst_train_config c = small(2, 2, 8);
-    c.mem.policy = "stash";
+    CHECK_OK(mst_policy_spec_parse("stash", c.mem.policy.name));
     mst_train_result eager[2], graph[2];
     memset(eager, 0, sizeof eager);
     memset(graph, 0, sizeof graph);

@@ -293,10 +293,8 @@ static int parse_flag(train_cli* t, mst_args* a) {
         return 0;
     }
     if (mst_args_is(a, "--policy")) {
-        mst_policy pol[MST_N_SAVED];
-        if ((rc = mst_args_str(a, &v))) return rc;
-        t->policy = t->cfg.mem.policy = v;
-        return mst_policy_spec_parse(v, pol) == MST_OK ? 0 : mst_args_bad(a, v, mst_last_error());
+        if ((rc = mst_args_str(a, &t->policy))) return rc; /* parsed here once, carried typed */
+        return mst_policy_spec_parse(t->policy, t->cfg.mem.policy.name) == MST_OK ? 0 : mst_args_bad(a, t->policy, mst_last_error());
     }
     if (mst_args_is(a, "--recompute")) {
         if ((rc = mst_args_str(a, &t->recompute))) return rc;
@@ -350,7 +348,6 @@ static int resumed(int argc, char** argv, train_cli* t, mst_ckpt_meta* meta) {
     if (t->cfg.eval_every) c.eval_every = t->cfg.eval_every;
     if (t->cfg.eval_batches) c.eval_batches = t->cfg.eval_batches;
     t->cfg = c;
-    t->policy = c.mem.policy;
     return 0;
 }
 
@@ -557,6 +554,8 @@ int mst_cmd_train(int argc, char** argv) {
     const int rank0 = t.l.rank == 0;
     FILE* out = rank0 ? stdout : NULL; /* only rank 0 prints */
     const mst_model_config* m = &t.cfg.model;
+    char policy[MST_POLICY_SPEC_MAX] = "?";
+    mst_policy_spec_format(t.cfg.mem.policy.name, policy, sizeof policy);
     if (!t.quiet && rank0)
         printf("moestash train on %s%s\n  H=%lld F=%lld heads=%lld/%lld D=%lld V=%lld T=%lld B=%lld M=%d L=%d E=%d k=%d ep=%d cf=%g "
                "max_rows=%lld mtp-weight=%g steps=%lld data=%s\n  schedule %s, policy %s, recompute %s, graph %s, "
@@ -567,7 +566,7 @@ int mst_cmd_train(int argc, char** argv) {
                (long long)m->head_dim, (long long)m->vocab, (long long)m->seq, (long long)m->batch, t.cfg.microbatches, m->layers, m->experts,
                m->top_k, m->ep, (double)m->capacity_factor, (long long)mst_model_max_rows(m, t.gpus > 1 ? (int32_t)t.gpus : 1),
                (double)m->mtp_weight, (long long)t.cfg.steps, t.cfg.data_path ? t.cfg.data_path : "synthetic",
-               mst_schedule_kind_str(t.cfg.mem.schedule), t.cfg.memory_budget ? "planned (--memory-budget)" : t.cfg.mem.policy,
+               mst_schedule_kind_str(t.cfg.mem.schedule), t.cfg.memory_budget ? "planned (--memory-budget)" : policy,
                t.cfg.memory_budget ? "planned" : t.recompute ? t.recompute : "none",
                t.cfg.graph_from ? "on" : "off", flash ? "flash" : "cublas", attn_note[0] ? "; " : "", attn_note);
     mst_train_result res = {0};

@@ -5,6 +5,7 @@
  *
  * Every name has its own slot, so a policy moves only the tensor it names.
  */
+#include <stdio.h>
 #include <string.h>
 
 #include "../core/context.h"
@@ -95,6 +96,24 @@ mst_status mst_policy_spec_parse(const char* spec, mst_policy out[MST_N_SAVED]) 
         if (!end) return MST_OK;
         item = end + 1;
     }
+}
+
+mst_status mst_policy_spec_format(const mst_policy p[MST_N_SAVED], char* out, size_t size) {
+    if (!p || !out || !size) return mst_set_error(MST_ERR_INVALID, "policy spec format: p or out is NULL or size 0");
+    int uniform = 1, recompute = 1;
+    for (int n = 0; n < MST_N_SAVED; n++) {
+        if ((unsigned)p[n] >= MST_N_POLICIES || (p[n] == MST_POLICY_RECOMPUTE && n != MST_SAVED_FC2_INPUT))
+            return mst_set_error(MST_ERR_INVALID, "policy spec format: %s = %d is not a policy of it",
+                                 mst_saved_name_str((mst_saved_name)n), (int)p[n]);
+        uniform &= p[n] == p[0];
+        recompute &= p[n] == (n == MST_SAVED_FC2_INPUT ? MST_POLICY_RECOMPUTE : MST_POLICY_KEEP);
+    }
+    size_t at = 0;
+    if (uniform || recompute) at = (size_t)snprintf(out, size, "%s", mst_policy_str(recompute ? MST_POLICY_RECOMPUTE : p[0]));
+    for (int n = 0; !uniform && !recompute && n < MST_N_SAVED && at < size; n++)
+        at += (size_t)snprintf(out + at, size - at, "%s%s=%s", n ? "," : "", mst_saved_name_str((mst_saved_name)n),
+                               mst_policy_str(p[n]));
+    return at < size ? MST_OK : mst_set_error(MST_ERR_INVALID, "policy spec format: out[%zu] is too small", size);
 }
 
 mst_status mst_saved_shape(mst_saved_name name, int64_t hidden, int64_t ffn, int64_t* cols, mst_dtype* dtype) {

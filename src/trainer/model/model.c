@@ -18,9 +18,13 @@ const char* mst_attn_kind_str(int32_t kind) {
 }
 
 mst_mem_config mst_mem_config_default(void) {
-    mst_mem_config c = {.policy = "keep", .schedule = MST_SCHEDULE_PLAIN, .virtual_stages = 1, .pool_factor = 1.10,
+    mst_mem_config c = {.schedule = MST_SCHEDULE_PLAIN, .virtual_stages = 1, .pool_factor = 1.10,
                         .recompute = MST_RECOMPUTE_CONFIG_INIT, .recompute_full = 1};
     return c;
+}
+
+mst_policy mst_policies_at(const mst_policies* p, int32_t layer, mst_saved_name n) {
+    return p->per_layer ? p->per_layer[layer * MST_N_SAVED + n] : p->name[n];
 }
 
 int64_t mst_model_max_rows(const mst_model_config* c, int32_t world) {
@@ -344,13 +348,12 @@ static mst_status set_plan(mst_model* m, mst_memmgr_t* mm) {
     return st;
 }
 
-/* The planner's per-layer policies and recompute plan. */
-static mst_status set_layer_plan(mst_model* m, mst_memmgr_t* mm) {
-    const mst_mem_config* mc = &m->mem_cfg;
-    for (int32_t l = 0; mc->layer_policy && l <= m->cfg.layers; l++)
+/* The policy of every (layer, name), from the run's typed policies. */
+static mst_status set_policies(mst_model* m, mst_memmgr_t* mm) {
+    for (int32_t l = 0; l <= m->cfg.layers; l++)
         for (int n = 0; n < MST_N_SAVED; n++)
-            MST_TRY(mst_memmgr_set_policy(mm, l, (mst_saved_name)n, mc->layer_policy[l * MST_N_SAVED + n]));
-    return mc->chunk_start ? mst_memmgr_set_recompute_plan(mm, mc->chunk_start) : MST_OK;
+            MST_TRY(mst_memmgr_set_policy(mm, l, (mst_saved_name)n, mst_policies_at(&m->mem_cfg.policy, l, (mst_saved_name)n)));
+    return MST_OK;
 }
 
 /* mst_memmgr_config.share_needs on W ranks: every rank sizes its pools for
@@ -376,27 +379,25 @@ static mst_status make_memmgr(mst_model* m, int64_t R, mst_memmgr_t** out) {
                             .dev_factor = m->mem_cfg.pool_factor, .host_factor = 0.0,
                             .share_needs = m->dist.ep ? share_needs : NULL, .share_user = m};
     MST_TRY(mst_memmgr_create(m->ctx, &mc, out));
-    const char* spec = m->mem_cfg.policy ? m->mem_cfg.policy : "keep";
-    const char* flag = "--policy";
-    mst_status st = m->mem_cfg.layer_policy ? MST_OK : mst_memmgr_set_policy_spec(*out, spec);
-    if (st == MST_OK && (m->mem_cfg.recompute.method != MST_RECOMPUTE_NONE || m->mem_cfg.recompute_mtp)) {
-        flag = "--recompute";
+    const mst_recompute_config* rc = &m->mem_cfg.recompute;
+    char where[64] = "policy"; /* what an error comes from */
+    mst_status st = set_policies(m, *out);
+    if (st == MST_OK && (rc->method != MST_RECOMPUTE_NONE || m->mem_cfg.recompute_mtp)) {
+        if (rc->method == MST_RECOMPUTE_NONE) snprintf(where, sizeof where, "--recompute 'none'");
+        else snprintf(where, sizeof where, "--recompute '%s:%d'", rc->method == MST_RECOMPUTE_UNIFORM ? "uniform" : "block",
+                      rc->num_layers);
         st = set_plan(m, *out);
     }
-    if (st == MST_OK && (m->mem_cfg.layer_policy || m->mem_cfg.chunk_start)) {
-        flag = "--memory-budget";
-        st = set_layer_plan(m, *out);
+    if (st == MST_OK && m->mem_cfg.chunk_start) {
+        snprintf(where, sizeof where, "--memory-budget's recompute plan");
+        st = mst_memmgr_set_recompute_plan(*out, m->mem_cfg.chunk_start);
     }
     if (st != MST_OK) {
         char why[512];
         snprintf(why, sizeof why, "%s", mst_last_error());
         mst_memmgr_destroy(*out);
         *out = NULL;
-        const mst_recompute_config* rc = &m->mem_cfg.recompute;
-        char value[64];
-        if (rc->method == MST_RECOMPUTE_NONE) snprintf(value, sizeof value, "none");
-        else snprintf(value, sizeof value, "%s:%d", rc->method == MST_RECOMPUTE_UNIFORM ? "uniform" : "block", rc->num_layers);
-        return mst_set_error(st, "%s '%s': %s", flag, flag[2] == 'p' ? spec : value, why);
+        return mst_set_error(st, "%s: %s", where, why);
     }
     return MST_OK;
 }

@@ -68,10 +68,21 @@ typedef struct mst_dist {
                              mst_model_ep_config; NULL: one rank              */
 } mst_dist;
 
+/* The policy of each saved grouped-MLP activation (layer, name) of the L+1
+ * layers: per_layer's when set (the memory-budget planner's plan), else
+ * name[n] on every layer. All zero: keep. --policy's spec is parsed once
+ * (mst_policy_spec_parse) into name[]; mst_policy_spec_format prints it. */
+typedef struct mst_policies {
+    mst_policy name[MST_N_SAVED]; /* each name's on every layer (per_layer NULL) */
+    const mst_policy* per_layer;  /* [L+1, MST_N_SAVED] or NULL                  */
+} mst_policies;
+
+/* The policy of (layer, n) under p. */
+mst_policy mst_policies_at(const mst_policies* p, int32_t layer, mst_saved_name n);
+
 /* How the grouped MLP's activations are saved (the memory manager). */
 typedef struct mst_mem_config {
-    const char* policy;             /* "keep" | "stash" | "offload" | "recompute" |
-                                       "fc1_input=stash,..." (NULL: keep)        */
+    mst_policies policy;            /* per (layer, name) (zero: keep)             */
     mst_recompute_config recompute; /* layer recompute (method NONE: off)        */
     int32_t recompute_full;         /* 1 (full): a recomputed layer keeps only its
                                        input; norms, attention, router and the
@@ -84,8 +95,7 @@ typedef struct mst_mem_config {
     mst_schedule_kind schedule;     /* order of forward/backward over microbatches */
     int32_t virtual_stages;         /* chunks of layers (interleaved: >= 2)      */
     double pool_factor;             /* stash pages over the measured peak (1.10) */
-    /* a plan per layer (the memory-budget planner's), over policy / recompute: */
-    const mst_policy* layer_policy; /* [L+1, MST_N_SAVED] or NULL                 */
+    /* the memory-budget planner's recompute plan, over recompute: */
     const int32_t* chunk_start;     /* [L+1] recompute plan (mst_memmgr_set_recompute_plan)
                                        or NULL                                    */
 } mst_mem_config;

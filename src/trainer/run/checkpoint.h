@@ -42,7 +42,6 @@ typedef struct mst_ckpt_meta {
     int64_t step;             /* optimizer steps done                      */
     int32_t ranks;            /* W of the run that wrote it (1: one rank)  */
     uint64_t data_rng;        /* mst_data.rng after `step` steps           */
-    char policy[512];         /* cfg.mem.policy ("" when NULL)             */
     char data_path[4096];     /* cfg.data_path ("" when synthetic)         */
     char eval_path[4096];     /* cfg.eval_path ("" when none)              */
 } mst_ckpt_meta;

@@ -111,7 +111,8 @@ static void write_losses(FILE* f, const mst_train_result* res, int64_t step) {
 
 mst_status mst_ckpt_write_meta(const char* path, const mst_train_config* c, int32_t ranks, int64_t step, uint64_t data_rng,
                                const mst_train_result* res) {
-    MST_TRY(plain_string("--policy", c->mem.policy ? c->mem.policy : ""));
+    char policy[MST_POLICY_SPEC_MAX];
+    MST_TRY(mst_policy_spec_format(c->mem.policy.name, policy, sizeof policy)); /* a plan's per_layer is not kept */
     MST_TRY(plain_string("--data", c->data_path ? c->data_path : ""));
     MST_TRY(plain_string("--eval-data", c->eval_path ? c->eval_path : ""));
     FILE* f = fopen(path, "w");
@@ -122,7 +123,7 @@ mst_status mst_ckpt_write_meta(const char* path, const mst_train_config* c, int3
             (unsigned long long)data_rng);
     write_losses(f, res, step);
     for (int i = 0; i < N_FIELDS; i++) write_field(f, c, &fields[i]);
-    fprintf(f, "  \"config.mem.policy\": \"%s\",\n", c->mem.policy ? c->mem.policy : "");
+    fprintf(f, "  \"config.mem.policy\": \"%s\",\n", policy);
     fprintf(f, "  \"config.mem.recompute\": \"%s\",\n", recompute_names[c->mem.recompute.method]);
     fprintf(f, "  \"config.mem.schedule\": \"%s\",\n", mst_schedule_kind_str(c->mem.schedule));
     fprintf(f, "  \"config.eval_data\": \"%s\",\n", c->eval_path ? c->eval_path : "");
@@ -181,9 +182,9 @@ static mst_status parse_meta(const char* path, const mst_json* j, mst_ckpt_meta*
     for (int i = 0; i < N_FIELDS; i++)
         if (read_field(j, &o->cfg, &fields[i]))
             return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': config.%s missing or not a number", path, fields[i].name);
-    char rec[16], sched[32];
+    char rec[16], sched[32], policy[MST_POLICY_SPEC_MAX];
     if (mst_json_i64(j, mst_json_get(j, 0, "step"), &o->step) || read_hex(j, "data_rng", &o->data_rng) ||
-        mst_json_str(j, mst_json_get(j, 0, "config.mem.policy"), o->policy, sizeof o->policy) ||
+        mst_json_str(j, mst_json_get(j, 0, "config.mem.policy"), policy, sizeof policy) ||
         mst_json_str(j, mst_json_get(j, 0, "config.data"), o->data_path, sizeof o->data_path) ||
         mst_json_str(j, mst_json_get(j, 0, "config.eval_data"), o->eval_path, sizeof o->eval_path) ||
         mst_json_str(j, mst_json_get(j, 0, "config.mem.recompute"), rec, sizeof rec) ||
@@ -193,7 +194,9 @@ static mst_status parse_meta(const char* path, const mst_json* j, mst_ckpt_meta*
     for (int k = 0; k < 3; k++)
         if (strcmp(rec, recompute_names[k]) == 0) o->cfg.mem.recompute.method = (mst_recompute_method)k;
     MST_TRY(mst_schedule_kind_parse(sched, &o->cfg.mem.schedule));
-    o->cfg.mem.policy = o->policy[0] ? o->policy : NULL;
+    memset(&o->cfg.mem.policy, 0, sizeof o->cfg.mem.policy); /* "": keep (an older checkpoint's NULL policy) */
+    if (policy[0] && mst_policy_spec_parse(policy, o->cfg.mem.policy.name) != MST_OK)
+        return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': config.mem.policy: %s", path, mst_last_error());
     o->cfg.data_path = o->data_path[0] ? o->data_path : NULL;
     o->cfg.eval_path = o->eval_path[0] ? o->eval_path : NULL;
     if (o->step < 0 || o->step > o->cfg.steps)

@@ -54,20 +54,29 @@ mst_status mst_train_compare(mst_ctx_t* ctx, const mst_train_config* runs, const
 }
 
 mst_status mst_train_check_policies(mst_ctx_t* ctx, const mst_train_config* cfg, FILE* out, FILE* json) {
-    static const struct { const char* policy; const char* recompute; } runs[] = {
-        {"keep", "none"}, {"stash", "none"}, {"offload", "none"}, {"recompute", "none"},
-        {"fc1_input=stash,act_input=offload,fc2_input=recompute,probs=keep", "none"},
-        {"keep", "uniform:1"}, {"stash", "block:1"},
+#define K MST_POLICY_KEEP
+#define S MST_POLICY_STASH
+#define O MST_POLICY_OFFLOAD
+#define R MST_POLICY_RECOMPUTE
+    static const struct { mst_policy name[MST_N_SAVED]; const char* recompute; } runs[] = { /* [fc1, act, fc2, probs] */
+        {{K, K, K, K}, "none"}, {{S, S, S, S}, "none"}, {{O, O, O, O}, "none"}, {{K, K, R, K}, "none"},
+        {{S, O, R, K}, "none"}, {{K, K, K, K}, "uniform:1"}, {{S, S, S, S}, "block:1"},
     };
+#undef K
+#undef S
+#undef O
+#undef R
     enum { N = sizeof runs / sizeof *runs };
     mst_train_config c[N];
-    char label[N][96];
+    char label[N][MST_POLICY_SPEC_MAX + 32], spec[MST_POLICY_SPEC_MAX];
     const char* labels[N];
     for (int i = 0; i < N; i++) {
         c[i] = *cfg;
-        c[i].mem.policy = runs[i].policy;
+        memcpy(c[i].mem.policy.name, runs[i].name, sizeof runs[i].name);
+        c[i].mem.policy.per_layer = NULL;
         MST_TRY(mst_recompute_parse(runs[i].recompute, &c[i].mem.recompute));
-        snprintf(label[i], sizeof label[i], "%-66s --recompute %-9s", runs[i].policy, runs[i].recompute);
+        MST_TRY(mst_policy_spec_format(runs[i].name, spec, sizeof spec));
+        snprintf(label[i], sizeof label[i], "%-66s --recompute %-9s", spec, runs[i].recompute);
         labels[i] = label[i];
     }
     mst_status st = mst_train_compare(ctx, c, labels, N, out, json);

@@ -15,7 +15,10 @@ static double mib(size_t b) { return (double)b / (1 << 20); }
  * the microbatches in flight only) but z, which is recomputed (so the
  * grouped MLP's workspace for it is made now: workspaces are the context's
  * and stay, a part of every later peak), no layer recompute. */
-#define PROBE_POLICY "fc1_input=stash,act_input=stash,fc2_input=recompute,probs=stash"
+static const mst_policies probe_policy = {.name = {[MST_SAVED_FC1_INPUT] = MST_POLICY_STASH,
+                                                   [MST_SAVED_ACT_INPUT] = MST_POLICY_STASH,
+                                                   [MST_SAVED_FC2_INPUT] = MST_POLICY_RECOMPUTE,
+                                                   [MST_SAVED_PROBS] = MST_POLICY_STASH}};
 
 /* ---- the probe ------------------------------------------------------------------ */
 
@@ -97,7 +100,7 @@ static mst_status bandwidths(mst_ctx_t* ctx, size_t bytes, double* dev_bw, doubl
 
 /* Sizes of the budget model from the probe's memory: the model's categories
  * give a layer's activations per set and the MTP module's; the rest of what
- * is in use (fixed) is what the probe's own plan (PROBE_POLICY) does not
+ * is in use (fixed) is what the probe's own plan (probe_policy) does not
  * explain, and the KEEP step's time is the probe's less what its plan
  * costs. */
 static mst_status probe_sizes(mst_model* m, mst_budget_model* bm, int64_t* rows, double t_probe) {
@@ -188,10 +191,9 @@ static mst_status over_ranks(mst_model* m, mst_plan_report* out, mst_status st) 
 
 static mst_status probe(mst_ctx_t* ctx, const mst_train_config* cfg, mst_data* d, mst_plan_report* out) {
     mst_mem_config mem = cfg->mem;
-    mem.policy = PROBE_POLICY;
+    mem.policy = probe_policy;
     mem.recompute = (mst_recompute_config)MST_RECOMPUTE_CONFIG_INIT; /* none */
     mem.recompute_mtp = 0;
-    mem.layer_policy = NULL;
     mem.chunk_start = NULL;
     mst_budget_model* bm = &out->bm;
     const int32_t W = cfg->dist.ep ? cfg->dist.world : 1;
@@ -245,11 +247,10 @@ mst_status mst_plan_budget(mst_ctx_t* ctx, const mst_train_config* cfg, mst_data
 }
 
 void mst_plan_apply(const mst_plan_report* r, mst_train_config* cfg) {
-    cfg->mem.policy = "keep"; /* layer_policy decides */
     cfg->mem.recompute = (mst_recompute_config)MST_RECOMPUTE_CONFIG_INIT; /* none */
     cfg->mem.recompute_mtp = 0;
     cfg->mem.recompute_full = r->plan.full;
-    cfg->mem.layer_policy = r->plan.policy;
+    cfg->mem.policy = (mst_policies){.per_layer = r->plan.policy}; /* name[]: keep, per_layer decides */
     cfg->mem.chunk_start = r->plan.chunk_start;
     cfg->memory_budget = 0;
 }

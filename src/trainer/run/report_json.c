@@ -33,7 +33,8 @@ mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
     if (!f) return mst_set_error(MST_ERR_IO, "--json '%s': cannot open for writing", path);
     const mst_model_config* c = &cfg->model;
     static const char* const recompute[] = {"none", "uniform", "block"};
-    char rec[32] = "none";
+    char rec[32] = "none", policy[MST_POLICY_SPEC_MAX] = "?";
+    mst_policy_spec_format(cfg->mem.policy.name, policy, sizeof policy);
     if (cfg->mem.recompute.method != MST_RECOMPUTE_NONE)
         snprintf(rec, sizeof rec, "%s:%d", recompute[cfg->mem.recompute.method], cfg->mem.recompute.num_layers);
     fprintf(f, "{\n  \"device\": ");
@@ -48,7 +49,7 @@ mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
             c->norm_topk_prob ? "true" : "false", c->tie_embeddings ? "true" : "false", (long long)c->seq,
             (long long)c->batch, c->layers, c->experts, c->top_k, c->ep, (double)c->capacity_factor,
             cfg->microbatches, mst_schedule_kind_str(cfg->mem.schedule));
-    mst_json_write_string(f, cfg->memory_budget ? "planned" : cfg->mem.policy ? cfg->mem.policy : "keep");
+    mst_json_write_string(f, cfg->memory_budget || cfg->mem.policy.per_layer ? "planned" : policy);
     fprintf(f, ", \"recompute\": \"%s\", \"mtp_weight\": %g, \"steps\": %lld, \"lr\": %g, \"seed\": %llu, \"data\": ",
             rec, (double)c->mtp_weight, (long long)cfg->steps, (double)cfg->optim.lr, (unsigned long long)c->seed);
     if (cfg->data_path) mst_json_write_string(f, cfg->data_path);

@@ -85,8 +85,9 @@ mst_status mst_train_timeline(mst_model* m, const mst_train_config* cfg, const m
     const char* dot = strrchr(cfg->timeline_path, '.');
     const int stem = dot && strcmp(dot, ".svg") == 0 ? (int)(dot - cfg->timeline_path) : (int)strlen(cfg->timeline_path);
     snprintf(keep, sizeof keep, "%.*s-keep.svg", stem, cfg->timeline_path);
-    char title[160];
-    snprintf(title, sizeof title, "backend memory over one step: this run (policy %s)", cfg->mem.policy ? cfg->mem.policy : "keep");
+    char title[160], policy[MST_POLICY_SPEC_MAX] = "?";
+    mst_policy_spec_format(cfg->mem.policy.name, policy, sizeof policy);
+    snprintf(title, sizeof title, "backend memory over one step: this run (policy %s)", cfg->mem.policy.per_layer ? "planned" : policy);
     const int draws = m->dist.rank == 0; /* W ranks: every rank runs the step, rank 0 draws its own memory */
     if (st == MST_OK && draws)
         st = draw_timeline(cfg->timeline_path, title, m, res->mem.run, &p, (double)res->mem.run[MST_ROW_MLP_DEV_PAGES]);
