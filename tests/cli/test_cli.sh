@@ -88,6 +88,7 @@ bad "'stray'" train stray
 bad "--backend 'tpu'" train --backend tpu
 bad "--schedule 'zigzag'" train --schedule zigzag
 bad "--policy 'sometimes'" train --policy sometimes
+bad "--policy 'act_input=recompute': policy spec 'act_input=recompute': item 'act_input=recompute': only fc2_input" train --policy act_input=recompute
 bad "--recompute 'all'" train --recompute all
 bad "--graph 'on'" train --graph on --backend cpu
 bad "--force-overflow '5'" train --force-overflow 5 --steps 2
@@ -305,6 +306,11 @@ assert c["data"] == sys.argv[2] and c["schedule"] == "plain" and c["policy"] == 
 assert None in d["eval_loss"], "no evaluation: eval_loss is null"
 PY
 then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL: --json=FILE"; fi
+# --policy parsed once by the CLI: the run's values, printed in the spec syntax
+good "loss" train --backend cpu --steps 2 --seq 8 --batch 2 --layers 1 --quiet --policy act_input=stash --json "$tmp/pol.json"
+if python3 -c 'import json, sys; p = json.load(open(sys.argv[1]))["config"]["policy"]
+assert p == "fc1_input=keep,act_input=stash,fc2_input=keep,probs=keep", p' "$tmp/pol.json"
+then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL: --policy act_input=stash: the JSON's policy"; fi
 # progress lines reach a pipe as they are printed: the header shows while
 # the run (no step lines before its end) still goes on
 "$bin" train --backend cpu --steps 100000 --seq 8 --batch 2 --layers 1 --log-every 100000 >"$tmp/fifo" 2>/dev/null &
