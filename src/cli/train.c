@@ -194,7 +194,7 @@ static int resumed(int argc, char** argv, train_cli* t, mst_ckpt_meta* meta) {
 }
 
 /* --init-from DIR: the model's shape is DIR/config.json's; a shape flag
- * given beside it must say the same (--aux-weight overrides its
+ * given beside it must say the same (--aux-coef, or --aux-weight, overrides its
  * router_aux_loss_coef). Returns 0 or the exit code 2. */
 static int init_from(int argc, char** argv, train_cli* t) {
     const char* dir = t->cfg.init_from;
@@ -212,7 +212,8 @@ static int init_from(int argc, char** argv, train_cli* t) {
         snprintf(why, sizeof why, "contradicts %s %s of %s/config.json", f[i].key, want, dir);
         return mst_cli_bad("moestash train", f[i].flag, given, why);
     }
-    if (mst_args_find(argc, argv, "--aux-weight")) hc.aux_coef = t->cfg.model.aux_coef;
+    if (mst_args_find(argc, argv, "--aux-coef") || mst_args_find(argc, argv, "--aux-weight"))
+        hc.aux_coef = t->cfg.model.aux_coef; /* a training choice, not the architecture */
     t->cfg.model = hc;
     return mst_ckpt_check_hf(dir, &hc) == MST_OK ? 0 : mst_cli_bad("moestash train", "--init-from", dir, mst_last_error());
 }

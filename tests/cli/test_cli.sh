@@ -371,6 +371,10 @@ for k in f32 f16 llama missing shape extra gap truncated; do mkhf $k "$tmp/hf-$k
 # shellcheck disable=SC2086
 good "loss" train $hf1 --init-from "$tmp/hf-f32" --save "$tmp/hf-out"
 [ -s "$tmp/hf-out/final/model.safetensors" ] && passed=$((passed + 1)) || { failed=$((failed + 1)); echo "FAIL: --init-from then --save: no model"; }
+# --aux-coef is a training choice: it overrides the directory's router_aux_loss_coef (saved in the new config.json)
+good "loss" train $hf1 --init-from "$tmp/hf-f32" --aux-coef 0.0123 --save "$tmp/hf-aux"
+grep -q '"router_aux_loss_coef": 0.0123' "$tmp/hf-aux/final/config.json" && passed=$((passed + 1)) ||
+  { failed=$((failed + 1)); echo "FAIL: --init-from --aux-coef 0.0123: $(grep -o '"router_aux_loss_coef": [^,]*' "$tmp/hf-aux/final/config.json")"; }
 # shellcheck disable=SC2086
 good "loss" train $hf1 --init-from "$tmp/hf-f16"
 good "ab" sample --checkpoint "$tmp/hf-f32" --prompt ab --tokens 2
