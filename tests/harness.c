@@ -221,3 +221,20 @@ static int rm_entry(const char* path, const struct stat* st, int flag, struct FT
 }
 
 void mst_test_rmtree(const char* dir) { nftw(dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS); }
+
+unsigned char* mst_test_slurp(const char* path, long* n) {
+    FILE* f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    *n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    unsigned char* b = (unsigned char*)malloc((size_t)*n + 1);
+    if (!b) {
+        fclose(f);
+        return NULL;
+    }
+    if (fread(b, 1, (size_t)*n, f) != (size_t)*n) *n = -1;
+    fclose(f);
+    b[*n > 0 ? *n : 0] = 0;
+    return b;
+}

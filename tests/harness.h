@@ -12,6 +12,7 @@
 
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h> /* CHECK_MESSAGE */
 
 #include "moestash.h"
 
@@ -93,6 +94,12 @@ void mst_guarded_free(mst_ctx_t* ctx, mst_guarded* g);
 /* ---- files ---- */
 /* A fresh directory under /tmp (its path in buf [cap]); 0 on failure. */
 int mst_test_tmpdir(char* buf, size_t cap, const char* stem);
+/* A whole file into a NUL-terminated malloc'ed buffer, *n its size (-1 when
+ * a read came short); NULL when it cannot be opened. */
+unsigned char* mst_test_slurp(const char* path, long* n);
+/* The library's last error message says `want`. */
+#define CHECK_MESSAGE(want) \
+    CHECK(strstr(mst_last_error(), (want)) != NULL, "message '%s' does not say '%s'", mst_last_error(), (want))
 /* Removes dir and everything below it (the test's own scratch only). */
 void mst_test_rmtree(const char* dir);
 

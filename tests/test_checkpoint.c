@@ -78,22 +78,6 @@ static void random_state(unsigned char* h, const mst_model* m, uint64_t seed) {
     mst_rng_fp32(&r, (float*)(h + n * 2), 3 * n, -2, 2);
 }
 
-static void check_message(const char* want) {
-    CHECK(strstr(mst_last_error(), want) != NULL, "message '%s' does not say '%s'", mst_last_error(), want);
-}
-
-static unsigned char* slurp(const char* path, long* n) {
-    FILE* f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    *n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    unsigned char* b = (unsigned char*)malloc((size_t)*n + 1);
-    if (fread(b, 1, (size_t)*n, f) != (size_t)*n) *n = -1;
-    fclose(f);
-    b[*n > 0 ? *n : 0] = 0;
-    return b;
-}
 
 static int exists(const char* dir, const char* name) {
     char p[600];
@@ -108,7 +92,7 @@ static void by_hand(const char* dir, const mst_model* m, const unsigned char* st
     char path[512];
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
     long n = 0;
-    unsigned char* b = slurp(path, &n);
+    unsigned char* b = mst_test_slurp(path, &n);
     CHECK(b && n > 8, "cannot read %s", path);
     if (!b || n <= 8) return;
     uint64_t len = 0;
@@ -258,7 +242,7 @@ static void round_trip(mst_ctx_t* ctx, const char* dir, size_t shard_bytes) {
         unsigned char* after = (unsigned char*)malloc(state_bytes(c));
         get_state(ctx, c, before);
         CHECK_STATUS(mst_ckpt_load(c, dir), MST_ERR_INVALID);
-        check_message("shape");
+        CHECK_MESSAGE("shape");
         get_state(ctx, c, after);
         CHECK(mst_first_diff(before, after, state_bytes(c)) < 0, "a refused load changed the model");
         free(before), free(after);
@@ -279,7 +263,7 @@ static void refused(mst_ctx_t* ctx, const char* dir, const char* file, long cut,
     char path[512];
     snprintf(path, sizeof path, "%s/%s", dir, file);
     long n = 0;
-    unsigned char* b = slurp(path, &n);
+    unsigned char* b = mst_test_slurp(path, &n);
     CHECK(b != NULL, "no %s", path);
     if (b && cut) CHECK(truncate(path, n - cut) == 0, "truncate %s", path);
     if (b && flip) b[n - flip] ^= 0x01;
@@ -300,8 +284,8 @@ static void refused(mst_ctx_t* ctx, const char* dir, const char* file, long cut,
     mst_status st = mst_ckpt_read_meta(dir, &meta);
     if (st == MST_OK) st = mst_ckpt_load(a, dir);
     CHECK(st == MST_ERR_INVALID, "%s damaged: %s, expected invalid (%s)", file, mst_status_str(st), mst_last_error());
-    check_message(want);
-    if (strcmp(file, "trainer.json") != 0 && !strstr(want, "(missing)")) check_message(file); /* else the directory */
+    CHECK_MESSAGE(want);
+    if (strcmp(file, "trainer.json") != 0 && !strstr(want, "(missing)")) CHECK_MESSAGE(file); /* else the directory */
     mst_model_destroy(a);
     mst_test_rmtree(dir);
 }
@@ -370,7 +354,7 @@ static void to_f32(const char* from, const char* to) {
     snprintf(a, sizeof a, "%s/config.json", from);
     snprintf(b, sizeof b, "%s/config.json", to);
     long len = 0;
-    unsigned char* t = slurp(a, &len);
+    unsigned char* t = mst_test_slurp(a, &len);
     FILE* f = fopen(b, "wb");
     fwrite(t, 1, (size_t)len, f);
     fclose(f);
@@ -423,7 +407,7 @@ static void init_from(mst_ctx_t* ctx, const char* dir, const char* hf) {
     mst_model* c = NULL;
     CHECK_OK(mst_model_create(ctx, &other.model, 1, NULL, &c));
     if (c) CHECK_STATUS(mst_ckpt_init_from(c, hf), MST_ERR_INVALID);
-    check_message("hidden_size 32");
+    CHECK_MESSAGE("hidden_size 32");
     mst_model_destroy(a), mst_model_destroy(b), mst_model_destroy(c);
     free(before), free(after);
     mst_test_rmtree(dir);
@@ -435,8 +419,8 @@ static void room(void) {
     CHECK_OK(mst_ckpt_check_room(&cfg, "/tmp/no/such/dir"));
     cfg.model.hidden = 65536, cfg.model.ffn = 262144, cfg.model.experts = 1024, cfg.model.layers = 256;
     CHECK_STATUS(mst_ckpt_check_room(&cfg, "/tmp/no/such/dir"), MST_ERR_INVALID);
-    check_message("--save '/tmp/no/such/dir': one checkpoint takes");
-    check_message("MiB free");
+    CHECK_MESSAGE("--save '/tmp/no/such/dir': one checkpoint takes");
+    CHECK_MESSAGE("MiB free");
 }
 
 static void run(mst_ctx_t* ctx) {
@@ -470,7 +454,7 @@ static void run(mst_ctx_t* ctx) {
     room();
     mst_ckpt_meta meta;
     CHECK_STATUS(mst_ckpt_read_meta("/nonexistent/moestash/ckpt", &meta), MST_ERR_IO);
-    check_message("/nonexistent/moestash/ckpt/trainer.json");
+    CHECK_MESSAGE("/nonexistent/moestash/ckpt/trainer.json");
     mst_test_rmtree(dir);
 }
 

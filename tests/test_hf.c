@@ -24,22 +24,6 @@
 #include "harness.h"
 #include "trainer/io/hf.h"
 
-static void check_message(const char* want) {
-    CHECK(strstr(mst_last_error(), want) != NULL, "message '%s' does not say '%s'", mst_last_error(), want);
-}
-
-static unsigned char* slurp(const char* path, long* n) {
-    FILE* f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    *n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    unsigned char* b = (unsigned char*)malloc((size_t)*n + 1);
-    if (fread(b, 1, (size_t)*n, f) != (size_t)*n) *n = -1;
-    fclose(f);
-    b[*n > 0 ? *n : 0] = 0;
-    return b;
-}
 
 static void spit(const char* path, const void* p, size_t n) {
     FILE* f = fopen(path, "wb");
@@ -83,7 +67,7 @@ static void write_read(const char* dir) {
     CHECK_OK(mst_st_write_end(&w));
 
     long n = 0;
-    unsigned char* f = slurp(path, &n);
+    unsigned char* f = mst_test_slurp(path, &n);
     CHECK(f && n > 8, "cannot read %s", path);
     if (!f) return;
     uint64_t len = 0;
@@ -120,17 +104,17 @@ static void write_read(const char* dir) {
     for (int i = 0; i < 7; i++) bad += gb[i] != (float)mst_ref_bf16_value(b[i]);
     CHECK(bad == 0, "%d conversions differ from the reference", bad);
     CHECK_STATUS(mst_st_read(&s, ec, MST_ST_F32, ga), MST_ERR_INVALID);
-    check_message("I32");
+    CHECK_MESSAGE("I32");
     mst_st_close(&s);
 
     /* a damaged data byte: the header's hash says so */
-    f = slurp(path, &n);
+    f = mst_test_slurp(path, &n);
     f[n - 30] ^= 4;
     spit(path, f, (size_t)n);
     free(f);
     CHECK_OK(mst_st_open(path, &s));
     CHECK_STATUS(mst_st_verify(&s), MST_ERR_INVALID);
-    check_message("damaged");
+    CHECK_MESSAGE("damaged");
     mst_st_close(&s);
 }
 
@@ -176,18 +160,18 @@ static void lies(const char* dir) {
         by_hand(path, cases[k].json, data, cases[k].n);
         mst_st_file s;
         CHECK_STATUS(mst_st_open(path, &s), MST_ERR_INVALID);
-        check_message(cases[k].want);
-        check_message(path);
+        CHECK_MESSAGE(cases[k].want);
+        CHECK_MESSAGE(path);
     }
     /* a header longer than the file */
     unsigned char b[16] = {200, 0, 0, 0, 0, 0, 0, 0, '{', '}'};
     spit(path, b, sizeof b);
     mst_st_file s;
     CHECK_STATUS(mst_st_open(path, &s), MST_ERR_INVALID);
-    check_message("truncated");
+    CHECK_MESSAGE("truncated");
     spit(path, b, 5);
     CHECK_STATUS(mst_st_open(path, &s), MST_ERR_INVALID);
-    check_message("no header");
+    CHECK_MESSAGE("no header");
 }
 
 /* ---- config.json ---- */
@@ -216,7 +200,7 @@ static void config(const char* dir) {
               r.top_k == 2 && r.norm_eps == 1e-6f && r.aux_coef == 0.001f,
           "config read back differs");
     long n = 0;
-    unsigned char* t = slurp(path, &n);
+    unsigned char* t = mst_test_slurp(path, &n);
     CHECK(t && strstr((char*)t, "\"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 1000000.0}") &&
               strstr((char*)t, "\"model_type\": \"qwen3_moe\"") && strstr((char*)t, "\"torch_dtype\": \"bfloat16\""),
           "config.json: %s", t ? (char*)t : "(none)");
@@ -245,8 +229,8 @@ static void config(const char* dir) {
         write_text(dir, bad[k].text);
         mst_model_config x = tiny_model();
         CHECK_STATUS(mst_hf_read_config(dir, &x), MST_ERR_INVALID);
-        check_message(bad[k].want);
-        check_message("config.json");
+        CHECK_MESSAGE(bad[k].want);
+        CHECK_MESSAGE("config.json");
     }
     /* transformers 5's own spelling: num_local_experts, rope_parameters only, defaults for the rest */
     write_text(dir, "{\"model_type\": \"qwen3_moe\", \"vocab_size\": 256, \"hidden_size\": 64, \"moe_intermediate_size\": 8, "
@@ -282,31 +266,31 @@ static void index_json(const char* dir) {
         CHECK_OK(mst_hf_read(h, "b", 2, d2, MST_ST_F32, got));
         CHECK(got[0] == 3.0f && got[1] == 0.125f, "b read %g %g", got[0], got[1]);
         CHECK_STATUS(mst_hf_read(h, "b", 1, d1, MST_ST_F32, got), MST_ERR_INVALID);
-        check_message("has shape [1, 2], config.json makes it [2]");
+        CHECK_MESSAGE("has shape [1, 2], config.json makes it [2]");
         CHECK_STATUS(mst_hf_read(h, "c", 1, d1, MST_ST_F32, got), MST_ERR_INVALID);
-        check_message("no tensor 'c'");
+        CHECK_MESSAGE("no tensor 'c'");
         mst_hf_close(h);
     }
     mst_hf* none = (mst_hf*)1;
     CHECK_OK(mst_hf_open_set(dir, "mtp", 0, &none));
     CHECK(none == NULL, "an absent optional set is NULL");
     CHECK_STATUS(mst_hf_open_set(dir, "mtp", 1, &none), MST_ERR_INVALID);
-    check_message("mtp.safetensors.index.json");
+    CHECK_MESSAGE("mtp.safetensors.index.json");
 
     /* the index names a tensor its shard lacks */
     idx = "{\"weight_map\": {\"a\": \"model-00002-of-00002.safetensors\", \"b\": \"model-00002-of-00002.safetensors\"}}";
     spit(pi, idx, strlen(idx));
     CHECK_STATUS(mst_hf_open_set(dir, "model", 1, &h), MST_ERR_INVALID);
-    check_message("tensor 'a' is not in 'model-00002-of-00002.safetensors'");
+    CHECK_MESSAGE("tensor 'a' is not in 'model-00002-of-00002.safetensors'");
     /* a shard missing */
     idx = "{\"weight_map\": {\"a\": \"model-00001-of-00002.safetensors\", \"b\": \"model-00003-of-00002.safetensors\"}}";
     spit(pi, idx, strlen(idx));
     CHECK_STATUS(mst_hf_open_set(dir, "model", 1, &h), MST_ERR_INVALID);
-    check_message("model-00003-of-00002.safetensors");
+    CHECK_MESSAGE("model-00003-of-00002.safetensors");
     idx = "{\"weight_map\": {\"a\": \"../model-00001-of-00002.safetensors\"}}";
     spit(pi, idx, strlen(idx));
     CHECK_STATUS(mst_hf_open_set(dir, "model", 1, &h), MST_ERR_INVALID);
-    check_message("not a file name");
+    CHECK_MESSAGE("not a file name");
 }
 
 /* ---- the parameter table ---- */
