@@ -62,8 +62,11 @@ mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
     mst_train_json_array(f, "tokens_per_s", r->tok_per_s, r->first_step, r->steps);
     mst_train_json_array(f, "eval_loss", r->eval_loss, r->first_step, r->steps);
     const double last_eval = r->eval_loss[r->steps - 1];
-    if (isfinite(last_eval))
-        fprintf(f, "  \"eval\": {\"loss\": %.9g, \"bits_per_byte\": %.9g},\n", last_eval, last_eval / log(2.0));
+    if (isfinite(last_eval)) { /* bits per token; per byte too where the tokens are bytes */
+        fprintf(f, "  \"eval\": {\"loss\": %.9g, \"bits_per_token\": %.9g", last_eval, last_eval / log(2.0));
+        if (c->vocab == 256) fprintf(f, ", \"bits_per_byte\": %.9g", last_eval / log(2.0));
+        fprintf(f, "},\n");
+    }
     fprintf(f, "  \"graph_from_step\": %lld,\n  \"captures\": %lld,\n  \"replays\": %lld,\n", (long long)cfg->graph_from,
             (long long)r->captures, (long long)r->replays);
     fprintf(f, "  \"reruns\": %lld,\n  \"over_budget_reruns\": %lld,\n  \"seconds\": %.3f,\n  \"max_rows\": %lld,\n"
