@@ -7,6 +7,8 @@
 #ifndef MST_MODEL_BACKEND_H
 #define MST_MODEL_BACKEND_H
 
+#include <math.h>
+
 #include "lib/internal.h"
 
 #ifdef __cplusplus
@@ -133,6 +135,17 @@ typedef struct mst_qk_args {
     float* dwq;            /* [D] fp32 main_grad, += (backward)              */
     float* dwk;            /* [D] fp32 main_grad, += (backward)              */
 } mst_qk_args;
+
+/* The rotary angles of the contract above on the host: cs [D] = the cos of
+ * the D/2 angles of position pos, then their sin (the CPU op and the
+ * sampler; the CUDA kernel rounds the same expressions once from double). */
+static inline void mst_rope_angles(float theta, int64_t D, int64_t pos, float* cs) {
+    for (int64_t i = 0; i < D / 2; i++) {
+        const float ang = (float)pos * (1.0f / powf(theta, (float)(2 * i) / (float)D));
+        cs[i] = cosf(ang);
+        cs[D / 2 + i] = sinf(ang);
+    }
+}
 
 /* Router (Qwen3-MoE): softmax over E experts, top-k (ties to the lower
  * index), the chosen probabilities divided by their sum when norm_topk

@@ -32,7 +32,7 @@ struct mst_sampler {
     float* weights;           /* every tensor of the model set, fp32         */
     float *emb, *lnf, *head;  /* [V, H] [H] [V, H] (head == emb when tied)   */
     layer_w* lw;              /* [L]                                         */
-    float* inv_freq;          /* [D/2] theta^(-2i/D), fp32                   */
+    float* rope;              /* [D] the current position's cos, then sin    */
     /* scratch */
     float *x, *a;             /* [H] residual stream, norm output            */
     float *q, *kk, *vv, *att; /* [NH D] [KV D] [KV D] [NH D]                 */
@@ -130,16 +130,13 @@ static mst_status alloc_state(mst_sampler* s) {
         bad |= !(w->ex = (float**)calloc((size_t)(3 * E), sizeof(float*)));
         w->k = scratch(P * s->KV * s->D, &bad), w->v = scratch(P * s->KV * s->D, &bad);
     }
-    s->inv_freq = scratch(s->D / 2, &bad);
+    s->rope = scratch(s->D, &bad);
     s->x = scratch(H, &bad), s->a = scratch(H, &bad), s->t = scratch(H, &bad), s->y = scratch(H, &bad);
     s->q = scratch(s->NH * s->D, &bad), s->att = scratch(s->NH * s->D, &bad);
     s->kk = scratch(s->KV * s->D, &bad), s->vv = scratch(s->KV * s->D, &bad);
     s->g = scratch(F, &bad), s->u = scratch(F, &bad), s->gate = scratch(E, &bad), s->score = scratch(P, &bad);
     bad |= !(s->chosen = (int64_t*)calloc((size_t)c->top_k, sizeof(int64_t)));
     if (bad) return mst_set_error(MST_ERR_OOM, "sample: KV cache of %lld tokens and scratch", (long long)P);
-    /* transformers: 1 / theta^(arange(0, D, 2) / D), each step in fp32 */
-    for (int64_t i = 0; i < s->D / 2; i++)
-        s->inv_freq[i] = 1.0f / powf(c->rope_theta, (float)(2 * i) / (float)s->D);
     return MST_OK;
 }
 
@@ -169,7 +166,7 @@ mst_status mst_sampler_create(const char* dir, int64_t max_tokens, mst_sampler**
 void mst_sampler_destroy(mst_sampler* s) {
     if (!s) return;
     for (int32_t l = 0; s->lw && l < s->cfg.layers; l++) free(s->lw[l].ex), free(s->lw[l].k), free(s->lw[l].v);
-    free(s->lw), free(s->weights), free(s->inv_freq);
+    free(s->lw), free(s->weights), free(s->rope);
     free(s->x), free(s->a), free(s->t), free(s->y), free(s->q), free(s->att), free(s->kk), free(s->vv);
     free(s->g), free(s->u), free(s->gate), free(s->score), free(s->chosen);
     free(s);
@@ -205,14 +202,15 @@ static void softmax(float* v, int64_t n) {
     for (int64_t i = 0; i < n; i++) v[i] = (float)(v[i] / sum);
 }
 
-/* QK-norm then RoPE at position pos, in place on `heads` heads x [D]. */
-static void qk_norm_rope(const mst_sampler* s, float* x, int64_t heads, const float* norm_w, int64_t pos) {
+/* QK-norm then RoPE (the angles of s->rope: mst_rope_angles), in place on
+ * `heads` heads x [D]. */
+static void qk_norm_rope(const mst_sampler* s, float* x, int64_t heads, const float* norm_w) {
     const int64_t D = s->D, half = D / 2;
     for (int64_t h = 0; h < heads; h++) {
         float* v = x + h * D;
         rmsnorm(v, norm_w, D, s->cfg.norm_eps, v);
         for (int64_t i = 0; i < half; i++) {
-            const float ang = (float)pos * s->inv_freq[i], c = cosf(ang), sn = sinf(ang);
+            const float c = s->rope[i], sn = s->rope[half + i];
             const float x1 = v[i], x2 = v[i + half];
             v[i] = x1 * c - x2 * sn;
             v[i + half] = x2 * c + x1 * sn;
@@ -281,8 +279,8 @@ static void layer(mst_sampler* s, layer_w* w) {
     matvec(w->wq, s->a, s->NH * s->D, H, s->q, 0);
     matvec(w->wk, s->a, KD, H, w->k + s->pos * KD, 0);
     matvec(w->wv, s->a, KD, H, w->v + s->pos * KD, 0);
-    qk_norm_rope(s, s->q, s->NH, w->qn, s->pos);
-    qk_norm_rope(s, w->k + s->pos * KD, s->KV, w->kn, s->pos);
+    qk_norm_rope(s, s->q, s->NH, w->qn);
+    qk_norm_rope(s, w->k + s->pos * KD, s->KV, w->kn);
     attention(s, w);
     matvec(w->wo, s->att, H, s->NH * s->D, s->t, 0);
     for (int64_t i = 0; i < H; i++) s->x[i] += s->t[i];
@@ -300,6 +298,7 @@ mst_status mst_sampler_feed(mst_sampler* s, int32_t token, float* logits) {
     if (token < 0 || token >= c->vocab)
         return mst_set_error(MST_ERR_INVALID, "sample: token %d outside [0, %lld)", token, (long long)c->vocab);
     memcpy(s->x, s->emb + (int64_t)token * H, sizeof(float) * (size_t)H);
+    mst_rope_angles(c->rope_theta, s->D, s->pos, s->rope); /* once for every layer and head */
     for (int32_t l = 0; l < c->layers; l++) layer(s, &s->lw[l]);
     s->pos++;
     if (!logits) return MST_OK;

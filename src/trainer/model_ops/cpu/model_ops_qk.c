@@ -18,17 +18,6 @@
 #include "lib/internal.h"
 #include "model_ops.h"
 
-/* cos and sin of the D/2 angles of position pos: cs [D] = [cos | sin]. */
-static void rope_angles(const mst_qk_args* a, int64_t pos, float* cs) {
-    const int64_t D = a->head_dim, D2 = D / 2;
-    for (int64_t i = 0; i < D2; i++) {
-        const float inv = 1.0f / powf(a->theta, (float)(2 * i) / (float)D);
-        const float ang = (float)pos * inv;
-        cs[i] = cosf(ang);
-        cs[D2 + i] = sinf(ang);
-    }
-}
-
 /* One head: x [D] -> y [D] (bf16), the row's 1 / rms into *rstd. */
 static void head_forward(const uint16_t* x, const uint16_t* w, const float* cs, int64_t D, float eps, uint16_t* y,
                          float* rstd, float* u) {
@@ -84,7 +73,7 @@ mst_status mst_cpu_qk_forward(mst_ctx_t* ctx, const mst_qk_args* a) {
 #pragma omp parallel for if (a->rows * W > 65536)
     for (int64_t r = 0; r < a->rows; r++) {
         float *cs = buf + 2 * D * r, *u = cs + D;
-        rope_angles(a, r % a->seq, cs);
+        mst_rope_angles(a->theta, a->head_dim, r % a->seq, cs);
         const uint16_t* x = a->x + r * W;
         uint16_t* y = a->y + r * W;
         for (int64_t h = 0; h < NQK; h++)
@@ -105,7 +94,7 @@ mst_status mst_cpu_qk_backward(mst_ctx_t* ctx, const mst_qk_args* a) {
 #pragma omp parallel for if (N * W > 65536)
     for (int64_t r = 0; r < N; r++) {
         float *cs = buf + 4 * D * r, *du = cs + D, *dwq = du + D, *dwk = dwq + D;
-        rope_angles(a, r % a->seq, cs);
+        mst_rope_angles(a->theta, a->head_dim, r % a->seq, cs);
         const int64_t o = r * W;
         for (int64_t h = 0; h < NQK; h++) {
             const int q = h < a->n_head;
