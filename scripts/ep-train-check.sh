@@ -10,7 +10,14 @@
 #            STASH/KEEP step time and the memory over the ranks;
 #   resume:  --save at step 2 of 4, --resume: steps 3-4 and the weights hash
 #            against the run that went straight through;
-#   torchrun: the same binary under torchrun --no-python (when installed).
+#   torchrun: the same binary under torchrun --no-python (when installed);
+#   network: the loss run of N GPUs again with NCCL kept off NVLink and
+#            shared memory (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1: its
+#            network transport over loopback, the stand-in for N hosts;
+#            the exchange then takes the p2p path by itself): the losses
+#            against the NVLink run of the same grid and both step times.
+#            Both runs use NCCL_ALGO=Ring so that the all-reduce sums in
+#            the same order on either transport.
 # Prints one line per check and exits 1 when a run failed.
 # usage: scripts/ep-train-check.sh MOESTASH
 set -uo pipefail
@@ -45,6 +52,22 @@ print(f"loss: train --gpus {sys.argv[3]} vs one GPU --ep {sys.argv[3]}, 20 steps
       f"{max(rel):.2e} (step {rel.index(max(rel)) + 1}); loss {b['loss'][0]:.4f} -> {b['loss'][-1]:.4f} (one GPU), "
       f"{a['loss'][-1]:.4f} ({a['ranks']} GPUs); captures {a['captures']}, replays {a['replays']}, reruns {a['reruns']}")
 EOF
+fi
+
+# ---- network: the same grid with NCCL on its network transport ----
+grid=(--gpus "$n" --batch 4 --steps 20 --log-every 20)
+if NCCL_ALGO=Ring run nvlink "${grid[@]}" && NCCL_ALGO=Ring NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 run net "${grid[@]}"; then
+  python3 - "$tmp/nvlink.json" "$tmp/net.json" "$n" "$(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 timeout 120 "$bin" ep-hello --backend cuda --gpus "$n" 2>&1 | grep -m1 -iE 'path' || true)" <<'EOF'
+import json, statistics, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+ta, tb = (statistics.median(d["tokens_per_s"][5:]) for d in (a, b))
+same = a["loss"] == b["loss"] and a["weights_hash"] == b["weights_hash"]
+print(f"network on {sys.argv[3]} GPUs (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1, NCCL_ALGO=Ring both): 20 steps' losses and "
+      f"weights hash {'bit-identical to' if same else 'DIFFER from'} the NVLink run; median tokens/s of steps 6-20: "
+      f"NVLink {ta:,.0f}, loopback network {tb:,.0f} (step time {ta / tb:.2f}x); ep-hello on the network transport: {sys.argv[4] or 'no path printed'}")
+sys.exit(0 if same else 1)
+EOF
+  [ $? = 0 ] || bad=1
 fi
 
 # ---- policy: STASH against KEEP on N GPUs, at two sizes ----
