@@ -57,6 +57,10 @@ typedef struct mst_ep_transport {
     int gathers; /* 1: takes planes with src != BLOCKS (no pack before it) */
     /* in place over count elements (mst_ep_allreduce); ordered like exchange */
     mst_status (*allreduce)(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind);
+    /* in place over [W, count] elements (mst_ep_reduce_scatter); ordered like exchange */
+    mst_status (*reduce_scatter)(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind);
+    /* in place over [W, block_bytes] (mst_ep_allgather); ordered like exchange */
+    mst_status (*allgather)(mst_ep_t* ep, void* data, size_t block_bytes);
     /* (optional) dispatch's exchange on the direct path, ordered like
      * exchange: once every peer is in it (done reading its window rows),
      * this rank's send_counts [W, El] go to every peer's `gathered` (row
@@ -70,6 +74,21 @@ typedef struct mst_ep_transport {
 
 /* Bytes of one element of kind k. */
 size_t mst_ep_reduce_size(mst_ep_reduce k);
+
+/* The data-parallel collectives of a sharded optimizer (collectives.c),
+ * enqueued on the context's stream like mst_ep_allreduce (capturable over
+ * NCCL), collective in the same order on every rank.
+ * Reduce-scatter, in place: data [W, count] elements of kind's type; rank r
+ * ends with block r the reduction over the ranks of their blocks r, the
+ * other blocks undefined. The CPU twin sums in rank order (rank 0 + rank 1
+ * + ...), the order of its all-reduce: block r holds the bits
+ * mst_ep_allreduce gives there. NCCL: ncclReduceScatter, deterministic for
+ * a fixed communicator and count, in an order NCCL chooses (not promised to
+ * be its all-reduce's). */
+mst_status mst_ep_reduce_scatter(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind);
+/* All-gather, in place: data [W, block_bytes]; every rank ends with block j
+ * the bytes rank j had in its block j. */
+mst_status mst_ep_allgather(mst_ep_t* ep, void* data, size_t block_bytes);
 
 struct mst_ep {
     mst_ctx_t* ctx;

@@ -6,7 +6,8 @@
  * (block = peer), and waits again so that no rank reuses its send buffers
  * before every peer has read them. Copies the valid rows of each block only
  * (as the NCCL device-API path moves them), so counts that undercount the
- * rows a block holds lose rows here too. Direct dispatch stores into the
+ * rows a block holds lose rows here too. All-reduce and reduce-scatter sum
+ * in rank order (the same bits for a block either way). Direct dispatch stores into the
  * peers' window rows as the lsa kernel does (the same offset math,
  * ep_ops.h), a wait for each of its barriers.
  */
@@ -121,49 +122,91 @@ static mst_status local_exchange(mst_ep_t* ep, const mst_ep_plane* pl, int n) {
     return group_wait(g, me);
 }
 
-/* Every rank sums the ranks' buffers in rank order into its scratch (the
- * same bits everywhere), then, once every rank has read every buffer,
- * copies the sum into its own. */
-static mst_status local_allreduce(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind) {
+/* acc [count] = src (first), else acc op src, element by element. */
+static void reduce_into(void* acc, const void* src, int64_t count, mst_ep_reduce kind, int first) {
+    for (int64_t i = 0; i < count; i++) switch (kind) {
+        case MST_EP_SUM_F32: ((float*)acc)[i] = first ? ((const float*)src)[i] : ((float*)acc)[i] + ((const float*)src)[i]; break;
+        case MST_EP_SUM_F64: ((double*)acc)[i] = first ? ((const double*)src)[i] : ((double*)acc)[i] + ((const double*)src)[i]; break;
+        case MST_EP_SUM_I32: ((int32_t*)acc)[i] = first ? ((const int32_t*)src)[i] : ((int32_t*)acc)[i] + ((const int32_t*)src)[i]; break;
+        case MST_EP_MAX_I32: {
+            const int32_t v = ((const int32_t*)src)[i];
+            ((int32_t*)acc)[i] = !first && ((int32_t*)acc)[i] > v ? ((int32_t*)acc)[i] : v;
+            break;
+        }
+        case MST_EP_MAX_F64: {
+            const double v = ((const double*)src)[i];
+            ((double*)acc)[i] = !first && ((double*)acc)[i] > v ? ((double*)acc)[i] : v;
+            break;
+        }
+        }
+}
+
+/* The collectives' tags in n_planes (an exchange's is its plane count >= 0). */
+enum { TAG_ALLREDUCE = -1, TAG_REDUCE_SCATTER = -16, TAG_ALLGATHER = -32 };
+
+/* A collective over `data` (block_bytes a rank's block) of tag: published,
+ * every rank waited for, checked alike (MST_ERR_STATE naming `what` when
+ * the ranks passed different sizes or kinds, after the second wait). */
+static mst_status publish(mst_ep_t* ep, mst_ep_plane* me, int tag, int* same) {
     mst_ep_group_t* g = ((local_comm*)ep->comm)->group;
-    const size_t n_bytes = (size_t)count * mst_ep_reduce_size(kind);
+    g->planes[ep->rank] = me;
+    g->n_planes[ep->rank] = tag;
+    MST_TRY(group_wait(g, ep->rank));
+    for (int j = 0; j < g->world; j++) *same &= g->n_planes[j] == tag && g->planes[j]->block_bytes == me->block_bytes;
+    return MST_OK;
+}
+
+static mst_status finish(mst_ep_t* ep, int same, int oom, const char* what) {
+    if (same) return MST_OK;
+    return mst_set_error(oom ? MST_ERR_OOM : MST_ERR_STATE, "%s (rank %d): %s", what, ep->rank,
+                         oom ? "out of host memory" : "the ranks passed different counts or kinds");
+}
+
+/* Every rank reduces the ranks' blocks `block` (0 for an all-reduce's one
+ * block; its own for a reduce-scatter's) in rank order into its scratch
+ * (the same bits everywhere), then, once every rank has read every buffer,
+ * copies it into its own block. */
+static mst_status reduce_blocks(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind, int scatter) {
+    mst_ep_group_t* g = ((local_comm*)ep->comm)->group;
+    const size_t n_bytes = (size_t)count * mst_ep_reduce_size(kind), at = scatter ? (size_t)ep->rank * n_bytes : 0;
     void* acc = malloc(n_bytes);
-    const int oom = acc == NULL;
-    const mst_ep_plane me = {.send = data, .recv = acc, .block_bytes = n_bytes};
-    g->planes[ep->rank] = &me;
-    g->n_planes[ep->rank] = -1 - (int)kind; /* not an exchange: checked below */
-    mst_status st = group_wait(g, ep->rank);
+    int same = acc != NULL;
+    const int oom = !same;
+    mst_ep_plane me = {.send = data, .recv = acc, .block_bytes = n_bytes};
+    mst_status st = publish(ep, &me, (scatter ? TAG_REDUCE_SCATTER : TAG_ALLREDUCE) - (int)kind, &same);
     if (st != MST_OK) {
         free(acc);
         return st;
     }
-    int same = !oom;
-    for (int j = 0; j < g->world; j++) same &= g->n_planes[j] == -1 - (int)kind && g->planes[j]->block_bytes == n_bytes;
-    for (int j = 0; same && j < g->world; j++) {
-        const void* src = g->planes[j]->send;
-        for (int64_t i = 0; i < count; i++) switch (kind) {
-            case MST_EP_SUM_F32: ((float*)acc)[i] = j ? ((float*)acc)[i] + ((const float*)src)[i] : ((const float*)src)[i]; break;
-            case MST_EP_SUM_F64: ((double*)acc)[i] = j ? ((double*)acc)[i] + ((const double*)src)[i] : ((const double*)src)[i]; break;
-            case MST_EP_SUM_I32: ((int32_t*)acc)[i] = j ? ((int32_t*)acc)[i] + ((const int32_t*)src)[i] : ((const int32_t*)src)[i]; break;
-            case MST_EP_MAX_I32: {
-                const int32_t v = ((const int32_t*)src)[i];
-                ((int32_t*)acc)[i] = j && ((int32_t*)acc)[i] > v ? ((int32_t*)acc)[i] : v;
-                break;
-            }
-            case MST_EP_MAX_F64: {
-                const double v = ((const double*)src)[i];
-                ((double*)acc)[i] = j && ((double*)acc)[i] > v ? ((double*)acc)[i] : v;
-                break;
-            }
-        }
-    }
+    for (int j = 0; same && j < g->world; j++) reduce_into(acc, (const char*)g->planes[j]->send + at, count, kind, j == 0);
     st = group_wait(g, ep->rank);
-    if (same && st == MST_OK) memcpy(data, acc, n_bytes);
+    if (same && st == MST_OK) memcpy((char*)data + at, acc, n_bytes);
     free(acc);
     if (st != MST_OK) return st;
-    if (!same) return mst_set_error(oom ? MST_ERR_OOM : MST_ERR_STATE, "mst_ep_allreduce (rank %d): %s", ep->rank,
-                                    oom ? "out of host memory" : "the ranks passed different counts or kinds");
-    return MST_OK;
+    return finish(ep, same, oom, scatter ? "mst_ep_reduce_scatter" : "mst_ep_allreduce");
+}
+
+static mst_status local_allreduce(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind) {
+    return reduce_blocks(ep, data, count, kind, 0);
+}
+
+static mst_status local_reduce_scatter(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind) {
+    return reduce_blocks(ep, data, count, kind, 1);
+}
+
+/* Each rank copies block j of rank j's buffer into its own block j; rank j
+ * writes only its other blocks meanwhile. */
+static mst_status local_allgather(mst_ep_t* ep, void* data, size_t block_bytes) {
+    mst_ep_group_t* g = ((local_comm*)ep->comm)->group;
+    int same = 1;
+    mst_ep_plane me = {.send = data, .block_bytes = block_bytes};
+    MST_TRY(publish(ep, &me, TAG_ALLGATHER, &same));
+    for (int j = 0; same && j < g->world; j++)
+        if (j != ep->rank)
+            memcpy((char*)data + (size_t)j * block_bytes, (const char*)g->planes[j]->send + (size_t)j * block_bytes,
+                   block_bytes);
+    MST_TRY(group_wait(g, ep->rank));
+    return finish(ep, same, 0, "mst_ep_allgather");
 }
 
 /* Direct dispatch as the lsa kernel runs it, a wait for each of its
@@ -215,6 +258,8 @@ const mst_ep_transport mst_ep_transport_local = {
     .exchange = local_exchange,
     .destroy = local_destroy,
     .allreduce = local_allreduce,
+    .reduce_scatter = local_reduce_scatter,
+    .allgather = local_allgather,
     .dispatch_direct = local_dispatch_direct,
 };
 

@@ -320,16 +320,42 @@ static mst_status lsa_recv_alloc(mst_ep_t* ep, size_t n_bytes, void** out) {
 
 #endif /* MST_HAVE_NCCL_DEVICE */
 
-/* ---- all-reduce (both paths): ncclAllReduce in place ---- */
+/* ---- all-reduce, reduce-scatter, all-gather (both paths): NCCL's, in place ---- */
+
+static const ncclDataType_t nccl_type[] = {ncclFloat32, ncclFloat64, ncclInt32, ncclInt32, ncclFloat64};
 
 static mst_status nccl_allreduce(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind) {
     nccl_state* ns = (nccl_state*)ep->comm;
-    static const ncclDataType_t type[] = {ncclFloat32, ncclFloat64, ncclInt32, ncclInt32, ncclFloat64};
     const ncclRedOp_t op = kind == MST_EP_MAX_I32 || kind == MST_EP_MAX_F64 ? ncclMax : ncclSum;
-    ncclResult_t r = ncclAllReduce(data, data, (size_t)count, type[kind], op, ns->comm, mst_cuda(ep->ctx)->stream);
+    ncclResult_t r = ncclAllReduce(data, data, (size_t)count, nccl_type[kind], op, ns->comm, mst_cuda(ep->ctx)->stream);
     if (r != ncclSuccess) {
         ns->failed = 1;
         return nccl_error(r, "mst_ep_allreduce (ncclAllReduce)", ns->comm);
+    }
+    return MST_OK;
+}
+
+/* ncclReduceScatter in place: rank r's block r of data [W, count]. */
+static mst_status nccl_reduce_scatter(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind) {
+    nccl_state* ns = (nccl_state*)ep->comm;
+    const ncclRedOp_t op = kind == MST_EP_MAX_I32 || kind == MST_EP_MAX_F64 ? ncclMax : ncclSum;
+    char* mine = (char*)data + (size_t)ep->rank * (size_t)count * mst_ep_reduce_size(kind);
+    ncclResult_t r = ncclReduceScatter(data, mine, (size_t)count, nccl_type[kind], op, ns->comm, mst_cuda(ep->ctx)->stream);
+    if (r != ncclSuccess) {
+        ns->failed = 1;
+        return nccl_error(r, "mst_ep_reduce_scatter (ncclReduceScatter)", ns->comm);
+    }
+    return MST_OK;
+}
+
+/* ncclAllGather in place: rank r sends its block r of data [W, block_bytes]. */
+static mst_status nccl_allgather(mst_ep_t* ep, void* data, size_t block_bytes) {
+    nccl_state* ns = (nccl_state*)ep->comm;
+    const char* mine = (const char*)data + (size_t)ep->rank * block_bytes;
+    ncclResult_t r = ncclAllGather(mine, data, block_bytes, ncclUint8, ns->comm, mst_cuda(ep->ctx)->stream);
+    if (r != ncclSuccess) {
+        ns->failed = 1;
+        return nccl_error(r, "mst_ep_allgather (ncclAllGather)", ns->comm);
     }
     return MST_OK;
 }
@@ -351,12 +377,13 @@ static void nccl_destroy(mst_ep_t* ep) {
 }
 
 const mst_ep_transport mst_ep_transport_nccl = {
-    "nccl send/recv, fixed-capacity blocks", p2p_exchange, nccl_destroy, NULL, 0, nccl_allreduce, NULL,
+    "nccl send/recv, fixed-capacity blocks", p2p_exchange, nccl_destroy, NULL, 0, nccl_allreduce,
+    nccl_reduce_scatter, nccl_allgather, NULL,
 };
 #ifdef MST_HAVE_NCCL_DEVICE
 const mst_ep_transport mst_ep_transport_lsa = {
     "nccl device API (symmetric window, NVLink stores of the valid rows)", lsa_exchange, nccl_destroy,
-    lsa_recv_alloc, 1, nccl_allreduce, lsa_dispatch_direct,
+    lsa_recv_alloc, 1, nccl_allreduce, nccl_reduce_scatter, nccl_allgather, lsa_dispatch_direct,
 };
 #endif
 

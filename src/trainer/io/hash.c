@@ -20,26 +20,29 @@ uint64_t mst_fnv1a(uint64_t h, const void* p, size_t n) {
     return h;
 }
 
-/* The hash of parameters [lo, hi): fp32 master, then bf16 weights,
- * continuing from *x. */
-static mst_status hash_params(mst_model* m, int64_t lo, int64_t hi, uint64_t* x) {
+/* The hash of parameters [lo, hi): fp32 master (from master [n_params],
+ * host), then bf16 weights, continuing from *x. */
+static mst_status hash_params(mst_model* m, const float* master, int64_t lo, int64_t hi, uint64_t* x) {
     const size_t n = (size_t)(hi - lo);
-    void* h = malloc(n * sizeof(float) + 1);
+    void* h = malloc(n * sizeof(uint16_t) + 1);
     if (!h) return mst_set_error(MST_ERR_OOM, "weights readback");
-    mst_status st = mst_copy_b2h(m->ctx, h, m->master + lo, n * sizeof(float));
-    if (st == MST_OK) *x = mst_fnv1a(*x, h, n * sizeof(float));
-    if (st == MST_OK) st = mst_copy_b2h(m->ctx, h, m->w + lo, n * sizeof(uint16_t));
+    *x = mst_fnv1a(*x, master + lo, n * sizeof(float));
+    mst_status st = mst_copy_b2h(m->ctx, h, m->w + lo, n * sizeof(uint16_t));
     if (st == MST_OK) *x = mst_fnv1a(*x, h, n * sizeof(uint16_t));
     free(h);
     return st;
 }
 
 /* Every parameter's hash; and the replicated ones' (all but the experts on
- * W ranks: the same bits on every rank). */
+ * W ranks: the same bits on every rank). The master weights gathered from
+ * their shards (collective on W ranks): the same hash sharded or not. */
 mst_status mst_weights_hash(mst_model* m, uint64_t* out, uint64_t* replicated) {
     *out = *replicated = MST_FNV1A_SEED;
-    MST_TRY(hash_params(m, 0, m->n_params, out));
-    MST_TRY(hash_params(m, 0, m->n_dense, replicated));
-    return hash_params(m, m->n_decay, m->n_params, replicated);
+    float* master = (float*)malloc(sizeof(float) * (size_t)m->n_params + 1); /* [n_params] */
+    mst_status st = master ? mst_optim_state_gather(m, 0, master) : mst_set_error(MST_ERR_OOM, "weights readback");
+    if (st == MST_OK) st = hash_params(m, master, 0, m->n_params, out);
+    if (st == MST_OK) st = hash_params(m, master, 0, m->n_dense, replicated);
+    if (st == MST_OK) st = hash_params(m, master, m->n_decay, m->n_params, replicated);
+    free(master);
+    return st;
 }
-

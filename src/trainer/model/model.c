@@ -72,12 +72,12 @@ static void unbuf(mst_model* m, int cat, void* ptr, size_t n_bytes) {
 #define BUF(cat, ptr, count) MST_TRY(buf(m, cat, sizeof(*(ptr)) * (size_t)(count), &(ptr)))
 
 static mst_status alloc_params(mst_model* m) {
-    const int64_t n = m->n_params;
+    const int64_t n = m->n_params, ns = m->n_state;
     BUF(MST_MEM_WEIGHTS, m->w, n);
     BUF(MST_MEM_GRADS, m->grad, n);
-    BUF(MST_MEM_OPTIM, m->master, n);
-    BUF(MST_MEM_OPTIM, m->adam_m, n);
-    BUF(MST_MEM_OPTIM, m->adam_v, n);
+    BUF(MST_MEM_OPTIM, m->master, ns);
+    BUF(MST_MEM_OPTIM, m->adam_m, ns);
+    BUF(MST_MEM_OPTIM, m->adam_v, ns);
     BUF(MST_MEM_COMPUTE, m->gsumsq, 1);
     BUF(MST_MEM_COMPUTE, m->gpartial, MST_SUMSQ_PARTS);
     float* host = (float*)malloc(sizeof(float) * (size_t)n);
@@ -87,11 +87,12 @@ static mst_status alloc_params(mst_model* m) {
         mst_model_init_params(m, host);
         mst_fp32_to_bf16_array(host16, host, (size_t)n);
         for (int64_t i = 0; i < n; i++) host[i] = mst_bf16_to_fp32(host16[i]); /* master = weights */
-        st = mst_copy_h2b(m->ctx, m->master, host, sizeof(float) * (size_t)n);
+        st = mst_fill(m->ctx, m->master, 0, sizeof(float) * (size_t)ns);
+        if (st == MST_OK) st = mst_optim_state_put(m, 0, 0, n, host);
     }
     if (st == MST_OK) st = mst_copy_h2b(m->ctx, m->w, host16, sizeof(uint16_t) * (size_t)n);
-    if (st == MST_OK) st = mst_fill(m->ctx, m->adam_m, 0, sizeof(float) * (size_t)n);
-    if (st == MST_OK) st = mst_fill(m->ctx, m->adam_v, 0, sizeof(float) * (size_t)n);
+    if (st == MST_OK) st = mst_fill(m->ctx, m->adam_m, 0, sizeof(float) * (size_t)ns);
+    if (st == MST_OK) st = mst_fill(m->ctx, m->adam_v, 0, sizeof(float) * (size_t)ns);
     free(host);
     free(host16);
     return st;
@@ -270,7 +271,7 @@ static mst_status alloc_acts(mst_model* m) {
     MST_TRY(mst_fill(m->ctx, m->peak, 0, sizeof(int32_t) * (size_t)((c->layers + 1) * c->ep)));
     if (m->dist.ep) {
         BUF(C, m->peak_local, 1);
-        BUF(C, m->gsum_experts, 1);
+        BUF(C, m->gnorm_rows, m->dist.world * MST_GNORM_COLS);
     }
     BUF(C, m->logits, N * V);
     BUF(C, m->loss_main, M * N);
@@ -504,6 +505,7 @@ mst_status mst_model_create_dist(mst_ctx_t* ctx, const mst_model_config* cfg, in
     if (st == MST_OK) st = make_schedule(m);
     if (st == MST_OK) {
         mst_model_layout(m);
+        mst_optim_layout(m);
         st = alloc_params(m);
     }
     if (st == MST_OK) st = mst_model_set_max_rows(m, m->static_rows); /* the manager: the recompute plan */

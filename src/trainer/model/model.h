@@ -95,6 +95,10 @@ typedef struct mst_mem_config {
     mst_schedule_kind schedule;     /* order of forward/backward over microbatches */
     int32_t virtual_stages;         /* chunks of layers (interleaved: >= 2)      */
     double pool_factor;             /* stash pages over the measured peak (1.10) */
+    int32_t optimizer_shard;        /* 1: ZeRO-1, the replicated parameters' fp32
+                                       master weights and AdamW moments sharded
+                                       over the data-parallel ranks (shard.c);
+                                       one rank: nothing to shard               */
     /* the memory-budget planner's recompute plan, over recompute: */
     const int32_t* chunk_start;     /* [L+1] recompute plan (mst_memmgr_set_recompute_plan)
                                        or NULL                                    */
@@ -206,6 +210,25 @@ enum {
     MST_MEM_SAVED_ROUTER, MST_MEM_SAVED_HEAD, MST_MEM_SAVED_MTP, MST_MEM_RECOMPUTE, MST_MEM_COMPUTE, MST_N_MEM
 };
 
+/* A replicated run [lo, lo + n) of the flat parameters over the W
+ * data-parallel ranks (shard.c): a body of W blocks of q elements (q a
+ * multiple of 4, W q <= n), rank r's block [lo + r q, lo + (r + 1) q), and a
+ * tail [lo + W q, lo + n) of fewer than 4 W elements. Sharded: the body's
+ * gradients reduce-scattered and its bf16 weights all-gathered, the tail's
+ * gradients all-reduced and its state on every rank. */
+typedef struct mst_optim_run {
+    int64_t lo, n, q;
+} mst_optim_run;
+
+/* Elements [lo, lo + n) of the flat buffers (w, grad) have their master
+ * weights and moments at [at, at + n) of the state buffers (master, adam_m,
+ * adam_v); decay: a matrix (weight decay). Unsharded: at == lo. */
+typedef struct mst_optim_part {
+    int64_t lo, n, at;
+    int32_t decay;
+} mst_optim_part;
+enum { MST_OPTIM_MAX_PARTS = 5, MST_GNORM_COLS = 4 };
+
 typedef struct mst_model {
     mst_ctx_t* ctx;
     const mst_model_backend* ops; /* ctx's model ops (mst_model_backend_of)     */
@@ -233,15 +256,25 @@ typedef struct mst_model {
     int64_t head;            /* [V,H] lm_head (== emb when tie_embeddings)     */
     mst_layer_params* lp;    /* [L+1]                                         */
     uint16_t* w;             /* [n_params] bf16 weights                       */
-    float* master;           /* [n_params] fp32 master weights                */
     float* grad;             /* [n_params] fp32 main_grad                     */
-    float* adam_m;           /* [n_params] fp32                               */
-    float* adam_v;           /* [n_params] fp32                               */
+    /* optimizer state: the parts (shard.c) of the flat parameters this rank
+     * updates, at their offsets `at` in the state buffers:
+     * sum of parts' n <= n_state <= n_params */
+    float* master;           /* [n_state] fp32 master weights                 */
+    float* adam_m;           /* [n_state] fp32                                */
+    float* adam_v;           /* [n_state] fp32                                */
+    int64_t n_state;
+    mst_optim_part opt_part[MST_OPTIM_MAX_PARTS];
+    int32_t n_opt_parts;
+    int32_t opt_shard;       /* 1: the replicated runs sharded (W ranks)       */
+    mst_optim_run rep[2];    /* W ranks: the replicated matrices [0, n_dense)
+                                and norm weights [n_decay, n_params)          */
     float* gsumsq;           /* [1] sum of squared gradients                  */
     float* gpartial;         /* [MST_SUMSQ_PARTS] its chunk sums              */
     int32_t* peak;           /* [L+1, G] peak rows per group over the run     */
     int32_t* peak_local;     /* [1] W ranks: route_forward's peak (unused)    */
-    float* gsum_experts;     /* [1] W ranks: sum of squared expert gradients  */
+    float* gnorm_rows;       /* [W, MST_GNORM_COLS] W ranks: each rank's shares
+                                of the squared gradient norm (shard.c)         */
     /* the step's static inputs: what changes between two steps, copied in
      * before each (a captured step reads them at the same addresses) */
     void* inputs;            /* backend: tokens [M, 3, N] int32, then hyper   */
@@ -355,6 +388,32 @@ void mst_optim_hyper(const mst_optim_config* o, int64_t step, float hyper[MST_N_
 /* Clip by global norm and AdamW with the step's values from the static
  * inputs; skipped on the device when the step's error flag is set. */
 mst_status mst_optim_step(mst_model* m, const mst_optim_config* o);
+
+/* ---- the optimizer state over the data-parallel ranks (shard.c) ---- */
+/* The model's data-parallel communicator, this rank in it and its size
+ * (NULL, 0, 1: one rank). */
+mst_ep_t* mst_model_dp(const mst_model* m, int32_t* rank, int32_t* world);
+/* The replicated runs, the parts and n_state of m (after the layout;
+ * m->mem_cfg.optimizer_shard and the ranks decide). */
+void mst_optim_layout(mst_model* m);
+/* Host [n] fp32 -> state buffer k (0 master, 1 adam_m, 2 adam_v) at flat
+ * elements [off, off + n): the parts of them this rank holds. */
+mst_status mst_optim_state_put(mst_model* m, int k, int64_t off, int64_t n, const float* host);
+/* State buffer k of every flat element into host [n_params] on every rank
+ * (collective; sharded: all-gathered through main_grad, which is zeroed
+ * after: call between steps). */
+mst_status mst_optim_state_gather(mst_model* m, int k, float* host);
+/* W ranks: the replicated gradients summed over the ranks (sharded: the
+ * bodies reduce-scattered, the tails all-reduced; else all-reduced). */
+mst_status mst_optim_share_grads(mst_model* m);
+/* The squared gradient norm into m->gsumsq, every rank the same bits (W
+ * ranks: the same order sharded or not). */
+mst_status mst_optim_grad_sumsq(mst_model* m);
+/* W ranks, sharded: the bodies' bf16 weights all-gathered. */
+mst_status mst_optim_gather_weights(mst_model* m);
+/* Bytes of optimizer state this rank holds for the replicated parameters,
+ * and what it would hold unsharded (0, 0 on one rank). */
+void mst_optim_replicated_bytes(const mst_model* m, size_t* held, size_t* whole);
 
 /* ---- the whole optimizer step (step.c) ---- */
 

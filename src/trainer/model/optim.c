@@ -29,35 +29,19 @@ void mst_optim_hyper(const mst_optim_config* o, int64_t step, float hyper[MST_N_
     hyper[MST_HYPER_BC2] = 1.0f - powf(o->beta2, (float)step);
 }
 
-/* The squared global norm of the gradients. W ranks: the experts' share
- * summed over the ranks, then this rank's norm weights and replicated
- * matrices (the same on every rank) added to it: every rank the same bits. */
-static mst_status grad_sumsq(mst_model* m) {
-    mst_sumsq_args ss = {.n = m->n_params, .x = m->grad, .partial = m->gpartial, .out = m->gsumsq};
-    if (!m->dist.ep) return MST_MODEL_OP(m, sumsq, &ss);
-    mst_sumsq_args e = {.n = m->n_decay - m->n_dense, .x = m->grad + m->n_dense, .partial = m->gpartial,
-                        .out = m->gsum_experts};
-    MST_TRY(MST_MODEL_OP(m, sumsq, &e));
-    MST_TRY(mst_model_allreduce(m, m->gsum_experts, 1, MST_EP_SUM_F32));
-    e = (mst_sumsq_args){.n = m->n_params - m->n_decay, .x = m->grad + m->n_decay, .partial = m->gpartial,
-                         .base = m->gsum_experts, .out = m->gsum_experts};
-    MST_TRY(MST_MODEL_OP(m, sumsq, &e));
-    ss.n = m->n_dense;
-    ss.base = m->gsum_experts;
-    return MST_MODEL_OP(m, sumsq, &ss);
-}
-
+/* Clip by the global norm (shard.c: the same bits on every rank), AdamW on
+ * every part this rank holds (the matrices decayed), then, sharded, the
+ * updated bf16 weights all-gathered. */
 mst_status mst_optim_step(mst_model* m, const mst_optim_config* o) {
-    MST_TRY(grad_sumsq(m));
-    /* [0, n_decay): matrices with weight decay; the rest: norm weights */
-    const int64_t lo[2] = {0, m->n_decay}, hi[2] = {m->n_decay, m->n_params};
-    for (int i = 0; i < 2; i++) {
-        mst_adamw_args a = {.n = hi[i] - lo[i], .beta1 = o->beta1, .beta2 = o->beta2, .eps = o->eps,
-                            .weight_decay = i == 0 ? o->weight_decay : 0.0f, .clip = o->clip,
-                            .hyper = m->hyper, .master = m->master + lo[i], .grad = m->grad + lo[i],
-                            .m = m->adam_m + lo[i], .v = m->adam_v + lo[i], .w = m->w + lo[i],
+    MST_TRY(mst_optim_grad_sumsq(m));
+    for (int32_t i = 0; i < m->n_opt_parts; i++) {
+        const mst_optim_part* p = &m->opt_part[i];
+        mst_adamw_args a = {.n = p->n, .beta1 = o->beta1, .beta2 = o->beta2, .eps = o->eps,
+                            .weight_decay = p->decay ? o->weight_decay : 0.0f, .clip = o->clip,
+                            .hyper = m->hyper, .master = m->master + p->at, .grad = m->grad + p->lo,
+                            .m = m->adam_m + p->at, .v = m->adam_v + p->at, .w = m->w + p->lo,
                             .grad_sumsq = m->gsumsq, .flag = m->ctx->err_flag};
         MST_TRY(MST_MODEL_OP(m, adamw, &a));
     }
-    return MST_OK;
+    return mst_optim_gather_weights(m);
 }

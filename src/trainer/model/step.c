@@ -20,10 +20,7 @@ static mst_status share_flag(mst_model* m) { return mst_model_allreduce(m, m->ct
 
 int64_t mst_step_shared_grads(const mst_model* m) { return m->n_dense + m->n_params - m->n_decay; }
 
-mst_status mst_step_share_grads(mst_model* m) {
-    MST_TRY(mst_model_allreduce(m, m->grad, m->n_dense, MST_EP_SUM_F32));
-    return mst_model_allreduce(m, m->grad + m->n_decay, m->n_params - m->n_decay, MST_EP_SUM_F32);
-}
+mst_status mst_step_share_grads(mst_model* m) { return mst_optim_share_grads(m); }
 
 /* flag and loss sums into the record (backend memory); W ranks: the sums
  * over every rank's tokens */

@@ -217,7 +217,8 @@ typedef struct mst_rows_args {
 
 /* Sum of squares of n fp32 values into out [1], in a fixed order: base
  * (when given), then the sums of MST_SUMSQ_PARTS contiguous chunks of
- * ceil(n / parts) values, added in chunk order. */
+ * ceil(n / parts) values, added in chunk order (n <= parts: base + x[0] +
+ * x[1] + ... in turn). plain: the values themselves, not their squares. */
 enum { MST_SUMSQ_PARTS = 1024 };
 typedef struct mst_sumsq_args {
     int64_t n;
@@ -225,6 +226,7 @@ typedef struct mst_sumsq_args {
     float* partial;        /* [MST_SUMSQ_PARTS] fp32 scratch                 */
     const float* base;     /* (optional) [1] fp32 added first; may be out    */
     float* out;            /* [1] fp32                                       */
+    int32_t plain;         /* 1: sum x, not x^2                              */
 } mst_sumsq_args;
 
 /* Sum of n fp32 values into out [1] as float64 (the losses of a step,

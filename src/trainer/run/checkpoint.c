@@ -87,11 +87,14 @@ static void shard_name(const set_spec* s, int32_t k, int32_t K, char* buf, size_
     else snprintf(buf, cap, "%s-%05d-of-%05d.safetensors", s->prefix, k + 1, K);
 }
 
-/* The backend buffer and element size of kind k of set s. */
-static void *kind_base(mst_model* m, const set_spec* s, int32_t k, size_t* elem) {
-    *elem = s->n_kinds == 1 ? 2 : 4;
-    if (s->n_kinds == 1) return m->w;
-    return k == 0 ? (void*)m->master : k == 1 ? (void*)m->adam_m : (void*)m->adam_v;
+/* Elements [off, off + n) of kind k of set s into host: the bf16 weights
+ * from the backend, the optimizer's from state [3] (mst_optim_state_gather's
+ * flat copies). */
+static mst_status read_kind(mst_model* m, const set_spec* s, int32_t k, float* const state[3], int64_t off, int64_t n,
+                            void* host) {
+    if (s->n_kinds == 1) return mst_copy_b2h(m->ctx, host, m->w + off, sizeof(uint16_t) * (size_t)n);
+    memcpy(host, state[k] + off, sizeof(float) * (size_t)n);
+    return MST_OK;
 }
 
 static void entry_of(const mst_hf_param* p, const set_spec* s, int32_t k, mst_st_entry* e) {
@@ -104,7 +107,7 @@ static void entry_of(const mst_hf_param* p, const set_spec* s, int32_t k, mst_st
 
 /* Writes shard sh of set s (this rank's) as path. */
 static mst_status write_shard(mst_model* m, const mst_hf_param* p, const set_spec* s, const plan* pl, const shard* sh,
-                              const char* path) {
+                              float* const state[3], const char* path) {
     const int32_t n = sh->n * s->n_kinds;
     mst_st_entry* e = (mst_st_entry*)malloc(sizeof *e * (size_t)n);
     int64_t big = 1;
@@ -120,10 +123,8 @@ static mst_status write_shard(mst_model* m, const mst_hf_param* p, const set_spe
     for (int32_t i = 0; st == MST_OK && i < sh->n; i++) {
         const mst_hf_param* q = &p[pl->order[sh->first + i]];
         for (int32_t k = 0; st == MST_OK && k < s->n_kinds; k++) {
-            size_t elem = 0;
-            const char* base = (const char*)kind_base(m, s, k, &elem);
-            const size_t bytes = (size_t)mst_hf_numel(q) * elem;
-            st = mst_copy_b2h(m->ctx, host, base + (size_t)q->off * elem, bytes);
+            const size_t bytes = (size_t)mst_hf_numel(q) * (s->n_kinds == 1 ? 2 : 4);
+            st = read_kind(m, s, k, state, q->off, mst_hf_numel(q), host);
             if (st == MST_OK) st = mst_st_write_data(&w, host, bytes);
             else mst_st_write_abort(&w);
         }
@@ -159,15 +160,36 @@ static mst_status write_index(const mst_hf_param* p, const set_spec* s, const pl
     return bad ? mst_set_error(MST_ERR_IO, "checkpoint '%s': write failed: %s", path, strerror(errno)) : MST_OK;
 }
 
+/* The optimizer state of every flat element into host state [3]
+ * (collective: every rank, before any writes; sharded, the replicated
+ * parameters' come from the other ranks). */
+static mst_status gather_state(mst_model* m, float* state[3]) {
+    mst_status st = MST_OK;
+    for (int k = 0; k < 3; k++) {
+        state[k] = (float*)malloc(sizeof(float) * (size_t)m->n_params);
+        if (!state[k] && st == MST_OK) st = mst_set_error(MST_ERR_OOM, "checkpoint: optimizer state (%lld)", (long long)m->n_params);
+    }
+    int32_t bad = st != MST_OK; /* every rank gathers, or none */
+    MST_TRY(mst_model_allreduce_host(m, &bad, 1, MST_EP_MAX_I32));
+    if (bad) return st != MST_OK ? st : mst_set_error(MST_ERR_STATE, "checkpoint: another rank failed gathering the optimizer state");
+    for (int k = 0; k < 3 && st == MST_OK; k++) st = mst_optim_state_gather(m, k, state[k]);
+    return st;
+}
+
 /* This rank's shards of every set into dir; rank 0 also the indexes. */
 static mst_status write_sets(mst_model* m, const mst_train_config* cfg, const char* dir) {
     const mst_model_config* c = &m->cfg;
     const int32_t np = mst_hf_n_params(c), W = m->dist.ep ? m->dist.world : 1, rank = m->dist.ep ? m->dist.rank : 0;
-    mst_hf_param* p = (mst_hf_param*)malloc(sizeof *p * (size_t)np);
-    if (!p) return mst_set_error(MST_ERR_OOM, "checkpoint: %d tensor names", np);
+    float* state[3] = {NULL, NULL, NULL}; /* [n_params] each: master, adam_m, adam_v */
+    mst_status st = gather_state(m, state);
+    mst_hf_param* p = st == MST_OK ? (mst_hf_param*)malloc(sizeof *p * (size_t)np) : NULL;
+    if (!p) {
+        for (int k = 0; k < 3; k++) free(state[k]);
+        return st != MST_OK ? st : mst_set_error(MST_ERR_OOM, "checkpoint: %d tensor names", np);
+    }
     mst_hf_params(c, m, p);
     const uint64_t limit = cfg->save_shard_bytes ? (uint64_t)cfg->save_shard_bytes : MST_CKPT_SHARD_BYTES;
-    mst_status st = mst_hf_params_check(p, np, m);
+    st = mst_hf_params_check(p, np, m);
     char path[4400], name[64];
     for (int s = 0; s < N_SETS && st == MST_OK; s++) {
         plan pl;
@@ -176,12 +198,13 @@ static mst_status write_sets(mst_model* m, const mst_train_config* cfg, const ch
             if (pl.shards[k].owner != rank) continue;
             shard_name(&sets[s], k, pl.n_shards, name, sizeof name);
             snprintf(path, sizeof path, "%s/%s", dir, name);
-            st = write_shard(m, p, &sets[s], &pl, &pl.shards[k], path);
+            st = write_shard(m, p, &sets[s], &pl, &pl.shards[k], state, path);
         }
         if (st == MST_OK && rank == 0 && pl.n_shards > 1) st = write_index(p, &sets[s], &pl, dir);
         plan_free(&pl);
     }
     free(p);
+    for (int k = 0; k < 3; k++) free(state[k]);
     return st;
 }
 

@@ -84,6 +84,15 @@ static mst_status into(mst_model* m, const mst_hf* h, const mst_hf_param* p, con
     return mst_copy_h2b(m->ctx, (char*)base + (size_t)p->off * elem, host, (size_t)mst_hf_numel(p) * elem);
 }
 
+/* Reads prefix + p->name (F32) into optimizer state buffer k (0 master, 1
+ * adam_m, 2 adam_v) where this rank holds it, through host [numel]. */
+static mst_status into_state(mst_model* m, const mst_hf* h, const mst_hf_param* p, const char* prefix, int k, float* host) {
+    char name[MST_ST_NAME];
+    snprintf(name, sizeof name, "%s%s", prefix, p->name);
+    MST_TRY(mst_hf_read(h, name, p->nd, p->dims, MST_ST_F32, host));
+    return mst_optim_state_put(m, k, p->off, mst_hf_numel(p), host);
+}
+
 static int64_t biggest(const mst_hf_param* p, int32_t np) {
     int64_t b = 1;
     for (int32_t i = 0; i < np; i++) b = mst_hf_numel(&p[i]) > b ? mst_hf_numel(&p[i]) : b;
@@ -114,9 +123,7 @@ mst_status mst_ckpt_load(mst_model* m, const char* dir) {
     for (int32_t i = 0; st == MST_OK && i < np; i++) {
         if (p[i].off < 0) continue;
         st = into(m, hw, &p[i], "", MST_ST_BF16, m->w, host);
-        if (st == MST_OK) st = into(m, ho, &p[i], opt_prefix[0], MST_ST_F32, m->master, host);
-        if (st == MST_OK) st = into(m, ho, &p[i], opt_prefix[1], MST_ST_F32, m->adam_m, host);
-        if (st == MST_OK) st = into(m, ho, &p[i], opt_prefix[2], MST_ST_F32, m->adam_v, host);
+        for (int k = 0; k < 3 && st == MST_OK; k++) st = into_state(m, ho, &p[i], opt_prefix[k], k, (float*)host);
     }
     free(host);
     mst_hf_close(hw);
@@ -177,7 +184,7 @@ static mst_status init_set(mst_model* m, const mst_hf* h, const mst_hf_param* p,
     for (int32_t i = 0; st == MST_OK && i < np; i++) {
         if (p[i].set != which || p[i].off < 0) continue;
         const size_t n = (size_t)mst_hf_numel(&p[i]);
-        st = into(m, h, &p[i], "", MST_ST_F32, m->master, host);
+        st = into_state(m, h, &p[i], "", 0, host);
         mst_fp32_to_bf16_array(half, host, n);
         if (st == MST_OK) st = mst_copy_h2b(m->ctx, m->w + p[i].off, half, n * 2);
     }

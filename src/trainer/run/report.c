@@ -113,6 +113,8 @@ mst_status mst_train_memory_table(mst_model* m, mst_train_result* res) {
     res->n_layers = L1;
     res->n_groups = G;
     res->world = m->dist.world;
+    res->optim_shard = m->opt_shard;
+    mst_optim_replicated_bytes(m, &res->optim_rep_bytes, &res->optim_rep_whole_bytes);
     res->mem_max = *t;
     MST_TRY(mst_weights_hash(m, &res->weights_hash, &res->replicated_hash));
     if (!m->dist.ep) return MST_OK;
@@ -160,8 +162,12 @@ void mst_train_print_memory(FILE* f, const mst_train_result* r) {
     fprintf(f, "\n  backend peak %.2f MiB; reruns %lld (over budget %lld, overflow %lld); step graph: %lld captures, "
                "%lld replays\n", mib(t->peak), (long long)r->reruns, (long long)r->over_budget,
             (long long)(r->reruns - r->over_budget), (long long)r->captures, (long long)r->replays);
-    if (r->world > 1)
-        fprintf(f, "  replicated gradients: %.2f MiB fp32 all-reduced a step after the backward, %.3f ms alone "
-                   "(rank 0, timed after the run)\n", mib(r->allreduce_bytes), r->allreduce_ms);
+    if (r->world <= 1) return;
+    fprintf(f, "  replicated gradients: %.2f MiB fp32 %s a step after the backward, %.3f ms alone "
+               "(rank 0, timed after the run)\n", mib(r->allreduce_bytes), r->optim_shard ? "reduce-scattered" : "all-reduced",
+            r->allreduce_ms);
+    fprintf(f, "  optimizer state of the replicated parameters (master, m, v): %.2f MiB a rank, %s (%.2f MiB unsharded: "
+               "%.3fx)\n", mib(r->optim_rep_bytes), r->optim_shard ? "sharded over the ranks" : "whole on every rank",
+            mib(r->optim_rep_whole_bytes), r->optim_rep_whole_bytes ? (double)r->optim_rep_bytes / (double)r->optim_rep_whole_bytes : 0.0);
 }
 

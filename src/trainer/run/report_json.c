@@ -79,6 +79,9 @@ mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
     if (r->plan) mst_plan_json(f, r->plan, r, cfg);
     if (r->world > 1) /* the replicated gradients' all-reduce, timed alone */
         fprintf(f, "  \"allreduce\": {\"bytes\": %zu, \"ms\": %.4f},\n", r->allreduce_bytes, r->allreduce_ms);
+    if (r->world > 1)
+        fprintf(f, "  \"optimizer\": {\"shard\": %d, \"replicated_bytes\": %zu, \"replicated_whole_bytes\": %zu},\n",
+                r->optim_shard, r->optim_rep_bytes, r->optim_rep_whole_bytes);
     fprintf(f, "  \"memory_bytes\": {\n");
     json_mem(f, "run", r->mem.run);
     json_mem(f, "keep_static", r->mem.keep);

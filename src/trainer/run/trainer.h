@@ -100,6 +100,10 @@ typedef struct mst_train_result {
     mst_mem_table mem_max;    /* W ranks: each entry's max over the ranks      */
     int32_t world;            /* W (1: one rank)                               */
     uint64_t* rank_peak;      /* [W] W ranks: each rank's backend peak, bytes (NULL: one rank) */
+    int32_t optim_shard;      /* 1: the optimizer state sharded (ZeRO-1)       */
+    size_t optim_rep_bytes;   /* W ranks: this rank's optimizer state of the
+                                 replicated parameters (master, m, v), bytes    */
+    size_t optim_rep_whole_bytes; /* the same unsharded                        */
     size_t allreduce_bytes;   /* W ranks: the replicated gradients a step sums  */
     double allreduce_ms;      /* W ranks: that all-reduce alone, eager, after the
                                  run (what overlapping it could save at most)   */

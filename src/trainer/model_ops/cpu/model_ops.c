@@ -145,7 +145,7 @@ mst_status mst_cpu_sumsq(mst_ctx_t* ctx, const mst_sumsq_args* a) {
     for (int64_t p = 0; p < MST_SUMSQ_PARTS; p++) {
         float part = 0.0f;
         int64_t b = p * chunk, e = b + chunk < a->n ? b + chunk : a->n;
-        for (int64_t i = b; i < e; i++) part += a->x[i] * a->x[i];
+        for (int64_t i = b; i < e; i++) part += a->plain ? a->x[i] : a->x[i] * a->x[i];
         a->partial[p] = part;
     }
     float total = a->base ? *a->base : 0.0f;

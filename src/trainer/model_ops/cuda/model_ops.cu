@@ -233,8 +233,8 @@ __global__ void sumsq_chunks_kernel(mst_sumsq_args a, int64_t chunk) {
     int64_t i = b + threadIdx.x;
     for (; i + 3 * step < e; i += 4 * step)
 #pragma unroll
-        for (int k = 0; k < 4; k++) s[k] += a.x[i + k * step] * a.x[i + k * step];
-    for (int k = 0; i < e; i += step, k++) s[k] += a.x[i] * a.x[i];
+        for (int k = 0; k < 4; k++) s[k] += a.plain ? a.x[i + k * step] : a.x[i + k * step] * a.x[i + k * step];
+    for (int k = 0; i < e; i += step, k++) s[k] += a.plain ? a.x[i] : a.x[i] * a.x[i];
     const float t = mst_block_sum(((s[0] + s[1]) + s[2]) + s[3], shm);
     if (threadIdx.x == 0) a.partial[blockIdx.x] = t;
 }

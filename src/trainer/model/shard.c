@@ -1,0 +1,182 @@
+/*
+ * shard.c — the optimizer state over the data-parallel ranks (ZeRO-1, as
+ * Megatron's distributed optimizer): which parts of the flat parameters
+ * this rank updates and where their fp32 master weights and AdamW moments
+ * lie, the replicated gradients' reduction, the squared gradient norm and
+ * the all-gather of the updated bf16 weights.
+ *
+ * On W ranks the replicated parameters are two runs of the flat buffers:
+ * the matrices [0, n_dense) and the norm weights [n_decay, n_params); this
+ * rank's experts [n_dense, n_decay) lie between them. Each run is a body of
+ * W blocks of q elements and a tail (mst_optim_run). Unsharded, every rank
+ * all-reduces the runs' gradients and updates all of them; sharded, rank r
+ * reduce-scatters the bodies, all-reduces the tails, updates block r of
+ * each body, the tails and its experts, and all-gathers the bodies' bf16
+ * weights: its state is q + tail per run instead of n.
+ *
+ * What is promised: the squared gradient norm sums the same pieces in the
+ * same order either way (each rank's body blocks, its experts, rank 0 the
+ * tails; the [W, 4] table of pieces summed over the ranks with zeros
+ * elsewhere, which is exact, then added in row order), and AdamW is
+ * elementwise; so sharded and unsharded runs are bit-identical wherever the
+ * reduce-scatter sums as the all-reduce does: on the CPU twin (rank order,
+ * both), not promised over NCCL (its reduce-scatter and all-reduce may
+ * pick other orders: the runs differ there by fp32 rounding of the
+ * gradients).
+ */
+#include <string.h>
+
+#include "model.h"
+#include "ops.h"
+
+mst_ep_t* mst_model_dp(const mst_model* m, int32_t* rank, int32_t* world) {
+    *rank = m->dist.ep ? m->dist.rank : 0;
+    *world = m->dist.ep ? m->dist.world : 1;
+    return m->dist.ep;
+}
+
+/* ---- layout ------------------------------------------------------------------ */
+
+static mst_optim_run make_run(int64_t lo, int64_t n, int32_t W) {
+    const int64_t q = n / (4 * (int64_t)W) * 4;
+    return (mst_optim_run){lo, n, q};
+}
+
+static int64_t up4(int64_t x) { return (x + 3) / 4 * 4; }
+
+/* Appends part [lo, lo + n) at the next 16-byte aligned state offset. */
+static void add_part(mst_model* m, int64_t lo, int64_t n, int32_t decay) {
+    if (n <= 0) return;
+    MST_ASSERT(m->n_opt_parts < MST_OPTIM_MAX_PARTS);
+    m->opt_part[m->n_opt_parts++] = (mst_optim_part){lo, n, m->n_state, decay};
+    m->n_state = up4(m->n_state + n);
+}
+
+/* A replicated run's parts here: block r of its body and its tail, or all. */
+static void add_run(mst_model* m, const mst_optim_run* u, int32_t r, int32_t W, int32_t decay) {
+    if (!m->opt_shard) {
+        add_part(m, u->lo, u->n, decay);
+        return;
+    }
+    add_part(m, u->lo + r * u->q, u->q, decay);
+    add_part(m, u->lo + W * u->q, u->n - W * u->q, decay);
+}
+
+void mst_optim_layout(mst_model* m) {
+    int32_t r, W;
+    const mst_ep_t* dp = mst_model_dp(m, &r, &W);
+    m->n_opt_parts = 0;
+    m->n_state = 0;
+    m->opt_shard = dp && W > 1 && m->mem_cfg.optimizer_shard;
+    if (!dp) { /* one rank: the matrices, then the norm weights, at == lo */
+        add_part(m, 0, m->n_decay, 1);
+        add_part(m, m->n_decay, m->n_params - m->n_decay, 0);
+        m->n_state = m->n_params;
+        return;
+    }
+    m->rep[0] = make_run(0, m->n_dense, W);
+    m->rep[1] = make_run(m->n_decay, m->n_params - m->n_decay, W);
+    add_run(m, &m->rep[0], r, W, 1);
+    add_part(m, m->n_dense, m->n_decay - m->n_dense, 1); /* this rank's experts */
+    add_run(m, &m->rep[1], r, W, 0);
+    if (m->n_state < 1) m->n_state = 1;
+}
+
+void mst_optim_replicated_bytes(const mst_model* m, size_t* held, size_t* whole) {
+    *held = *whole = 0;
+    if (!m->dist.ep) return;
+    for (int32_t i = 0; i < m->n_opt_parts; i++) {
+        const mst_optim_part* p = &m->opt_part[i];
+        if (p->lo < m->n_dense || p->lo >= m->n_decay) *held += (size_t)p->n * 12;
+    }
+    *whole = (size_t)(m->rep[0].n + m->rep[1].n) * 12;
+}
+
+/* ---- state in and out -------------------------------------------------------- */
+
+static float* state_buf(mst_model* m, int k) { return k == 0 ? m->master : k == 1 ? m->adam_m : m->adam_v; }
+
+mst_status mst_optim_state_put(mst_model* m, int k, int64_t off, int64_t n, const float* host) {
+    float* s = state_buf(m, k);
+    for (int32_t i = 0; i < m->n_opt_parts; i++) {
+        const mst_optim_part* p = &m->opt_part[i];
+        const int64_t lo = off > p->lo ? off : p->lo, hi = off + n < p->lo + p->n ? off + n : p->lo + p->n;
+        if (hi > lo) MST_TRY(mst_copy_h2b(m->ctx, s + p->at + (lo - p->lo), host + (lo - off), sizeof(float) * (size_t)(hi - lo)));
+    }
+    return MST_OK;
+}
+
+mst_status mst_optim_state_gather(mst_model* m, int k, float* host) {
+    const float* s = state_buf(m, k);
+    if (!m->opt_shard) {
+        for (int32_t i = 0; i < m->n_opt_parts; i++) {
+            const mst_optim_part* p = &m->opt_part[i];
+            MST_TRY(mst_copy_b2h(m->ctx, host + p->lo, s + p->at, sizeof(float) * (size_t)p->n));
+        }
+        return MST_OK;
+    }
+    /* main_grad [n_params] holds the flat layout of state k for a moment */
+    for (int32_t i = 0; i < m->n_opt_parts; i++) {
+        const mst_optim_part* p = &m->opt_part[i];
+        MST_TRY(mst_copy_b2b(m->ctx, m->grad + p->lo, s + p->at, sizeof(float) * (size_t)p->n));
+    }
+    for (int u = 0; u < 2; u++) MST_TRY(mst_ep_allgather(m->dist.ep, m->grad + m->rep[u].lo, sizeof(float) * (size_t)m->rep[u].q));
+    MST_TRY(mst_copy_b2h(m->ctx, host, m->grad, sizeof(float) * (size_t)m->n_params));
+    return mst_optim_zero(m);
+}
+
+/* ---- the step's collectives ---------------------------------------------------- */
+
+mst_status mst_optim_share_grads(mst_model* m) {
+    int32_t r, W;
+    mst_ep_t* dp = mst_model_dp(m, &r, &W);
+    if (!dp) return MST_OK;
+    for (int u = 0; u < 2; u++) {
+        const mst_optim_run* x = &m->rep[u];
+        if (!m->opt_shard) {
+            MST_TRY(mst_ep_allreduce(dp, m->grad + x->lo, x->n, MST_EP_SUM_F32));
+            continue;
+        }
+        MST_TRY(mst_ep_reduce_scatter(dp, m->grad + x->lo, x->q, MST_EP_SUM_F32));
+        MST_TRY(mst_ep_allreduce(dp, m->grad + x->lo + W * x->q, x->n - W * x->q, MST_EP_SUM_F32));
+    }
+    return MST_OK;
+}
+
+mst_status mst_optim_gather_weights(mst_model* m) {
+    if (!m->opt_shard) return MST_OK;
+    for (int u = 0; u < 2; u++)
+        MST_TRY(mst_ep_allgather(m->dist.ep, m->w + m->rep[u].lo, sizeof(uint16_t) * (size_t)m->rep[u].q));
+    return MST_OK;
+}
+
+/* out [1] = base (when given) + the sum of squares of grad [lo, lo + n). */
+static mst_status sumsq(mst_model* m, int64_t lo, int64_t n, const float* base, float* out) {
+    mst_sumsq_args a = {.n = n, .x = m->grad + lo, .partial = m->gpartial, .base = base, .out = out};
+    return MST_MODEL_OP(m, sumsq, &a);
+}
+
+/* W ranks: row r of the [W, 4] table this rank's pieces (block r of each
+ * run's body, its experts; rank 0 the tails), the other rows zero; summed
+ * over the ranks (one value and zeros per entry: exact), then every entry
+ * added in row order. Every gradient element is in exactly one piece, and
+ * the pieces are the same sharded or not. */
+mst_status mst_optim_grad_sumsq(mst_model* m) {
+    int32_t r, W;
+    mst_ep_t* dp = mst_model_dp(m, &r, &W);
+    if (!dp) return sumsq(m, 0, m->n_params, NULL, m->gsumsq);
+    float* row = m->gnorm_rows + (int64_t)r * MST_GNORM_COLS; /* [4] */
+    const mst_optim_run *a = &m->rep[0], *b = &m->rep[1];
+    MST_TRY(mst_fill(m->ctx, m->gnorm_rows, 0, sizeof(float) * (size_t)(W * MST_GNORM_COLS)));
+    MST_TRY(sumsq(m, a->lo + r * a->q, a->q, NULL, row + 0));
+    MST_TRY(sumsq(m, m->n_dense, m->n_decay - m->n_dense, NULL, row + 1));
+    MST_TRY(sumsq(m, b->lo + r * b->q, b->q, NULL, row + 2));
+    if (r == 0) {
+        MST_TRY(sumsq(m, a->lo + W * a->q, a->n - W * a->q, NULL, row + 3));
+        MST_TRY(sumsq(m, b->lo + W * b->q, b->n - W * b->q, row + 3, row + 3));
+    }
+    MST_TRY(mst_ep_allreduce(dp, m->gnorm_rows, (int64_t)W * MST_GNORM_COLS, MST_EP_SUM_F32));
+    mst_sumsq_args t = {.n = (int64_t)W * MST_GNORM_COLS, .x = m->gnorm_rows, .partial = m->gpartial, .out = m->gsumsq,
+                        .plain = 1};
+    return MST_MODEL_OP(m, sumsq, &t);
+}
