@@ -60,6 +60,7 @@ bad "--hidden '65536" train --hidden 65536 --heads 8
 bad "--seq '8192 --batch 16384': needs at least" train --seq 8192 --batch 16384
 bad "--resume" train --resume "$tmp/no-checkpoint"
 bad "--recompute-granularity 'half'" train --recompute-granularity half
+bad "--optimizer-shard 'maybe': expected off or on" train --optimizer-shard maybe
 # train on N ranks
 bad "--gpus '0'" train --backend cpu --gpus 0
 bad "--ep '3': on --gpus N ranks" train --backend cpu --gpus 2 --ep 3

@@ -157,9 +157,9 @@ static mst_status publish(mst_ep_t* ep, mst_ep_plane* me, int tag, int* same) {
 }
 
 static mst_status finish(mst_ep_t* ep, int same, int oom, const char* what) {
-    if (same) return MST_OK;
-    return mst_set_error(oom ? MST_ERR_OOM : MST_ERR_STATE, "%s (rank %d): %s", what, ep->rank,
-                         oom ? "out of host memory" : "the ranks passed different counts or kinds");
+    return same ? MST_OK
+                : mst_set_error(oom ? MST_ERR_OOM : MST_ERR_STATE, "%s (rank %d): %s", what, ep->rank,
+                                oom ? "out of host memory" : "the ranks passed different counts or kinds");
 }
 
 /* Every rank reduces the ranks' blocks `block` (0 for an all-reduce's one
