@@ -10,6 +10,9 @@
 #            STASH/KEEP step time and the memory over the ranks;
 #   resume:  --save at step 2 of 4, --resume: steps 3-4 and the weights hash
 #            against the run that went straight through;
+#   shard:   --optimizer-shard on against off on N GPUs, 30 steps, graphs
+#            on, at two sizes: step time on/off, the replicated parameters'
+#            optimizer bytes a rank, the backend peak, the losses' drift;
 #   torchrun: the same binary under torchrun --no-python (when installed);
 #   network: the loss run of N GPUs again with NCCL kept off NVLink and
 #            shared memory (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1: its
@@ -115,6 +118,33 @@ sys.exit(0 if same else 1)
 EOF
   [ $? = 0 ] || bad=1
 fi
+
+# ---- shard: the distributed optimizer (ZeRO-1) against unsharded ----
+shard() { # label, flags...
+  local label=$1
+  shift
+  for o in off on; do run "shard_$o" --gpus "$n" --steps 30 --log-every 30 --optimizer-shard "$o" "$@"; done
+  [ -f "$tmp/shard_off.json" ] && [ -f "$tmp/shard_on.json" ] || return
+  python3 - "$tmp/shard_off.json" "$tmp/shard_on.json" "$n" "$label" <<'EOF'
+import json, statistics, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+ta, tb = (statistics.median(d["tokens_per_s"][10:]) for d in (a, b))
+oa, ob = a["optimizer"], b["optimizer"]
+def peak(d): return d["memory_bytes"]["backend_peak_max_over_ranks"] / 2**30
+rel = max(abs(x - y) / abs(y) for x, y in zip(b["loss"], a["loss"]))
+print(f"shard on {sys.argv[3]} GPUs, {sys.argv[4]}, graphs on, median of steps 11-30: off {ta:,.0f} tok/s, on {tb:,.0f} "
+      f"tok/s, step time on/off {ta / tb:.3f}; optimizer state of the replicated parameters a rank: off "
+      f"{oa['replicated_bytes'] / 2**20:.1f} MiB, on {ob['replicated_bytes'] / 2**20:.1f} MiB "
+      f"({ob['replicated_bytes'] / oa['replicated_bytes']:.3f}x); backend peak, max over ranks: off {peak(a):.2f} GiB, "
+      f"on {peak(b):.2f} GiB; step 1 loss {'bit-identical' if a['loss'][0] == b['loss'][0] else 'DIFFERS'}, max relative "
+      f"loss difference over 30 steps {rel:.2e}")
+sys.exit(0 if a["loss"][0] == b["loss"][0] and rel < 3e-2 else 1)
+EOF
+  [ $? = 0 ] || bad=1
+  rm -f "$tmp/shard_off.json" "$tmp/shard_on.json"
+}
+shard "CUDA default size (batch 16 per rank)"
+shard "H 1024, F 2048, T 1024, batch 8 per rank" --hidden 1024 --ffn 2048 --seq 1024 --batch 8
 
 # ---- torchrun ----
 if command -v torchrun >/dev/null; then
