@@ -125,6 +125,13 @@ if [ "$what" = ep ]; then
   scripts/ep-train-check.sh ./build-gpu/moestash >"$out/ep-train-check.log" 2>&1
   summary+=("ep-train-check: $([ $? = 0 ] && echo ok || echo 'FAILED (see ep-train-check.log)')")
   cat "$out/ep-train-check.log"
+  # PyTorch: moestash.torch.ExpertParallel over NCCL under torchrun, on every GPU
+  # (python/tests/ep_gpu_worker.py: layers against the float64 reference,
+  # graph capture, Qwen3-MoE patched with ep= against transformers)
+  MOESTASH_LIB=$PWD/build-gpu/libmoestash.so PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH} MST_EP_GPUS=$n_gpu \
+    timeout 900 python3 -m pytest -q -s -p no:cacheprovider python/tests/test_ep_gpu.py >"$out/py-ep-gpu.log" 2>&1
+  summary+=("python ep (torchrun, $n_gpu GPUs): $(tail -n 1 "$out/py-ep-gpu.log")")
+  grep -E '^\[rank' "$out/py-ep-gpu.log" | head -40
   if ./build-gpu/moestash bench ep --help >/dev/null 2>&1; then
     timeout 900 ./build-gpu/moestash bench ep --json "$out/bench-ep.json" >"$out/bench-ep.log" 2>&1
     summary+=("bench ep: $([ $? = 0 ] && echo ok || echo 'FAILED (see bench-ep.log)')")

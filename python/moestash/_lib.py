@@ -27,6 +27,7 @@ WGRAD_OVERWRITE, WGRAD_ACCUMULATE, WGRAD_DEFERRED = range(3)
 SAVED_NAMES = ("fc1_input", "act_input", "fc2_input", "probs")  # mst_saved_name order
 POLICIES = ("keep", "stash", "offload", "recompute")  # mst_policy order
 ACTIVATIONS = ("swiglu", "clamped_swiglu")  # mst_activation order
+EP_PATHS = ("auto", "p2p", "lsa")  # mst_ep_path_kind order
 
 
 class MoestashError(RuntimeError):
@@ -115,6 +116,18 @@ class PoolStats(_Sized):
         "dev_peak", "host_peak", "total_peak", "spilled_pages")] + [("overflowed", ctypes.c_int32)]
 
 
+class EpConfig(_Sized):
+    _c_name = "mst_ep_config"
+    _fields_ = [("struct_size", ctypes.c_size_t), ("n_experts", ctypes.c_int32), ("top_k", ctypes.c_int32),
+                ("hidden", ctypes.c_int64), ("max_tokens", ctypes.c_int64), ("max_rows", ctypes.c_int64),
+                ("pair_rows", ctypes.c_int64), ("path", ctypes.c_int32), ("window_rows", ctypes.c_int64)]
+
+
+class EpId(ctypes.Structure):
+    _c_name = "mst_ep_id"
+    _fields_ = [("bytes", ctypes.c_char * 128)]
+
+
 # ---- prototypes --------------------------------------------------------------
 
 _P = ctypes.c_void_p
@@ -164,6 +177,22 @@ _PROTOS = {
     "mst_stash_restore": (_I, [_P, _P, _T]),
     "mst_stash_restore_return": (_I, [_P, _P]),
     "mst_stash_handle_pages": (_I, [_P, ctypes.POINTER(Pages)]),
+    "mst_ep_id_create": (_I, [ctypes.POINTER(EpId)]),
+    "mst_ep_create": (_I, [_P, ctypes.POINTER(EpConfig), ctypes.POINTER(EpId), _I, _I, ctypes.POINTER(_P)]),
+    "mst_ep_group_create": (_I, [_I, ctypes.POINTER(_P)]),
+    "mst_ep_group_destroy": (None, [_P]),
+    "mst_ep_create_local": (_I, [_P, ctypes.POINTER(EpConfig), _P, _I, ctypes.POINTER(_P)]),
+    "mst_ep_destroy": (None, [_P]),
+    "mst_ep_rank": (_I, [_P]),
+    "mst_ep_world": (_I, [_P]),
+    "mst_ep_path": (ctypes.c_char_p, [_P]),
+    "mst_ep_window_rows": (_I, [_P, _T, _T]),
+    "mst_ep_handle_create": (_I, [_P, ctypes.POINTER(_P)]),
+    "mst_ep_handle_destroy": (None, [_P]),
+    "mst_ep_dispatch": (_I, [_P, _P, _T, _T, _T, _T, _T, _T]),
+    "mst_ep_dispatch_backward": (_I, [_P, _P, _T, _T, _T, _T]),
+    "mst_ep_combine": (_I, [_P, _P, _T, _T, _T]),
+    "mst_ep_combine_backward": (_I, [_P, _P, _T, _T, _T, _T, _T]),
 }
 
 

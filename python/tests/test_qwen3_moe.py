@@ -238,3 +238,80 @@ def test_block_compiles_fullgraph():
         outs.append([y.detach(), xx.grad] + [p.grad.clone() for p in block.parameters()])
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def ep_reference(world, device="cpu"):
+    """The fp32 model, W copies of it, a batch of 2 W sequences whose top-k
+    agrees between transformers' experts and the patched model's, and the
+    unpatched model's output and gradients on all of it."""
+    ref_model = make_model(FP32, True, device)
+    local = copy.deepcopy(ref_model)
+    mt.patch_qwen3_moe(local)
+    for seed in range(4):  # a batch whose top-k has no near-tie between the two roundings
+        ids = torch.randint(0, V, (2 * world, 24), generator=torch.Generator().manual_seed(seed)).to(device)
+        outs = [m(input_ids=ids, output_router_logits=True) for m in (ref_model, local)]
+        if all(torch.equal(a, b) for a, b in zip(routing(outs[0]), routing(outs[1]))):
+            break
+    else:
+        pytest.fail("the patched model's routing differs from transformers' on every batch tried")
+    copies = [copy.deepcopy(ref_model) for _ in range(world)]
+    ref_model.zero_grad(set_to_none=True)
+    want = ref_model(input_ids=ids, labels=ids)
+    want.loss.backward()
+    return copies, ids, want, {n: p.grad for n, p in ref_model.named_parameters()}
+
+
+def ep_rank_step(model, ids, rank, world, group, device="cpu"):
+    """Rank `rank`'s step of the expert-parallel model on its two sequences:
+    logits, loss, every gradient (the replicated ones summed over the
+    ranks), and its experts' count."""
+    ep = mt.ExpertParallel(8, K, 64, max_tokens=2 * 24, device=device, group=group)
+    mt.patch_qwen3_moe(model, ep=ep)
+    mine = ids[2 * rank:2 * rank + 2]
+    out = model(input_ids=mine, labels=mine)
+    (out.loss / world).backward()
+    grads = {}
+    for n, p in model.named_parameters():
+        g = p.grad.clone()
+        if "experts" not in n:
+            group.allreduce([g]).wait()  # the replicated parameters: every rank's share
+        grads[n] = g.cpu()
+    assert ep.check()
+    ep.close()
+    return out.logits.detach().cpu(), out.loss.detach().cpu(), grads, ep.n_local
+
+
+def check_ep_rank(res, rank, world, want, wg):
+    """One rank's ep_rank_step against the reference (logits, gradients)."""
+    logits, _, grads, El = res
+    tol = TOL[FP32]
+    assert rel(logits, want.logits[2 * rank:2 * rank + 2].cpu()) < tol["logits"]
+    assert grads.keys() == wg.keys()
+    for n, g in wg.items():
+        want_g = (g[rank * El:(rank + 1) * El] if "experts" in n else g).cpu()
+        assert grads[n].shape == want_g.shape, n
+        assert rel(grads[n], want_g) < tol["grad"], f"rank {rank} {n}: {rel(grads[n], want_g):.3g}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_matches_transformers(world):
+    """patch_qwen3_moe(ep=): W ranks (threads of this process, each with a
+    gloo group and the library's CPU twin communicator, tests/ranks.py),
+    each holding the whole fp32 model and two sequences of its own, against
+    the unpatched model on the W ranks' sequences together: each rank's
+    logits, the loss (the mean of the ranks' means, equal token counts), the
+    replicated parameters' gradients (each rank's of loss / W, summed over
+    the ranks, as data parallelism does) and each rank's experts' gradients
+    (their rows of the reference's). The load-balancing loss is off: it is
+    not a mean over tokens (a product of the batch's loads and probs), so
+    no per-rank share sums to it. fp32 tolerances (the experts in bf16;
+    the combine rounds each token's sum to bf16 once more). The same on
+    GPUs over NCCL: test_ep_gpu.py."""
+    from ranks import run_ranks
+
+    copies, ids, want, wg = ep_reference(world)
+    res = run_ranks(world, lambda rank, group: ep_rank_step(copies[rank], ids, rank, world, group))
+    loss = sum(r[1] for r in res) / world
+    assert abs(loss.item() - want.loss.item()) < TOL[FP32]["loss"] * abs(want.loss.item())
+    for rank in range(world):
+        check_ep_rank(res[rank], rank, world, want, wg)

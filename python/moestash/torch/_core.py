@@ -1,8 +1,8 @@
 """Torch tensors as library tensors, and the library contexts.
 
 One library context per torch device (CPU tensors: the CPU backend, whose
-backend memory is host memory; cuda:i: the CUDA backend on device i), created
-on first use. Every call sets the context's stream to torch's current stream
+backend memory is host memory, one context per thread; cuda:i: the CUDA
+backend on device i), created on first use. Every call sets the context's stream to torch's current stream
 of that device first, so the library's kernels are ordered with torch's (and
 captured by torch.cuda.graph). Tensors pass by data pointer, zero-copy, after
 the checks the library cannot make itself (device, layout, a dtype it has no
@@ -68,8 +68,9 @@ def device_guard(device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-_contexts = {}
+_contexts = {}  # cuda device -> Context
 _lock = threading.Lock()
+_cpu = threading.local()  # .ctx: this thread's CPU context
 
 
 def _canonical(device):
@@ -80,9 +81,22 @@ def _canonical(device):
     return device
 
 
+def _existing(device):
+    """The context of a canonical device made so far on this thread (CPU) or
+    process (CUDA), or None."""
+    return getattr(_cpu, "ctx", None) if device.type == "cpu" else _contexts.get(device)
+
+
 def context(device):
-    """The shared context of a torch device, created on first use."""
+    """The shared context of a torch device, created on first use: one per
+    CUDA device, and for the CPU one per thread (a context is not made for
+    concurrent calls, and the CPU twin of expert parallelism runs its ranks
+    as threads of one process, each with its own context; see ep.py)."""
     device = _canonical(device)
+    if device.type == "cpu":
+        if getattr(_cpu, "ctx", None) is None:
+            _cpu.ctx = Context(device)
+        return _cpu.ctx
     with _lock:
         ctx = _contexts.get(device)
         if ctx is None:
@@ -93,8 +107,8 @@ def context(device):
 def library_memory(device):
     """(in use, peak) bytes the library allocated itself on `device` (its
     workspaces, stash pages): memory torch.cuda.max_memory_allocated does
-    not see."""
-    ctx = _contexts.get(_canonical(device))
+    not see. For the CPU: this thread's context."""
+    ctx = _existing(_canonical(device))
     if ctx is None:
         return 0, 0
     in_use, peak = ctypes.c_size_t(), ctypes.c_size_t()

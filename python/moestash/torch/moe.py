@@ -16,10 +16,22 @@ atomics). The experts run in bf16, the library's dtype: x, w1 and w2 of
 another dtype are cast to bf16 for the call (autograd returns their
 gradients in their own dtype), bf16 ones are passed as they are (zero copy;
 a `main_grad` on them takes their gradient, as in moestash.torch.ops).
+
+Expert-parallel (ep: a moestash.torch.ExpertParallel): w1, w2 hold this
+rank's El = E / W experts (global expert g on rank g // El), top_k_index
+the global ids; the library's dispatch takes the token rows and their
+weights to the experts' ranks (expert-major rows, counts on the device),
+the grouped MLP scales each row by its weight there, and the combine sums
+each token's k rows in fp32, rounded once to bf16 (then cast to x's dtype).
+window=True dispatches into the communicator's window rows, valid until its
+next dispatch: the binding must then stash or offload fc1_input (the pages
+copy the rows for the backward; keep would hold the window), and the row
+weights are copied (R fp32) for the same reason.
 """
 import torch
 
-from .ops import grouped_mlp
+from .ops import DEFAULT, grouped_mlp
+from .saver import FC1_INPUT
 
 
 def expert_order(top_k_index, num_experts):
@@ -32,8 +44,11 @@ def expert_order(top_k_index, num_experts):
     return order, counts
 
 
-def routed_experts(x, top_k_index, top_k_weights, w1, w2, binding=None, activation="swiglu"):
+def routed_experts(x, top_k_index, top_k_weights, w1, w2, binding=None, activation="swiglu", ep=None,
+                   window=False):
     """The combined experts' output [T, H] in x's dtype (see the module doc)."""
+    if ep is not None:
+        return _routed_experts_ep(x, top_k_index, top_k_weights, w1, w2, binding, activation, ep, window)
     T, H = x.shape
     k = top_k_index.shape[-1]
     order, counts = expert_order(top_k_index, w1.shape[0])
@@ -43,3 +58,18 @@ def routed_experts(x, top_k_index, top_k_weights, w1, w2, binding=None, activati
     y = grouped_mlp(rows, w1.to(bf), w2.to(bf), counts, probs, activation, binding=binding)  # [T k, H]
     slots = y.new_empty(y.shape).index_copy(0, order, y)  # [T k, H] in (token, choice) order
     return slots.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+def _routed_experts_ep(x, top_k_index, top_k_weights, w1, w2, binding, activation, ep, window):
+    bf = torch.bfloat16
+    if w1.shape[0] != ep.n_local:
+        raise ValueError(f"routed_experts: w1 holds {w1.shape[0]} experts, the communicator gives this rank "
+                         f"{ep.n_local} (E {ep.n_experts} over {ep.world} ranks)")
+    if window and (binding or DEFAULT).saver.kept(FC1_INPUT):
+        raise ValueError("routed_experts: window=True needs fc1_input stashed or offloaded (the window rows are "
+                         "overwritten by the next dispatch; keep would save them for the backward)")
+    rows, row_probs, counts, route = ep.dispatch(x.to(bf), top_k_index, top_k_weights, window=window)
+    if window:
+        row_probs = row_probs.clone()  # [R] fp32: the grouped MLP may keep it for its backward
+    y = grouped_mlp(rows, w1.to(bf), w2.to(bf), counts, row_probs, activation, binding=binding)  # [R, H]
+    return ep.combine(y, route).to(x.dtype)

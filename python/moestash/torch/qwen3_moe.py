@@ -18,6 +18,16 @@ rows first, then up) is the MLP's w1 and experts.down_proj [E, H, F] its
 w2, as they are. In a bf16 model that is zero copy; in a model of another
 dtype the block casts x and the two expert weights to bf16 for the call
 (the library computes in bf16), one conversion each per forward.
+
+Expert-parallel (ep=moestash.torch.ExpertParallel over the ranks of a
+process group, every rank holding the whole model): each block keeps only
+this rank's El = E / W experts, gate_up_proj[r El:(r+1) El] and
+down_proj[...] (one copy each, made at patch time; the state_dict keys
+stay, with El experts), and the tokens go to their experts' ranks and back
+through the library's dispatch and combine (moestash.torch.moe). The
+router and every other parameter stay replicated: their gradients are the
+rank's own batch's, to be averaged over the ranks as data parallelism does
+(the experts' gradients already sum every rank's tokens).
 """
 import torch
 
@@ -29,18 +39,22 @@ class Qwen3MoeBlock(torch.nn.Module):
     """Qwen3MoeSparseMoeBlock's forward on moestash, over that block's own
     router and experts (see the module doc)."""
 
-    def __init__(self, block, policy="keep", stash=None):
+    def __init__(self, block, policy="keep", stash=None, ep=None, window=False):
         super().__init__()
         _check_experts(block.experts)
         self.gate, self.experts = block.gate, block.experts
         self.binding = Binding(policy, stash)
+        self.ep, self.window = ep, window
+        if ep is not None:
+            _shard_experts(self.experts, ep)
 
     def forward(self, hidden_states):
         """hidden_states [B, S, H] -> [B, S, H], as the block it replaces."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # [T, H]
         _, weights, index = self.gate(x)  # [T, k] each, transformers' routing
-        y = routed_experts(x, index, weights, self.experts.gate_up_proj, self.experts.down_proj, self.binding)
+        y = routed_experts(x, index, weights, self.experts.gate_up_proj, self.experts.down_proj, self.binding,
+                           ep=self.ep, window=self.window)
         return y.view(shape)
 
 
@@ -61,11 +75,24 @@ def _check_experts(experts):
                          f"{(E, H, F2 // 2)} for gate_up_proj {tuple(experts.gate_up_proj.shape)}")
 
 
-def patch_qwen3_moe(model, policy="keep", stash=None):
+def _shard_experts(experts, ep):
+    """Keeps this rank's experts (a copy of their rows: the others' memory is freed)."""
+    E = experts.gate_up_proj.shape[0]
+    if E != ep.n_experts:
+        raise ValueError(f"patch_qwen3_moe: the model has {E} experts, the communicator {ep.n_experts}")
+    lo, hi = ep.rank * ep.n_local, (ep.rank + 1) * ep.n_local
+    for name in ("gate_up_proj", "down_proj"):
+        p = getattr(experts, name)
+        setattr(experts, name, torch.nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad))
+    experts.num_experts = ep.n_local
+
+
+def patch_qwen3_moe(model, policy="keep", stash=None, ep=None, window=False):
     """Replaces every Qwen3MoeSparseMoeBlock under `model` (a
     Qwen3MoeForCausalLM, Qwen3MoeModel, ...) by a Qwen3MoeBlock on the same
     parameters; policy and stash as moestash.torch.GroupedMLP's (policy,
-    stash_manager), one Binding per block. Returns the new blocks, in the
+    stash_manager), one Binding per block; ep, window: expert-parallel over
+    that communicator (see the module doc). Returns the new blocks, in the
     model's order; raises ValueError when there is none to replace."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
@@ -76,7 +103,7 @@ def patch_qwen3_moe(model, policy="keep", stash=None):
                          "(already patched, or not a Qwen3-MoE model)")
     blocks = []
     for parent, name, child in targets:
-        block = Qwen3MoeBlock(child, policy, stash)
+        block = Qwen3MoeBlock(child, policy, stash, ep, window)
         setattr(parent, name, block)
         blocks.append(block)
     return blocks
