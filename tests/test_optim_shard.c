@@ -92,17 +92,18 @@ static void compare(const mst_train_result* a, const mst_train_result* b, int64_
 }
 
 /* W ranks, 20 steps, sharded against unsharded; the optimizer's bytes. */
-static void on_vs_off(int32_t W) {
+static void on_vs_off(int32_t W, int bf16) {
     mst_train_result off[4], on[4];
     memset(off, 0, sizeof off);
     memset(on, 0, sizeof on);
     mst_train_config c = small(W, 20, 0);
+    c.mem.moments_bf16 = bf16;
     CHECK_OK(ranks(&c, W, off));
     c.mem.optimizer_shard = 1;
     CHECK_OK(ranks(&c, W, on));
     if (off[0].loss && on[0].loss) {
         char what[96];
-        snprintf(what, sizeof what, "W %d: --optimizer-shard on vs off", W);
+        snprintf(what, sizeof what, "W %d%s: --optimizer-shard on vs off", W, bf16 ? ", bf16 moments" : "");
         CHECK(on[0].loss[0] == off[0].loss[0], "%s: step 1 loss %.17g vs %.17g", what, on[0].loss[0], off[0].loss[0]);
         compare(&on[0], &off[0], 0, kind == MST_BACKEND_CPU, what);
         CHECK(on[0].loss[19] < 0.8 * on[0].loss[0], "%s: the loss did not fall (%.4f -> %.4f)", what, on[0].loss[0], on[0].loss[19]);
@@ -125,12 +126,13 @@ static void on_vs_off(int32_t W) {
 }
 
 /* 8 steps sharded, saved at step 4; resumed sharded and unsharded. */
-static void resume_across(int32_t W) {
+static void resume_across(int32_t W, int bf16) {
     char dir[512];
     CHECK(mst_test_tmpdir(dir, sizeof dir, "optim_shard"), "a scratch directory");
     mst_train_result full[4], back[4];
     memset(full, 0, sizeof full);
     mst_train_config c = small(W, 8, 1);
+    c.mem.moments_bf16 = bf16;
     c.save_dir = dir;
     c.save_every = 4;
     CHECK_OK(ranks(&c, W, full));
@@ -148,7 +150,7 @@ static void resume_across(int32_t W) {
         if (!back[0].loss) continue;
         CHECK(back[0].first_step == 5, "resumed at step %lld", (long long)back[0].first_step);
         char what[96];
-        snprintf(what, sizeof what, "W %d: saved sharded, resumed shard %s", W, shard ? "on" : "off");
+        snprintf(what, sizeof what, "W %d%s: saved sharded, resumed shard %s", W, bf16 ? ", bf16 moments" : "", shard ? "on" : "off");
         compare(&back[0], &full[0], 4, shard || kind == MST_BACKEND_CPU, what);
         free_ranks(back, W);
     }
@@ -361,10 +363,12 @@ int main(int argc, char** argv) {
     }
     if (kind == MST_BACKEND_CPU) twin_collectives();
     if (kind == MST_BACKEND_CPU) norm_and_reduction();
-    on_vs_off(2);
-    if (n_dev >= 4) on_vs_off(4);
+    on_vs_off(2, 0);
+    on_vs_off(2, 1);
+    if (n_dev >= 4) on_vs_off(4, 0);
     else printf("  4 ranks skipped: %d devices\n", n_dev);
-    resume_across(2);
+    resume_across(2, 0);
+    resume_across(2, 1);
     printf("%s: %d passed, %d failed\n", argv[0], mst_test_checks - mst_test_failures, mst_test_failures);
     return mst_test_failures ? 1 : 0;
 }

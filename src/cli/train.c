@@ -58,7 +58,7 @@ static int parse_size(mst_args* a, size_t* out) {
 /* The current flag with its value; returns 0 or the exit code 2. */
 static int parse_flag(train_cli* t, mst_args* a) {
     static const char* const on_off[] = {"off", "on", NULL}, *const granularity[] = {"moe", "full", NULL},
-                             *const attention[] = {"auto", "flash", "cublas", NULL};
+                             *const attention[] = {"auto", "flash", "cublas", NULL}, *const moments[] = {"fp32", "bf16", NULL};
     mst_model_config* m = &t->cfg.model;
     int64_t x = 0;
     int rc = 0, i = 0;
@@ -114,6 +114,8 @@ static int parse_flag(train_cli* t, mst_args* a) {
     if (mst_args_is(a, "--backend")) return mst_args_backend(a, &t->kind);
     if (mst_args_is(a, "--preset")) return mst_train_preset(a, &t->cfg, &v);
     if (mst_args_is(a, "--graph")) return (rc = mst_args_choice(a, on_off, &i)) ? rc : (t->graph = on_off[i], 0);
+    if (mst_args_is(a, "--adam-moments"))
+        return (rc = mst_args_choice(a, moments, &i)) ? rc : (t->cfg.mem.moments_bf16 = i, 0);
     if (mst_args_is(a, "--optimizer-shard"))
         return (rc = mst_args_choice(a, on_off, &i)) ? rc : (t->cfg.mem.optimizer_shard = i, 0);
     if (mst_args_is(a, "--attention")) return (rc = mst_args_choice(a, attention, &i)) ? rc : (m->attention = i, 0);

@@ -61,6 +61,7 @@ bad "--seq '8192 --batch 16384': needs at least" train --seq 8192 --batch 16384
 bad "--resume" train --resume "$tmp/no-checkpoint"
 bad "--recompute-granularity 'half'" train --recompute-granularity half
 bad "--optimizer-shard 'maybe': expected off or on" train --optimizer-shard maybe
+bad "--adam-moments 'fp16': expected fp32 or bf16" train --adam-moments fp16
 # train on N ranks
 bad "--gpus '0'" train --backend cpu --gpus 0
 bad "--ep '3': on --gpus N ranks" train --backend cpu --gpus 2 --ep 3

@@ -76,8 +76,9 @@ static mst_status alloc_params(mst_model* m) {
     BUF(MST_MEM_WEIGHTS, m->w, n);
     BUF(MST_MEM_GRADS, m->grad, n);
     BUF(MST_MEM_OPTIM, m->master, ns);
-    BUF(MST_MEM_OPTIM, m->adam_m, ns);
-    BUF(MST_MEM_OPTIM, m->adam_v, ns);
+    const size_t mom = mst_optim_state_elem(m, 1) * (size_t)ns;
+    MST_TRY(buf(m, MST_MEM_OPTIM, mom, &m->adam_m));
+    MST_TRY(buf(m, MST_MEM_OPTIM, mom, &m->adam_v));
     BUF(MST_MEM_COMPUTE, m->gsumsq, 1);
     BUF(MST_MEM_COMPUTE, m->gpartial, MST_SUMSQ_PARTS);
     float* host = (float*)malloc(sizeof(float) * (size_t)n);
@@ -91,8 +92,8 @@ static mst_status alloc_params(mst_model* m) {
         if (st == MST_OK) st = mst_optim_state_put(m, 0, 0, n, host);
     }
     if (st == MST_OK) st = mst_copy_h2b(m->ctx, m->w, host16, sizeof(uint16_t) * (size_t)n);
-    if (st == MST_OK) st = mst_fill(m->ctx, m->adam_m, 0, sizeof(float) * (size_t)ns);
-    if (st == MST_OK) st = mst_fill(m->ctx, m->adam_v, 0, sizeof(float) * (size_t)ns);
+    if (st == MST_OK) st = mst_fill(m->ctx, m->adam_m, 0, mom);
+    if (st == MST_OK) st = mst_fill(m->ctx, m->adam_v, 0, mom);
     free(host);
     free(host16);
     return st;

@@ -99,6 +99,8 @@ typedef struct mst_mem_config {
                                        master weights and AdamW moments sharded
                                        over the data-parallel ranks (shard.c);
                                        one rank: nothing to shard               */
+    int32_t moments_bf16;           /* 1: AdamW's moments stored bf16 (rounded to
+                                       nearest even; --adam-moments bf16)       */
     /* the memory-budget planner's recompute plan, over recompute: */
     const int32_t* chunk_start;     /* [L+1] recompute plan (mst_memmgr_set_recompute_plan)
                                        or NULL                                    */
@@ -261,8 +263,8 @@ typedef struct mst_model {
      * updates, at their offsets `at` in the state buffers:
      * sum of parts' n <= n_state <= n_params */
     float* master;           /* [n_state] fp32 master weights                 */
-    float* adam_m;           /* [n_state] fp32                                */
-    float* adam_v;           /* [n_state] fp32                                */
+    void* adam_m;            /* [n_state] fp32, or bf16 (mem_cfg.moments_bf16) */
+    void* adam_v;            /* [n_state] likewise                            */
     int64_t n_state;
     mst_optim_part opt_part[MST_OPTIM_MAX_PARTS];
     int32_t n_opt_parts;
@@ -396,8 +398,11 @@ mst_ep_t* mst_model_dp(const mst_model* m, int32_t* rank, int32_t* world);
 /* The replicated runs, the parts and n_state of m (after the layout;
  * m->mem_cfg.optimizer_shard and the ranks decide). */
 void mst_optim_layout(mst_model* m);
-/* Host [n] fp32 -> state buffer k (0 master, 1 adam_m, 2 adam_v) at flat
- * elements [off, off + n): the parts of them this rank holds. */
+/* Bytes of one element of state buffer k (0 master, 1 adam_m, 2 adam_v). */
+size_t mst_optim_state_elem(const mst_model* m, int k);
+/* Host [n] fp32 -> state buffer k at flat elements [off, off + n): the
+ * parts of them this rank holds (bf16 moments: rounded to nearest even,
+ * exact for values a bf16 state gave). */
 mst_status mst_optim_state_put(mst_model* m, int k, int64_t off, int64_t n, const float* host);
 /* State buffer k of every flat element into host [n_params] on every rank
  * (collective; sharded: all-gathered through main_grad, which is zeroed

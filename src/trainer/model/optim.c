@@ -34,12 +34,14 @@ void mst_optim_hyper(const mst_optim_config* o, int64_t step, float hyper[MST_N_
  * updated bf16 weights all-gathered. */
 mst_status mst_optim_step(mst_model* m, const mst_optim_config* o) {
     MST_TRY(mst_optim_grad_sumsq(m));
+    const size_t es = mst_optim_state_elem(m, 1);
     for (int32_t i = 0; i < m->n_opt_parts; i++) {
         const mst_optim_part* p = &m->opt_part[i];
         mst_adamw_args a = {.n = p->n, .beta1 = o->beta1, .beta2 = o->beta2, .eps = o->eps,
                             .weight_decay = p->decay ? o->weight_decay : 0.0f, .clip = o->clip,
                             .hyper = m->hyper, .master = m->master + p->at, .grad = m->grad + p->lo,
-                            .m = m->adam_m + p->at, .v = m->adam_v + p->at, .w = m->w + p->lo,
+                            .m = (char*)m->adam_m + es * (size_t)p->at, .v = (char*)m->adam_v + es * (size_t)p->at,
+                            .moments_bf16 = m->mem_cfg.moments_bf16, .w = m->w + p->lo,
                             .grad_sumsq = m->gsumsq, .flag = m->ctx->err_flag};
         MST_TRY(MST_MODEL_OP(m, adamw, &a));
     }

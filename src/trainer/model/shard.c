@@ -24,6 +24,7 @@
  * pick other orders: the runs differ there by fp32 rounding of the
  * gradients).
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "model.h"
@@ -82,47 +83,72 @@ void mst_optim_layout(mst_model* m) {
     if (m->n_state < 1) m->n_state = 1;
 }
 
-void mst_optim_replicated_bytes(const mst_model* m, size_t* held, size_t* whole) {
-    *held = *whole = 0;
-    if (!m->dist.ep) return;
-    for (int32_t i = 0; i < m->n_opt_parts; i++) {
-        const mst_optim_part* p = &m->opt_part[i];
-        if (p->lo < m->n_dense || p->lo >= m->n_decay) *held += (size_t)p->n * 12;
-    }
-    *whole = (size_t)(m->rep[0].n + m->rep[1].n) * 12;
-}
-
 /* ---- state in and out -------------------------------------------------------- */
 
-static float* state_buf(mst_model* m, int k) { return k == 0 ? m->master : k == 1 ? m->adam_m : m->adam_v; }
+size_t mst_optim_state_elem(const mst_model* m, int k) { return k > 0 && m->mem_cfg.moments_bf16 ? 2 : 4; }
 
-mst_status mst_optim_state_put(mst_model* m, int k, int64_t off, int64_t n, const float* host) {
-    float* s = state_buf(m, k);
-    for (int32_t i = 0; i < m->n_opt_parts; i++) {
-        const mst_optim_part* p = &m->opt_part[i];
-        const int64_t lo = off > p->lo ? off : p->lo, hi = off + n < p->lo + p->n ? off + n : p->lo + p->n;
-        if (hi > lo) MST_TRY(mst_copy_h2b(m->ctx, s + p->at + (lo - p->lo), host + (lo - off), sizeof(float) * (size_t)(hi - lo)));
-    }
-    return MST_OK;
+static char* state_buf(mst_model* m, int k) {
+    return (char*)(k == 0 ? (void*)m->master : k == 1 ? m->adam_m : m->adam_v);
 }
 
-mst_status mst_optim_state_gather(mst_model* m, int k, float* host) {
-    const float* s = state_buf(m, k);
+mst_status mst_optim_state_put(mst_model* m, int k, int64_t off, int64_t n, const float* host) {
+    char* s = state_buf(m, k);
+    const size_t es = mst_optim_state_elem(m, k);
+    uint16_t* half = es == 2 ? (uint16_t*)malloc(sizeof(uint16_t) * (size_t)n + 1) : NULL; /* [n] bf16 */
+    if (es == 2 && !half) return mst_set_error(MST_ERR_OOM, "optimizer state staging (%lld)", (long long)n);
+    if (half) mst_fp32_to_bf16_array(half, host, (size_t)n);
+    const char* src = half ? (const char*)half : (const char*)host;
+    mst_status st = MST_OK;
+    for (int32_t i = 0; i < m->n_opt_parts && st == MST_OK; i++) {
+        const mst_optim_part* p = &m->opt_part[i];
+        const int64_t lo = off > p->lo ? off : p->lo, hi = off + n < p->lo + p->n ? off + n : p->lo + p->n;
+        if (hi > lo) st = mst_copy_h2b(m->ctx, s + es * (size_t)(p->at + lo - p->lo), src + es * (size_t)(lo - off), es * (size_t)(hi - lo));
+    }
+    free(half);
+    return st;
+}
+
+/* State k of every flat element, in its own type, into host [n_params]
+ * elements of es bytes. */
+static mst_status gather_raw(mst_model* m, int k, size_t es, void* host) {
+    const char* s = state_buf(m, k);
     if (!m->opt_shard) {
         for (int32_t i = 0; i < m->n_opt_parts; i++) {
             const mst_optim_part* p = &m->opt_part[i];
-            MST_TRY(mst_copy_b2h(m->ctx, host + p->lo, s + p->at, sizeof(float) * (size_t)p->n));
+            MST_TRY(mst_copy_b2h(m->ctx, (char*)host + es * (size_t)p->lo, s + es * (size_t)p->at, es * (size_t)p->n));
         }
         return MST_OK;
     }
-    /* main_grad [n_params] holds the flat layout of state k for a moment */
+    /* main_grad [n_params] fp32 holds the flat layout of state k for a moment */
+    char* stage = (char*)m->grad;
     for (int32_t i = 0; i < m->n_opt_parts; i++) {
         const mst_optim_part* p = &m->opt_part[i];
-        MST_TRY(mst_copy_b2b(m->ctx, m->grad + p->lo, s + p->at, sizeof(float) * (size_t)p->n));
+        MST_TRY(mst_copy_b2b(m->ctx, stage + es * (size_t)p->lo, s + es * (size_t)p->at, es * (size_t)p->n));
     }
-    for (int u = 0; u < 2; u++) MST_TRY(mst_ep_allgather(m->dist.ep, m->grad + m->rep[u].lo, sizeof(float) * (size_t)m->rep[u].q));
-    MST_TRY(mst_copy_b2h(m->ctx, host, m->grad, sizeof(float) * (size_t)m->n_params));
+    for (int u = 0; u < 2; u++) MST_TRY(mst_ep_allgather(m->dist.ep, stage + es * (size_t)m->rep[u].lo, es * (size_t)m->rep[u].q));
+    MST_TRY(mst_copy_b2h(m->ctx, host, stage, es * (size_t)m->n_params));
     return mst_optim_zero(m);
+}
+
+mst_status mst_optim_state_gather(mst_model* m, int k, float* host) {
+    const size_t es = mst_optim_state_elem(m, k);
+    if (es == 4) return gather_raw(m, k, es, host);
+    uint16_t* half = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)m->n_params + 1); /* [n_params] bf16 */
+    mst_status st = half ? gather_raw(m, k, es, half) : mst_set_error(MST_ERR_OOM, "optimizer state readback");
+    for (int64_t i = 0; st == MST_OK && i < m->n_params; i++) host[i] = mst_bf16_to_fp32(half[i]);
+    free(half);
+    return st;
+}
+
+void mst_optim_replicated_bytes(const mst_model* m, size_t* held, size_t* whole) {
+    *held = *whole = 0;
+    if (!m->dist.ep) return;
+    const size_t per = 4 + 2 * mst_optim_state_elem(m, 1); /* master, m, v */
+    for (int32_t i = 0; i < m->n_opt_parts; i++) {
+        const mst_optim_part* p = &m->opt_part[i];
+        if (p->lo < m->n_dense || p->lo >= m->n_decay) *held += (size_t)p->n * per;
+    }
+    *whole = (size_t)(m->rep[0].n + m->rep[1].n) * per;
 }
 
 /* ---- the step's collectives ---------------------------------------------------- */

@@ -243,6 +243,9 @@ typedef struct mst_sum_args {
 /* AdamW on fp32 master weights with the gradient scaled by
  * min(1, clip / sqrt(*grad_sumsq)); skipped entirely when *flag != 0 (the
  * step's results are invalid). Writes the bf16 copy of the new weights.
+ * The moments are fp32, or bf16 (moments_bf16, as DeepSeek-V3 trains):
+ * read as bf16, updated in fp32, the step's update taken from the fp32
+ * values, stored rounded to nearest even.
  * The step's learning rate and bias corrections are read from backend
  * memory, so that a captured step replays with each step's values. */
 enum { MST_HYPER_LR = 0, MST_HYPER_BC1, MST_HYPER_BC2, MST_N_HYPER };
@@ -253,8 +256,9 @@ typedef struct mst_adamw_args {
                               1 - beta2^step (step 1-based)                 */
     float* master;         /* [n] fp32                                       */
     const float* grad;     /* [n] fp32 main_grad                             */
-    float* m;              /* [n] fp32 first moment                          */
-    float* v;              /* [n] fp32 second moment                         */
+    void* m;               /* [n] fp32 (bf16: moments_bf16) first moment     */
+    void* v;               /* [n] fp32 (bf16: moments_bf16) second moment    */
+    int32_t moments_bf16;  /* 1: m and v are bf16                            */
     uint16_t* w;           /* [n] bf16 weights used by forward and backward  */
     const float* grad_sumsq; /* [1] fp32 from sumsq over every gradient      */
     const int32_t* flag;   /* [1] the context's error flag                   */

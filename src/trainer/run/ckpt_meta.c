@@ -126,6 +126,7 @@ mst_status mst_ckpt_write_meta(const char* path, const mst_train_config* c, int3
     fprintf(f, "  \"config.mem.policy\": \"%s\",\n", policy);
     fprintf(f, "  \"config.mem.recompute\": \"%s\",\n", recompute_names[c->mem.recompute.method]);
     fprintf(f, "  \"config.mem.schedule\": \"%s\",\n", mst_schedule_kind_str(c->mem.schedule));
+    fprintf(f, "  \"config.mem.adam_moments\": \"%s\",\n", c->mem.moments_bf16 ? "bf16" : "fp32");
     fprintf(f, "  \"config.eval_data\": \"%s\",\n", c->eval_path ? c->eval_path : "");
     fprintf(f, "  \"config.data\": \"%s\"\n}\n", c->data_path ? c->data_path : "");
     int bad = ferror(f) || fflush(f) != 0 || fsync(fileno(f)) != 0;
@@ -194,6 +195,11 @@ static mst_status parse_meta(const char* path, const mst_json* j, mst_ckpt_meta*
     for (int k = 0; k < 3; k++)
         if (strcmp(rec, recompute_names[k]) == 0) o->cfg.mem.recompute.method = (mst_recompute_method)k;
     MST_TRY(mst_schedule_kind_parse(sched, &o->cfg.mem.schedule));
+    char mom[8] = "fp32"; /* absent (an older checkpoint): fp32 */
+    const int32_t tm = mst_json_get(j, 0, "config.mem.adam_moments");
+    if (tm >= 0 && (mst_json_str(j, tm, mom, sizeof mom) || (strcmp(mom, "fp32") && strcmp(mom, "bf16"))))
+        return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': config.mem.adam_moments not fp32 or bf16", path);
+    o->cfg.mem.moments_bf16 = strcmp(mom, "bf16") == 0;
     memset(&o->cfg.mem.policy, 0, sizeof o->cfg.mem.policy); /* "": keep (an older checkpoint's NULL policy) */
     if (policy[0] && mst_policy_spec_parse(policy, o->cfg.mem.policy.name) != MST_OK)
         return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': config.mem.policy: %s", path, mst_last_error());

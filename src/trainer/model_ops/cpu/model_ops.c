@@ -160,12 +160,15 @@ mst_status mst_cpu_adamw(mst_ctx_t* ctx, const mst_adamw_args* a) {
     float norm = sqrtf(*a->grad_sumsq);
     float gs = norm > a->clip ? a->clip / norm : 1.0f;
     const float lr = a->hyper[MST_HYPER_LR], bc1 = a->hyper[MST_HYPER_BC1], bc2 = a->hyper[MST_HYPER_BC2];
+    float* m32 = (float*)a->m, *v32 = (float*)a->v;        /* [n] fp32 moments */
+    uint16_t* m16 = (uint16_t*)a->m, *v16 = (uint16_t*)a->v; /* [n] bf16 moments */
+    const int bf = a->moments_bf16;
     for (int64_t i = 0; i < a->n; i++) {
         float g = a->grad[i] * gs;
-        float m = a->beta1 * a->m[i] + (1.0f - a->beta1) * g;
-        float v = a->beta2 * a->v[i] + (1.0f - a->beta2) * g * g;
-        a->m[i] = m;
-        a->v[i] = v;
+        float m = a->beta1 * (bf ? mst_bf16_to_fp32(m16[i]) : m32[i]) + (1.0f - a->beta1) * g;
+        float v = a->beta2 * (bf ? mst_bf16_to_fp32(v16[i]) : v32[i]) + (1.0f - a->beta2) * g * g;
+        if (bf) m16[i] = mst_fp32_to_bf16(m), v16[i] = mst_fp32_to_bf16(v);
+        else m32[i] = m, v32[i] = v;
         float p = a->master[i] * (1.0f - lr * a->weight_decay);
         p -= lr * (m / bc1) / (sqrtf(v / bc2) + a->eps);
         a->master[i] = p;

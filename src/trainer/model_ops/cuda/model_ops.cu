@@ -267,36 +267,57 @@ __device__ __forceinline__ void adamw_one(const mst_adamw_args& a, float lr, flo
     p -= lr * (m / bc1) / (sqrtf(v / bc2) + a.eps);
 }
 
-/* V parameters a thread: V = 4 with 16-byte loads and stores (8 for the
- * bf16 weights) when the buffers allow, else 1. */
-template <int V>
+/* Moments of type T (float, or uint16_t: bf16 rounded to nearest even). */
+__device__ __forceinline__ float mom_load(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float mom_load(const uint16_t* p, int64_t i) { return mst_bf(p[i]); }
+__device__ __forceinline__ void mom_store(float* p, int64_t i, float x) { p[i] = x; }
+__device__ __forceinline__ void mom_store(uint16_t* p, int64_t i, float x) { p[i] = mst_to_bf(x); }
+
+/* Four moments at once: 16-byte (fp32) or 8-byte (bf16) loads and stores. */
+__device__ __forceinline__ float4 mom_load4(const float* p, int64_t i) { return *(const float4*)(p + i); }
+__device__ __forceinline__ float4 mom_load4(const uint16_t* p, int64_t i) {
+    const uint2 u = *(const uint2*)(p + i);
+    return make_float4(mst_bf((uint16_t)u.x), mst_bf((uint16_t)(u.x >> 16)), mst_bf((uint16_t)u.y), mst_bf((uint16_t)(u.y >> 16)));
+}
+__device__ __forceinline__ uint2 pack_bf4(float4 x) {
+    uint2 w;
+    w.x = (uint32_t)mst_to_bf(x.x) | (uint32_t)mst_to_bf(x.y) << 16;
+    w.y = (uint32_t)mst_to_bf(x.z) | (uint32_t)mst_to_bf(x.w) << 16;
+    return w;
+}
+__device__ __forceinline__ void mom_store4(float* p, int64_t i, float4 x) { *(float4*)(p + i) = x; }
+__device__ __forceinline__ void mom_store4(uint16_t* p, int64_t i, float4 x) { *(uint2*)(p + i) = pack_bf4(x); }
+
+/* V parameters a thread: V = 4 with vector loads and stores (16 bytes for
+ * fp32, 8 for the bf16 weights and moments) when the buffers allow, else
+ * 1. T: the moments' type. */
+template <int V, typename T>
 __global__ void adamw_kernel(mst_adamw_args a) {
     if (*a.flag != 0) return; /* the step's results are invalid: no update */
     const int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * V;
     if (i >= a.n) return;
     const float lr = a.hyper[MST_HYPER_LR], bc1 = a.hyper[MST_HYPER_BC1], bc2 = a.hyper[MST_HYPER_BC2];
     const float norm = sqrtf(*a.grad_sumsq), gs = norm > a.clip ? a.clip / norm : 1.0f;
+    T* am = (T*)a.m; /* [n] */
+    T* av = (T*)a.v; /* [n] */
     if (V == 4 && i + 4 <= a.n) {
         const float4 g = *(const float4*)(a.grad + i);
-        float4 m = *(const float4*)(a.m + i), v = *(const float4*)(a.v + i), p = *(const float4*)(a.master + i);
+        float4 m = mom_load4(am, i), v = mom_load4(av, i), p = *(const float4*)(a.master + i);
         adamw_one(a, lr, bc1, bc2, gs, g.x, m.x, v.x, p.x);
         adamw_one(a, lr, bc1, bc2, gs, g.y, m.y, v.y, p.y);
         adamw_one(a, lr, bc1, bc2, gs, g.z, m.z, v.z, p.z);
         adamw_one(a, lr, bc1, bc2, gs, g.w, m.w, v.w, p.w);
-        *(float4*)(a.m + i) = m;
-        *(float4*)(a.v + i) = v;
+        mom_store4(am, i, m);
+        mom_store4(av, i, v);
         *(float4*)(a.master + i) = p;
-        uint2 w;
-        w.x = (uint32_t)mst_to_bf(p.x) | (uint32_t)mst_to_bf(p.y) << 16;
-        w.y = (uint32_t)mst_to_bf(p.z) | (uint32_t)mst_to_bf(p.w) << 16;
-        *(uint2*)(a.w + i) = w;
+        *(uint2*)(a.w + i) = pack_bf4(p);
         return;
     }
     for (int64_t j = i; j < i + V && j < a.n; j++) {
-        float m = a.m[j], v = a.v[j], p = a.master[j];
+        float m = mom_load(am, j), v = mom_load(av, j), p = a.master[j];
         adamw_one(a, lr, bc1, bc2, gs, a.grad[j], m, v, p);
-        a.m[j] = m;
-        a.v[j] = v;
+        mom_store(am, j, m);
+        mom_store(av, j, v);
         a.master[j] = p;
         a.w[j] = mst_to_bf(p);
     }
@@ -304,12 +325,19 @@ __global__ void adamw_kernel(mst_adamw_args a) {
 
 static int aligned(const void* p, uintptr_t n) { return ((uintptr_t)p & (n - 1)) == 0; }
 
+template <typename T>
+static void adamw_launch(const mst_adamw_args* a, cudaStream_t s) {
+    const uintptr_t mb = 4 * sizeof(T); /* four moments' bytes */
+    if (aligned(a->grad, 16) && aligned(a->m, mb) && aligned(a->v, mb) && aligned(a->master, 16) && aligned(a->w, 8))
+        adamw_kernel<4, T><<<mst_blocks((a->n + 3) / 4, 256), 256, 0, s>>>(*a);
+    else
+        adamw_kernel<1, T><<<mst_blocks(a->n, 256), 256, 0, s>>>(*a);
+}
+
 extern "C" mst_status mst_cuda_adamw(mst_ctx_t* ctx, const mst_adamw_args* a) {
     cudaStream_t s = mst_cuda(ctx)->stream;
-    if (aligned(a->grad, 16) && aligned(a->m, 16) && aligned(a->v, 16) && aligned(a->master, 16) && aligned(a->w, 8))
-        adamw_kernel<4><<<mst_blocks((a->n + 3) / 4, 256), 256, 0, s>>>(*a);
-    else
-        adamw_kernel<1><<<mst_blocks(a->n, 256), 256, 0, s>>>(*a);
+    if (a->moments_bf16) adamw_launch<uint16_t>(a, s);
+    else adamw_launch<float>(a, s);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
