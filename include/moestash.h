@@ -105,6 +105,8 @@ typedef enum mst_dtype {
     MST_DTYPE_BF16 = 0, /* uint16_t storage, round-to-nearest-even from fp32 */
     MST_DTYPE_FP32,
     MST_DTYPE_INT32,
+    MST_DTYPE_FP8,      /* a pool's pages only (mst_pool_create): bf16 rows stored
+                           as e4m3 codes with one fp32 scale per 128 elements */
 } mst_dtype;
 
 MST_API size_t mst_dtype_size(mst_dtype dt);
@@ -253,11 +255,26 @@ typedef enum mst_policy {
     MST_POLICY_OFFLOAD,
     MST_POLICY_RECOMPUTE,
     MST_N_POLICIES,
+    /* STASH and OFFLOAD with fp8 pages ("stash:fp8"): a bf16 tensor's rows
+     * quantized to e4m3 with one power-of-two fp32 scale per 128 elements
+     * (|x' - x| <= 2^-4 max(|x|, 2^-6 scale): see docs/DESIGN.md), restored
+     * as bf16 before the backward reads them. The plain policies store the
+     * tensor's own bits (exact). A value is the base policy plus
+     * MST_POLICY_FP8; mst_policy_base gives the base. */
+    MST_POLICY_FP8 = 0x100,
+    MST_POLICY_STASH_FP8 = MST_POLICY_FP8 | MST_POLICY_STASH,
+    MST_POLICY_OFFLOAD_FP8 = MST_POLICY_FP8 | MST_POLICY_OFFLOAD,
 } mst_policy;
 
+/* KEEP, STASH, OFFLOAD or RECOMPUTE of p (its page format dropped). */
+MST_API mst_policy mst_policy_base(mst_policy p);
+/* 1 when p is a policy: a base policy, or STASH / OFFLOAD with fp8 pages. */
+MST_API int mst_policy_valid(mst_policy p);
+
 MST_API const char* mst_saved_name_str(mst_saved_name n); /* "fc1_input", ... */
-MST_API const char* mst_policy_str(mst_policy p);          /* "keep", ...      */
-/* Parses a name ("act_input") or policy ("stash"); MST_ERR_INVALID naming it. */
+MST_API const char* mst_policy_str(mst_policy p);          /* "keep", "stash:fp8", ... */
+/* Parses a name ("act_input") or policy ("stash", "stash:fp8", "stash:bf16"
+ * = "stash"); MST_ERR_INVALID naming it. */
 MST_API mst_status mst_saved_name_parse(const char* s, mst_saved_name* out);
 MST_API mst_status mst_policy_parse(const char* s, mst_policy* out);
 /* A policy spec: one policy for every name ("stash"; "recompute" means
@@ -265,13 +282,16 @@ MST_API mst_status mst_policy_parse(const char* s, mst_policy* out);
  * commas ("fc1_input=stash,fc2_input=recompute"; names left out: keep) into
  * out[name]. MST_ERR_INVALID with a message naming the item: an empty item,
  * an unknown name or policy, a name given twice, a bare policy among items,
- * recompute for a name other than fc2_input. */
+ * recompute for a name other than fc2_input, fp8 for probs (fp32). A bare
+ * fp8 policy ("stash:fp8") gives probs the policy's bf16 form. */
 MST_API mst_status mst_policy_spec_parse(const char* spec, mst_policy out[MST_N_SAVED]);
 /* The spec of p[] that mst_policy_spec_parse reads back as p[]: the policy
  * when every name has it ("recompute" when fc2_input alone is recomputed),
- * else NAME=POLICY for every name in mst_saved_name order. MST_ERR_INVALID
- * for a value that is not a policy (or recompute beside a name other than
- * fc2_input) or an out[size] too small (MST_POLICY_SPEC_MAX holds any). */
+ * or "stash:fp8" when the bf16 names have it and probs "stash"), else
+ * NAME=POLICY for every name in mst_saved_name order. MST_ERR_INVALID for a
+ * value that is not a policy (or recompute beside a name other than
+ * fc2_input, fp8 for probs) or an out[size] too small (MST_POLICY_SPEC_MAX
+ * holds any). */
 #define MST_POLICY_SPEC_MAX 96
 MST_API mst_status mst_policy_spec_format(const mst_policy p[MST_N_SAVED], char* out, size_t size);
 /* The shape of saved tensor `name` of a grouped MLP of width `hidden` and
@@ -455,7 +475,12 @@ MST_API mst_status mst_pool_config_from_peak(const mst_pool_stats* measured, dou
                                              double host_factor, mst_pool_config* out);
 
 /* dtype bf16 or fp32; width W > 0 elements per row; cfg with at least one
- * page. Allocates both blocks and ends with a reset. */
+ * page. Allocates both blocks and ends with a reset. dtype fp8: pages of
+ * bf16 rows (W a multiple of 8) stored as e4m3 codes with one fp32 scale per
+ * 128 elements: a save quantizes (a block holding inf or NaN is stored as
+ * zeros and raises the context's error flag: mst_ctx_check returns
+ * MST_ERR_COUNTS), a restore gives bf16 back (see MST_POLICY_FP8); such
+ * pages are neither claimed nor read in place (mst_stash_handle_pages). */
 MST_API mst_status mst_pool_create(mst_ctx_t* ctx, mst_dtype dtype, int64_t width,
                                    const mst_pool_config* cfg, mst_pool_t** out);
 /* Syncs, then frees the blocks and the handles the pool still has. */

@@ -524,6 +524,10 @@ static void bad_input(mst_ctx_t* ctx) {
     CHECK(strstr(mst_last_error(), "fc3_input") != NULL, "message names fc3_input: %s", mst_last_error());
     CHECK_STATUS(mst_memmgr_set_policy_spec(m, "act_input=squash"), MST_ERR_INVALID);
     CHECK(strstr(mst_last_error(), "squash") != NULL, "message names squash: %s", mst_last_error());
+    CHECK_STATUS(mst_memmgr_set_policy(m, 0, MST_SAVED_PROBS, MST_POLICY_STASH_FP8), MST_ERR_INVALID);
+    CHECK_MESSAGE("probs is fp32");
+    CHECK_STATUS(mst_memmgr_set_policy(m, 0, MST_SAVED_ACT_INPUT, (mst_policy)(MST_POLICY_FP8 | MST_POLICY_KEEP)),
+                 MST_ERR_INVALID);
     CHECK_STATUS(mst_memmgr_set_policy(m, 0, MST_SAVED_ACT_INPUT, MST_POLICY_RECOMPUTE), MST_ERR_INVALID);
     CHECK_STATUS(mst_memmgr_set_policy(m, 5, MST_SAVED_ACT_INPUT, MST_POLICY_KEEP), MST_ERR_INVALID);
     mst_recompute_config rc = {sizeof(mst_recompute_config), MST_RECOMPUTE_BLOCK, 3};
@@ -561,10 +565,14 @@ static void bad_input(mst_ctx_t* ctx) {
 
 /* share_needs of the tests: logs the needs it is given, then multiplies them
  * by `scale` (another rank that needed more). */
+/* The needs of each name: pages of its STASH, OFFLOAD, STASH_FP8 and
+ * OFFLOAD_FP8 pools. */
+enum { KINDS = 4 };
+
 typedef struct share_log {
     int calls;
     int32_t n;
-    int64_t seen[1 + 2 * MST_N_SAVED];
+    int64_t seen[1 + KINDS * MST_N_SAVED];
     int64_t scale;
 } share_log;
 
@@ -572,7 +580,7 @@ static mst_status share_scaled(void* user, int64_t* needs, int32_t n) {
     share_log* g = (share_log*)user;
     g->calls++;
     g->n = n;
-    for (int32_t i = 0; i < n && i < 1 + 2 * MST_N_SAVED; i++) g->seen[i] = needs[i], needs[i] *= g->scale;
+    for (int32_t i = 0; i < n && i < 1 + KINDS * MST_N_SAVED; i++) g->seen[i] = needs[i], needs[i] *= g->scale;
     return MST_OK;
 }
 
@@ -665,14 +673,16 @@ static void shared_needs(mst_ctx_t* ctx, mst_stack* s, mst_rng* rng) {
         share_log lg = {.scale = scale};
         stash_mm(ctx, s, sch, 2 * M, &lg);
         measure(s, a, sch, 2 * M);
-        CHECK(lg.calls == 1 && lg.n == 1 + 2 * MST_N_SAVED, "share_needs: %d calls of %d needs, want 1 of %d",
-              lg.calls, lg.n, 1 + 2 * MST_N_SAVED);
+        CHECK(lg.calls == 1 && lg.n == 1 + KINDS * MST_N_SAVED, "share_needs: %d calls of %d needs, want 1 of %d",
+              lg.calls, lg.n, 1 + KINDS * MST_N_SAVED);
         CHECK(lg.seen[0] == most, "share_needs saw %lld saved rows, want %lld", (long long)lg.seen[0], (long long)most);
         size_t want = 0;
         for (int n = 0; n < MST_N_SAVED; n++) {
-            CHECK(lg.seen[1 + 2 * n] == peak[n] && lg.seen[2 + 2 * n] == 0,
-                  "share_needs saw %lld device / %lld host pages of %s, want %lld / 0", (long long)lg.seen[1 + 2 * n],
-                  (long long)lg.seen[2 + 2 * n], mst_saved_name_str((mst_saved_name)n), (long long)peak[n]);
+            const int64_t* k = &lg.seen[1 + KINDS * n];
+            CHECK(k[0] == peak[n] && k[1] == 0 && k[2] == 0 && k[3] == 0,
+                  "share_needs saw %lld / %lld / %lld / %lld pages of %s, want %lld / 0 / 0 / 0", (long long)k[0],
+                  (long long)k[1], (long long)k[2], (long long)k[3], mst_saved_name_str((mst_saved_name)n),
+                  (long long)peak[n]);
             want += (size_t)ceil((double)(peak[n] * scale) * 1.10) * PAGE * saved_row_bytes[n];
         }
         CHECK(dev_pages_bytes(s->mm) == want, "needs x %lld: pools of %zu bytes, want ceil(%lld peak x 1.10) = %zu",

@@ -21,17 +21,21 @@
 #define S MST_POLICY_STASH
 #define O MST_POLICY_OFFLOAD
 #define R MST_POLICY_RECOMPUTE
+#define SF MST_POLICY_STASH_FP8
+#define OF MST_POLICY_OFFLOAD_FP8
 
 /* Every valid assignment round-trips; the short forms; bad values refused. */
 static void spec_format(void) {
     char s[MST_POLICY_SPEC_MAX];
     int n_valid = 0;
-    for (int v = 0; v < 256; v++) {
+    static const mst_policy all[] = {K, S, O, R, SF, OF};
+    for (int v = 0; v < 6 * 6 * 6 * 6; v++) {
         mst_policy p[MST_N_SAVED], q[MST_N_SAVED];
         int valid = 1;
-        for (int n = 0; n < MST_N_SAVED; n++) {
-            p[n] = (mst_policy)((v >> (2 * n)) & 3);
+        for (int n = 0, u = v; n < MST_N_SAVED; n++, u /= 6) {
+            p[n] = all[u % 6];
             valid &= p[n] != MST_POLICY_RECOMPUTE || n == MST_SAVED_FC2_INPUT;
+            valid &= !(p[n] & MST_POLICY_FP8) || n != MST_SAVED_PROBS; /* probs is fp32 */
         }
         memset(s, '#', sizeof s);
         if (!valid) {
@@ -45,11 +49,14 @@ static void spec_format(void) {
         CHECK(memcmp(p, q, sizeof p) == 0, "'%s' parses to (%d %d %d %d), formatted from (%d %d %d %d)", s, q[0], q[1],
               q[2], q[3], p[0], p[1], p[2], p[3]);
     }
-    CHECK(n_valid == 3 * 3 * 4 * 3, "%d valid assignments", n_valid);
+    CHECK(n_valid == 5 * 5 * 6 * 3, "%d valid assignments", n_valid);
     static const struct { mst_policy p[MST_N_SAVED]; const char* spec; } forms[] = {
         {{K, K, K, K}, "keep"}, {{S, S, S, S}, "stash"}, {{O, O, O, O}, "offload"}, {{K, K, R, K}, "recompute"},
         {{S, O, R, K}, "fc1_input=stash,act_input=offload,fc2_input=recompute,probs=keep"},
         {{K, S, K, K}, "fc1_input=keep,act_input=stash,fc2_input=keep,probs=keep"},
+        {{SF, SF, SF, S}, "stash:fp8"}, {{OF, OF, OF, O}, "offload:fp8"},
+        {{SF, S, R, S}, "fc1_input=stash:fp8,act_input=stash,fc2_input=recompute,probs=stash"},
+        {{OF, SF, SF, K}, "fc1_input=offload:fp8,act_input=stash:fp8,fc2_input=stash:fp8,probs=keep"},
     };
     for (size_t i = 0; i < sizeof forms / sizeof forms[0]; i++) {
         CHECK_OK(mst_policy_spec_format(forms[i].p, s, sizeof s));
@@ -57,6 +64,21 @@ static void spec_format(void) {
     }
     const mst_policy bad[MST_N_SAVED] = {K, (mst_policy)7, K, K};
     CHECK_STATUS(mst_policy_spec_format(bad, s, sizeof s), MST_ERR_INVALID);
+    const mst_policy bad8[][MST_N_SAVED] = {{K, K, K, SF}, {MST_POLICY_FP8 | K, K, K, K}, {K, K, MST_POLICY_FP8 | R, K}};
+    for (size_t i = 0; i < sizeof bad8 / sizeof bad8[0]; i++)
+        CHECK_STATUS(mst_policy_spec_format(bad8[i], s, sizeof s), MST_ERR_INVALID);
+    mst_policy q[MST_N_SAVED];
+    static const char* const bad_specs[] = {"probs=stash:fp8", "stash:fp9", "keep:fp8", "recompute:fp8",
+                                            "fc1_input=stash:", "fc1_input=:fp8"};
+    for (size_t i = 0; i < sizeof bad_specs / sizeof bad_specs[0]; i++) {
+        CHECK_STATUS(mst_policy_spec_parse(bad_specs[i], q), MST_ERR_INVALID);
+        CHECK(strstr(mst_last_error(), bad_specs[i]) || strstr(mst_last_error(), strchr(bad_specs[i], '=') ?
+              strchr(bad_specs[i], '=') + 1 : bad_specs[i]), "'%s' refused with '%s'", bad_specs[i], mst_last_error());
+    }
+    CHECK_OK(mst_policy_spec_parse("act_input=stash:bf16,fc1_input=offload:bf16", q));
+    CHECK(q[0] == O && q[1] == S && q[2] == K && q[3] == K, "':bf16' is the plain policy");
+    CHECK(mst_policy_base(OF) == O && mst_policy_base(SF) == S && mst_policy_valid(SF) &&
+          !mst_policy_valid((mst_policy)(MST_POLICY_FP8 | R)), "mst_policy_base, mst_policy_valid");
     CHECK_STATUS(mst_policy_spec_format(forms[4].p, s, 20), MST_ERR_INVALID);
     CHECK_STATUS(mst_policy_spec_format(forms[4].p, NULL, sizeof s), MST_ERR_INVALID);
 }

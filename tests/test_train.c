@@ -53,6 +53,7 @@ static void same_losses(const mst_train_result* a, const mst_train_result* b, co
 }
 
 static void check_policies(mst_ctx_t* ctx);
+static void fp8_pages(mst_ctx_t* ctx);
 
 static void training(mst_ctx_t* ctx) {
     mst_train_config cfg = tiny();
@@ -118,6 +119,45 @@ static void training(mst_ctx_t* ctx) {
     for (int i = 0; i < 4; i++) mst_train_result_free(all[i]);
 
     check_policies(ctx);
+    fp8_pages(ctx);
+}
+
+/* fp8 pages: run to run the same bits, and a step rerun (over budget, pool
+ * overflow) gives the bits of one that never needed it (the measuring step
+ * quantizes as the pages do); the losses differ from bf16 STASH's (the
+ * pages are fp8) but stay within 1 % of them over the first 5 steps (the
+ * tiny model's trajectories part later, as any two roundings' do) and fall
+ * as far. */
+static void fp8_pages(mst_ctx_t* ctx) {
+    mst_train_config cfg = tiny();
+    mst_train_result bf16 = {0}, a = {0}, b = {0}, forced = {0};
+    CHECK_OK(mst_policy_spec_parse("stash", cfg.mem.policy.name));
+    CHECK_OK(mst_train_run(ctx, &cfg, NULL, &bf16));
+    CHECK_OK(mst_policy_spec_parse("stash:fp8", cfg.mem.policy.name));
+    CHECK_OK(mst_train_run(ctx, &cfg, NULL, &a));
+    CHECK_OK(mst_train_run(ctx, &cfg, NULL, &b));
+    cfg.force_over_budget = 4;
+    cfg.force_overflow = 7;
+    CHECK_OK(mst_train_run(ctx, &cfg, NULL, &forced));
+    if (a.loss && b.loss && forced.loss && bf16.loss) {
+        same_losses(&a, &b, "fp8 pages, second run");
+        same_losses(&a, &forced, "fp8 pages, reruns at steps 4 and 7");
+        CHECK(a.weights_hash == b.weights_hash && a.weights_hash == forced.weights_hash, "fp8 pages: final weights differ");
+        int differ = 0;
+        for (int64_t i = 0; i < cfg.steps; i++) {
+            differ |= a.loss[i] != bf16.loss[i];
+            if (i < 5)
+                CHECK(fabs(a.loss[i] - bf16.loss[i]) <= 0.01 * bf16.loss[i],
+                      "fp8 pages, step %lld: loss %.5f, bf16 stash %.5f", (long long)i + 1, a.loss[i], bf16.loss[i]);
+        }
+        CHECK(mean(a.loss + 15, 5) < 0.8 * mean(a.loss, 5), "fp8 pages: loss did not fall");
+        CHECK(fabs(mean(a.loss + 15, 5) - mean(bf16.loss + 15, 5)) < 0.1 * mean(bf16.loss + 15, 5),
+              "fp8 pages: last 5 losses %.4f, bf16 stash's %.4f", mean(a.loss + 15, 5), mean(bf16.loss + 15, 5));
+        CHECK(differ, "fp8 pages gave bf16 stash's losses bit for bit: were the pages fp8?");
+        CHECK(forced.reruns == 2, "fp8 pages, forced: %lld reruns, expected 2", (long long)forced.reruns);
+    }
+    mst_train_result* all[] = {&bf16, &a, &b, &forced};
+    for (int i = 0; i < 4; i++) mst_train_result_free(all[i]);
 }
 
 /* The policies of --check-policies, run here one by one: losses, MTP losses
@@ -202,6 +242,8 @@ static void graph_vs_eager(mst_ctx_t* ctx) {
         {"keep", MST_SCHEDULE_1F1B, "uniform:2", 0, 0},
         {"stash", MST_SCHEDULE_PLAIN, "none", 4, 0},
         {"stash", MST_SCHEDULE_1F1B, "none", 0, 4},
+        {"stash:fp8", MST_SCHEDULE_1F1B, "none", 0, 0},
+        {"fc1_input=offload:fp8,act_input=stash:fp8,fc2_input=recompute,probs=stash", MST_SCHEDULE_PLAIN, "none", 0, 4},
     };
     const int capturing = ctx->be->capture_begin != NULL;
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {

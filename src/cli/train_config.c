@@ -70,6 +70,8 @@ static void help(const mst_train_config* c, const mst_train_config* g) {
            "  --schedule S              plain | 1f1b | interleaved (2 chunks of layers; --layers + 1 even) (plain)\n"
            "  --policy P                saved grouped-MLP activations: keep | stash | offload | recompute,\n"
            "                            or per tensor: fc1_input=stash,act_input=offload,fc2_input=recompute,probs=keep (keep)\n"
+           "                            stash and offload take a page format: stash:fp8 (e4m3, a scale per 128\n"
+           "                            values, bf16 tensors) or stash:bf16 (= stash, exact)\n"
            "  --recompute R             layer recompute: none | uniform:N | block:N (none); the MTP layer counts\n"
            "                            as the stage's last layer\n"
            "  --recompute-granularity G full: a recomputed layer keeps only its input (norms, attention,\n"

@@ -7,7 +7,8 @@
  * What passes through it: the context (core/context.h, with the backend
  * table and the device-flag bits), the one clock and the one PRNG, the
  * expert-parallel communicator's internals (ep/ep.h), the memory manager's
- * test hooks, and the backends' own kernels' helpers: the CPU backend's GEMM
+ * test hooks, the fp8 page format (backend/fp8_page.h), and the backends'
+ * own kernels' helpers: the CPU backend's GEMM
  * (cpu_ops.h) and, in CUDA sources, the CUDA backend's common device code
  * (cuda_common.cuh, ptx.cuh) and its op declarations (cuda_ops.h).
  */
@@ -20,6 +21,7 @@
 #include "ep/ep.h"
 #include "stash/memmgr_debug.h"
 #include "stash/stash.h"
+#include "backend/fp8_page.h"
 #include "backend/cpu/cpu_ops.h"
 #ifdef __CUDACC__
 #include "backend/cuda/cuda_common.cuh"

@@ -26,6 +26,7 @@ extern "C" {
 enum {
     MST_FLAG_COUNTS = 1,   /* an op saw negative counts or counts past max_rows */
     MST_FLAG_OVERFLOW = 2, /* a stash pool ran out of pages                     */
+    MST_FLAG_NONFINITE = 4, /* a save into fp8 pages met inf or NaN (not stored) */
 };
 
 /* Row r of a paged tensor (rows of row_bytes): its address, or NULL when it

@@ -91,8 +91,12 @@ typedef struct mst_stash_args {
     char* block[MST_N_BLK];      /* [cap[b], page_bytes] device / pinned host     */
     int64_t cap[MST_N_BLK];      /* pages of each block                           */
     int64_t page_rows;           /* rows per page                                 */
-    int64_t row_bytes;           /* W * dtype size                                */
-    int32_t elt_bytes;           /* dtype size                                    */
+    int64_t row_bytes;           /* bytes of a row in a page: W * dtype size, or
+                                    mst_fp8_row_bytes(W) for fp8 pages            */
+    int32_t elt_bytes;           /* dtype size of the rows (bf16 for fp8 pages)   */
+    int32_t fp8;                 /* 1: fp8 pages (fp8_page.h): a save quantizes
+                                    the bf16 rows, a restore dequantizes          */
+    int64_t width;               /* W elements per row                            */
     int32_t handle_id;           /* for bad-state messages                        */
     int32_t copy_sms;            /* SMs a copy may use (0: as many as help)       */
     mst_handle_state* hs;        /* [1] backend memory (save, restore)            */
@@ -103,10 +107,10 @@ typedef struct mst_stash_args {
     const int32_t* counts;       /* [E] backend memory (save)                     */
     int32_t n_groups;            /* E (save)                                      */
     int64_t src_rows;            /* R of src (save)                               */
-    const char* src;             /* [R, row_bytes] (save); NULL: a claim, the
+    const char* src;             /* [R, W] of elt_bytes (save); NULL: a claim, the
                                     pages are taken and tabled but nothing is
                                     copied (the producer writes them)          */
-    char* dst;                   /* [R, row_bytes] (restore)                      */
+    char* dst;                   /* [R, W] of elt_bytes (restore)                 */
     int32_t* err_flag;           /* [1] the context's MST_FLAG_* bits             */
 } mst_stash_args;
 

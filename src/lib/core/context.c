@@ -74,6 +74,9 @@ mst_status mst_ctx_check(mst_ctx_t* ctx) {
     MST_TRY(mst_copy_b2h(ctx, &flag, ctx->err_flag, sizeof flag)); /* syncs */
     if (flag == 0) return MST_OK;
     MST_TRY(mst_fill(ctx, ctx->err_flag, 0, sizeof flag));
+    if (flag & MST_FLAG_NONFINITE)
+        return mst_set_error(MST_ERR_COUNTS, "a save into fp8 pages met inf or NaN: the block was not stored "
+                             "(flag %d)", (int)flag);
     if (flag & MST_FLAG_COUNTS)
         return mst_set_error(MST_ERR_COUNTS,
                              "an op saw counts that are negative or sum past max_rows (flag %d)",

@@ -12,6 +12,7 @@ size_t mst_dtype_size(mst_dtype dt) {
     case MST_DTYPE_BF16: return 2;
     case MST_DTYPE_FP32: return 4;
     case MST_DTYPE_INT32: return 4;
+    case MST_DTYPE_FP8: return 1;
     }
     return 0;
 }
@@ -21,6 +22,7 @@ const char* mst_dtype_name(mst_dtype dt) {
     case MST_DTYPE_BF16: return "bf16";
     case MST_DTYPE_FP32: return "fp32";
     case MST_DTYPE_INT32: return "int32";
+    case MST_DTYPE_FP8: return "fp8";
     }
     return "unknown";
 }

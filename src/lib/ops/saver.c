@@ -17,8 +17,21 @@ const char* mst_saved_name_str(mst_saved_name n) {
     return (unsigned)n < MST_N_SAVED ? saved_names[n] : "unknown";
 }
 
+mst_policy mst_policy_base(mst_policy p) { return (mst_policy)((int)p & ~(int)MST_POLICY_FP8); }
+
+int mst_policy_valid(mst_policy p) {
+    const mst_policy b = mst_policy_base(p);
+    if ((unsigned)b >= MST_N_POLICIES) return 0;
+    return !((int)p & MST_POLICY_FP8) || b == MST_POLICY_STASH || b == MST_POLICY_OFFLOAD;
+}
+
+/* Does p store fp8 pages? */
+static int is_fp8(mst_policy p) { return ((int)p & MST_POLICY_FP8) != 0; }
+
 const char* mst_policy_str(mst_policy p) {
-    return (unsigned)p < MST_N_POLICIES ? policy_names[p] : "unknown";
+    if (!mst_policy_valid(p)) return "unknown";
+    if (is_fp8(p)) return mst_policy_base(p) == MST_POLICY_STASH ? "stash:fp8" : "offload:fp8";
+    return policy_names[p];
 }
 
 /* *out = the index of s in names [n]; else an error naming `what` and the
@@ -39,11 +52,24 @@ mst_status mst_saved_name_parse(const char* s, mst_saved_name* out) {
 }
 
 mst_status mst_policy_parse(const char* s, mst_policy* out) {
-    int i = 0;
+    static const struct { const char* s; mst_policy p; } forms[] = {
+        {"keep", MST_POLICY_KEEP},           {"stash", MST_POLICY_STASH},
+        {"offload", MST_POLICY_OFFLOAD},     {"recompute", MST_POLICY_RECOMPUTE},
+        {"stash:fp8", MST_POLICY_STASH_FP8}, {"offload:fp8", MST_POLICY_OFFLOAD_FP8},
+        {"stash:bf16", MST_POLICY_STASH},    {"offload:bf16", MST_POLICY_OFFLOAD},
+    };
     if (!out) return mst_set_error(MST_ERR_INVALID, "policy '%s': out is NULL", s ? s : "(null)");
-    MST_TRY(parse_name(s, policy_names, MST_N_POLICIES, "policy", "keep, stash, offload or recompute", &i));
-    *out = (mst_policy)i;
-    return MST_OK;
+    for (size_t i = 0; s && i < sizeof forms / sizeof forms[0]; i++)
+        if (strcmp(s, forms[i].s) == 0) return *out = forms[i].p, MST_OK;
+    return mst_set_error(MST_ERR_INVALID, "policy '%s': expected keep, stash, offload or recompute (stash and "
+                         "offload with a page format: stash:fp8, stash:bf16)", s ? s : "(null)");
+}
+
+/* A bare policy's value for name n: recompute is fc2_input's alone (the
+ * rest kept), fp8 pages hold the bf16 names (probs keeps the bf16 form). */
+static mst_policy bare_policy(mst_policy p, int n) {
+    if (p == MST_POLICY_RECOMPUTE && n != MST_SAVED_FC2_INPUT) return MST_POLICY_KEEP;
+    return n == MST_SAVED_PROBS ? mst_policy_base(p) : p;
 }
 
 /* Item [item, item + len) (not empty) of policy spec `spec` into out[];
@@ -62,8 +88,7 @@ static mst_status spec_item(const char* spec, const char* item, size_t len, int 
             return mst_set_error(MST_ERR_INVALID, "policy spec '%s': item '%s' is a bare policy among NAME=POLICY items",
                                  spec, buf);
         MST_TRY(mst_policy_parse(buf, &p));
-        for (int n = 0; n < MST_N_SAVED; n++)
-            out[n] = p == MST_POLICY_RECOMPUTE && n != MST_SAVED_FC2_INPUT ? MST_POLICY_KEEP : p;
+        for (int n = 0; n < MST_N_SAVED; n++) out[n] = bare_policy(p, n);
         return MST_OK;
     }
     *eq = '\0';
@@ -75,6 +100,9 @@ static mst_status spec_item(const char* spec, const char* item, size_t len, int 
                                       mst_saved_name_str(n));
     if (p == MST_POLICY_RECOMPUTE && n != MST_SAVED_FC2_INPUT)
         return mst_set_error(MST_ERR_INVALID, "policy spec '%s': item '%s': only fc2_input is recomputed", spec, buf);
+    if (is_fp8(p) && n == MST_SAVED_PROBS)
+        return mst_set_error(MST_ERR_INVALID, "policy spec '%s': item '%s': probs is fp32, fp8 pages hold bf16 "
+                             "tensors", spec, buf);
     seen[n] = 1;
     out[n] = p;
     return MST_OK;
@@ -100,17 +128,20 @@ mst_status mst_policy_spec_parse(const char* spec, mst_policy out[MST_N_SAVED]) 
 
 mst_status mst_policy_spec_format(const mst_policy p[MST_N_SAVED], char* out, size_t size) {
     if (!p || !out || !size) return mst_set_error(MST_ERR_INVALID, "policy spec format: p or out is NULL or size 0");
-    int uniform = 1, recompute = 1;
+    int uniform = 1, recompute = 1, bare = 1; /* bare: p[] is what the bare policy of fc1_input gives */
     for (int n = 0; n < MST_N_SAVED; n++) {
-        if ((unsigned)p[n] >= MST_N_POLICIES || (p[n] == MST_POLICY_RECOMPUTE && n != MST_SAVED_FC2_INPUT))
+        if (!mst_policy_valid(p[n]) || (p[n] == MST_POLICY_RECOMPUTE && n != MST_SAVED_FC2_INPUT) ||
+            (is_fp8(p[n]) && n == MST_SAVED_PROBS))
             return mst_set_error(MST_ERR_INVALID, "policy spec format: %s = %d is not a policy of it",
                                  mst_saved_name_str((mst_saved_name)n), (int)p[n]);
         uniform &= p[n] == p[0];
         recompute &= p[n] == (n == MST_SAVED_FC2_INPUT ? MST_POLICY_RECOMPUTE : MST_POLICY_KEEP);
+        bare &= p[n] == bare_policy(p[0], n);
     }
     size_t at = 0;
-    if (uniform || recompute) at = (size_t)snprintf(out, size, "%s", mst_policy_str(recompute ? MST_POLICY_RECOMPUTE : p[0]));
-    for (int n = 0; !uniform && !recompute && n < MST_N_SAVED && at < size; n++)
+    if (uniform || recompute || bare)
+        at = (size_t)snprintf(out, size, "%s", mst_policy_str(recompute ? MST_POLICY_RECOMPUTE : p[0]));
+    for (int n = 0; !uniform && !recompute && !bare && n < MST_N_SAVED && at < size; n++)
         at += (size_t)snprintf(out + at, size - at, "%s%s=%s", n ? "," : "", mst_saved_name_str((mst_saved_name)n),
                                mst_policy_str(p[n]));
     return at < size ? MST_OK : mst_set_error(MST_ERR_INVALID, "policy spec format: out[%zu] is too small", size);
@@ -207,7 +238,7 @@ static mst_status basic_release(void* self, mst_saved_name name) {
 }
 
 static mst_status check_policy(mst_saved_name n, mst_policy p) {
-    if ((unsigned)p >= MST_N_POLICIES)
+    if (!mst_policy_valid(p))
         return mst_set_error(MST_ERR_INVALID, "policies[%s] = %d is not a mst_policy",
                              mst_saved_name_str(n), (int)p);
     if (p == MST_POLICY_KEEP || (p == MST_POLICY_RECOMPUTE && n == MST_SAVED_FC2_INPUT))

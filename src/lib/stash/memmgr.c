@@ -131,8 +131,7 @@ void mst_memmgr_destroy(mst_memmgr_t* m) {
     const int64_t n_slots = (int64_t)m->cfg.n_layers * m->cfg.n_microbatches * MST_N_SAVED;
     for (int n = 0; n < MST_N_SAVED; n++) {
         if (m->slots && m->policy) mst_mm_free_handles(m, (mst_saved_name)n, -1);
-        mst_pool_destroy(m->pool[n][0]);
-        mst_pool_destroy(m->pool[n][1]);
+        for (int k = 0; k < MM_N_KINDS; k++) mst_pool_destroy(m->pool[n][k]);
         shared_bufs* b = &m->bufs[n];
         mst_free(ctx, b->compute.data);
         mst_mm_ev_free(m, b->compute_free);
@@ -172,7 +171,10 @@ mst_status mst_memmgr_set_policy(mst_memmgr_t* m, int32_t layer, mst_saved_name 
         return mst_set_error(MST_ERR_INVALID, "layer = %d, must be -1 or in [0, %d)", layer, m->cfg.n_layers);
     if ((int)name < 0 || name >= MST_N_SAVED)
         return mst_set_error(MST_ERR_INVALID, "name = %d is not a saved tensor", (int)name);
-    if ((int)p < 0 || p >= MST_N_POLICIES) return mst_set_error(MST_ERR_INVALID, "policy = %d", (int)p);
+    if (!mst_policy_valid(p)) return mst_set_error(MST_ERR_INVALID, "policy = %d", (int)p);
+    if (((int)p & MST_POLICY_FP8) && name == MST_SAVED_PROBS)
+        return mst_set_error(MST_ERR_INVALID, "policy %s for probs: probs is fp32, fp8 pages hold bf16 tensors",
+                             mst_policy_str(p));
     if (p == MST_POLICY_RECOMPUTE && name != MST_SAVED_FC2_INPUT)
         return mst_set_error(MST_ERR_INVALID,
                              "policy recompute for %s: only fc2_input is recomputed by the grouped MLP "
@@ -351,8 +353,10 @@ mst_status mst_memmgr_step_begin(mst_memmgr_t* m, int measuring) {
     } else { /* every pool's reset in one batch, on main */
         mst_stash_batch resets = {0};
         for (int n = 0; n < MST_N_SAVED; n++)
-            for (int k = 0; k < 2; k++)
+            for (int k = 0; k < MM_N_KINDS; k++) {
+                if (resets.n == MST_STASH_BATCH_MAX) MST_TRY(mst_stash_batch_run(m->ctx, &resets));
                 if (m->pool[n][k]) MST_TRY(mst_stash_batch_reset(&resets, m->pool[n][k]));
+            }
         MST_TRY(mst_stash_batch_run(m->ctx, &resets));
     }
     for (int n = 0; n < MST_N_SAVED; n++) {
@@ -412,7 +416,7 @@ mst_status mst_mem_report(const mst_memmgr_t* m, mst_mem_report_t* out) {
             if (m->chunk_start[l] >= 0 || policy_of(m, l, (mst_saved_name)n) == MST_POLICY_RECOMPUTE)
                 out->recompute_bytes += (size_t)m->cfg.n_microbatches * buf_bytes(m, (mst_saved_name)n);
     for (int n = 0; n < MST_N_SAVED; n++)
-        for (int k = 0; k < 2; k++) {
+        for (int k = 0; k < MM_N_KINDS; k++) {
             if (!m->pool[n][k]) continue;
             mst_pool_stats st = MST_POOL_STATS_INIT;
             MST_TRY(mst_pool_stats_get(m->pool[n][k], &st));
@@ -429,14 +433,14 @@ mst_status mst_mem_report(const mst_memmgr_t* m, mst_mem_report_t* out) {
 mst_status mst_memmgr_check(mst_memmgr_t* m) {
     if (!m) return mst_set_error(MST_ERR_INVALID, "m is NULL");
     for (int n = 0; n < MST_N_SAVED; n++)
-        for (int k = 0; k < 2; k++) {
+        for (int k = 0; k < MM_N_KINDS; k++) {
             if (!m->pool[n][k]) continue;
             MST_TRY(mst_pool_check(m->pool[n][k]));
             mst_pool_stats st = MST_POOL_STATS_INIT;
             MST_TRY(mst_pool_stats_get(m->pool[n][k], &st));
             if (!m->in_step && st.dev_used + st.host_used != 0)
                 return mst_set_error(MST_ERR_STATE, "pool of %s (%s) holds %lld pages between steps",
-                                     mst_saved_name_str((mst_saved_name)n), k ? "offload" : "stash",
+                                     mst_saved_name_str((mst_saved_name)n), k & MM_KIND_OFFLOAD ? "offload" : "stash",
                                      (long long)(st.dev_used + st.host_used));
         }
     return MST_OK;

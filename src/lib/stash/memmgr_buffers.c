@@ -44,13 +44,14 @@ static int name_paged(const mst_memmgr_t* m, mst_saved_name n) {
 }
 
 /* Does name n need restore buffers? In a measuring step every paged name
- * does; in a sized step those that some layer offloads or that the backward
- * does not read from pages (the others are read in place). */
+ * does; in a sized step those that some layer offloads or stashes as fp8, or
+ * that the backward does not read from pages (the others are read in place). */
 static int name_restored(const mst_memmgr_t* m, mst_saved_name n, int sized) {
     if (!name_paged(m, n)) return 0;
     if (!sized || !read_from_pages(m, n)) return 1;
     for (int32_t l = 0; l < m->cfg.n_layers; l++)
-        if (policy_of(m, l, n) == MST_POLICY_OFFLOAD && m->chunk_start[l] < 0) return 1;
+        if (paged(policy_of(m, l, n)) && kind_of(policy_of(m, l, n)) != MM_KIND_STASH && m->chunk_start[l] < 0)
+            return 1;
     return 0;
 }
 
@@ -183,7 +184,7 @@ static int64_t sized_restore_rows(const mst_memmgr_t* m) {
 
 void mst_mm_release_pools(mst_memmgr_t* m) {
     for (int n = 0; n < MST_N_SAVED; n++)
-        for (int k = 0; k < 2; k++) {
+        for (int k = 0; k < MM_N_KINDS; k++) {
             mst_pool_stats st = MST_POOL_STATS_INIT;
             if (!m->pool[n][k] || mst_pool_stats_get(m->pool[n][k], &st) != MST_OK) continue;
             m->had_pages[n][k][0] = st.n_dev_pages, m->had_pages[n][k][1] = st.n_host_pages;
@@ -200,7 +201,7 @@ static mst_status create_pool(mst_memmgr_t* m, mst_saved_name n, int k, const ms
     mst_pool_config g = *pc;
     g.n_dev_pages = grown(pc->n_dev_pages, m->had_pages[n][k][0]);
     g.n_host_pages = grown(pc->n_host_pages, m->had_pages[n][k][1]);
-    return mst_pool_create(m->ctx, dtype_of(m, n), cols_of(m, n), &g, &m->pool[n][k]);
+    return mst_pool_create(m->ctx, k & MM_KIND_FP8 ? MST_DTYPE_FP8 : dtype_of(m, n), cols_of(m, n), &g, &m->pool[n][k]);
 }
 
 /* SMs of one side-stream copy of a pool (mst_pool_config.copy_sms).
@@ -237,15 +238,15 @@ static mst_status ensure_handles(mst_memmgr_t* m, mst_saved_name n, int k) {
  * saved, then the peak pages of every (name, kind). */
 static mst_status share_needs(mst_memmgr_t* m) {
     if (!m->cfg.share_needs) return MST_OK;
-    enum { N = 1 + 2 * MST_N_SAVED };
+    enum { N = 1 + MM_N_KINDS * MST_N_SAVED };
     int64_t v[N];
     v[0] = m->max_saved_rows;
     for (int n = 0; n < MST_N_SAVED; n++)
-        for (int k = 0; k < 2; k++) v[1 + 2 * n + k] = m->peak_pages[n][k];
+        for (int k = 0; k < MM_N_KINDS; k++) v[1 + MM_N_KINDS * n + k] = m->peak_pages[n][k];
     MST_TRY(m->cfg.share_needs(m->cfg.share_user, v, N));
     m->max_saved_rows = v[0];
     for (int n = 0; n < MST_N_SAVED; n++)
-        for (int k = 0; k < 2; k++) m->peak_pages[n][k] = v[1 + 2 * n + k];
+        for (int k = 0; k < MM_N_KINDS; k++) m->peak_pages[n][k] = v[1 + MM_N_KINDS * n + k];
     return MST_OK;
 }
 
@@ -257,14 +258,15 @@ mst_status mst_mm_size_pools(mst_memmgr_t* m) {
     m->sized_rows = sized_restore_rows(m);
     MST_TRY(mst_mm_ensure_arena(m, m->sized_rows, 1));
     for (int n = 0; n < MST_N_SAVED; n++)
-        for (int k = 0; k < 2; k++) {
+        for (int k = 0; k < MM_N_KINDS; k++) {
             const mst_saved_name nm = (mst_saved_name)n;
+            const int host = k & MM_KIND_OFFLOAD;
             if (!pool_used(m, nm, k)) continue;
             mst_pool_stats measured = MST_POOL_STATS_INIT;
             measured.total_peak = m->peak_pages[n][k];
             mst_pool_config pc = MST_POOL_CONFIG_INIT;
-            MST_TRY(mst_pool_config_from_peak(&measured, k ? 0.0 : m->cfg.dev_factor,
-                                              k ? m->cfg.dev_factor : m->cfg.host_factor, &pc));
+            MST_TRY(mst_pool_config_from_peak(&measured, host ? 0.0 : m->cfg.dev_factor,
+                                              host ? m->cfg.dev_factor : m->cfg.host_factor, &pc));
             pc.page_rows = m->cfg.page_rows;
             pc.copy_sms = SIDE_COPY_SMS;
             MST_TRY(create_pool(m, nm, k, &pc));

@@ -55,6 +55,10 @@
 #include "memmgr_debug.h"
 #include "stash.h" /* batches */
 
+/* The pools of a name, by kind_of(policy): bit 0 host pages (OFFLOAD),
+ * bit 1 fp8 pages. */
+enum { MM_KIND_STASH = 0, MM_KIND_OFFLOAD = 1, MM_KIND_FP8 = 2, MM_N_KINDS = 4 };
+
 /* What a handed-out saver does: forward, backward, forward of a layer in a
  * recompute chunk (saves nothing), rerun of that layer before its backward. */
 enum { MODE_FWD = 0, MODE_BWD, MODE_DISCARD, MODE_RECOMP, N_MODES };
@@ -136,13 +140,13 @@ struct mst_memmgr {
     int32_t n_sets;
     mst_tensor* keep;             /* [L, n_sets, N_SAVED] KEEP: [R, cols] buffers   */
     void** chunk_in;              /* [L, n_sets] [R, H] chunk inputs (chunk starts) */
-    mst_pool_t* pool[MST_N_SAVED][2]; /* [name][0 STASH device, 1 OFFLOAD host]     */
+    mst_pool_t* pool[MST_N_SAVED][MM_N_KINDS]; /* [name][kind_of(policy)]           */
     void* arena;                  /* restore buffers of the paged names, device    */
     size_t arena_bytes;           /* its size                                      */
     int64_t restore_rows;         /* rows of each restore buffer and handle; 0: none */
     int arena_sized;              /* the arena holds views of restored names only */
     int64_t sized_rows;           /* restore rows of the last sizing; 0: none yet  */
-    int64_t had_pages[MST_N_SAVED][2][2]; /* [name][kind] device, host pages of the
+    int64_t had_pages[MST_N_SAVED][MM_N_KINDS][2]; /* [name][kind] device, host pages of the
                                      pool a measuring step released at its start */
     int pages_read[MST_N_SAVED];  /* the backward reads name n from its pages as they are */
     int64_t max_saved_rows;       /* measuring: largest rows of a paged tensor     */
@@ -160,7 +164,7 @@ struct mst_memmgr {
     int32_t pos, cursor;          /* schedule entry, layer within its chunk        */
     int32_t bwd_seq;              /* backward layers so far this step (restore parity) */
     /* accounting */
-    int64_t live_pages[MST_N_SAVED][2], peak_pages[MST_N_SAVED][2]; /* measuring */
+    int64_t live_pages[MST_N_SAVED][MM_N_KINDS], peak_pages[MST_N_SAVED][MM_N_KINDS]; /* measuring */
     size_t live_exact, peak_exact;
     mst_mem_report_t rep;
 };
@@ -195,8 +199,14 @@ static inline slot* slot_of(const mst_memmgr_t* m, int32_t l, int32_t mb, mst_sa
 static inline mst_tensor* keep_of(mst_memmgr_t* m, int32_t l, int32_t mb, mst_saved_name n) {
     return &m->keep[((int64_t)l * m->n_sets + m->set_of[mb]) * MST_N_SAVED + n];
 }
-static inline int paged(mst_policy p) { return p == MST_POLICY_STASH || p == MST_POLICY_OFFLOAD; }
-static inline int kind_of(mst_policy p) { return p == MST_POLICY_OFFLOAD; } /* pool index */
+static inline int paged(mst_policy p) {
+    return mst_policy_base(p) == MST_POLICY_STASH || mst_policy_base(p) == MST_POLICY_OFFLOAD;
+}
+static inline int kind_of(mst_policy p) { /* pool index of a paged policy: MM_KIND_* bits */
+    return (mst_policy_base(p) == MST_POLICY_OFFLOAD ? MM_KIND_OFFLOAD : 0) | ((int)p & MST_POLICY_FP8 ? MM_KIND_FP8 : 0);
+}
+/* Host pages (OFFLOAD, OFFLOAD_FP8)? */
+static inline int offloaded(mst_policy p) { return mst_policy_base(p) == MST_POLICY_OFFLOAD; }
 /* Names that the grouped MLP's backward reads from pages as they are on
  * this backend and these shapes (fc1_input, fc2_input: a wgrad's x;
  * act_input: the activation, any backend). */
@@ -270,7 +280,7 @@ mst_tensor* mst_mm_rerun_buf(mst_memmgr_t* m, int32_t l, mst_saved_name n);
 mst_status mst_mm_size_pools(mst_memmgr_t* m);
 /* Frees the measuring step's exact copy of slot s (of policy p). */
 void mst_mm_free_exact(mst_memmgr_t* m, slot* s, mst_policy p);
-/* Destroys the handles of name n whose policy uses pool kind k (k < 0: all). */
+/* Destroys the handles of name n whose policy uses pool kind k (MM_KIND_*; k < 0: all). */
 void mst_mm_free_handles(mst_memmgr_t* m, mst_saved_name n, int k);
 /* Frees every pool and its handles, keeping their sizes in had_pages: a
  * measuring step holds exact copies instead and sizes the pools again at

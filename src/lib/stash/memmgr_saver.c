@@ -6,6 +6,7 @@
  */
 #include <string.h>
 
+#include "../backend/fp8_page.h"
 #include "memmgr_impl.h"
 
 /* Host-known rows of a measuring step: sum of counts (syncs), checked
@@ -64,22 +65,51 @@ static int backward_follows(const mst_memmgr_t* m, int32_t l, int32_t mb) {
     return e.backward && e.chunk == c && e.microbatch == mb;
 }
 
+/* fp8 pages in a measuring step: the exact copy holds what the pages would
+ * give back. The rows go through the host, quantized and restored there by
+ * the CPU backend's functions (fp8_page.h: the bytes of either backend's
+ * pages); a block of inf or NaN raises MST_FLAG_NONFINITE, as a save does. */
+static mst_status fp8_round_trip(mst_memmgr_t* m, slot* s, mst_saved_name n, const mst_tensor* src, uint16_t* rows) {
+    const int64_t w = cols_of(m, n);
+    MST_TRY(mst_copy_b2h(m->ctx, rows, src->data, (size_t)(s->n_rows * w) * sizeof(uint16_t)));
+    int bad = 0;
+    uint8_t q[MST_FP8_BLOCK];
+    float scale;
+    for (int64_t i = 0; i < s->n_rows; i++)
+        for (int64_t j = 0; j < w; j += MST_FP8_BLOCK) {
+            uint16_t* x = rows + i * w + j;
+            const int64_t len = w - j < MST_FP8_BLOCK ? w - j : MST_FP8_BLOCK;
+            bad |= mst_fp8_block_save(x, len, q, &scale);
+            mst_fp8_block_restore(q, scale, len, x);
+        }
+    int32_t flag = 0;
+    if (!bad) return MST_OK;
+    MST_TRY(mst_copy_b2h(m->ctx, &flag, m->ctx->err_flag, sizeof flag));
+    flag |= MST_FLAG_NONFINITE;
+    return mst_copy_h2b(m->ctx, m->ctx->err_flag, &flag, sizeof flag);
+}
+
 /* The exact copy of a measuring step: device memory for STASH, pinned host
- * memory for OFFLOAD (host pages do not count against the device). */
+ * memory for OFFLOAD (host pages do not count against the device); for fp8
+ * pages, the rows they would give back. */
 static mst_status commit_measuring(mst_memmgr_t* m, slot* s, mst_saved_name n, mst_policy p, const mst_tensor* src) {
     size_t bytes = (size_t)s->n_rows * row_bytes(m, n); /* s->n_rows was read at commit */
     if (!bytes) return MST_OK;
     mst_ctx_t* ctx = m->ctx;
-    if (p == MST_POLICY_STASH || !ctx->be->host_alloc) {
-        MST_TRY(mst_alloc(ctx, bytes, &s->exact));
-        return mst_copy_b2b(ctx, s->exact, src->data, bytes);
-    }
-    MST_TRY(ctx->be->host_alloc(ctx, bytes, &s->exact));
-    return mst_copy_b2h(ctx, s->exact, src->data, bytes);
+    const int host = offloaded(p) && ctx->be->host_alloc;
+    MST_TRY(host ? ctx->be->host_alloc(ctx, bytes, &s->exact) : mst_alloc(ctx, bytes, &s->exact));
+    if (!(kind_of(p) & MM_KIND_FP8))
+        return host ? mst_copy_b2h(ctx, s->exact, src->data, bytes) : mst_copy_b2b(ctx, s->exact, src->data, bytes);
+    uint16_t* rows = (uint16_t*)malloc(bytes);
+    mst_status st = rows ? fp8_round_trip(m, s, n, src, rows) : mst_set_error(MST_ERR_OOM, "fp8 rows: %zu bytes", bytes);
+    if (st == MST_OK && host) memcpy(s->exact, rows, bytes);
+    else if (st == MST_OK) st = mst_copy_h2b(ctx, s->exact, rows, bytes);
+    free(rows);
+    return st;
 }
 
 void mst_mm_free_exact(mst_memmgr_t* m, slot* s, mst_policy p) {
-    if (s->exact && p == MST_POLICY_OFFLOAD && m->ctx->be->host_alloc) m->ctx->be->host_free(m->ctx, s->exact);
+    if (s->exact && offloaded(p) && m->ctx->be->host_alloc) m->ctx->be->host_free(m->ctx, s->exact);
     else mst_free(m->ctx, s->exact);
     s->exact = NULL;
 }
@@ -158,7 +188,8 @@ static mst_status sv_commit(void* self, mst_saved_name n, const mst_tensor* src,
  * its device pages in place (no restore copy) where read_from_pages: the
  * backward waits for its save and the pages go back at its release.
  * Offloaded ones are restored (in place the wgrad would read them over PCIe
- * once per row block of its output). */
+ * once per row block of its output), and so are fp8 pages (STASH_FP8: the
+ * restore dequantizes; no reader takes e4m3 rows). */
 static int in_place(const mst_memmgr_t* m, int32_t l, mst_saved_name n) {
     return !m->measuring && policy_of(m, l, n) == MST_POLICY_STASH && read_from_pages(m, n);
 }
@@ -223,7 +254,7 @@ static mst_status sv_fetch(void* self, mst_saved_name n, mst_tensor* out) {
     int k = m->bwd_seq & 1;
     if (m->measuring) {
         size_t bytes = (size_t)s->n_rows * row_bytes(m, n);
-        if (bytes && p == MST_POLICY_OFFLOAD && m->ctx->be->host_alloc)
+        if (bytes && offloaded(p) && m->ctx->be->host_alloc)
             MST_TRY(mst_copy_h2b(m->ctx, b->restore[k].data, s->exact, bytes));
         else if (bytes) MST_TRY(mst_copy_b2b(m->ctx, b->restore[k].data, s->exact, bytes));
         s->restore_idx = k;

@@ -8,6 +8,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "../backend/fp8_page.h"
 #include "stash.h"
 
 static mst_status need_slot(const mst_ctx_t* ctx, int present, const char* name) {
@@ -85,16 +86,26 @@ static mst_status pool_alloc(mst_pool_t* p, const mst_pool_config* cfg) {
     return MST_OK;
 }
 
+/* The name of a pool's pages: its dtype, or fp8. */
+static const char* page_dtype(const mst_pool_t* p) { return p->a.fp8 ? "fp8" : mst_dtype_name(p->dtype); }
+
 mst_status mst_pool_create(mst_ctx_t* ctx, mst_dtype dtype, int64_t width,
                            const mst_pool_config* cfg, mst_pool_t** out) {
     MST_TRY(mst_check_ctx(ctx));
     if (!out) return mst_set_error(MST_ERR_INVALID, "out is NULL");
     *out = NULL;
-    if (dtype != MST_DTYPE_BF16 && dtype != MST_DTYPE_FP32)
-        return mst_set_error(MST_ERR_INVALID, "dtype is %s, expected bf16 or fp32", mst_dtype_name(dtype));
+    if (dtype != MST_DTYPE_BF16 && dtype != MST_DTYPE_FP32 && dtype != MST_DTYPE_FP8)
+        return mst_set_error(MST_ERR_INVALID, "dtype is %s, expected bf16, fp32 or fp8", mst_dtype_name(dtype));
     if (width <= 0 || width > ((int64_t)1 << 31))
         return mst_set_error(MST_ERR_INVALID, "width = %lld: expected 1 .. 2^31", (long long)width);
-    const int64_t row_bytes = width * (int64_t)mst_dtype_size(dtype);
+    const int fp8 = dtype == MST_DTYPE_FP8;
+    if (fp8 && width % 8 != 0)
+        return mst_set_error(MST_ERR_INVALID, "width = %lld: fp8 pages hold rows of a multiple of 8 elements",
+                             (long long)width);
+    if (fp8 && ctx->be != &mst_backend_cpu) /* until the CUDA kernels land */
+        return mst_set_error(MST_ERR_UNSUPPORTED, "fp8 pages are not implemented on backend %s", ctx->be->name);
+    if (fp8) dtype = MST_DTYPE_BF16; /* the rows saved and restored */
+    const int64_t row_bytes = fp8 ? mst_fp8_row_bytes(width) : width * (int64_t)mst_dtype_size(dtype);
     MST_TRY(check_config(cfg, row_bytes));
     MST_TRY(need_slot(ctx, ctx->be->stash_save != NULL, "stash_save"));
     mst_pool_t* p = (mst_pool_t*)calloc(1, sizeof *p);
@@ -109,6 +120,8 @@ mst_status mst_pool_create(mst_ctx_t* ctx, mst_dtype dtype, int64_t width,
     p->a.page_rows = cfg->page_rows;
     p->a.row_bytes = row_bytes;
     p->a.elt_bytes = (int32_t)mst_dtype_size(dtype);
+    p->a.fp8 = fp8;
+    p->a.width = width;
     p->a.err_flag = ctx->err_flag;
     mst_status st = pool_alloc(p, cfg);
     if (st == MST_OK) st = mst_pool_reset(p);
@@ -186,7 +199,7 @@ mst_status mst_pool_poll(mst_pool_t* pool) {
     if (st.overflow)
         return mst_set_error(MST_ERR_OVERFLOW,
                              "stash pool (%s, width %lld) ran out of pages: %lld device + %lld host pages",
-                             mst_dtype_name(pool->dtype), (long long)pool->width,
+                             page_dtype(pool), (long long)pool->width,
                              (long long)pool->a.cap[MST_BLK_DEV], (long long)pool->a.cap[MST_BLK_HOST]);
     return MST_OK;
 }
@@ -295,6 +308,9 @@ mst_status mst_stash_handle_pages(const mst_stash_handle_t* h, mst_pages* out) {
     if (!h || !out) return mst_set_error(MST_ERR_INVALID, "h or out is NULL");
     const mst_stash_args* a = &h->pool->a;
     memset(out, 0, sizeof *out);
+    if (a->fp8)
+        return mst_set_error(MST_ERR_INVALID, "stash handle #%d: fp8 pages are not rows to read in place "
+                             "(restore them)", h->id);
     out->table = mst_handle_table(h->hs);
     for (int b = 0; b < MST_N_BLK; b++) {
         out->block[b] = a->block[b];
@@ -383,6 +399,8 @@ static mst_status save_call(const mst_pool_t* pool, const mst_stash_handle_t* h,
     MST_TRY(check_rows(pool, h, src, src_name));
     if (!src_name) src = NULL;
     if (!src && rows < 0) return mst_set_error(MST_ERR_INVALID, "rows = %lld: expected >= 0", (long long)rows);
+    if (!src && pool->a.fp8)
+        return mst_set_error(MST_ERR_INVALID, "claim of a pool of fp8 pages: a producer writes bf16 rows (save them)");
     MST_TRY(mst_check_tensor(counts, "counts", MST_DTYPE_INT32));
     if (counts->cols != 1 || counts->rows > INT32_MAX)
         return mst_set_error(MST_ERR_INVALID, "counts has shape [%lld, %lld], expected [E, 1]",
@@ -461,7 +479,7 @@ static mst_status batch_add(mst_stash_batch* b, const mst_pool_t* pool, int32_t 
         return mst_set_error(MST_ERR_INVALID, "stash batch is full (%d slots)", MST_STASH_BATCH_MAX);
     if (mst_stash_batch_has(b, pool))
         return mst_set_error(MST_ERR_INVALID, "stash batch: the pool (%s, width %lld) is in it already; the "
-                             "slots of a batch touch distinct pools", mst_dtype_name(pool->dtype),
+                             "slots of a batch touch distinct pools", page_dtype(pool),
                              (long long)pool->width);
     b->op[b->n] = op;
     b->slot[b->n++] = *a;

@@ -15,7 +15,7 @@ extern "C" {
 /* Host side of a pool and a handle. */
 struct mst_pool {
     mst_ctx_t* ctx;
-    mst_dtype dtype;
+    mst_dtype dtype;              /* of the rows saved (bf16 for fp8 pages)       */
     int64_t width;                /* W elements per row                           */
     int64_t page_bytes;           /* page_rows * row_bytes                        */
     mst_stash_args a;             /* the pool part of every backend call          */

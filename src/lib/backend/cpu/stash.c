@@ -1,7 +1,8 @@
 /*
  * stash.c — the paged stash on the CPU backend: the reference for the CUDA
  * kernels. Runs the shared page bookkeeping of page_table.h on the host,
- * one thread, and copies page by page with memcpy. Blocks and rings are host
+ * one thread, and copies page by page with memcpy (fp8 pages: converts row
+ * by row with the functions of fp8_page.h). Blocks and rings are host
  * memory, so the "pinned host block" is plain aligned memory. A batch runs
  * its slots one after the other (they touch disjoint pools).
  */
@@ -10,6 +11,7 @@
 
 #include "../../core/context.h"
 #include "../counts.h"
+#include "../fp8_page.h"
 #include "cpu_ops.h"
 
 mst_status mst_cpu_host_alloc(mst_ctx_t* ctx, size_t n_bytes, void** out) {
@@ -31,15 +33,31 @@ mst_status mst_cpu_stash_reset(mst_ctx_t* ctx, const mst_stash_args* a) {
     return MST_OK;
 }
 
-/* Rows [0, n) between the contiguous buffer `rows` and the handle's pages. */
+/* Row r of page `page` in fp8 pages (fp8_page.h) and the bf16 row `row`
+ * [W]: quantized block by block (a save), or dequantized (a restore); a
+ * save of a block holding inf or NaN raises MST_FLAG_NONFINITE. */
+static void fp8_row(const mst_stash_args* a, char* page, int64_t r, uint16_t* row, int to_pages) {
+    uint8_t* q = mst_fp8_codes(page, r, a->width);
+    float* sc = mst_fp8_scales(page, r, a->width, a->page_rows);
+    for (int64_t j = 0, b = 0; j < a->width; j += MST_FP8_BLOCK, b++) {
+        const int64_t len = a->width - j < MST_FP8_BLOCK ? a->width - j : MST_FP8_BLOCK;
+        if (!to_pages) mst_fp8_block_restore(q + j, sc[b], len, row + j);
+        else if (mst_fp8_block_save(row + j, len, q + j, &sc[b])) *a->err_flag |= MST_FLAG_NONFINITE;
+    }
+}
+
+/* Rows [0, n) between the contiguous buffer `rows` and the handle's pages:
+ * copies, or the fp8 conversion row by row. */
 static void copy_pages(const mst_stash_args* a, char* rows, int64_t n, int to_pages) {
     const uint32_t* table = a->table;
-    const int64_t page_bytes = a->page_rows * a->row_bytes;
+    const int64_t page_bytes = a->page_rows * a->row_bytes, src_bytes = a->width * a->elt_bytes;
     for (int64_t p = 0; p * a->page_rows < n; p++) {
         const int64_t r = n - p * a->page_rows < a->page_rows ? n - p * a->page_rows : a->page_rows;
         char* page = mst_page_ptr(a->block, table[p], page_bytes);
-        char* contig = rows + p * page_bytes;
-        if (to_pages) memcpy(page, contig, (size_t)(r * a->row_bytes));
+        char* contig = rows + p * a->page_rows * src_bytes;
+        if (a->fp8)
+            for (int64_t i = 0; i < r; i++) fp8_row(a, page, i, (uint16_t*)(contig + i * src_bytes), to_pages);
+        else if (to_pages) memcpy(page, contig, (size_t)(r * a->row_bytes));
         else memcpy(contig, page, (size_t)(r * a->row_bytes));
     }
 }
