@@ -147,6 +147,7 @@ _PROTOS = {
     "mst_ctx_sync": (_I, [_P]),
     "mst_ctx_check": (_I, [_P]),
     "mst_ctx_mem": (None, [_P, ctypes.POINTER(_S), ctypes.POINTER(_S)]),
+    "mst_ctx_mem_reset_peak": (None, [_P]),
     "mst_ctx_stream": (_P, [_P]),
     "mst_ctx_set_stream": (_I, [_P, _P]),
     "mst_alloc": (_I, [_P, _S, ctypes.POINTER(_P)]),

@@ -5,7 +5,7 @@ layer's experts, optionally expert-parallel), ep.py (ExpertParallel:
 dispatch and combine over a torch.distributed process group), qwen3_moe.py
 and torchtitan_moe.py (transformers' Qwen3-MoE and torchtitan's MoE patched
 onto them)."""
-from ._core import library_memory  # noqa: F401
+from ._core import library_memory, reset_library_peak  # noqa: F401
 from .moe import routed_experts  # noqa: F401
 from .modules import GroupedLinear, GroupedMLP  # noqa: F401
 from .ops import Binding, grouped_linear, grouped_mlp  # noqa: F401

@@ -116,6 +116,14 @@ def library_memory(device):
     return in_use.value, peak.value
 
 
+def reset_library_peak(device):
+    """Starts a new peak of library_memory(device): the bytes in use now
+    (mst_ctx_mem_reset_peak), so that a later peak is that of what ran after."""
+    ctx = _existing(_canonical(device))
+    if ctx is not None:
+        _lib.lib.mst_ctx_mem_reset_peak(ctx.ptr)
+
+
 def as_mst(t, name, device):
     """An mst_tensor view of torch tensor `t` (None: absent), 2-D as the
     library sees it: [n] -> [n, 1]; [a, b] as is; [a, b, c] -> [a*b, c].
