@@ -5,11 +5,14 @@ transformers offers, beside the same model patched onto moestash
 (mt.patch_qwen3_moe), all from the same initial weights and batches, in one
 run on one device.
 
-Variants: transformers' experts implementations (eager, grouped_mm,
-batched_mm; one that fails, e.g. out of memory, is listed with its error);
-moestash keep (every saved tensor kept); moestash mix (fc1_input offloaded
-to pinned host pages, act_input and probs stashed in device pages,
-fc2_input recomputed: the memory saving mix of examples/torch_moe_layer.py).
+Variants: every experts implementation the installed transformers offers
+("eager" and the keys of transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS:
+grouped_mm, batched_mm, ...; one that fails, e.g. out of memory or a
+kernel package missing, is listed with its error); moestash keep (every
+saved tensor kept); moestash stash (every saved tensor in device pages);
+moestash mix (fc1_input offloaded to pinned host pages, act_input and probs
+stashed in device pages, fc2_input recomputed: the memory saving mix of
+examples/torch_moe_layer.py).
 
 Each variant: bf16 parameters, AdamW (lr 1e-4), --steps steps on the same
 random token batches (labels = inputs, the model shifts them), the
@@ -21,26 +24,58 @@ its ratio to that implementation's, and the losses: first, last and the
 largest relative difference from grouped_mm's over the steps (bf16 drift:
 both sides round differently and AdamW turns that into different updates).
 Targets (issue 30): step >= 1.3x faster than the fastest transformers
-implementation, peak memory with the mix <= 0.8x.
+implementation, peak memory with stash <= 0.8x.
+
+Under torchrun (WORLD_SIZE > 1, one GPU a rank, NCCL): expert parallelism.
+Rank 0 first trains the moestash model alone (--ep-policy, the same tokens
+a step as each rank below) while the others wait: the one-GPU baseline of
+the same run; then every rank trains it with its experts spread over the
+ranks (mt.ExpertParallel, patch_qwen3_moe(ep=): E / W experts a rank,
+dispatch and combine through the library), its own batches, the
+replicated parameters' gradients summed over the ranks (each rank's loss
+/ W: the gradients of the mean over all ranks' tokens). Printed: tokens/s
+of both, their ratio (target >= 3.4x on 4 GPUs), the exchange path, each
+rank's peak memory, the mean loss over the ranks per step. Budgets: a rank
+receives at most --capacity x its tokens x k rows and sends one rank at
+most --capacity x tokens x k / W (an over-budget step is an error naming
+--capacity).
+
+JSON (--json, else $OUT/bench_qwen3_moe.json or $OUT/bench_qwen3_moe_ep<W>.json
+when $OUT is set). Offline: the model is made from a config in code
+(HF_HUB_OFFLINE=1 is set; nothing is downloaded).
 
 The default model is about 1.4 B parameters (8 layers, hidden 2048, 32
 experts top-4 of width 768, GQA 16 / 4 heads of 128, vocabulary 32000) at
 8 x 1024 tokens a step; --small (or no CUDA device): a tiny one on the CPU.
 
 usage: python3 python/bench/bench_qwen3_moe.py [--steps 50] [--small] [--json FILE]
+       torchrun --standalone --nproc-per-node 4 python/bench/bench_qwen3_moe.py [--steps 20]
 """
 import argparse
 import json
+import os
 import sys
 import time
 
-import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is made from a config: nothing to download
 
-import moestash.torch as mt
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
-IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+import moestash.torch as mt  # noqa: E402
+
 MIX = "fc1_input=offload,act_input=stash,fc2_input=recompute,probs=stash"
+POLICIES = {"keep": "keep", "stash": "stash", "mix": MIX}
+
+
+def implementations():
+    """Every experts implementation this transformers offers."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+        return ["eager"] + sorted(ALL_EXPERTS_FUNCTIONS.keys())
+    except ImportError:  # an older layout
+        return ["eager", "grouped_mm", "batched_mm"]
 
 
 def config(args):
@@ -52,9 +87,10 @@ def config(args):
                           attn_implementation="sdpa")
 
 
-def build(args, device, variant):
-    """The model of `variant` ("hf:<experts implementation>" or "moestash:<policy>")
-    and its StashManager (or None)."""
+def build(args, device, variant, ep=None, window=False):
+    """The model of `variant` ("hf:<experts implementation>" or "moestash:<policy>", a
+    policy or a name of POLICIES)
+    and its StashManager (or None); ep: expert-parallel over that communicator."""
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen3MoeForCausalLM(config(args)).to(torch.bfloat16)
@@ -63,13 +99,14 @@ def build(args, device, variant):
     if kind == "hf":
         model.set_experts_implementation(what)
     else:
+        what = POLICIES.get(what, what)
         stash = mt.StashManager() if what != "keep" else None
-        mt.patch_qwen3_moe(model, policy=what, stash=stash)
+        mt.patch_qwen3_moe(model, policy=what, stash=stash, ep=ep, window=window)
     return model, stash
 
 
-def batches(args, device):
-    g = torch.Generator().manual_seed(1)
+def batches(args, device, seed=1):
+    g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device) for _ in range(args.steps)]
 
 
@@ -78,12 +115,30 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def train(args, device, variant, data):
-    """Losses per step, mean step ms over steps 2..N, peak bytes."""
-    model, stash = build(args, device, variant)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+def replicated_grads_sum(model, group):
+    """Sums the gradients of every parameter but the experts' over the ranks
+    (one flat all-reduce): data parallelism of the replicated parameters."""
+    grads = [p.grad for n, p in model.named_parameters() if p.grad is not None and ".experts." not in n]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    group.allreduce([flat]).wait()
+    at = 0
+    for g in grads:
+        g.copy_(flat[at:at + g.numel()].view_as(g))
+        at += g.numel()
+
+
+def train(args, device, variant, data, ep=None):
+    """Losses per step, mean step ms over steps 2..N, peak bytes (torch's
+    and the library's, from a reset at the start). ep: expert-parallel
+    (each rank's loss / W, the replicated gradients summed; the mean loss
+    over the ranks is returned)."""
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        mt.reset_library_peak(device)
+    model, stash = build(args, device, variant, ep, ep is not None and args.window)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    world = ep.world if ep else 1
     losses, times = [], []
     for ids in data:
         sync(device)
@@ -93,9 +148,17 @@ def train(args, device, variant, data):
             if stash:
                 stash.step_begin()
             loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
+            (loss / world).backward()
             if stash is None or stash.step_check():
                 break
+        if ep:
+            if not ep.check():
+                raise SystemExit(f"bench: an expert-parallel budget was passed (rank {ep.rank}): rerun with a "
+                                 f"larger --capacity (now {args.capacity})")
+            replicated_grads_sum(model, ep.group)
+            loss = loss.detach().clone()
+            ep.group.allreduce([loss]).wait()
+            loss /= world
         opt.step()
         sync(device)
         times.append(time.perf_counter() - t0)
@@ -109,7 +172,7 @@ def train(args, device, variant, data):
     return losses, 1e3 * sum(times[1:]) / max(len(times) - 1, 1), peak
 
 
-def main():
+def parse():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--layers", type=int, default=8)
@@ -123,29 +186,51 @@ def main():
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--ep-policy", default="keep", choices=sorted(POLICIES),
+                    help="the moestash policy of the torchrun (expert-parallel) run")
+    ap.add_argument("--capacity", type=float, default=2.0,
+                    help="expert-parallel budgets over the mean rows a rank receives / sends a rank")
+    ap.add_argument("--window", action="store_true",
+                    help="expert-parallel dispatch into the communicator's window rows (--ep-policy stash or mix)")
     ap.add_argument("--small", action="store_true", help="a tiny model on the CPU")
-    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--json", help="write the results here (default: under $OUT when it is set)")
     args = ap.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
-    if device.type == "cpu":
+    if args.small or not torch.cuda.is_available():
         args.steps = min(args.steps, 5)
         args.layers, args.hidden, args.moe_ffn, args.experts, args.topk = 2, 64, 32, 8, 2
         args.heads, args.kv_heads, args.head_dim, args.vocab, args.batch, args.seq = 4, 2, 16, 256, 2, 32
-    data = batches(args, device)
+    return args
+
+
+def describe(args, device, world=1):
     with torch.device("meta"):
         n_params = sum(p.numel() for p in Qwen3MoeForCausalLM(config(args)).parameters())
-    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}; "
-          f"{args.layers} layers, hidden {args.hidden}, {args.experts} experts top-{args.topk} of width "
-          f"{args.moe_ffn} ({n_params / 1e9:.2f} B parameters), {args.batch} x {args.seq} tokens a step, "
-          f"{args.steps} steps")
+    return (f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
+            f"{f' x {world}' if world > 1 else ''}, torch {torch.__version__}; {args.layers} layers, hidden "
+            f"{args.hidden}, {args.experts} experts top-{args.topk} of width {args.moe_ffn} ({n_params / 1e9:.2f} B "
+            f"parameters), {args.batch} x {args.seq} tokens a step{' a GPU' if world > 1 else ''}, {args.steps} steps")
 
+
+def write_json(args, name, payload):
+    path = args.json or (os.path.join(os.environ["OUT"], name) if os.environ.get("OUT") else None)
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=1)
+        print(f"wrote {path}")
+
+
+def one_device(args):
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
+    data = batches(args, device)
+    print(describe(args, device))
     results = {}
-    for variant in [f"hf:{i}" for i in IMPLEMENTATIONS] + ["moestash:keep", f"moestash:{MIX}"]:
+    variants = [f"hf:{i}" for i in implementations()] + [f"moestash:{p}" for p in POLICIES]
+    for variant in variants:
         try:
             losses, ms, peak = train(args, device, variant, data)
             results[variant] = {"losses": losses, "step_ms": ms, "peak_bytes": peak}
-        except (RuntimeError, KeyError, ValueError) as e:  # out of memory, an implementation not available here
-            results[variant] = {"error": str(e).splitlines()[0][:160]}
+        except Exception as e:  # noqa: BLE001 (out of memory, a kernel package missing: listed, the rest run)
+            results[variant] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     ran = {v: r for v, r in results.items() if "error" not in r and v.startswith("hf:")}
@@ -158,8 +243,7 @@ def main():
     print(f"{'variant':>16} | {'step ms':>8} | {'vs best':>7} | {'peak GiB':>8} | {'vs best':>7} | "
           f"loss first -> last | max rel. diff vs grouped_mm")
     for variant, r in results.items():
-        name = variant.split(":")[1] if variant.startswith("hf:") else (
-            "moestash " + ("keep" if variant.endswith("keep") else "mix"))
+        name = variant.split(":")[1] if variant.startswith("hf:") else "moestash " + variant.split(":")[1]
         if "error" in r:
             print(f"{name:>16} | failed: {r['error']}")
             continue
@@ -172,11 +256,67 @@ def main():
         print(f"{name:>16} | {r['step_ms']:>8.1f} | {r['speedup_vs_best']:>6.2f}x | {peak} | "
               f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} | {max(diffs):.2e}")
     print(f"best transformers implementation: {best.split(':')[1]}; targets: moestash >= 1.3x its step time, "
-          "the mix's peak <= 0.8x its peak")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": str(device), "shape": vars(args), "best": best, "results": results}, f, indent=1)
+          "peak with stash <= 0.8x its peak")
+    write_json(args, "bench_qwen3_moe.json",
+               {"device": str(device), "shape": vars(args), "best": best, "results": results})
     return 0
+
+
+def expert_parallel(args):
+    """The torchrun run: one-GPU baseline on rank 0, then every rank expert-parallel."""
+    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    device = torch.device("cuda", local)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    group = dist.group.WORLD
+    if args.experts % world:
+        raise SystemExit(f"bench: --experts {args.experts} is not a multiple of the {world} ranks")
+    variant = f"moestash:{args.ep_policy}"
+    tokens = args.batch * args.seq
+    if rank == 0:
+        print(describe(args, device, world))
+    single = None
+    if rank == 0:  # the same-run baseline: one GPU, the same tokens a step as each rank below
+        losses, ms, peak = train(args, device, variant, batches(args, device))
+        single = {"losses": losses, "step_ms": ms, "peak_bytes": peak, "tokens_per_s": tokens / ms * 1e3}
+    dist.barrier()
+    rows = args.capacity * tokens * args.topk
+    ep = mt.ExpertParallel(args.experts, args.topk, args.hidden, max_tokens=tokens, max_rows=int(rows),
+                           pair_rows=int(rows / world) + 1, window_rows=int(rows) if args.window else 0,
+                           device=device, group=group)
+    losses, ms, peak = train(args, device, variant, batches(args, device, seed=1 + rank), ep)
+    peaks = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world)]
+    dist.all_gather(peaks, torch.tensor([float(peak)], dtype=torch.float64, device=device))
+    steps = torch.tensor([ms], dtype=torch.float64, device=device)
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+    path = ep.path
+    ep.close()
+    dist.destroy_process_group()
+    if rank != 0:
+        return 0
+    ms = steps.item()
+    multi = {"losses": losses, "step_ms": ms, "tokens_per_s": world * tokens / ms * 1e3, "path": path,
+             "peak_bytes_per_rank": [p.item() for p in peaks]}
+    ratio = multi["tokens_per_s"] / single["tokens_per_s"]
+    print(f"{'run':>22} | {'step ms':>8} | {'tokens/s':>10} | peak GiB | loss first -> last")
+    print(f"{'1 GPU':>22} | {single['step_ms']:>8.1f} | {single['tokens_per_s']:>10.0f} | "
+          f"{single['peak_bytes'] / 2 ** 30:>8.2f} | {single['losses'][0]:.4f} -> {single['losses'][-1]:.4f}")
+    print(f"{f'{world} GPUs expert-parallel':>22} | {ms:>8.1f} | {multi['tokens_per_s']:>10.0f} | "
+          f"{max(multi['peak_bytes_per_rank']) / 2 ** 30:>8.2f} | {losses[0]:.4f} -> {losses[-1]:.4f} "
+          "(mean over ranks)")
+    print(f"policy {args.ep_policy}{', window rows' if args.window else ''}, exchange: {path}; tokens/s {world} "
+          f"GPUs / 1 GPU at the same tokens a GPU: {ratio:.2f}x (target >= {0.85 * world:.1f}x)")
+    write_json(args, f"bench_qwen3_moe_ep{world}.json",
+               {"device": torch.cuda.get_device_name(device), "world": world, "shape": vars(args),
+                "single": single, "expert_parallel": multi, "scaling": ratio})
+    return 0
+
+
+def main():
+    args = parse()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return expert_parallel(args)
+    return one_device(args)
 
 
 if __name__ == "__main__":
