@@ -179,11 +179,14 @@ static void test_norm(mst_ctx_t* ctx) {
 
 /* ---- add, embedding, cross-entropy ------------------------------------------- */
 
-/* N tokens of ids stride x [0, 12] (repeats) over a vocabulary of V. */
-static void test_add_embed(mst_ctx_t* ctx, int64_t N, int64_t V, int64_t H, int64_t stride) {
+/* N tokens of ids stride x [0, n_ids) (repeats) over a vocabulary of V. */
+static void test_add_embed(mst_ctx_t* ctx, int64_t N, int64_t V, int64_t H, int64_t n_ids, int64_t stride) {
+    char what[128];
+    snprintf(what, sizeof what, "embed backward N=%lld V=%lld H=%lld ids=%lld", (long long)N, (long long)V,
+             (long long)H, (long long)n_ids);
     uint16_t *a = rand_bf16((size_t)(N * H), 1), *b = rand_bf16((size_t)(N * H), 1), *tab = rand_bf16((size_t)(V * H), 1);
     int32_t* tok = (int32_t*)malloc(sizeof(int32_t) * (size_t)N);
-    for (int64_t t = 0; t < N; t++) tok[t] = (int32_t)(mst_rng_int(&rng, 0, 12) * stride); /* repeats */
+    for (int64_t t = 0; t < N; t++) tok[t] = (int32_t)(mst_rng_int(&rng, 0, n_ids - 1) * stride); /* repeats */
     float* dt0 = (float*)malloc(sizeof(float) * (size_t)(V * H));
     mst_rng_fp32(&rng, dt0, (size_t)(V * H), -1, 1);
     double *sum = (double*)malloc(sizeof(double) * (size_t)(N * H)), *emb = (double*)malloc(sizeof(double) * (size_t)(N * H));
@@ -200,7 +203,7 @@ static void test_add_embed(mst_ctx_t* ctx, int64_t N, int64_t V, int64_t H, int6
     mst_guarded ga = up(ctx, a, sizeof(uint16_t) * (size_t)(N * H)), gb = up(ctx, b, sizeof(uint16_t) * (size_t)(N * H));
     mst_guarded gy = up(ctx, NULL, sizeof(uint16_t) * (size_t)(N * H)), gtab = up(ctx, tab, sizeof(uint16_t) * (size_t)(V * H));
     mst_guarded gtok = up(ctx, tok, sizeof(int32_t) * (size_t)N), gdt = up(ctx, dt0, sizeof(float) * (size_t)(V * H));
-    mst_guarded gord = up(ctx, NULL, sizeof(int32_t) * (size_t)(V + 1 + N));
+    mst_guarded gord = up(ctx, NULL, sizeof(int32_t) * (size_t)mst_embed_order_len(N));
     mst_add_args ad = {.n = N * H, .a = (uint16_t*)ga.data, .b = (uint16_t*)gb.data, .y = (uint16_t*)gy.data};
     CHECK_OK(ops(ctx)->add(ctx, &ad));
     expect_bf16(ctx, &gy, sum, (size_t)(N * H), "add");
@@ -216,7 +219,15 @@ static void test_add_embed(mst_ctx_t* ctx, int64_t N, int64_t V, int64_t H, int6
     CHECK(exact, "embed forward: rows are not exact copies of the table");
     free(got);
     CHECK_OK(ops(ctx)->embed_backward(ctx, &e));
-    expect_fp32(ctx, &gdt, dt, (size_t)(V * H), MST_TOL_FP32, "embed backward (scatter-add)");
+    expect_fp32(ctx, &gdt, dt, (size_t)(V * H), MST_TOL_FP32, what);
+    /* the same bits again, from the same table and a poisoned scratch */
+    float* first = (float*)down(ctx, &gdt, what);
+    mst_guarded_put(ctx, &gdt, dt0);
+    mst_guarded_put(ctx, &gord, NULL);
+    CHECK_OK(ops(ctx)->embed_backward(ctx, &e));
+    float* again = (float*)down(ctx, &gdt, what);
+    CHECK(memcmp(first, again, sizeof(float) * (size_t)(V * H)) == 0, "%s: a second run gave other bits", what);
+    free(first), free(again);
     mst_guarded* all[] = {&ga, &gb, &gy, &gtab, &gtok, &gdt, &gord};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) mst_guarded_free(ctx, all[i]);
     free(a), free(b), free(tab), free(tok), free(dt0), free(sum), free(sum32), free(emb), free(dt);
@@ -929,8 +940,12 @@ static void test_sum(mst_ctx_t* ctx) {
 static void run(mst_ctx_t* ctx) {
     test_mm(ctx);
     test_norm(ctx);
-    test_add_embed(ctx, 4500, 50, 40, 1);     /* more tokens than one bucketing tile */
-    test_add_embed(ctx, 300, 70001, 8, 5833); /* ids past 65535 (Qwen3's vocabulary is 151 936) */
+    test_add_embed(ctx, 4500, 50, 40, 13, 1);     /* more tokens than one rank span, long runs */
+    test_add_embed(ctx, 300, 70001, 8, 13, 5833); /* ids past 65535 */
+    test_add_embed(ctx, 777, 300, 13, 40, 7);     /* odd columns: the one-value path */
+    test_add_embed(ctx, 1029, 5, 24, 1, 1);       /* one id: a single run of every token */
+    test_add_embed(ctx, 2048, 151936, 64, 1500, 101); /* Qwen3's vocabulary, T 2048 */
+    test_add_embed(ctx, 2048, 200, 2048, 150, 1); /* H 2048: several column blocks */
     test_xent(ctx);
     test_qk(ctx);
     test_attn(ctx);

@@ -280,7 +280,7 @@ static mst_status alloc_acts(mst_model* m) {
     BUF(C, m->aux_sum, M * (c->layers + 1));
     BUF(C, m->dtopk, N * c->top_k);
     BUF(C, m->drl, N * c->experts);
-    BUF(C, m->emb_order, V + 1 + N);
+    BUF(C, m->emb_order, mst_embed_order_len(N));
     BUF(C, m->qkvr, N * qkv_cols(c));
     BUF(C, m->dqkv, N * qkv_cols(c));
     BUF(C, m->datt, N * c->n_head * c->head_dim);

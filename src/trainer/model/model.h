@@ -308,7 +308,7 @@ typedef struct mst_model {
     float* dprow;            /* [G*R] gradients of the rows' router probs     */
     float* dtopk;            /* [N, k]                                        */
     uint16_t* drl;           /* [N, E] d(router logits)                       */
-    int32_t* emb_order;      /* [V + 1 + N] embedding backward scratch        */
+    int32_t* emb_order;      /* [mst_embed_order_len(N)] embedding backward scratch */
     uint16_t* qkvr;          /* [N, Wq] q|k|v after QK-norm and rotation
                                 (attention's input); backward: d(qkv)          */
     uint16_t* dqkv;          /* [N, Wq] d(qkvr)                                */

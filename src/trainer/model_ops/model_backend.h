@@ -55,6 +55,7 @@ typedef struct mst_add_args {
 
 /* Token embedding: x[t] = table[tokens[t]]; backward dtable[v] += sum of
  * dx[t] over t with tokens[t] = v, in token order. */
+static inline int64_t mst_embed_order_len(int64_t n_tok) { return 3 * n_tok; }
 typedef struct mst_embed_args {
     int64_t n_tok, vocab, cols; /* N, V, H                                   */
     const int32_t* tokens; /* [N] int32 in [0, V)                            */
@@ -62,8 +63,8 @@ typedef struct mst_embed_args {
     uint16_t* x;           /* [N, H] bf16 (forward)                          */
     const uint16_t* dx;    /* [N, H] bf16 (backward)                         */
     float* dtable;         /* [V, H] fp32 main_grad (backward, +=)           */
-    int32_t* order;        /* [V + 1 + N] scratch (backward): token ids
-                              bucketed by vocabulary entry, in token order   */
+    int32_t* order;        /* [mst_embed_order_len(N)] int32 scratch
+                              (backward; CUDA: the tokens in (id, token) order) */
 } mst_embed_args;
 
 /* Softmax cross-entropy per row, forward and backward in one pass:

@@ -1,9 +1,7 @@
 /*
  * model_ops.cu — the CUDA versions of the trainer's row ops: matmul through
  * cublasGemmEx (bf16 operands, fp32 compute), RMSNorm forward/backward,
- * residual add, token embedding gather / scatter-add (tokens bucketed by
- * vocabulary entry first, so each entry's sum runs in token order),
- * softmax cross-entropy, sum of squares, AdamW and the float64 loss sum.
+ * residual add, softmax cross-entropy, sum of squares, AdamW and the float64 loss sum.
  * Same arguments as the CPU reference (model_ops.c). Every reduction runs in
  * a fixed order: no floating-point atomics, the same bits on every run.
  */
@@ -105,93 +103,6 @@ __global__ void add_kernel(mst_add_args a) {
 
 extern "C" mst_status mst_cuda_add(mst_ctx_t* ctx, const mst_add_args* a) {
     add_kernel<<<mst_blocks(a->n, 256), 256, 0, mst_cuda(ctx)->stream>>>(*a);
-    MST_CUDA_LAUNCHED();
-    return MST_OK;
-}
-
-/* ---- embedding -------------------------------------------------------------- */
-
-__global__ void embed_forward_kernel(mst_embed_args a) {
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= a.n_tok * a.cols) return;
-    const int64_t t = i / a.cols, c = i % a.cols;
-    a.x[i] = a.table[(int64_t)a.tokens[t] * a.cols + c];
-}
-
-/* Buckets token ids by vocabulary entry, in token order, without atomics:
- * order[v] = first slot of entry v (order[V] = N), order[V + 1 + slot] = t.
- * One block; warp w counts, then places, the tokens of entries w, w +
- * warps, ... from shared-memory tiles of the token ids, 32 tokens a ballot
- * (each hit's place among them by popc: token order within an entry). */
-enum { EMB_TILE = 4096 };
-
-__global__ void embed_bucket_kernel(mst_embed_args a) {
-    __shared__ int32_t tile[EMB_TILE];
-    int32_t* start = a.order;
-    int32_t* list = a.order + a.vocab + 1;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-    for (int pass = 0; pass < 2; pass++) {
-        for (int64_t v = threadIdx.x; v < a.vocab; v += blockDim.x) /* pass 0: counts */
-            if (pass == 0) start[v] = 0;
-        for (int64_t base = 0; base < a.n_tok; base += EMB_TILE) {
-            const int64_t n = min((int64_t)EMB_TILE, a.n_tok - base);
-            __syncthreads();
-            for (int64_t i = threadIdx.x; i < n; i += blockDim.x) tile[i] = a.tokens[base + i];
-            __syncthreads();
-            for (int64_t v = warp; v < a.vocab; v += n_warps) {
-                int32_t c = start[v];
-                for (int64_t i0 = 0; i0 < n; i0 += 32) {
-                    const int64_t i = i0 + lane;
-                    const int hit = i < n && tile[i] == v;
-                    const unsigned mask = __ballot_sync(0xffffffffu, hit);
-                    if (pass == 1 && hit) list[c + __popc(mask & ((1u << lane) - 1u))] = (int32_t)(base + i);
-                    c += __popc(mask);
-                }
-                __syncwarp();
-                if (lane == 0) start[v] = c;
-            }
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) { /* pass 0: counts -> starts; pass 1: ends -> starts */
-            int32_t run = 0;
-            for (int64_t v = 0; v < a.vocab; v++) {
-                int32_t n_v = pass == 0 ? start[v] : start[v] - run;
-                start[v] = run;
-                run += n_v;
-            }
-            start[a.vocab] = run;
-        }
-        __syncthreads();
-    }
-}
-
-/* dtable[v][c] += sum of dx[t][c] over entry v's tokens in token order: one
- * block per (v, 256 columns); v on the grid's x (any vocabulary: 151 936
- * for Qwen3), the columns on y. */
-__global__ void embed_backward_kernel(mst_embed_args a) {
-    const int64_t v = blockIdx.x, c = (int64_t)blockIdx.y * blockDim.x + threadIdx.x;
-    const int32_t* list = a.order + a.vocab + 1;
-    const int32_t b = a.order[v], e = a.order[v + 1];
-    if (c >= a.cols || b == e) return;
-    float acc = 0.0f;
-    for (int32_t i = b; i < e; i++) acc += mst_bf(a.dx[(int64_t)list[i] * a.cols + c]);
-    a.dtable[v * a.cols + c] += acc;
-}
-
-extern "C" mst_status mst_cuda_embed_forward(mst_ctx_t* ctx, const mst_embed_args* a) {
-    embed_forward_kernel<<<mst_blocks(a->n_tok * a->cols, 256), 256, 0, mst_cuda(ctx)->stream>>>(*a);
-    MST_CUDA_LAUNCHED();
-    return MST_OK;
-}
-
-extern "C" mst_status mst_cuda_embed_backward(mst_ctx_t* ctx, const mst_embed_args* a) {
-    if (a->vocab > INT32_MAX || a->n_tok > INT32_MAX)
-        return mst_set_error(MST_ERR_INVALID, "embedding backward: vocab %lld, tokens %lld: above 2^31 - 1",
-                             (long long)a->vocab, (long long)a->n_tok);
-    cudaStream_t s = mst_cuda(ctx)->stream;
-    embed_bucket_kernel<<<1, 1024, 0, s>>>(*a);
-    MST_CUDA_LAUNCHED();
-    embed_backward_kernel<<<dim3((unsigned)a->vocab, mst_blocks(a->cols, 256)), 256, 0, s>>>(*a);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
@@ -323,12 +234,10 @@ __global__ void adamw_kernel(mst_adamw_args a) {
     }
 }
 
-static int aligned(const void* p, uintptr_t n) { return ((uintptr_t)p & (n - 1)) == 0; }
-
 template <typename T>
 static void adamw_launch(const mst_adamw_args* a, cudaStream_t s) {
     const uintptr_t mb = 4 * sizeof(T); /* four moments' bytes */
-    if (aligned(a->grad, 16) && aligned(a->m, mb) && aligned(a->v, mb) && aligned(a->master, 16) && aligned(a->w, 8))
+    if (mst_aligned(a->grad, 16) && mst_aligned(a->m, mb) && mst_aligned(a->v, mb) && mst_aligned(a->master, 16) && mst_aligned(a->w, 8))
         adamw_kernel<4, T><<<mst_blocks((a->n + 3) / 4, 256), 256, 0, s>>>(*a);
     else
         adamw_kernel<1, T><<<mst_blocks(a->n, 256), 256, 0, s>>>(*a);

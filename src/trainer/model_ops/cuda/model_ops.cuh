@@ -15,12 +15,13 @@ mst_status mst_cuda_mm(mst_ctx_t* ctx, const mst_mm_args* a);
 mst_status mst_cuda_norm_forward(mst_ctx_t* ctx, const mst_norm_args* a);
 mst_status mst_cuda_norm_backward(mst_ctx_t* ctx, const mst_norm_args* a);
 mst_status mst_cuda_add(mst_ctx_t* ctx, const mst_add_args* a);
-mst_status mst_cuda_embed_forward(mst_ctx_t* ctx, const mst_embed_args* a);
-mst_status mst_cuda_embed_backward(mst_ctx_t* ctx, const mst_embed_args* a);
 mst_status mst_cuda_xent(mst_ctx_t* ctx, const mst_xent_args* a);
 mst_status mst_cuda_sumsq(mst_ctx_t* ctx, const mst_sumsq_args* a);
 mst_status mst_cuda_adamw(mst_ctx_t* ctx, const mst_adamw_args* a);
 mst_status mst_cuda_sum(mst_ctx_t* ctx, const mst_sum_args* a);
+/* model_ops_embed.cu */
+mst_status mst_cuda_embed_forward(mst_ctx_t* ctx, const mst_embed_args* a);
+mst_status mst_cuda_embed_backward(mst_ctx_t* ctx, const mst_embed_args* a);
 /* model_ops_qk.cu */
 mst_status mst_cuda_qk_forward(mst_ctx_t* ctx, const mst_qk_args* a);
 mst_status mst_cuda_qk_backward(mst_ctx_t* ctx, const mst_qk_args* a);
@@ -62,6 +63,34 @@ __device__ __forceinline__ float mst_block_max(float v, float* shm) {
     float s = -INFINITY;
     for (int w = 0; w < n_warps; w++) s = fmaxf(s, shm[w]);
     return s;
+}
+
+static inline int mst_aligned(const void* p, uintptr_t n) { return ((uintptr_t)p & (n - 1)) == 0; }
+
+/* VEC bf16 values: one 16-byte load (VEC 8) or one value. */
+template <int VEC> struct bf_raw { uint16_t h; };
+template <> struct bf_raw<8> { uint4 u; };
+
+template <int VEC>
+__device__ __forceinline__ bf_raw<VEC> bf_load(const uint16_t* p) {
+    bf_raw<VEC> r;
+    if constexpr (VEC == 8) r.u = *(const uint4*)p;
+    else r.h = *p;
+    return r;
+}
+
+template <int VEC>
+__device__ __forceinline__ void bf_add(float* acc, const bf_raw<VEC>& r) {
+    if constexpr (VEC == 8) {
+        const uint32_t w[4] = {r.u.x, r.u.y, r.u.z, r.u.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            acc[2 * k] += __uint_as_float(w[k] << 16);
+            acc[2 * k + 1] += __uint_as_float(w[k] & 0xFFFF0000u);
+        }
+    } else {
+        acc[0] += mst_bf(r.h);
+    }
 }
 
 /* Grid size for n items at `per` items per block, at most 65535 * 1024. */
