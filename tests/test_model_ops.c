@@ -715,7 +715,7 @@ static void route_case(mst_ctx_t* ctx, route_cfg rc) {
     /* the layers' loads: this layer's in row 1, the others' made up (W ranks:
      * the sums over the ranks, this rank's share among them) */
     int32_t* loads = (int32_t*)malloc(sizeof(int32_t) * (size_t)(NL * E));
-    int64_t Ltot[64] = {0};
+    int64_t* Ltot = (int64_t*)calloc((size_t)E, sizeof(int64_t));
     for (int l = 0; l < NL; l++)
         for (int e = 0; e < E; e++) {
             loads[l * E + e] = l == 1 ? load[e] * W : (int32_t)mst_rng_int(&rng, 0, 3 * N * K / E * W);
@@ -723,6 +723,7 @@ static void route_case(mst_ctx_t* ctx, route_cfg rc) {
         }
     const double rows = (double)NL * (double)N * (double)W;
     double aux = 0, *dl = (double*)malloc(sizeof(double) * (size_t)(N * E)), *tw = (double*)malloc(sizeof(double) * (size_t)NK);
+    double* dp = (double*)malloc(sizeof(double) * (size_t)E);
     for (int e = 0; e < E; e++) {
         double pe = 0;
         for (int64_t t = 0; t < N; t++) pe += probs[t * E + e];
@@ -730,7 +731,7 @@ static void route_case(mst_ctx_t* ctx, route_cfg rc) {
     }
     aux *= coef * E;
     for (int64_t t = 0; t < N; t++) {
-        double dp[64], dot = 0, chosen = 0, wdot = 0;
+        double dot = 0, chosen = 0, wdot = 0;
         for (int k = 0; k < K; k++) chosen += probs[t * E + idx[t * K + k]];
         for (int k = 0; k < K; k++) tw[t * K + k] = probs[t * E + idx[t * K + k]] / (rc.norm ? chosen : 1.0);
         for (int k = 0; k < K; k++) wdot += dw[t * K + k] * tw[t * K + k];
@@ -782,7 +783,7 @@ static void route_case(mst_ctx_t* ctx, route_cfg rc) {
     free(gi), free(gp), free(gc), free(gl), free(gk);
     mst_guarded* all = &b.logits;
     for (size_t i = 0; i < sizeof b / sizeof b.logits; i++) mst_guarded_free(ctx, &all[i]);
-    free(logits), free(dw), free(probs), free(idx), free(load), free(counts), free(pos), free(dl), free(tw), free(loads);
+    free(logits), free(dw), free(probs), free(idx), free(load), free(counts), free(pos), free(dl), free(tw), free(loads), free(Ltot), free(dp);
 }
 
 static void test_route(mst_ctx_t* ctx) {
@@ -793,12 +794,20 @@ static void test_route(mst_ctx_t* ctx) {
     route_case(ctx, (route_cfg){77, 6, 1, 3, 77, 0, 1, 1});    /* top-1 renormalised: weight 1 */
     route_case(ctx, (route_cfg){400, 8, 3, 2, 1200, 1, 1, 1}); /* ties */
     route_case(ctx, (route_cfg){300, 8, 2, 2, 600, 0, 0, 3});  /* not renormalised, 3 ranks */
+    route_case(ctx, (route_cfg){2048, 128, 8, 1, 16384, 0, 1, 1}); /* Qwen3-30B-A3B: 128 experts, top-8, T 2048 */
+    route_case(ctx, (route_cfg){4096, 64, 4, 4, 16384, 0, 1, 1});  /* the h100 preset's router, 4 groups */
+    route_case(ctx, (route_cfg){2048, 128, 8, 8, 1500, 0, 1, 2});  /* 8 groups, some over budget */
+    route_case(ctx, (route_cfg){1000, 128, 8, 2, 8000, 1, 1, 1});  /* ties across the lanes of a warp */
+    route_case(ctx, (route_cfg){300, 1024, 8, 4, 2400, 0, 1, 1});  /* the most experts a plan takes */
 }
 
 /* ---- rows gather / sum ----------------------------------------------------- */
 
-static void test_rows(mst_ctx_t* ctx) {
-    const int64_t N = 50, K = 3, H = 24, GR = 200;
+/* N tokens of k slots (every seventh skipped), H columns, GR grouped rows
+ * (GR >= N k, 37 not dividing it: distinct rows). */
+static void test_rows(mst_ctx_t* ctx, int64_t N, int64_t K, int64_t H, int64_t GR) {
+    char what_sum[96];
+    snprintf(what_sum, sizeof what_sum, "rows sum N=%lld k=%lld H=%lld", (long long)N, (long long)K, (long long)H);
     uint16_t *x = rand_bf16((size_t)(N * H), 1), *rows = rand_bf16((size_t)(GR * H), 1);
     float *p = (float*)malloc(sizeof(float) * (size_t)(N * K)), *prow = (float*)malloc(sizeof(float) * (size_t)GR);
     mst_rng_fp32(&rng, p, (size_t)(N * K), 0, 1);
@@ -836,16 +845,18 @@ static void test_rows(mst_ctx_t* ctx) {
     }
     for (int64_t r = 0; r < GR; r++)
         for (int64_t c = 0; !written[r] && c < H; c++) untouched &= gr[r * H + c] == 0xFFFF;
-    CHECK(ok, "rows gather: rows or probs are not exact copies");
-    CHECK(untouched, "rows gather wrote a row that no entry maps to");
+    CHECK(ok, "rows gather N=%lld k=%lld H=%lld: rows or probs are not exact copies", (long long)N, (long long)K,
+          (long long)H);
+    CHECK(untouched, "rows gather N=%lld k=%lld H=%lld wrote a row that no entry maps to", (long long)N, (long long)K,
+          (long long)H);
     free(gr), free(gq), free(written);
     mst_guarded gsrc = up(ctx, rows, sizeof(uint16_t) * (size_t)(GR * H)), gsp = up(ctx, prow, sizeof(float) * (size_t)GR);
     mst_guarded gsum = up(ctx, NULL, sizeof(uint16_t) * (size_t)(N * H)), gdp = up(ctx, NULL, sizeof(float) * (size_t)(N * K));
     mst_rows_args s = {.n_tok = N, .top_k = (int32_t)K, .cols = H, .pos = (int32_t*)gpos.data, .src = (uint16_t*)gsrc.data,
                        .dst = (uint16_t*)gsum.data, .src_p = (float*)gsp.data, .dst_p = (float*)gdp.data};
     CHECK_OK(ops(ctx)->rows_sum(ctx, &s));
-    expect_bf16(ctx, &gsum, sum, (size_t)(N * H), "rows sum");
-    expect_rounded_once(ctx, &gsum, sum32, (size_t)(N * H), "rows sum");
+    expect_bf16(ctx, &gsum, sum, (size_t)(N * H), what_sum);
+    expect_rounded_once(ctx, &gsum, sum32, (size_t)(N * H), what_sum);
     expect_fp32(ctx, &gdp, dp, (size_t)(N * K), MST_TOL_FP32, "rows sum probs");
     mst_guarded* all[] = {&gx, &gp, &gpos, &grows, &gprow, &gsrc, &gsp, &gsum, &gdp};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) mst_guarded_free(ctx, all[i]);
@@ -944,14 +955,17 @@ static void run(mst_ctx_t* ctx) {
     test_add_embed(ctx, 300, 70001, 8, 13, 5833); /* ids past 65535 */
     test_add_embed(ctx, 777, 300, 13, 40, 7);     /* odd columns: the one-value path */
     test_add_embed(ctx, 1029, 5, 24, 1, 1);       /* one id: a single run of every token */
-    test_add_embed(ctx, 2048, 151936, 64, 1500, 101); /* Qwen3's vocabulary, T 2048 */
-    test_add_embed(ctx, 2048, 200, 2048, 150, 1); /* H 2048: several column blocks */
+    test_add_embed(ctx, 2048, 151936, 16, 1500, 101); /* Qwen3's vocabulary, T 2048 */
+    test_add_embed(ctx, 1024, 200, 2048, 150, 1); /* H 2048: several column blocks */
     test_xent(ctx);
     test_qk(ctx);
     test_attn(ctx);
     test_attn_flash(ctx);
     test_route(ctx);
-    test_rows(ctx);
+    test_rows(ctx, 50, 3, 24, 200);
+    test_rows(ctx, 61, 3, 13, 200);         /* odd columns: one value a lane */
+    test_rows(ctx, 64, 10, 40, 700);        /* more slots than one load batch */
+    test_rows(ctx, 512, 8, 2048, 4100);     /* Qwen3-30B-A3B: top-8, H 2048 */
     test_optim(ctx);
     test_sum(ctx);
 }

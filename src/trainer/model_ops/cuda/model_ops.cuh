@@ -36,6 +36,7 @@ mst_status mst_cuda_attn_flash_backward(mst_ctx_t* ctx, const mst_attn_args* a);
 mst_status mst_cuda_route_forward(mst_ctx_t* ctx, const mst_route_args* a);
 mst_status mst_cuda_route_backward(mst_ctx_t* ctx, const mst_route_args* a);
 mst_status mst_cuda_route_peak(mst_ctx_t* ctx, const mst_route_args* a);
+/* model_ops_rows.cu */
 mst_status mst_cuda_rows_gather(mst_ctx_t* ctx, const mst_rows_args* a);
 mst_status mst_cuda_rows_sum(mst_ctx_t* ctx, const mst_rows_args* a);
 }
@@ -90,6 +91,37 @@ __device__ __forceinline__ void bf_add(float* acc, const bf_raw<VEC>& r) {
         }
     } else {
         acc[0] += mst_bf(r.h);
+    }
+}
+
+/* VEC fp32 values stored as bf16 (nearest even): one 16-byte store (VEC 8)
+ * or one value. */
+template <int VEC>
+__device__ __forceinline__ void bf_store(uint16_t* p, const float* f) {
+    if constexpr (VEC == 8) {
+        uint4 u;
+        u.x = (uint32_t)mst_to_bf(f[0]) | (uint32_t)mst_to_bf(f[1]) << 16;
+        u.y = (uint32_t)mst_to_bf(f[2]) | (uint32_t)mst_to_bf(f[3]) << 16;
+        u.z = (uint32_t)mst_to_bf(f[4]) | (uint32_t)mst_to_bf(f[5]) << 16;
+        u.w = (uint32_t)mst_to_bf(f[6]) | (uint32_t)mst_to_bf(f[7]) << 16;
+        *(uint4*)p = u;
+    } else {
+        *p = mst_to_bf(f[0]);
+    }
+}
+
+/* VEC fp32 values from VEC bf16 ones. */
+template <int VEC>
+__device__ __forceinline__ void bf_unpack(const bf_raw<VEC>& r, float* f) {
+    if constexpr (VEC == 8) {
+        const uint32_t w[4] = {r.u.x, r.u.y, r.u.z, r.u.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            f[2 * k] = __uint_as_float(w[k] << 16);
+            f[2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
+        }
+    } else {
+        f[0] = mst_bf(r.h);
     }
 }
 
