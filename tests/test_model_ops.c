@@ -138,8 +138,11 @@ static void test_mm(mst_ctx_t* ctx) {
 
 /* ---- RMSNorm ------------------------------------------------------------- */
 
-static void test_norm(mst_ctx_t* ctx) {
-    const int64_t N = 37, H = 72;
+static void test_norm(mst_ctx_t* ctx, int64_t N, int64_t H) {
+    char what[4][64];
+    const char* part[4] = {"y", "rstd", "dx", "dw (accumulated)"};
+    for (int i = 0; i < 4; i++)
+        snprintf(what[i], sizeof what[i], "norm [%lld, %lld] %s", (long long)N, (long long)H, part[i]);
     const double eps = 1e-5;
     uint16_t *x = rand_bf16((size_t)(N * H), 1.5), *w = rand_bf16((size_t)H, 1), *dy = rand_bf16((size_t)(N * H), 1);
     float* dw0 = (float*)malloc(sizeof(float) * (size_t)H);
@@ -167,11 +170,11 @@ static void test_norm(mst_ctx_t* ctx) {
                        .y = (uint16_t*)gy.data, .rstd = (float*)grs.data, .dy = (uint16_t*)gdy.data,
                        .dx = (uint16_t*)gdx.data, .dw = (float*)gdw.data};
     CHECK_OK(ops(ctx)->norm_forward(ctx, &a));
-    expect_bf16(ctx, &gy, y, (size_t)(N * H), "norm forward y");
-    expect_fp32(ctx, &grs, rs, (size_t)N, MST_TOL_FP32, "norm forward rstd");
+    expect_bf16(ctx, &gy, y, (size_t)(N * H), what[0]);
+    expect_fp32(ctx, &grs, rs, (size_t)N, MST_TOL_FP32, what[1]);
     CHECK_OK(ops(ctx)->norm_backward(ctx, &a));
-    expect_bf16(ctx, &gdx, dx, (size_t)(N * H), "norm backward dx");
-    expect_fp32(ctx, &gdw, dw, (size_t)H, MST_TOL_FP32, "norm backward dw (accumulated)");
+    expect_bf16(ctx, &gdx, dx, (size_t)(N * H), what[2]);
+    expect_fp32(ctx, &gdw, dw, (size_t)H, MST_TOL_FP32, what[3]);
     mst_guarded* all[] = {&gx, &gw, &gy, &grs, &gdy, &gdx, &gdw};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) mst_guarded_free(ctx, all[i]);
     free(x), free(w), free(dy), free(dw0), free(y), free(dx), free(rs), free(dw);
@@ -950,7 +953,9 @@ static void test_sum(mst_ctx_t* ctx) {
 
 static void run(mst_ctx_t* ctx) {
     test_mm(ctx);
-    test_norm(ctx);
+    test_norm(ctx, 37, 72);
+    test_norm(ctx, 50, 77);    /* odd columns: one value a lane */
+    test_norm(ctx, 1000, 2048); /* H 2048; the weight gradient in 125 row chunks */
     test_add_embed(ctx, 4500, 50, 40, 13, 1);     /* more tokens than one rank span, long runs */
     test_add_embed(ctx, 300, 70001, 8, 13, 5833); /* ids past 65535 */
     test_add_embed(ctx, 777, 300, 13, 40, 7);     /* odd columns: the one-value path */

@@ -35,6 +35,7 @@ typedef struct mst_cuda_impl {
     mst_ws ws_gather;         /* a paged wgrad's x gathered (grouped_gemm.cu)   */
     mst_ws ws_attn;           /* the attention's GEMM pointer arrays            */
     mst_ws ws_qk;             /* QK-norm backward's dw partials (model_ops_qk.cu) */
+    mst_ws ws_norm;           /* RMSNorm backward's dw partials (model_ops_norm.cu) */
     void* blas_ws;            /* cuBLAS's workspace (context memory)            */
 } mst_cuda_impl;
 

@@ -1,7 +1,7 @@
 /*
  * model_ops.cu — the CUDA versions of the trainer's row ops: matmul through
- * cublasGemmEx (bf16 operands, fp32 compute), RMSNorm forward/backward,
- * residual add, softmax cross-entropy, sum of squares, AdamW and the float64 loss sum.
+ * cublasGemmEx (bf16 operands, fp32 compute), softmax cross-entropy, sum of
+ * squares, AdamW and the float64 loss sum (RMSNorm and add: model_ops_norm.cu).
  * Same arguments as the CPU reference (model_ops.c). Every reduction runs in
  * a fixed order: no floating-point atomics, the same bits on every run.
  */
@@ -20,90 +20,6 @@ extern "C" mst_status mst_cuda_mm(mst_ctx_t* ctx, const mst_mm_args* a) {
                                 &alpha, a->b, CUDA_R_16BF, (int)a->ldb, a->a, CUDA_R_16BF, (int)a->lda,
                                 &beta, C, a->c16 ? CUDA_R_16BF : CUDA_R_32F, (int)a->ldc,
                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    return MST_OK;
-}
-
-/* ---- RMSNorm: one warp per row -------------------------------------------- */
-
-__global__ void norm_forward_kernel(mst_norm_args a) {
-    const int64_t r = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (r >= a.rows) return;
-    const int64_t H = a.cols;
-    const uint16_t* x = a.x + r * H;
-    float ss = 0.0f;
-    for (int64_t c = lane; c < H; c += 32) {
-        float v = mst_bf(x[c]);
-        ss += v * v;
-    }
-    for (int d = 16; d > 0; d >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, d);
-    const float rs = rsqrtf(ss / (float)H + a.eps);
-    if (lane == 0) a.rstd[r] = rs;
-    for (int64_t c = lane; c < H; c += 32) a.y[r * H + c] = mst_to_bf(mst_bf(x[c]) * rs * mst_bf(a.w[c]));
-}
-
-__global__ void norm_dx_kernel(mst_norm_args a) {
-    const int64_t r = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (r >= a.rows) return;
-    const int64_t H = a.cols;
-    const uint16_t *x = a.x + r * H, *dy = a.dy + r * H;
-    const float rs = a.rstd[r];
-    float dot = 0.0f;
-    for (int64_t c = lane; c < H; c += 32) dot += mst_bf(dy[c]) * mst_bf(a.w[c]) * mst_bf(x[c]);
-    for (int d = 16; d > 0; d >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, d);
-    const float k = dot * rs * rs * rs / (float)H;
-    for (int64_t c = lane; c < H; c += 32)
-        a.dx[r * H + c] = mst_to_bf(rs * mst_bf(dy[c]) * mst_bf(a.w[c]) - mst_bf(x[c]) * k);
-}
-
-/* Column sums over rows without atomics: block (32 columns x 16 row
- * slices); slice s sums rows s, s+16, ... in order, then the 16 slice sums
- * are added in slice order. (H / 32 blocks only: 55 us a call at H 512,
- * N 4096 on an H200; more blocks is the next step.) */
-enum { COL_W = 32, COL_S = 16 };
-
-__global__ void norm_dw_kernel(mst_norm_args a) {
-    __shared__ float part[COL_S][COL_W];
-    const int64_t c = (int64_t)blockIdx.x * COL_W + threadIdx.x;
-    float acc = 0.0f;
-    if (c < a.cols)
-        for (int64_t r = threadIdx.y; r < a.rows; r += COL_S)
-            acc += mst_bf(a.dy[r * a.cols + c]) * mst_bf(a.x[r * a.cols + c]) * a.rstd[r];
-    part[threadIdx.y][threadIdx.x] = acc;
-    __syncthreads();
-    if (threadIdx.y == 0 && c < a.cols) {
-        float s = 0.0f;
-        for (int i = 0; i < COL_S; i++) s += part[i][threadIdx.x];
-        a.dw[c] += s;
-    }
-}
-
-extern "C" mst_status mst_cuda_norm_forward(mst_ctx_t* ctx, const mst_norm_args* a) {
-    norm_forward_kernel<<<mst_blocks(a->rows, 8), 256, 0, mst_cuda(ctx)->stream>>>(*a);
-    MST_CUDA_LAUNCHED();
-    return MST_OK;
-}
-
-extern "C" mst_status mst_cuda_norm_backward(mst_ctx_t* ctx, const mst_norm_args* a) {
-    cudaStream_t s = mst_cuda(ctx)->stream;
-    norm_dx_kernel<<<mst_blocks(a->rows, 8), 256, 0, s>>>(*a);
-    MST_CUDA_LAUNCHED();
-    norm_dw_kernel<<<mst_blocks(a->cols, COL_W), dim3(COL_W, COL_S), 0, s>>>(*a);
-    MST_CUDA_LAUNCHED();
-    return MST_OK;
-}
-
-/* ---- elementwise ------------------------------------------------------------ */
-
-__global__ void add_kernel(mst_add_args a) {
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < a.n) a.y[i] = mst_to_bf(mst_bf(a.a[i]) + mst_bf(a.b[i]));
-}
-
-extern "C" mst_status mst_cuda_add(mst_ctx_t* ctx, const mst_add_args* a) {
-    add_kernel<<<mst_blocks(a->n, 256), 256, 0, mst_cuda(ctx)->stream>>>(*a);
-    MST_CUDA_LAUNCHED();
     return MST_OK;
 }
 

@@ -12,13 +12,14 @@
 extern "C" {
 /* model_ops.cu */
 mst_status mst_cuda_mm(mst_ctx_t* ctx, const mst_mm_args* a);
-mst_status mst_cuda_norm_forward(mst_ctx_t* ctx, const mst_norm_args* a);
-mst_status mst_cuda_norm_backward(mst_ctx_t* ctx, const mst_norm_args* a);
-mst_status mst_cuda_add(mst_ctx_t* ctx, const mst_add_args* a);
 mst_status mst_cuda_xent(mst_ctx_t* ctx, const mst_xent_args* a);
 mst_status mst_cuda_sumsq(mst_ctx_t* ctx, const mst_sumsq_args* a);
 mst_status mst_cuda_adamw(mst_ctx_t* ctx, const mst_adamw_args* a);
 mst_status mst_cuda_sum(mst_ctx_t* ctx, const mst_sum_args* a);
+/* model_ops_norm.cu */
+mst_status mst_cuda_norm_forward(mst_ctx_t* ctx, const mst_norm_args* a);
+mst_status mst_cuda_norm_backward(mst_ctx_t* ctx, const mst_norm_args* a);
+mst_status mst_cuda_add(mst_ctx_t* ctx, const mst_add_args* a);
 /* model_ops_embed.cu */
 mst_status mst_cuda_embed_forward(mst_ctx_t* ctx, const mst_embed_args* a);
 mst_status mst_cuda_embed_backward(mst_ctx_t* ctx, const mst_embed_args* a);
