@@ -15,6 +15,7 @@ or "FAIL <why>", and the job exits 1 when a check failed on any rank.
 - patch_qwen3_moe(ep=) against transformers' model on all ranks' batches
   (test_qwen3_moe.py's checks).
 """
+import datetime
 import os
 import sys
 import traceback
@@ -91,7 +92,8 @@ def main():
     rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     dev = torch.device("cuda", local)
     torch.cuda.set_device(dev)
-    dist.init_process_group("nccl", device_id=dev)
+    # a rank stuck in a collective (a check failed on a peer mid-way) ends the job in minutes, not hours
+    dist.init_process_group("nccl", device_id=dev, timeout=datetime.timedelta(seconds=180))
     group = dist.group.WORLD
     probe = mt.ExpertParallel(T.E, T.K, T.H, max_tokens=T.N_MAX, device=dev, group=group)
     print(f"[rank {rank}] {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, auto path: {probe.path}",

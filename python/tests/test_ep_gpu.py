@@ -21,7 +21,7 @@ def test_ep_over_nccl_under_torchrun():
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            os.path.join(HERE, "ep_gpu_worker.py")]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("[rank")]
     print("\n".join(lines))
     assert r.returncode == 0, "\n".join(lines) + "\n" + r.stderr[-6000:]
