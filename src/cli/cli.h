@@ -37,5 +37,6 @@ int mst_bench_train(int argc, char** argv); /* bench/bench_train.c */
 int mst_bench_ep(int argc, char** argv); /* bench/bench_ep.c */
 int mst_bench_plan(int argc, char** argv); /* bench/bench_plan.c */
 int mst_bench_attn(int argc, char** argv); /* bench/bench_attn.c */
+int mst_bench_ops(int argc, char** argv); /* bench/bench_ops.c */
 
 #endif

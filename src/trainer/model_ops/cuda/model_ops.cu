@@ -23,28 +23,67 @@ extern "C" mst_status mst_cuda_mm(mst_ctx_t* ctx, const mst_mm_args* a) {
     return MST_OK;
 }
 
-/* ---- cross-entropy: one block per row -------------------------------------- */
+/* ---- cross-entropy: one block per row --------------------------------------
+ * Two passes over the row: thread i takes the VEC-value pieces i, i + threads,
+ * ... (VEC 8: 16-byte loads) and keeps a running max and the sum of exp
+ * below it, rescaled when the max grows; the threads' (max, sum) pairs are
+ * joined by a fixed xor tree in each warp, then the warps in order. The
+ * second pass writes dlogits. Threads by V (a warp at V 256, 1024 at
+ * Qwen3's 151 936): fixed by the shape, so are the bits. */
 
+/* (m, s) += (m2, s2): the larger max, each sum rescaled to it. */
+__device__ __forceinline__ void lse_join(float& m, float& s, float m2, float s2) {
+    const float M = fmaxf(m, m2);
+    if (M == -INFINITY) return; /* both empty */
+    s = (m == -INFINITY ? 0.0f : s * expf(m - M)) + (m2 == -INFINITY ? 0.0f : s2 * expf(m2 - M));
+    m = M;
+}
+
+template <int VEC>
 __global__ void xent_kernel(mst_xent_args a) {
-    __shared__ float shm[32];
+    __shared__ float shm_m[32], shm_s[32];
     const int64_t r = blockIdx.x, V = a.vocab;
-    const uint16_t* l = a.logits + r * V;
-    float mx = -INFINITY;
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) mx = fmaxf(mx, mst_bf(l[v]));
-    mx = mst_block_max(mx, shm);
-    float s = 0.0f;
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) s += expf(mst_bf(l[v]) - mx);
-    s = mst_block_sum(s, shm);
+    const uint16_t* l = a.logits + r * V; /* [V] */
+    float m = -INFINITY, s = 0.0f;
+    for (int64_t v = (int64_t)threadIdx.x * VEC; v < V; v += (int64_t)blockDim.x * VEC) {
+        float f[VEC];
+        bf_unpack<VEC>(bf_load<VEC>(l + v), f);
+#pragma unroll
+        for (int k = 0; k < VEC; k++) {
+            if (f[k] > m) {
+                s = s * expf(m - f[k]) + 1.0f;
+                m = f[k];
+            } else if (m != -INFINITY) {
+                s += expf(f[k] - m);
+            }
+        }
+    }
+    for (int d = 16; d > 0; d >>= 1)
+        lse_join(m, s, __shfl_xor_sync(0xffffffffu, m, d), __shfl_xor_sync(0xffffffffu, s, d));
+    const int warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    if ((threadIdx.x & 31) == 0) shm_m[warp] = m, shm_s[warp] = s;
+    __syncthreads();
+    m = shm_m[0], s = shm_s[0];
+    for (int w = 1; w < n_warps; w++) lse_join(m, s, shm_m[w], shm_s[w]);
     const int32_t tg = a.targets[r];
-    if (threadIdx.x == 0) a.loss[r] = logf(s) + mx - mst_bf(l[tg]);
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
-        float p = expf(mst_bf(l[v]) - mx) / s;
-        a.dlogits[r * V + v] = mst_to_bf((p - (v == tg ? 1.0f : 0.0f)) * a.scale);
+    if (threadIdx.x == 0) a.loss[r] = logf(s) + m - mst_bf(l[tg]);
+    for (int64_t v = (int64_t)threadIdx.x * VEC; v < V; v += (int64_t)blockDim.x * VEC) {
+        float f[VEC];
+        bf_unpack<VEC>(bf_load<VEC>(l + v), f);
+#pragma unroll
+        for (int k = 0; k < VEC; k++) f[k] = (expf(f[k] - m) / s - (v + k == tg ? 1.0f : 0.0f)) * a.scale;
+        bf_store<VEC>(a.dlogits + r * V + v, f);
     }
 }
 
 extern "C" mst_status mst_cuda_xent(mst_ctx_t* ctx, const mst_xent_args* a) {
-    xent_kernel<<<(unsigned)a->rows, 256, 0, mst_cuda(ctx)->stream>>>(*a);
+    if (a->rows == 0) return MST_OK;
+    const int vec = a->vocab % 8 == 0 && mst_aligned(a->logits, 16) && mst_aligned(a->dlogits, 16) ? 8 : 1;
+    int64_t threads = (a->vocab / (8 * vec) + 31) / 32 * 32; /* about 8 pieces a thread */
+    threads = threads < 32 ? 32 : threads > 1024 ? 1024 : threads;
+    cudaStream_t s = mst_cuda(ctx)->stream;
+    if (vec == 8) xent_kernel<8><<<(unsigned)a->rows, (unsigned)threads, 0, s>>>(*a);
+    else xent_kernel<1><<<(unsigned)a->rows, (unsigned)threads, 0, s>>>(*a);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
