@@ -220,3 +220,29 @@ def test_bad_arguments_are_named():
         return True
 
     assert run_ranks(2, fn) == [True, True]
+
+
+def test_cpu_ranks_in_other_processes_are_refused():
+    """The CPU twin joins ranks that are threads of one process: a rank whose
+    rank 0 is in another process (the broadcast carries its pid) is told so."""
+
+    class Done:
+        def wait(self):
+            return True
+
+    class OtherProcessGroup:  # rank 1 of 2, rank 0 elsewhere
+        def rank(self):
+            return 1
+
+        def size(self):
+            return 2
+
+        def broadcast(self, t, root):
+            t.copy_(torch.tensor([-1, 7]))  # no process has id -1
+            return Done()
+
+        def allreduce(self, ts):
+            return Done()
+
+    with pytest.raises(RuntimeError, match="threads of one process"):
+        mt.ExpertParallel(E, K, H, max_tokens=N_MAX, device="cpu", group=OtherProcessGroup())

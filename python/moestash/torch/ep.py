@@ -93,9 +93,9 @@ class Route:
         self.n_tok = 0  # tokens of the dispatch (N)
 
     def __del__(self):
-        ep = self.ep
+        ep = getattr(self, "ep", None)
         if ep is not None and ep.ptr and not self.captured:
-            ep._free.append(self.handle)
+            ep._free.append(self.handle)  # the autograd graph that used it is gone
 
 
 def _group_of(group):
