@@ -124,7 +124,7 @@ def _as_tensor(ptr, rows, cols, dtype, device):
     else:
         class _Cai:
             __cuda_array_interface__ = {"shape": (n,), "typestr": "<i2" if elt == 2 else "<f4",
-                                        "data": (ptr, False), "version": 3, "strides": None, "stream": None}
+                                        "data": (ptr, False), "version": 3, "strides": None}
         t = torch.as_tensor(_Cai(), device=device)
     return t.view(dtype).view(rows, cols)
 
