@@ -7,7 +7,6 @@
  */
 #include "model_ops.cuh"
 
-
 /* x[t] = table[tokens[t]]: one block per (token, 256 x VEC columns). */
 template <int VEC>
 __global__ void embed_forward_kernel(mst_embed_args a) {
@@ -32,7 +31,7 @@ __global__ void embed_forward_kernel(mst_embed_args a) {
  *          from 0 in fp32 and adds the sum to dtable[id]. VEC = 8: 16-byte
  *          loads of dx, EMB_UNROLL rows in flight before their adds.
  * Scratch order [3 N]: rank [N], list [N], ids [N]. */
-enum { EMB_RANK_THREADS = 128, EMB_RANK_SPAN = 512, EMB_SUM_THREADS = 64, EMB_UNROLL = 8 };
+enum { EMB_RANK_THREADS = 128, EMB_RANK_SPAN = 512, EMB_SUM_THREADS = 32, EMB_UNROLL = 16 };
 
 __global__ void embed_rank_kernel(mst_embed_args a) {
     __shared__ int32_t span[EMB_RANK_SPAN];
