@@ -220,26 +220,39 @@ __device__ void balance_lb(const mst_route_args& a, float* lb) {
 }
 
 /* aux_loss = sum_e lb[e] P_e, P_e = sum_t probs[t][e]: over tokens in
- * S = blockDim / E interleaved slices (each in token order), the slices in
- * order, then the experts in order. One block. */
+ * S = blockDim / E interleaved slices (each in token order, BAL_AHEAD
+ * loads in flight before their adds), the slices in order (thread e), then
+ * the experts in order (thread 0). One block. */
+enum { BAL_AHEAD = 16 };
+
 __global__ void route_balance_kernel(mst_route_args a) {
-    __shared__ float part[PLAN_THREADS], lb[MAX_EXPERTS];
+    __shared__ float part[PLAN_THREADS], lb[MAX_EXPERTS], pe[MAX_EXPERTS];
     const int32_t E = a.n_experts, S = max(1, (int32_t)blockDim.x / E);
     balance_lb(a, lb);
     if ((int32_t)threadIdx.x < S * E) {
         const int32_t e = threadIdx.x % E, sl = threadIdx.x / E;
         float s = 0.0f;
-        for (int64_t t = sl; t < a.n_tok; t += S) s += a.probs[t * E + e];
+        int64_t t = sl;
+        for (; t + (BAL_AHEAD - 1) * S < a.n_tok; t += BAL_AHEAD * S) {
+            float v[BAL_AHEAD];
+#pragma unroll
+            for (int u = 0; u < BAL_AHEAD; u++) v[u] = a.probs[(t + u * S) * E + e];
+#pragma unroll
+            for (int u = 0; u < BAL_AHEAD; u++) s += v[u];
+        }
+        for (; t < a.n_tok; t += S) s += a.probs[t * E + e];
         part[threadIdx.x] = s;
+    }
+    __syncthreads();
+    if ((int32_t)threadIdx.x < E) {
+        float p = 0.0f;
+        for (int32_t sl = 0; sl < S; sl++) p += part[sl * E + threadIdx.x];
+        pe[threadIdx.x] = p;
     }
     __syncthreads();
     if (threadIdx.x != 0) return;
     float aux = 0.0f;
-    for (int32_t e = 0; e < E; e++) {
-        float pe = 0.0f;
-        for (int32_t sl = 0; sl < S; sl++) pe += part[sl * E + e];
-        aux += lb[e] * pe;
-    }
+    for (int32_t e = 0; e < E; e++) aux += lb[e] * pe[e];
     *a.aux_loss = aux;
 }
 
