@@ -79,6 +79,7 @@ static int parse_flag(train_cli* t, mst_args* a) {
     INT_FLAG("--top-k", 1, 1024, m->top_k);
     INT_FLAG("--ep", 1, 1024, m->ep);
     INT_FLAG("--gpus", 1, 1024, t->gpus);
+    INT_FLAG("--pp", 1, 256, t->cfg.pp);
     INT_FLAG("--microbatches", 1, 4096, t->cfg.microbatches);
     INT_FLAG("--warmup", 0, 100000000, t->cfg.optim.warmup);
     INT_FLAG("--seed", 0, INT64_MAX, m->seed);
@@ -265,6 +266,8 @@ static int consistent(const train_cli* t) {
     if (c->eval_fraction > 0 && !c->data_path) return mst_cli_bad("moestash train", "--eval-fraction", "", "needs --data FILE");
     if (t->cfg.graph_from && t->kind != MST_BACKEND_CUDA)
         return mst_cli_bad("moestash train", "--graph", t->graph, "step capture needs --backend cuda");
+    if (c->memory_budget && c->pp > 1)
+        return mst_cli_bad("moestash train", "--memory-budget", t->budget, "not with --pp yet (the planner plans one stage)");
     if (c->memory_budget && (t->policy || t->recompute || t->check_policies || c->mem.recompute_mtp))
         return mst_cli_bad("moestash train", "--memory-budget", t->budget,
                            t->check_policies ? "contradicts --check-policies"
@@ -314,19 +317,36 @@ static mst_status train_ranks(const train_cli* t, mst_train_result* res) {
 
 /* A launched rank of several (one process per GPU): its communicator for
  * the model (rendezvous, NCCL) into *ep and the run's dist; 0, or 1 after
- * the line. Not launched, or alone: *ep NULL. */
-static int rank_comm(train_cli* t, mst_ctx_t* ctx, mst_ep_t** ep) {
-    *ep = NULL;
+ * the line. Not launched, or alone: *ep NULL. --pp P > 1: *pipe the grid's
+ * (bare, from the shared id), *ep its split of the rank's stage (D > 1). */
+static int rank_comm(train_cli* t, mst_ctx_t* ctx, mst_ep_t** ep, mst_ep_t** pipe) {
+    *ep = *pipe = NULL;
     if (!t->l.launched || t->l.world == 1) return 0;
+    const int32_t P = t->cfg.pp > 1 ? t->cfg.pp : 1, D = t->l.world / P, s = t->l.rank / D, d = t->l.rank % D;
     mst_ep_config ec;
-    mst_status st = mst_model_ep_config(&t->cfg.model, t->l.world, &ec);
-    if (st == MST_OK) st = mst_launch_ep(&t->l, ctx, &ec, ep);
+    mst_status st = mst_model_ep_config(&t->cfg.model, D, &ec);
+    if (st == MST_OK && P == 1) st = mst_launch_ep(&t->l, ctx, &ec, ep);
+    if (st == MST_OK && P > 1) st = mst_launch_ep(&t->l, ctx, NULL, pipe);
+    if (st == MST_OK && P > 1 && D > 1) st = mst_ep_create_split(ctx, &ec, *pipe, s, d, ep);
     if (st != MST_OK) {
         fprintf(stderr, "%s: the ranks' communicator: %s\n", t->l.who, mst_last_error());
         return 1;
     }
     mst_launch_fail_point(&t->l, "run");
-    t->cfg.dist = (mst_dist){.rank = t->l.rank, .world = t->l.world, .ep = *ep};
+    t->cfg.dist = (mst_dist){.rank = d, .world = D, .ep = *ep, .stage = s, .stages = P, .pipe = *pipe};
+    return 0;
+}
+
+/* --pp P: the grid of --gpus N ranks (P stages of D = N / P data-parallel
+ * ranks, which share each stage's experts: --ep D); 1F1B unless --schedule
+ * says otherwise. 0, or exit code 2 after one line naming --pp. */
+static int grid(int argc, char** argv, train_cli* t) {
+    const int32_t P = t->cfg.pp > 1 ? t->cfg.pp : 1;
+    if (P > 1 && !mst_args_find(argc, argv, "--schedule")) t->cfg.mem.schedule = MST_SCHEDULE_1F1B;
+    if (mst_model_grid_check(&t->cfg.model, P, (int32_t)(t->gpus ? t->gpus : 1), t->cfg.mem.schedule) != MST_OK) {
+        fprintf(stderr, "moestash train: %s\n", mst_last_error());
+        return 2;
+    }
     return 0;
 }
 
@@ -350,14 +370,16 @@ int mst_cmd_train(int argc, char** argv) {
     if (t.cfg.resume_dir && resumed(argc, argv, &t, &meta)) return 2;
     if (t.cfg.init_from && !t.cfg.resume_dir && init_from(argc, argv, &t)) return 2;
     if (t.graph) t.cfg.graph_from = strcmp(t.graph, "on") == 0;
-    if (t.gpus > 1 && mst_args_find(argc, argv, "--ep") && t.cfg.model.ep != t.gpus)
-        return bad_value("--ep", t.cfg.model.ep, "on --gpus N ranks the expert groups are the ranks (--ep N)");
-    if (t.gpus > 1 && t.cfg.model.experts % t.gpus != 0) {
+    if (grid(argc, argv, &t)) return 2;
+    const int64_t dp = t.gpus / (t.cfg.pp > 1 ? t.cfg.pp : 1); /* a stage's data-parallel ranks */
+    if (dp > 1 && mst_args_find(argc, argv, "--ep") && t.cfg.model.ep != dp)
+        return bad_value("--ep", t.cfg.model.ep, "on --gpus N ranks the expert groups are the ranks (--ep N; --pp P: N / P)");
+    if (dp > 1 && t.cfg.model.experts % dp != 0) {
         char why[96];
         snprintf(why, sizeof why, "the ranks share the %d experts (--experts): must divide it", t.cfg.model.experts);
         return bad_value("--gpus", t.gpus, why);
     }
-    if (t.gpus > 1) t.cfg.model.ep = (int32_t)t.gpus;
+    if (dp > 1) t.cfg.model.ep = (int32_t)dp;
     if (consistent(&t)) return 2;
     if (t.cfg.model.capacity_factor == 0.0f) t.cfg.model.capacity_factor = (float)t.cfg.model.ep;
     if (mst_model_config_check(&t.cfg.model) != MST_OK) {
@@ -388,8 +410,10 @@ int mst_cmd_train(int argc, char** argv) {
         mst_ctx_destroy(ctx);
         return 2;
     }
-    mst_ep_t* ep = NULL; /* the communicator of a launched rank (one process per GPU) */
-    if (rank_comm(&t, ctx, &ep)) {
+    mst_ep_t *ep = NULL, *pipe = NULL; /* the communicators of a launched rank (one process per GPU) */
+    if (rank_comm(&t, ctx, &ep, &pipe)) {
+        mst_ep_destroy(ep);
+        mst_ep_destroy(pipe);
         mst_ctx_destroy(ctx);
         return 1;
     }
@@ -402,11 +426,11 @@ int mst_cmd_train(int argc, char** argv) {
         printf("moestash train on %s%s\n  H=%lld F=%lld heads=%lld/%lld D=%lld V=%lld T=%lld B=%lld M=%d L=%d E=%d k=%d ep=%d cf=%g "
                "max_rows=%lld mtp-weight=%g steps=%lld data=%s\n  schedule %s, policy %s, recompute %s, graph %s, "
                "attention %s%s%s\n",
-               mst_ctx_describe(ctx), ep ? ", one process per GPU: B per rank"
+               mst_ctx_describe(ctx), ep || pipe ? ", one process per GPU: B per rank"
                                       : t.gpus > 1 ? ", ranks as threads (--gpus): B per rank" : "",
                (long long)m->hidden, (long long)m->ffn, (long long)m->n_head, (long long)m->n_kv_head,
                (long long)m->head_dim, (long long)m->vocab, (long long)m->seq, (long long)m->batch, t.cfg.microbatches, m->layers, m->experts,
-               m->top_k, m->ep, (double)m->capacity_factor, (long long)mst_model_max_rows(m, t.gpus > 1 ? (int32_t)t.gpus : 1),
+               m->top_k, m->ep, (double)m->capacity_factor, (long long)mst_model_max_rows(m, dp > 1 ? (int32_t)dp : 1),
                (double)m->mtp_weight, (long long)t.cfg.steps, t.cfg.data_path ? t.cfg.data_path : "synthetic",
                mst_schedule_kind_str(t.cfg.mem.schedule), t.cfg.memory_budget ? "planned (--memory-budget)" : policy,
                t.cfg.memory_budget ? "planned" : t.recompute ? t.recompute : "none",
@@ -417,20 +441,20 @@ int mst_cmd_train(int argc, char** argv) {
     if (t.check_policies) {
         FILE* json = t.json && rank0 ? fopen(t.json, "w") : NULL;
         if (t.json && rank0 && !json) {
-            mst_ep_destroy(ep);
+            mst_ep_destroy(ep), mst_ep_destroy(pipe);
             mst_ctx_destroy(ctx);
             return mst_cli_bad(t.l.who, "--json", t.json, "cannot open for writing");
         }
-        st = t.gpus > 1 && !ep ? mst_train_ranks(MST_BACKEND_CPU, &t.cfg, (int32_t)t.gpus, 1, stdout, json, NULL)
+        st = t.gpus > 1 && !ep && !pipe ? mst_train_ranks(MST_BACKEND_CPU, &t.cfg, (int32_t)t.gpus, 1, stdout, json, NULL)
                                : mst_train_check_policies(ctx, &t.cfg, out, json);
         if (json && fclose(json) != 0 && st == MST_OK) st = mst_set_error(MST_ERR_IO, "--json '%s': write failed", t.json);
         if (st == MST_ERR_STATE) {
             fprintf(stderr, "%s: --check-policies: %s\n", t.l.who, mst_last_error());
-            mst_ep_destroy(ep);
+            mst_ep_destroy(ep), mst_ep_destroy(pipe);
             mst_ctx_destroy(ctx);
             return 1;
         }
-    } else if (t.gpus > 1 && !ep) {
+    } else if (t.gpus > 1 && !ep && !pipe) {
         st = train_ranks(&t, &res);
     } else {
         st = mst_train_run(ctx, &t.cfg, t.quiet ? NULL : out, &res);
@@ -454,6 +478,7 @@ int mst_cmd_train(int argc, char** argv) {
     }
     mst_train_result_free(&res);
     mst_ep_destroy(ep);
+    mst_ep_destroy(pipe);
     mst_ctx_destroy(ctx);
     return rc;
 }

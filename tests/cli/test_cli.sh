@@ -67,6 +67,14 @@ bad "--gpus '0'" train --backend cpu --gpus 0
 bad "--ep '3': on --gpus N ranks" train --backend cpu --gpus 2 --ep 3
 bad "--gpus '4': the ranks share the 6 experts (--experts)" train --backend cpu --gpus 4 --experts 6
 bad "--gpus '3': the ranks share the 8 experts (--experts)" train --backend cpu --gpus 3
+# the pipeline grid (--pp P of --gpus N): refused before any work, one line naming --pp
+bad "--pp 2: must divide --layers 3" train --backend cpu --pp 2 --gpus 2 --layers 3
+bad "--pp 2: must divide --gpus 3" train --backend cpu --pp 2 --gpus 3
+bad "--pp 4: must divide --gpus 2" train --backend cpu --pp 4 --gpus 2 --layers 4
+bad "--pp 2: the 3 data-parallel ranks of a stage" train --backend cpu --pp 2 --gpus 6
+bad "--pp 2: --schedule interleaved" train --backend cpu --pp 2 --gpus 2 --schedule interleaved --layers 4
+bad "--pp '0'" train --backend cpu --pp 0
+bad "--memory-budget '1GiB': not with --pp" train --backend cpu --pp 2 --gpus 2 --memory-budget 1GiB
 bad "--attention 'fast'" train --attention fast
 bad "--kv-heads 3: must divide --heads 4" train --kv-heads 3
 bad "--kv-heads '0'" train --kv-heads 0
@@ -232,6 +240,9 @@ good "memory (MiB), max over the ranks" train --backend cpu --gpus 2 --steps 2 -
 if [ -s "$tmp/ranks-tl.svg" ] && [ -s "$tmp/ranks-tl-keep.svg" ] && [ -s "$tmp/ranks-loss.svg" ] &&
   grep -q "</svg>" "$tmp/ranks-loss.svg"; then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL: --gpus 2 --timeline/--plot: no SVGs"; fi
 good "bit-identical" train --backend cpu --gpus 2 --check-policies --steps 2 --seq 8 --batch 1 --layers 1
+# the pipeline grid trains: --pp 2 on 2 and 4 rank threads, 1F1B over 4 microbatches
+good "loss 5." train --backend cpu --pp 2 --gpus 2 --steps 3 --seq 8 --batch 1 --microbatches 4 --quiet
+good "loss 5." train --backend cpu --pp 2 --gpus 4 --steps 3 --seq 8 --batch 1 --microbatches 4 --quiet
 # checkpoints on 2 ranks: one model directory (rank 0 the replicated tensors, each rank its experts, in
 # shards of their own, an index); the run resumed from step 2 ends with the losses of steps 3-4 and the
 # weights hash of the run that went through; another rank count is refused; sample reads it

@@ -112,6 +112,13 @@ static mst_status alloc_recv(mst_ep_t* ep) {
 }
 
 mst_status mst_ep_init(mst_ep_t* ep, mst_ctx_t* ctx, const mst_ep_config* cfg, int rank, int world) {
+    if (!cfg) { /* bare: all-reduce and point-to-point transfers only */
+        MST_TRY(ops_of(ctx, &ep->ops));
+        ep->ctx = ctx;
+        ep->rank = rank;
+        ep->world = world;
+        return MST_OK;
+    }
     MST_TRY(mst_ep_check_config(cfg, world));
     MST_TRY(ops_of(ctx, &ep->ops));
     ep->ctx = ctx;
@@ -163,6 +170,12 @@ mst_status mst_ep_create(mst_ctx_t* ctx, const mst_ep_config* cfg, const mst_ep_
 }
 mst_status mst_ep_create_nccl(mst_ctx_t* ctx, const mst_ep_config* cfg, void* nccl_comm, mst_ep_t** out) {
     (void)ctx, (void)cfg, (void)nccl_comm;
+    if (out) *out = NULL;
+    return no_nccl();
+}
+mst_status mst_ep_create_split(mst_ctx_t* ctx, const mst_ep_config* cfg, mst_ep_t* parent, int color, int key,
+                               mst_ep_t** out) {
+    (void)ctx, (void)cfg, (void)parent, (void)color, (void)key;
     if (out) *out = NULL;
     return no_nccl();
 }

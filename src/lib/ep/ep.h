@@ -44,6 +44,15 @@ typedef struct mst_ep_plane {
                               top_k, pair_rows, block_off, row_base        */
 } mst_ep_plane;
 
+/* One transfer of a group: a send of data to peer, or a receive of data
+ * from it; both sides name the same byte count. */
+typedef struct mst_ep_p2p_op {
+    int32_t peer;  /* the other rank of the communicator                 */
+    int32_t recv;  /* 1: receive into data, 0: send data                  */
+    void* data;    /* [bytes] backend memory                              */
+    size_t bytes;
+} mst_ep_p2p_op;
+
 /* How the ranks' buffers move. Every rank calls exchange with the same
  * planes (sizes), in the same order; the exchange is ordered after the work
  * already enqueued on the context and before the work enqueued after it. */
@@ -70,7 +79,25 @@ typedef struct mst_ep_transport {
      * win_rows (win_p) by mst_ep_direct_shift / mst_ep_direct_row; then it
      * waits for every peer's rows. NULL: no direct path (dispatch unpacks). */
     mst_status (*dispatch_direct)(mst_ep_t* ep, const mst_ep_args* a);
+    /* (optional) every point-to-point transfer of ops [n] at once
+     * (mst_ep_p2p, checked), ordered like exchange. NULL: none. */
+    mst_status (*sendrecv)(mst_ep_t* ep, const mst_ep_p2p_op* ops, int n);
 } mst_ep_transport;
+
+/* ---- point-to-point transfers (p2p.c): the pipeline's activations and
+ * their gradients between neighbouring stages ---- */
+
+/* Every transfer of ops [n] at once (one NCCL group), ordered after the work
+ * already enqueued on ep's context and before the work after it: the sends
+ * and receives between two ranks match in the order each rank issues them,
+ * and the call completes (on the stream) once all of its transfers have.
+ * Two ranks that wait on each other must list their pair in one call each
+ * (send forward with receive backward, as Megatron pairs them) or in the
+ * same order. Capturable over NCCL. The CPU twin waits for its partners
+ * (the receiver copies from the sender's buffer) and fails after
+ * MST_EP_P2P_TIMEOUT_S seconds without one, naming both ranks. */
+mst_status mst_ep_p2p(mst_ep_t* ep, const mst_ep_p2p_op* ops, int n);
+enum { MST_EP_P2P_TIMEOUT_S = 120 };
 
 /* Bytes of one element of kind k. */
 size_t mst_ep_reduce_size(mst_ep_reduce k);
@@ -126,6 +153,8 @@ struct mst_ep_handle {
     int32_t* block_off;     /* [W, El + 1]                                  */
 };
 
+/* cfg NULL (mst_ep_create, mst_ep_create_local): a bare communicator, for
+ * mst_ep_allreduce and mst_ep_p2p only (no dispatch buffers). */
 /* MST_ERR_INVALID naming the first bad field of cfg for `world` ranks. */
 mst_status mst_ep_check_config(const mst_ep_config* cfg, int world);
 /* Sets up ep (cfg checked, buffers allocated; the receive block through
@@ -142,6 +171,13 @@ mst_status mst_ep_alloc(mst_ep_t** out);
 extern const mst_ep_transport mst_ep_transport_nccl, mst_ep_transport_lsa;
 #endif
 extern const mst_ep_transport mst_ep_transport_local;
+
+/* NCCL (MST_ERR_UNSUPPORTED without it): the communicator of the ranks of
+ * parent (a CUDA one) that pass the same color, ranked by key
+ * (ncclCommSplit; collective over parent), with cfg's buffers (cfg NULL:
+ * bare). The pipeline's stage groups. */
+mst_status mst_ep_create_split(mst_ctx_t* ctx, const mst_ep_config* cfg, mst_ep_t* parent, int color, int key,
+                               mst_ep_t** out);
 
 #ifdef __cplusplus
 }

@@ -9,10 +9,17 @@
  * rows a block holds lose rows here too. All-reduce and reduce-scatter sum
  * in rank order (the same bits for a block either way). Direct dispatch stores into the
  * peers' window rows as the lsa kernel does (the same offset math,
- * ep_ops.h), a wait for each of its barriers.
+ * ep_ops.h), a wait for each of its barriers. Point-to-point transfers
+ * (mst_ep_p2p) meet as NCCL's do: a rank posts its group's sends, takes each
+ * receive from its peer's posted group (the first send to it not yet taken:
+ * the pair's order), and returns once its own sends were taken; so two
+ * ranks whose groups wait on each other in another order never return here
+ * either (a wait ends after MST_EP_P2P_TIMEOUT_S, naming both ranks).
  */
+#include <errno.h>
 #include <pthread.h>
 #include <string.h>
+#include <time.h>
 
 #include "ep.h"
 
@@ -33,6 +40,11 @@ struct mst_ep_group {
     mst_ep_t** eps;               /* [W] each rank's communicator (its window:
                                      direct dispatch stores into the peers')    */
     pthread_mutex_t mu;           /* guards joined                             */
+    /* point-to-point: each rank's group while it is in mst_ep_p2p (under
+     * wait_mu, waking on wait_cv) */
+    const mst_ep_p2p_op** posted; /* [W] the group's transfers, NULL: none      */
+    int* n_posted;                /* [W]                                       */
+    int** taken;                  /* [W] [n_posted] 1 once a send was received */
 };
 
 typedef struct local_comm {
@@ -50,8 +62,12 @@ mst_status mst_ep_group_create(int world, mst_ep_group_t** out) {
     g->n_planes = (int*)calloc((size_t)world, sizeof *g->n_planes);
     g->joined = (int*)calloc((size_t)world, sizeof *g->joined);
     g->eps = (mst_ep_t**)calloc((size_t)world, sizeof *g->eps);
-    if (!g->planes || !g->n_planes || !g->joined || !g->eps) {
-        free(g->planes), free(g->n_planes), free(g->joined), free(g->eps), free(g);
+    g->posted = (const mst_ep_p2p_op**)calloc((size_t)world, sizeof *g->posted);
+    g->n_posted = (int*)calloc((size_t)world, sizeof *g->n_posted);
+    g->taken = (int**)calloc((size_t)world, sizeof *g->taken);
+    if (!g->planes || !g->n_planes || !g->joined || !g->eps || !g->posted || !g->n_posted || !g->taken) {
+        free(g->planes), free(g->n_planes), free(g->joined), free(g->eps), free(g->posted), free(g->n_posted);
+        free(g->taken), free(g);
         return mst_set_error(MST_ERR_OOM, "ep group");
     }
     pthread_mutex_init(&g->wait_mu, NULL);
@@ -67,7 +83,8 @@ void mst_ep_group_destroy(mst_ep_group_t* g) {
     pthread_mutex_destroy(&g->wait_mu);
     pthread_cond_destroy(&g->wait_cv);
     pthread_mutex_destroy(&g->mu);
-    free(g->planes), free(g->n_planes), free(g->joined), free(g->eps), free(g);
+    free(g->planes), free(g->n_planes), free(g->joined), free(g->eps), free(g->posted), free(g->n_posted);
+    free(g->taken), free(g);
 }
 
 /* Waits for every rank; MST_ERR_STATE when a rank left the group before
@@ -241,6 +258,65 @@ static mst_status local_dispatch_direct(mst_ep_t* ep, const mst_ep_args* a) {
     return oom ? mst_set_error(MST_ERR_OOM, "ep direct dispatch (rank %d): shift table", me) : MST_OK;
 }
 
+/* ---- point-to-point ---- */
+
+/* Waits on wait_cv until the deadline: 0, or ETIMEDOUT. */
+static int timed_wait(mst_ep_group_t* g, const struct timespec* deadline) {
+    return pthread_cond_timedwait(&g->wait_cv, &g->wait_mu, deadline);
+}
+
+/* Receive o (from o->peer) out of the peer's posted group, under wait_mu:
+ * the first send to `me` in it not taken yet. */
+static mst_status take_recv(mst_ep_group_t* g, int me, const mst_ep_p2p_op* o, const struct timespec* deadline) {
+    for (;;) {
+        if (g->left >= 0) return mst_set_error(MST_ERR_STATE, "rank %d: rank %d left the group while this one waited for it", me, g->left);
+        const mst_ep_p2p_op* p = g->posted[o->peer];
+        for (int i = 0; p && i < g->n_posted[o->peer]; i++) {
+            if (p[i].recv || p[i].peer != me || g->taken[o->peer][i]) continue;
+            g->taken[o->peer][i] = 1;
+            pthread_cond_broadcast(&g->wait_cv);
+            if (p[i].bytes != o->bytes)
+                return mst_set_error(MST_ERR_STATE, "rank %d: a receive of %zu bytes from rank %d met its send of %zu bytes",
+                                     me, o->bytes, o->peer, p[i].bytes);
+            memcpy(o->data, p[i].data, o->bytes);
+            return MST_OK;
+        }
+        if (timed_wait(g, deadline) == ETIMEDOUT)
+            return mst_set_error(MST_ERR_STATE, "rank %d: no send from rank %d within %d s (the ranks' transfers do not "
+                                 "pair: a deadlock on NCCL)", me, o->peer, (int)MST_EP_P2P_TIMEOUT_S);
+    }
+}
+
+/* Posts the group's sends, takes its receives in order, waits until every
+ * send was taken, then withdraws the group. */
+static mst_status local_sendrecv(mst_ep_t* ep, const mst_ep_p2p_op* ops, int n) {
+    mst_ep_group_t* g = ((local_comm*)ep->comm)->group;
+    const int me = ep->rank;
+    int* taken = (int*)calloc((size_t)n, sizeof *taken); /* [n] */
+    if (!taken) return mst_set_error(MST_ERR_OOM, "mst_ep_p2p (rank %d): %d transfers", me, n);
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_sec += MST_EP_P2P_TIMEOUT_S;
+    pthread_mutex_lock(&g->wait_mu);
+    g->taken[me] = taken, g->n_posted[me] = n, g->posted[me] = ops;
+    pthread_cond_broadcast(&g->wait_cv);
+    mst_status st = MST_OK;
+    for (int i = 0; i < n && st == MST_OK; i++)
+        if (ops[i].recv) st = take_recv(g, me, &ops[i], &deadline);
+    for (int i = 0; i < n && st == MST_OK; i++)
+        while (st == MST_OK && !ops[i].recv && !taken[i]) {
+            if (g->left >= 0)
+                st = mst_set_error(MST_ERR_STATE, "rank %d: rank %d left the group while this one waited for it", me, g->left);
+            else if (timed_wait(g, &deadline) == ETIMEDOUT)
+                st = mst_set_error(MST_ERR_STATE, "rank %d: rank %d took no send within %d s (the ranks' transfers do not "
+                                   "pair: a deadlock on NCCL)", me, ops[i].peer, (int)MST_EP_P2P_TIMEOUT_S);
+        }
+    g->posted[me] = NULL, g->n_posted[me] = 0, g->taken[me] = NULL;
+    pthread_mutex_unlock(&g->wait_mu);
+    free(taken);
+    return st;
+}
+
 static void local_destroy(mst_ep_t* ep) {
     local_comm* lc = (local_comm*)ep->comm;
     if (!lc) return;
@@ -261,6 +337,7 @@ const mst_ep_transport mst_ep_transport_local = {
     .reduce_scatter = local_reduce_scatter,
     .allgather = local_allgather,
     .dispatch_direct = local_dispatch_direct,
+    .sendrecv = local_sendrecv,
 };
 
 /* Takes `rank` of the group for ep; MST_ERR_INVALID when it is taken. */
@@ -288,7 +365,7 @@ mst_status mst_ep_create_local(mst_ctx_t* ctx, const mst_ep_config* cfg, mst_ep_
     if (!out) return mst_set_error(MST_ERR_INVALID, "out is NULL");
     *out = NULL;
     if (!group) return mst_set_error(MST_ERR_INVALID, "group is NULL");
-    if (ctx->kind != MST_BACKEND_CPU)
+    if (ctx->kind != MST_BACKEND_CPU) /* cfg NULL: bare (ep.h) */
         return mst_set_error(MST_ERR_UNSUPPORTED, "mst_ep_create_local: the CPU twin needs a CPU context (got %s); "
                              "CUDA contexts exchange through NCCL (mst_ep_create)", ctx->be->name);
     if (rank < 0 || rank >= group->world)

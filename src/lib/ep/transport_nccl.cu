@@ -86,6 +86,27 @@ static mst_status p2p_exchange(mst_ep_t* ep, const mst_ep_plane* pl, int n) {
     return MST_OK;
 }
 
+/* ---- point-to-point transfers (mst_ep_p2p): one group ---- */
+
+static mst_status nccl_sendrecv(mst_ep_t* ep, const mst_ep_p2p_op* ops, int n) {
+    nccl_state* ns = (nccl_state*)ep->comm;
+    cudaStream_t s = mst_cuda(ep->ctx)->stream;
+    NCCL_TRY(ncclGroupStart(), ns->comm);
+    ncclResult_t first = ncclSuccess, r;
+    for (int i = 0; i < n; i++) {
+        r = ops[i].recv ? ncclRecv(ops[i].data, ops[i].bytes, ncclChar, ops[i].peer, ns->comm, s)
+                        : ncclSend(ops[i].data, ops[i].bytes, ncclChar, ops[i].peer, ns->comm, s);
+        if (first == ncclSuccess) first = r;
+    }
+    r = ncclGroupEnd(); /* always closes the group, also after a failed call */
+    if (first == ncclSuccess) first = r;
+    if (first != ncclSuccess) {
+        ns->failed = 1;
+        return nccl_error(first, "mst_ep_p2p (ncclSend/ncclRecv group)", ns->comm);
+    }
+    return MST_OK;
+}
+
 /* ---- lsa: stores into the peers' windows ---- */
 #ifdef MST_HAVE_NCCL_DEVICE
 
@@ -378,12 +399,12 @@ static void nccl_destroy(mst_ep_t* ep) {
 
 const mst_ep_transport mst_ep_transport_nccl = {
     "nccl send/recv, fixed-capacity blocks", p2p_exchange, nccl_destroy, NULL, 0, nccl_allreduce,
-    nccl_reduce_scatter, nccl_allgather, NULL,
+    nccl_reduce_scatter, nccl_allgather, NULL, nccl_sendrecv,
 };
 #ifdef MST_HAVE_NCCL_DEVICE
 const mst_ep_transport mst_ep_transport_lsa = {
     "nccl device API (symmetric window, NVLink stores of the valid rows)", lsa_exchange, nccl_destroy,
-    lsa_recv_alloc, 1, nccl_allreduce, nccl_reduce_scatter, nccl_allgather, lsa_dispatch_direct,
+    lsa_recv_alloc, 1, nccl_allreduce, nccl_reduce_scatter, nccl_allgather, lsa_dispatch_direct, nccl_sendrecv,
 };
 #endif
 
@@ -446,10 +467,11 @@ static mst_status make_dev_comm(mst_ep_t* ep, nccl_state* ns, mst_ep_path_kind w
 #endif
 }
 
-/* ep over comm (made from `id` when owned), path chosen, buffers set up. */
+/* ep over comm (made from `id` when given), path chosen, buffers set up
+ * (cfg NULL: bare, on p2p); owned: comm is destroyed with ep. */
 static mst_status finish(mst_ctx_t* ctx, const mst_ep_config* cfg, int rank, int world, ncclComm_t comm,
-                         const mst_ep_id* id, mst_ep_t** out) {
-    MST_TRY(mst_ep_check_config(cfg, world));
+                         const mst_ep_id* id, int owned, mst_ep_t** out) {
+    if (cfg) MST_TRY(mst_ep_check_config(cfg, world));
     mst_ep_t* ep;
     MST_TRY(mst_ep_alloc(&ep));
     nccl_state* ns = (nccl_state*)calloc(1, sizeof *ns);
@@ -458,7 +480,7 @@ static mst_status finish(mst_ctx_t* ctx, const mst_ep_config* cfg, int rank, int
         ep->comm = ns;
         ep->tr = &mst_ep_transport_nccl; /* destroys ns on failure */
         ep->rank = rank, ep->world = world;
-        ns->owned = id != NULL;
+        ns->owned = owned || id != NULL;
         ns->comm = comm;
     }
     if (st == MST_OK && id) {
@@ -469,9 +491,10 @@ static mst_status finish(mst_ctx_t* ctx, const mst_ep_config* cfg, int rank, int
         ncclResult_t r = st == MST_OK ? ncclCommInitRank(&ns->comm, world, uid, rank) : ncclSuccess;
         if (r != ncclSuccess) st = nccl_error(r, "ncclCommInitRank", NULL);
     }
-    if (st == MST_OK) st = pick_transport(ep, ns, (mst_ep_path_kind)cfg->path);
+    const mst_ep_path_kind path = cfg ? (mst_ep_path_kind)cfg->path : MST_EP_PATH_P2P;
+    if (st == MST_OK) st = pick_transport(ep, ns, path);
     if (st == MST_OK) st = mst_ep_init(ep, ctx, cfg, rank, world);
-    if (st == MST_OK) st = make_dev_comm(ep, ns, (mst_ep_path_kind)cfg->path);
+    if (st == MST_OK) st = make_dev_comm(ep, ns, path);
     if (st != MST_OK) {
         mst_ep_destroy(ep);
         return st;
@@ -487,7 +510,7 @@ extern "C" mst_status mst_ep_create(mst_ctx_t* ctx, const mst_ep_config* cfg, co
     if (world < 1) return mst_set_error(MST_ERR_INVALID, "world = %d: must be >= 1", world);
     if (rank < 0 || rank >= world)
         return mst_set_error(MST_ERR_INVALID, "rank = %d: must be in [0, %d)", rank, world);
-    return finish(ctx, cfg, rank, world, NULL, id, out);
+    return finish(ctx, cfg, rank, world, NULL, id, 0, out);
 }
 
 extern "C" mst_status mst_ep_create_nccl(mst_ctx_t* ctx, const mst_ep_config* cfg, void* nccl_comm,
@@ -502,5 +525,29 @@ extern "C" mst_status mst_ep_create_nccl(mst_ctx_t* ctx, const mst_ep_config* cf
     if (dev != ctx->device)
         return mst_set_error(MST_ERR_INVALID, "nccl_comm is on device %d, the context on device %d", dev,
                              ctx->device);
-    return finish(ctx, cfg, rank, world, comm, NULL, out);
+    return finish(ctx, cfg, rank, world, comm, NULL, 0, out);
+}
+
+extern "C" mst_status mst_ep_create_split(mst_ctx_t* ctx, const mst_ep_config* cfg, mst_ep_t* parent, int color,
+                                          int key, mst_ep_t** out) {
+    MST_TRY(check_cuda_ctx(ctx, out));
+    if (!parent || (parent->tr != &mst_ep_transport_nccl
+#ifdef MST_HAVE_NCCL_DEVICE
+                    && parent->tr != &mst_ep_transport_lsa
+#endif
+                    ))
+        return mst_set_error(MST_ERR_INVALID, "parent: not an NCCL communicator (%s)", parent ? mst_ep_path(parent) : "NULL");
+    if (color < 0) return mst_set_error(MST_ERR_INVALID, "color = %d: must be >= 0", color);
+    ncclComm_t pc = ((nccl_state*)parent->comm)->comm, sub = NULL;
+    if (cudaSetDevice(ctx->device) != cudaSuccess)
+        return mst_set_error(MST_ERR_BACKEND, "cudaSetDevice(%d) failed", ctx->device);
+    NCCL_TRY(ncclCommSplit(pc, color, key, &sub, NULL), pc);
+    int world = 0, rank = 0;
+    ncclResult_t r = ncclCommCount(sub, &world);
+    if (r == ncclSuccess) r = ncclCommUserRank(sub, &rank);
+    if (r != ncclSuccess) {
+        ncclCommDestroy(sub);
+        return nccl_error(r, "ncclCommCount / ncclCommUserRank of a split communicator", pc);
+    }
+    return finish(ctx, cfg, rank, world, sub, NULL, 1, out);
 }

@@ -44,7 +44,7 @@ static int64_t at(int64_t base, int64_t k) { return base >= 0 ? base + k : -1; }
 
 static void layer(table* t, const mst_model_config* c, const mst_model* m, int32_t l) {
     const int64_t H = c->hidden, F = c->ffn, NH = c->n_head, KV = mst_hf_kv_heads(c), D = mst_hf_head_dim(c);
-    const mst_layer_params* q = m ? &m->lp[l] : NULL;
+    const mst_layer_params* q = m && m->lp[l].ln1 >= 0 ? &m->lp[l] : NULL; /* NULL: another stage's */
     char pre[48];
     snprintf(pre, sizeof pre, "model.layers.%d.", l);
     t->layer = l;

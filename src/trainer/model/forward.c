@@ -119,14 +119,17 @@ static const uint16_t* layer_input(const mst_model* m, const mst_micro* u, int32
     return l == 0 ? u->x0 : l == m->cfg.layers ? u->p : u->acts[l - 1].out;
 }
 
+/* Local layers [first, first + layers_per_chunk) of the stage (the memory
+ * manager's indices; model layer l = mst_model_global). */
 static mst_status forward_chunk(mst_model* m, int32_t chunk, int32_t mb) {
     const int32_t L = m->cfg.layers, first = chunk * m->layers_per_chunk;
     mst_micro* u = &m->micro[mb];
-    for (int32_t l = first; l < first + m->layers_per_chunk; l++) {
+    for (int32_t i = first; i < first + m->layers_per_chunk; i++) {
+        const int32_t l = mst_model_global(m, i);
         const mst_saver* sv;
-        MST_TRY(mst_memmgr_forward(m->mm, l, mb, &sv));
+        MST_TRY(mst_memmgr_forward(m->mm, i, mb, &sv));
         if (l == 0) MST_TRY(embed(m, u->tok, u->x0));
-        if (l == L) MST_TRY(mtp_input(m, mb, 1));
+        if (l == L) MST_TRY(mtp_input(m, mb, m->stages == 1)); /* P > 1: e1 came from stage 0 */
         MST_TRY(mst_layer_forward(m, l, &u->acts[l], layer_input(m, u, l), sv));
         if (l == L - 1) MST_TRY(main_head(m, mb));
         if (l == L) MST_TRY(mtp_head(m, mb));
@@ -146,8 +149,10 @@ static mst_status mtp_backward(mst_model* m, int32_t mb, const mst_saver* sv) {
     MST_TRY(mst_op_linear_wgrad(m, N, H, H, m->dm, u->ne, m->grad + m->proj, 2 * H));
     MST_TRY(mst_op_linear_wgrad(m, N, H, H, m->dm, u->nh, m->grad + m->proj + H, 2 * H));
     MST_TRY(mst_op_linear_dgrad(m, N, H, H, m->dm, m->w + m->proj, 2 * H, m->t3));
-    MST_TRY(mst_op_norm_bwd(m, N, H, u->e1, m->w + m->ln_e, u->rstd_e, m->t3, m->t1, m->grad + m->ln_e));
-    MST_TRY(embed_bwd(m, u->tok + N, m->t1));
+    /* P > 1: d(e1) goes back to stage 0, which adds it into the table's gradient */
+    uint16_t* de1 = m->stages > 1 ? m->de1 : m->t1;
+    MST_TRY(mst_op_norm_bwd(m, N, H, u->e1, m->w + m->ln_e, u->rstd_e, m->t3, de1, m->grad + m->ln_e));
+    if (m->stages == 1) MST_TRY(embed_bwd(m, u->tok + N, de1));
     MST_TRY(mst_op_linear_dgrad(m, N, H, H, m->dm, m->w + m->proj + H, 2 * H, m->t3));
     return mst_op_norm_bwd(m, N, H, u->acts[L - 1].out, m->w + m->ln_h, u->rstd_h, m->t3, u->dh, m->grad + m->ln_h);
 }
@@ -162,16 +167,17 @@ static mst_status main_head_backward(mst_model* m, int32_t mb) {
     return mst_op_add(m, N * H, u->dh, m->t1, u->dh);
 }
 
-/* Reruns the forward of recompute chunk [cs, last] from the kept inputs;
+/* Reruns the forward of recompute chunk [cs, last] (local layers) from the kept inputs;
  * with whole-layer recompute, the MTP layer with its module (norms,
  * projection before it; final norm and head after it: the head's loss is
  * written again with the same bits). */
 static mst_status rerun(mst_model* m, int32_t cs, int32_t last, int32_t mb) {
     mst_micro* u = &m->micro[mb];
     const int32_t L = m->cfg.layers;
-    for (int32_t l = cs; l <= last; l++) {
+    for (int32_t i = cs; i <= last; i++) {
+        const int32_t l = mst_model_global(m, i);
         const mst_saver* sv;
-        MST_TRY(mst_memmgr_recompute(m->mm, l, mb, &sv));
+        MST_TRY(mst_memmgr_recompute(m->mm, i, mb, &sv));
         if (l == L && m->full) MST_TRY(mtp_input(m, mb, 0));
         MST_TRY(mst_layer_forward(m, l, &u->acts[l], layer_input(m, u, l), sv));
         if (l == L && m->full) MST_TRY(mtp_head(m, mb));
@@ -182,11 +188,14 @@ static mst_status rerun(mst_model* m, int32_t cs, int32_t last, int32_t mb) {
 static mst_status backward_chunk(mst_model* m, int32_t chunk, int32_t mb) {
     const int32_t L = m->cfg.layers, first = chunk * m->layers_per_chunk, top = first + m->layers_per_chunk - 1;
     mst_micro* u = &m->micro[mb];
-    for (int32_t l = top; l >= first; l--) {
-        int32_t cs = mst_memmgr_recompute_chunk(m->mm, l);
-        if (cs >= 0 && (l == top || mst_memmgr_recompute_chunk(m->mm, l + 1) != cs)) MST_TRY(rerun(m, cs, l, mb));
+    /* stage 0 of P > 1: the MTP module's d(e1) first, where one stage adds it */
+    if (m->stages > 1 && m->stage == 0 && first == 0) MST_TRY(embed_bwd(m, u->tok + n_tok(m), m->de1));
+    for (int32_t i = top; i >= first; i--) {
+        const int32_t l = mst_model_global(m, i);
+        int32_t cs = mst_memmgr_recompute_chunk(m->mm, i);
+        if (cs >= 0 && (i == top || mst_memmgr_recompute_chunk(m->mm, i + 1) != cs)) MST_TRY(rerun(m, cs, i, mb));
         const mst_saver* sv;
-        MST_TRY(mst_memmgr_backward(m->mm, l, mb, &sv));
+        MST_TRY(mst_memmgr_backward(m->mm, i, mb, &sv));
         if (l == L) {
             MST_TRY(mtp_backward(m, mb, sv));
         } else {
@@ -205,7 +214,9 @@ mst_status mst_model_step(mst_model* m, int measuring) {
     MST_TRY(mst_memmgr_step_begin(m->mm, measuring));
     for (int32_t i = 0; i < m->n_sched; i++) {
         const mst_sched_entry e = m->sched[i];
+        MST_TRY(mst_stage_before(m, i)); /* P > 1: what crosses stages (stage.c) */
         MST_TRY(e.backward ? backward_chunk(m, e.chunk, e.microbatch) : forward_chunk(m, e.chunk, e.microbatch));
+        MST_TRY(mst_stage_after(m, i));
         if (m->after_entry) MST_TRY(m->after_entry(m, i, m->after_entry_user));
     }
     return mst_memmgr_step_end(m->mm);

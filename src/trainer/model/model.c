@@ -81,6 +81,7 @@ static mst_status alloc_params(mst_model* m) {
     MST_TRY(buf(m, MST_MEM_OPTIM, mom, &m->adam_v));
     BUF(MST_MEM_COMPUTE, m->gsumsq, 1);
     BUF(MST_MEM_COMPUTE, m->gpartial, MST_SUMSQ_PARTS);
+    if (m->stages > 1 && m->cfg.tie_embeddings && !m->n_tied) BUF(MST_MEM_GRADS, m->tied_zero, m->cfg.vocab * m->cfg.hidden);
     float* host = (float*)malloc(sizeof(float) * (size_t)n);
     uint16_t* host16 = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)n);
     mst_status st = host && host16 ? MST_OK : mst_set_error(MST_ERR_OOM, "host parameter init (%lld)", (long long)n);
@@ -175,7 +176,7 @@ static mst_status alloc_mtp(mst_model* m, mst_micro* u, const mst_micro* slot, i
 }
 #undef ACT
 
-static int recomputed(const mst_model* m, int32_t l) { return m->full && m->chunk_start[l] >= 0; }
+static int recomputed(const mst_model* m, int32_t l) { return mst_model_here(m, l) && m->full && m->chunk_start[l] >= 0; }
 
 /* Layer l's output is kept when it is the input of a later chunk or of the
  * MTP module and heads (layer L-1); a recomputed MTP layer's output is rerun. */
@@ -196,17 +197,28 @@ static mst_status alloc_micro(mst_model* m, mst_micro* u) {
     for (int32_t l = 0; l <= L; l++) {
         const int kinds[3] = {MST_MEM_SAVED_ATTN, MST_MEM_SAVED_NORM, MST_MEM_SAVED_ROUTER};
         const int mtp[3] = {MST_MEM_SAVED_MTP, MST_MEM_SAVED_MTP, MST_MEM_SAVED_MTP};
+        if (!mst_model_here(m, l)) continue;
         const mst_layer_acts* slot = recomputed(m, l) ? &m->slots[l - m->chunk_start[l]] : NULL;
         MST_TRY(alloc_layer(m, &u->acts[l], slot, slot && keeps_out(m, l), l == L ? mtp : kinds, 1, u->loads, l));
+        if (m->dist.ep) MST_TRY(mst_ep_handle_create(m->dist.ep, &u->acts[l].eph));
     }
-    for (int32_t l = 0; m->dist.ep && l <= L; l++) MST_TRY(mst_ep_handle_create(m->dist.ep, &u->acts[l].eph));
-    const int S = MST_MEM_SAVED_HEAD;
-    BUF(S, u->x0, N * H);
-    BUF(S, u->xf, N * H);
-    BUF(S, u->rstdf, N);
-    BUF(S, u->dl_main, N * V);
-    m->mem_keep[S] += sizeof(uint16_t) * (2 * N * H + N * V) + sizeof(float) * N;
-    MST_TRY(alloc_mtp(m, u, recomputed(m, L) ? &m->mtp_slot : NULL, 0));
+    const int S = MST_MEM_SAVED_HEAD, first = m->stage == 0, last = m->stage == m->stages - 1;
+    if (!first) { /* the stage's input, the previous stage's output (received) */
+        BUF(MST_MEM_SAVED_NORM, u->acts[m->l_first - 1].out, N * H);
+        m->mem_keep[MST_MEM_SAVED_NORM] += sizeof(uint16_t) * (size_t)(N * H);
+    }
+    if (first) BUF(S, u->x0, N * H);
+    if (last) {
+        BUF(S, u->xf, N * H);
+        BUF(S, u->rstdf, N);
+        BUF(S, u->dl_main, N * V);
+    }
+    m->mem_keep[S] += sizeof(uint16_t) * ((first + last) * N * H + last * N * V) + sizeof(float) * last * N;
+    if (last) MST_TRY(alloc_mtp(m, u, recomputed(m, L) ? &m->mtp_slot : NULL, 0));
+    else { /* made on stage 0, passed on to the last */
+        BUF(MST_MEM_SAVED_MTP, u->e1, N * H);
+        m->mem_keep[MST_MEM_SAVED_MTP] += sizeof(uint16_t) * (size_t)(N * H);
+    }
     BUF(MST_MEM_COMPUTE, u->dh, N * H);
     return MST_OK;
 }
@@ -237,8 +249,9 @@ static mst_status alloc_slots(mst_model* m) {
     if (!m->chunk_start) return mst_set_error(MST_ERR_OOM, "recompute plan");
     m->full = m->mem_cfg.recompute_full;
     m->n_slots = 0;
-    for (int32_t l = 0; l < L1; l++) {
-        m->chunk_start[l] = mst_memmgr_recompute_chunk(m->mm_static, l);
+    for (int32_t l = 0; l < L1; l++) { /* the manager's plan is over the stage's layers */
+        const int32_t cs = mst_model_here(m, l) ? mst_memmgr_recompute_chunk(m->mm_static, mst_model_local(m, l)) : -1;
+        m->chunk_start[l] = cs < 0 ? -1 : mst_model_global(m, cs);
         if (recomputed(m, l) && l - m->chunk_start[l] + 1 > m->n_slots) m->n_slots = l - m->chunk_start[l] + 1;
     }
     m->slots = (mst_layer_acts*)calloc((size_t)(m->n_slots > 0 ? m->n_slots : 1), sizeof *m->slots);
@@ -274,13 +287,19 @@ static mst_status alloc_acts(mst_model* m) {
         BUF(C, m->peak_local, 1);
         BUF(C, m->gnorm_rows, m->dist.world * MST_GNORM_COLS);
     }
-    BUF(C, m->logits, N * V);
+    if (m->stage == m->stages - 1) BUF(C, m->logits, N * V);
     BUF(C, m->loss_main, M * N);
     BUF(C, m->loss_mtp, M * N);
     BUF(C, m->aux_sum, M * (c->layers + 1));
+    /* a stage writes its own losses only: the others' stay 0 in the sums */
+    MST_TRY(mst_fill(m->ctx, m->loss_main, 0, sizeof(float) * (size_t)(M * N)));
+    MST_TRY(mst_fill(m->ctx, m->loss_mtp, 0, sizeof(float) * (size_t)(M * N)));
+    MST_TRY(mst_fill(m->ctx, m->aux_sum, 0, sizeof(float) * (size_t)(M * (c->layers + 1))));
+    if (m->stages > 1) BUF(C, m->de1, N * H);
+    if (m->stages > 1) BUF(C, m->loads_bwd, (c->layers + 1) * c->experts);
     BUF(C, m->dtopk, N * c->top_k);
     BUF(C, m->drl, N * c->experts);
-    BUF(C, m->emb_order, mst_embed_order_len(N));
+    if (m->stage == 0) BUF(C, m->emb_order, mst_embed_order_len(N));
     BUF(C, m->qkvr, N * qkv_cols(c));
     BUF(C, m->dqkv, N * qkv_cols(c));
     BUF(C, m->datt, N * c->n_head * c->head_dim);
@@ -323,11 +342,13 @@ mst_status mst_model_attention(mst_ctx_t* ctx, const mst_model_config* c, int* f
 
 static mst_status make_schedule(mst_model* m) {
     const mst_mem_config* mc = &m->mem_cfg;
-    const int32_t L1 = m->cfg.layers + 1, V = mc->virtual_stages;
+    const int32_t L1 = m->n_here, V = mc->virtual_stages;
     if (V < 1 || L1 % V)
         return BAD("--schedule %s: %d chunks do not divide the %d layers (--layers + the MTP layer)",
                    mst_schedule_kind_str(mc->schedule), V, L1);
-    mst_schedule_config sc = {.struct_size = sizeof sc, .kind = mc->schedule, .stages = 1, .rank = 0,
+    if (m->stages > 1 && V != 1)
+        return BAD("--pp %d: virtual stages (%d chunks) across stages are not built yet", m->stages, V);
+    mst_schedule_config sc = {.struct_size = sizeof sc, .kind = mc->schedule, .stages = m->stages, .rank = m->stage,
                               .microbatches = m->n_micro, .virtual_stages = V};
     m->n_sched = 2 * m->n_micro * V;
     m->layers_per_chunk = L1 / V;
@@ -340,11 +361,11 @@ static mst_status make_schedule(mst_model* m) {
  * MTP layer L counts as the stage's last), and layer L a chunk of its own
  * under --recompute-mtp when the plan leaves it kept. */
 static mst_status set_plan(mst_model* m, mst_memmgr_t* mm) {
-    const int32_t L1 = m->cfg.layers + 1;
+    const int32_t L1 = m->n_here; /* the stage's layers: the MTP layer last on the last stage */
     int32_t* plan = (int32_t*)malloc(sizeof(int32_t) * (size_t)L1);
     if (!plan) return mst_set_error(MST_ERR_OOM, "recompute plan");
     mst_status st = mst_recompute_plan(&m->mem_cfg.recompute, L1, plan);
-    if (st == MST_OK && m->mem_cfg.recompute_mtp && plan[L1 - 1] < 0) plan[L1 - 1] = L1 - 1;
+    if (st == MST_OK && m->mem_cfg.recompute_mtp && m->stage == m->stages - 1 && plan[L1 - 1] < 0) plan[L1 - 1] = L1 - 1;
     if (st == MST_OK) st = mst_memmgr_set_recompute_plan(mm, plan);
     free(plan);
     return st;
@@ -352,9 +373,10 @@ static mst_status set_plan(mst_model* m, mst_memmgr_t* mm) {
 
 /* The policy of every (layer, name), from the run's typed policies. */
 static mst_status set_policies(mst_model* m, mst_memmgr_t* mm) {
-    for (int32_t l = 0; l <= m->cfg.layers; l++)
+    for (int32_t i = 0; i < m->n_here; i++)
         for (int n = 0; n < MST_N_SAVED; n++)
-            MST_TRY(mst_memmgr_set_policy(mm, l, (mst_saved_name)n, mst_policies_at(&m->mem_cfg.policy, l, (mst_saved_name)n)));
+            MST_TRY(mst_memmgr_set_policy(mm, i, (mst_saved_name)n,
+                                          mst_policies_at(&m->mem_cfg.policy, mst_model_global(m, i), (mst_saved_name)n)));
     return MST_OK;
 }
 
@@ -374,7 +396,7 @@ static mst_status share_needs(void* user, int64_t* needs, int32_t n) {
 /* A manager for rows of R per group (G R in all), with the run's policies. */
 static mst_status make_memmgr(mst_model* m, int64_t R, mst_memmgr_t** out) {
     const mst_model_config* c = &m->cfg;
-    mst_memmgr_config mc = {.struct_size = sizeof mc, .n_layers = c->layers + 1, .n_microbatches = m->n_micro,
+    mst_memmgr_config mc = {.struct_size = sizeof mc, .n_layers = m->n_here, .n_microbatches = m->n_micro,
                             .virtual_stages = m->mem_cfg.virtual_stages, .max_rows = R * m->row_groups,
                             .hidden = c->hidden, .ffn = c->ffn, .schedule = m->sched,
                             .n_schedule = m->n_sched, .page_rows = 64,
@@ -446,9 +468,22 @@ mst_status mst_model_create(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t
 /* The ranks of dist (NULL, or no communicator: one rank): checked against
  * the communicator and the model's groups. */
 static mst_status check_dist(const mst_model_config* cfg, const mst_dist* dist, mst_dist* out) {
-    mst_dist one = {0, 1, NULL};
-    *out = dist && dist->ep ? *dist : one;
-    if (!out->ep) return MST_OK;
+    mst_dist one = {0, 1, NULL, 0, 1, NULL};
+    *out = dist && (dist->ep || dist->pipe) ? *dist : one;
+    if (out->stages < 1) out->stages = 1;
+    if (out->stages > 1 || out->pipe) {
+        if (!out->pipe || out->stage < 0 || out->stage >= out->stages || out->world < 1)
+            return BAD("dist: stage %d of %d, pipe %s", out->stage, out->stages, out->pipe ? "given" : "NULL");
+        if (mst_ep_world(out->pipe) != out->stages * out->world ||
+            mst_ep_rank(out->pipe) != out->stage * out->world + out->rank)
+            return BAD("dist: rank %d of stage %d (%d x %d), but the pipe is rank %d of %d", out->rank, out->stage,
+                       out->stages, out->world, mst_ep_rank(out->pipe), mst_ep_world(out->pipe));
+        MST_TRY(mst_model_grid_check(cfg, out->stages, out->stages * out->world, MST_SCHEDULE_1F1B));
+    }
+    if (!out->ep) {
+        if (out->world != 1) return BAD("dist: %d data-parallel ranks a stage without a communicator", out->world);
+        return MST_OK;
+    }
     if (out->world != mst_ep_world(out->ep) || out->rank != mst_ep_rank(out->ep))
         return BAD("dist: rank %d of %d, but the communicator is rank %d of %d", out->rank, out->world,
                    mst_ep_rank(out->ep), mst_ep_world(out->ep));
@@ -461,16 +496,24 @@ mst_status mst_model_allreduce(mst_model* m, void* data, int64_t count, mst_ep_r
     return m->dist.ep ? mst_ep_allreduce(m->dist.ep, data, count, kind) : MST_OK;
 }
 
-mst_status mst_model_allreduce_host(mst_model* m, void* host, int64_t count, mst_ep_reduce kind) {
-    if (!m->dist.ep || count == 0) return MST_OK;
+static mst_status allreduce_host(mst_model* m, void* host, int64_t count, mst_ep_reduce kind, int world) {
+    if (!(world ? (m->dist.pipe || m->dist.ep) : m->dist.ep != NULL) || count == 0) return MST_OK;
     const size_t bytes = (size_t)count * mst_ep_reduce_size(kind);
     void* dev = NULL; /* [count] of kind's type */
     MST_TRY(mst_alloc(m->ctx, bytes, &dev));
     mst_status st = mst_copy_h2b(m->ctx, dev, host, bytes);
-    if (st == MST_OK) st = mst_model_allreduce(m, dev, count, kind);
+    if (st == MST_OK) st = world ? mst_model_allreduce_world(m, dev, count, kind) : mst_model_allreduce(m, dev, count, kind);
     if (st == MST_OK) st = mst_copy_b2h(m->ctx, host, dev, bytes);
     mst_free(m->ctx, dev);
     return st;
+}
+
+mst_status mst_model_allreduce_host(mst_model* m, void* host, int64_t count, mst_ep_reduce kind) {
+    return allreduce_host(m, host, count, kind, 0);
+}
+
+mst_status mst_model_allreduce_host_world(mst_model* m, void* host, int64_t count, mst_ep_reduce kind) {
+    return allreduce_host(m, host, count, kind, 1);
 }
 
 mst_status mst_model_max_over_ranks(mst_model* m, double* v, int64_t n) {
@@ -491,6 +534,7 @@ mst_status mst_model_create_dist(mst_ctx_t* ctx, const mst_model_config* cfg, in
     m->ops = ops;
     m->cfg = *cfg;
     m->dist = d;
+    mst_model_set_stage(m, d.stage, d.stages);
     m->n_local = cfg->experts / d.world;
     m->row_groups = d.ep ? 1 : cfg->ep;
     m->n_micro = n_micro;
@@ -498,6 +542,10 @@ mst_status mst_model_create_dist(mst_ctx_t* ctx, const mst_model_config* cfg, in
     if (m->mem_cfg.recompute_mtp && !(cfg->mtp_weight > 0.0f)) {
         free(m);
         return BAD("--recompute-mtp: the model has no MTP module (--mtp-weight %g)", (double)cfg->mtp_weight);
+    }
+    if (d.stages > 1 && m->mem_cfg.chunk_start) {
+        free(m);
+        return BAD("--pp %d: --memory-budget's plan of every layer on one stage does not apply per stage yet", d.stages);
     }
     m->static_rows = mst_model_max_rows(cfg, d.world);
     m->lp = (mst_layer_params*)calloc((size_t)cfg->layers + 1, sizeof *m->lp);

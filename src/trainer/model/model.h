@@ -61,12 +61,26 @@ typedef struct mst_model_config {
  * ep's dispatch and combine; embedding, attention, norms, router and MTP
  * replicated, their fp32 main_grad all-reduced. Each rank runs its own B
  * sequences of the global batch of W B: the run equals one rank with batch
- * W B and --ep W groups. The model's ep (G) is W. */
+ * W B and --ep W groups. The model's ep (G) is W.
+ * With P pipeline stages (stage.c) the grid is P x W ranks: rank and world
+ * are this rank's place among the W data-parallel ranks of its stage, ep
+ * their communicator (the stage's experts sharded over it, its replicated
+ * gradients summed over it), pipe the communicator of all P W ranks (rank
+ * stage W + rank: activations between stages, the flag, losses, the
+ * gradient norm). */
 typedef struct mst_dist {
-    int32_t rank, world;  /* this rank, W                                    */
-    mst_ep_t* ep;         /* the W ranks' communicator, made with
-                             mst_model_ep_config; NULL: one rank              */
+    int32_t rank, world;  /* this rank among its stage's data-parallel ranks, W */
+    mst_ep_t* ep;         /* the stage's W ranks' communicator, made with
+                             mst_model_ep_config; NULL: one rank a stage      */
+    int32_t stage, stages;/* s, P (0 or 1: one stage)                         */
+    mst_ep_t* pipe;       /* P > 1: every rank of the grid (a bare
+                             communicator: mst_ep_p2p and all-reduces); NULL  */
 } mst_dist;
+
+/* The grid of `world` ranks in `pp` stages: pp divides --layers and world,
+ * the world / pp data-parallel ranks of a stage divide --experts, and the
+ * schedule is not interleaved; each refusal names --pp and its value. */
+mst_status mst_model_grid_check(const mst_model_config* c, int32_t pp, int32_t world, mst_schedule_kind schedule);
 
 /* The policy of each saved grouped-MLP activation (layer, name) of the L+1
  * layers: per_layer's when set (the memory-budget planner's plan), else
@@ -244,6 +258,22 @@ typedef struct mst_model {
     mst_status (*after_entry)(struct mst_model* m, int32_t entry, void* user);
     void* after_entry_user;
     mst_dist dist;           /* ranks (dist.ep NULL: one rank)                */
+    /* the pipeline stage (stage.c): main layers [l_first, l_end) here, and
+     * on the last stage the MTP layer L, the final norm and the head; the
+     * embedding on stage 0. One stage: every layer. Layers not here have
+     * every offset of lp[l] -1 and no activations. */
+    int32_t stage, stages;   /* s, P                                          */
+    int32_t l_first, l_end;  /* s L / P, (s + 1) L / P                        */
+    int32_t n_here;          /* layers here: l_end - l_first, +1 (MTP) on the
+                                last stage; the memory manager's layers       */
+    int64_t n_tied;          /* P > 1, tied embeddings: V H on stage 0 and the
+                                last (the table at [0, V H), its gradient
+                                summed over the grid), else 0                 */
+    float* tied_zero;        /* [V H] zeros: a middle stage's share of that sum */
+    uint16_t* de1;           /* [N, H] P > 1: d(the MTP's next-token embedding),
+                                from the last stage back to stage 0          */
+    int32_t* loads_bwd;      /* [L+1, E] P > 1: the router loads of a backward
+                                message (stage.c)                             */
     int32_t n_local;         /* El: experts held here (E, or E / W)           */
     int32_t row_groups;      /* groups whose rows are here (G, or 1 on W ranks) */
     int64_t max_rows;        /* R in use now (static, or exact on a rerun)     */
@@ -331,6 +361,38 @@ typedef struct mst_model {
     int n_owned, cap_owned;
 } mst_model;
 
+/* ---- pipeline stage (stage.c) ---- */
+/* Sets m's stage fields for stage `stage` of `stages` (m->cfg set). */
+void mst_model_set_stage(mst_model* m, int32_t stage, int32_t stages);
+/* 1: layer l (0 .. L) is on this stage. */
+int mst_model_here(const mst_model* m, int32_t l);
+/* Layer l here -> its index among the stage's layers (the memory
+ * manager's), and back. */
+int32_t mst_model_local(const mst_model* m, int32_t l);
+int32_t mst_model_global(const mst_model* m, int32_t i);
+/* This rank in the grid (stage W + rank) and the grid's ranks (P W). */
+int32_t mst_model_grid_rank(const mst_model* m);
+int32_t mst_model_grid_size(const mst_model* m);
+/* The stage that holds layer `layer` (0 .. L; -1: the embedding when
+ * `first`, else the final norm or head). */
+int32_t mst_model_stage_of(const mst_model* m, int32_t layer, int first);
+/* Schedule entry i's transfers between stages: before it, the receive it
+ * needs unless the entry before it received it; after it, its send, grouped
+ * with the next entry's receive when that one goes the other way (Megatron's
+ * pairing). One stage: nothing. */
+mst_status mst_stage_before(mst_model* m, int32_t i);
+mst_status mst_stage_after(mst_model* m, int32_t i);
+/* Over every rank of the grid (dist.pipe; one stage: dist.ep). */
+mst_status mst_model_allreduce_world(mst_model* m, void* data, int64_t count, mst_ep_reduce kind);
+/* P > 1, tied embeddings: the table's gradient summed over the grid (stage
+ * 0's and the last stage's copies; the others add zeros). */
+mst_status mst_stage_share_tied(mst_model* m);
+/* Elements at the start of the flat buffers this stage leaves out of the
+ * gradient norm (the last stage's copy of a tied table: stage 0 counts it). */
+int64_t mst_stage_norm_skip(const mst_model* m);
+/* P > 1: m->gsumsq, the stage's, becomes the sum over the stages. */
+mst_status mst_stage_norm_sum(mst_model* m);
+
 /* ---- parameters (params.c) ---- */
 /* Offsets of every parameter (m->cfg, m->n_local, m->dist) into m: emb,
  * head, lp, n_dense, n_decay, n_params, ... */
@@ -348,8 +410,10 @@ mst_status mst_model_create_dist(mst_ctx_t* ctx, const mst_model_config* cfg, in
 /* W ranks: all-reduces count elements of backend memory over the ranks (one
  * rank: nothing). */
 mst_status mst_model_allreduce(mst_model* m, void* data, int64_t count, mst_ep_reduce kind);
-/* The same on count elements of host memory (through a backend buffer). */
+/* The same on count elements of host memory (through a backend buffer);
+ * world: over every rank of the grid (mst_model_allreduce_world). */
 mst_status mst_model_allreduce_host(mst_model* m, void* host, int64_t count, mst_ep_reduce kind);
+mst_status mst_model_allreduce_host_world(mst_model* m, void* host, int64_t count, mst_ep_reduce kind);
 /* W ranks: v [n] host doubles -> each its max over the ranks (through the
  * backend; sizes and bytes below 2^53 stay exact); one rank: nothing. */
 mst_status mst_model_max_over_ranks(mst_model* m, double* v, int64_t n);

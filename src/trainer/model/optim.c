@@ -34,6 +34,7 @@ void mst_optim_hyper(const mst_optim_config* o, int64_t step, float hyper[MST_N_
  * updated bf16 weights all-gathered. */
 mst_status mst_optim_step(mst_model* m, const mst_optim_config* o) {
     MST_TRY(mst_optim_grad_sumsq(m));
+    MST_TRY(mst_stage_norm_sum(m)); /* P stages: the sum of theirs */
     const size_t es = mst_optim_state_elem(m, 1);
     for (int32_t i = 0; i < m->n_opt_parts; i++) {
         const mst_optim_part* p = &m->opt_part[i];

@@ -61,18 +61,27 @@ static int64_t take(int64_t* n, int64_t size) {
 /* Matrices first (weight decay), then the norm weights. On W ranks the
  * matrices every rank holds come first and this rank's El experts after
  * them, so that the replicated gradients are two runs: [0, n_dense) and
- * the norm weights. An untied head follows the embedding. */
+ * the norm weights. An untied head follows the embedding. On a pipeline
+ * stage only what the stage holds (stage.c): the embedding first (stage
+ * 0; the last stage's copy of a tied table too), the head, the MTP module
+ * and the final norms on the last stage, the stage's layers; every offset
+ * of what is elsewhere is -1. */
 void mst_model_layout(mst_model* m) {
     const mst_model_config* c = &m->cfg;
     const int64_t H = c->hidden, F = c->ffn, E = c->experts, El = m->n_local, D = c->head_dim;
     const int64_t Wq = (c->n_head + 2 * c->n_kv_head) * D, HO = c->n_head * D;
-    const int apart = m->dist.ep != NULL;
+    const int apart = m->dist.ep != NULL, first = m->stage == 0, last = m->stage == m->stages - 1;
     int64_t n = 0;
-    m->emb = take(&n, c->vocab * H);
-    m->head = c->tie_embeddings ? m->emb : take(&n, c->vocab * H);
-    m->proj = take(&n, H * 2 * H);
+    m->emb = first || (last && c->tie_embeddings) ? take(&n, c->vocab * H) : -1;
+    m->n_tied = m->stages > 1 && c->tie_embeddings && m->emb >= 0 ? c->vocab * H : 0;
+    m->head = c->tie_embeddings ? (last ? m->emb : -1) : last ? take(&n, c->vocab * H) : -1;
+    m->proj = last ? take(&n, H * 2 * H) : -1;
     for (int32_t l = 0; l <= c->layers; l++) {
         mst_layer_params* p = &m->lp[l];
+        if (!mst_model_here(m, l)) {
+            *p = (mst_layer_params){-1, -1, -1, -1, -1, -1, -1, -1, -1};
+            continue;
+        }
         p->wqkv = take(&n, Wq * H);
         p->wo = take(&n, H * HO);
         p->wr = take(&n, E * H);
@@ -82,20 +91,22 @@ void mst_model_layout(mst_model* m) {
     }
     m->n_dense = n;
     for (int32_t l = 0; apart && l <= c->layers; l++) {
+        if (!mst_model_here(m, l)) continue;
         m->lp[l].w1 = take(&n, El * 2 * F * H);
         m->lp[l].w2 = take(&n, El * H * F);
     }
     m->n_decay = n;
     for (int32_t l = 0; l <= c->layers; l++) {
+        if (!mst_model_here(m, l)) continue;
         m->lp[l].ln1 = take(&n, H);
         m->lp[l].q_norm = take(&n, D);
         m->lp[l].k_norm = take(&n, D);
         m->lp[l].ln2 = take(&n, H);
     }
-    m->lnf = take(&n, H);
-    m->ln_e = take(&n, H);
-    m->ln_h = take(&n, H);
-    m->ln_mf = take(&n, H);
+    m->lnf = last ? take(&n, H) : -1;
+    m->ln_e = last ? take(&n, H) : -1;
+    m->ln_h = last ? take(&n, H) : -1;
+    m->ln_mf = last ? take(&n, H) : -1;
     m->n_params = n;
 }
 
@@ -122,26 +133,35 @@ static void fill_normal_part(float* p, int64_t n, int64_t lo, int64_t count, dou
 
 static void fill_normal(float* p, int64_t n, double std, uint64_t* s) { fill_normal_part(p, n, 0, n, std, s); }
 
+/* Draws n normals into p + off (scaled by std), or only moves the state
+ * past them when off < 0 (a tensor of another stage). */
+static void draw(float* p, int64_t off, int64_t n, double std, uint64_t* s) {
+    if (off >= 0) fill_normal(p + off, n, std, s);
+    else fill_normal_part(p, n, 0, 0, std, s);
+}
+
 /* Every matrix normal(0, init_std) (transformers' _init_weights for
  * Qwen3-MoE: linear layers, embedding, router, experts alike), norm weights
  * 1. On W ranks each rank draws the whole stream's positions of its
- * experts: the weights of one rank's run. */
+ * experts, and a pipeline stage those of its tensors: the weights of one
+ * rank's run. */
 void mst_model_init_params(const mst_model* m, float* p) {
     const mst_model_config* c = &m->cfg;
     const int64_t H = c->hidden, F = c->ffn, E = c->experts, El = m->n_local, e0 = (int64_t)m->dist.rank * El;
     const int64_t Wq = (c->n_head + 2 * c->n_kv_head) * c->head_dim, HO = c->n_head * c->head_dim;
     const double std = c->init_std;
     uint64_t s = c->seed * 0x2545F4914F6CDD1Dull + 1;
-    fill_normal(p + m->emb, c->vocab * H, std, &s);
-    if (m->head != m->emb) fill_normal(p + m->head, c->vocab * H, std, &s);
-    fill_normal(p + m->proj, 2 * H * H, std, &s);
+    draw(p, m->emb, c->vocab * H, std, &s);
+    if (!c->tie_embeddings) draw(p, m->head, c->vocab * H, std, &s);
+    draw(p, m->proj, 2 * H * H, std, &s);
     for (int32_t l = 0; l <= c->layers; l++) {
         const mst_layer_params* q = &m->lp[l];
-        fill_normal(p + q->wqkv, Wq * H, std, &s);
-        fill_normal(p + q->wo, H * HO, std, &s);
-        fill_normal(p + q->wr, E * H, std, &s);
-        fill_normal_part(p + q->w1, E * 2 * F * H, e0 * 2 * F * H, El * 2 * F * H, std, &s);
-        fill_normal_part(p + q->w2, E * H * F, e0 * H * F, El * H * F, std, &s);
+        const int here = mst_model_here(m, l);
+        draw(p, q->wqkv, Wq * H, std, &s);
+        draw(p, q->wo, H * HO, std, &s);
+        draw(p, q->wr, E * H, std, &s);
+        fill_normal_part(here ? p + q->w1 : p, E * 2 * F * H, e0 * 2 * F * H, here ? El * 2 * F * H : 0, std, &s);
+        fill_normal_part(here ? p + q->w2 : p, E * H * F, e0 * H * F, here ? El * H * F : 0, std, &s);
     }
     for (int64_t i = m->n_decay; i < m->n_params; i++) p[i] = 1.0f;
 }
@@ -150,6 +170,7 @@ void mst_model_init_params(const mst_model* m, float* p) {
 
 mst_status mst_model_bytes_at_least(const mst_model_config* c, double* total_bytes, double* params_bytes) {
     mst_model m = {.cfg = *c, .n_local = c->experts};
+    mst_model_set_stage(&m, 0, 1);
     m.lp = (mst_layer_params*)calloc((size_t)c->layers + 1, sizeof *m.lp);
     if (!m.lp) return mst_set_error(MST_ERR_OOM, "layer parameter table");
     mst_model_layout(&m); /* the parameter count, as the model lays them out */

@@ -75,7 +75,10 @@ void mst_optim_layout(mst_model* m) {
         m->n_state = m->n_params;
         return;
     }
-    m->rep[0] = make_run(0, m->n_dense, W);
+    /* P stages: a table tied across them is a part of its own, whole on its
+     * two stages (its gradient summed over the grid: stage.c) */
+    add_part(m, 0, m->n_tied, 1);
+    m->rep[0] = make_run(m->n_tied, m->n_dense - m->n_tied, W);
     m->rep[1] = make_run(m->n_decay, m->n_params - m->n_decay, W);
     add_run(m, &m->rep[0], r, W, 1);
     add_part(m, m->n_dense, m->n_decay - m->n_dense, 1); /* this rank's experts */
@@ -190,7 +193,8 @@ static mst_status sumsq(mst_model* m, int64_t lo, int64_t n, const float* base, 
 mst_status mst_optim_grad_sumsq(mst_model* m) {
     int32_t r, W;
     mst_ep_t* dp = mst_model_dp(m, &r, &W);
-    if (!dp) return sumsq(m, 0, m->n_params, NULL, m->gsumsq);
+    const int64_t skip = mst_stage_norm_skip(m); /* P stages: the last stage's copy of a tied table */
+    if (!dp) return sumsq(m, skip, m->n_params - skip, NULL, m->gsumsq);
     float* row = m->gnorm_rows + (int64_t)r * MST_GNORM_COLS; /* [4] */
     const mst_optim_run *a = &m->rep[0], *b = &m->rep[1];
     MST_TRY(mst_fill(m->ctx, m->gnorm_rows, 0, sizeof(float) * (size_t)(W * MST_GNORM_COLS)));
@@ -200,6 +204,7 @@ mst_status mst_optim_grad_sumsq(mst_model* m) {
     if (r == 0) {
         MST_TRY(sumsq(m, a->lo + W * a->q, a->n - W * a->q, NULL, row + 3));
         MST_TRY(sumsq(m, b->lo + W * b->q, b->n - W * b->q, row + 3, row + 3));
+        if (m->n_tied && !skip) MST_TRY(sumsq(m, 0, m->n_tied, row + 3, row + 3));
     }
     MST_TRY(mst_ep_allreduce(dp, m->gnorm_rows, (int64_t)W * MST_GNORM_COLS, MST_EP_SUM_F32));
     mst_sumsq_args t = {.n = (int64_t)W * MST_GNORM_COLS, .x = m->gnorm_rows, .partial = m->gpartial, .out = m->gsumsq,

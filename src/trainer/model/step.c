@@ -16,11 +16,16 @@
  * skips AdamW and reruns alike (max, not or: NCCL has no or; with both bits
  * raised on different ranks every rank sees OVERFLOW and reruns measuring,
  * which finds the over-budget group again). */
-static mst_status share_flag(mst_model* m) { return mst_model_allreduce(m, m->ctx->err_flag, 1, MST_EP_MAX_I32); }
+static mst_status share_flag(mst_model* m) { return mst_model_allreduce_world(m, m->ctx->err_flag, 1, MST_EP_MAX_I32); }
 
 int64_t mst_step_shared_grads(const mst_model* m) { return m->n_dense + m->n_params - m->n_decay; }
 
-mst_status mst_step_share_grads(mst_model* m) { return mst_optim_share_grads(m); }
+/* P stages: a table tied across stages summed over the grid after the
+ * stage's replicated gradients (its copies on stage 0 and the last). */
+mst_status mst_step_share_grads(mst_model* m) {
+    MST_TRY(mst_optim_share_grads(m));
+    return mst_stage_share_tied(m);
+}
 
 /* flag and loss sums into the record (backend memory); W ranks: the sums
  * over every rank's tokens */
@@ -35,7 +40,8 @@ static mst_status record(mst_model* m) {
     MST_TRY(MST_MODEL_OP(m, sum, &a));
     a = (mst_sum_args){.n = M * (m->cfg.layers + 1), .x = m->aux_sum, .out = &r->aux};
     MST_TRY(MST_MODEL_OP(m, sum, &a));
-    return mst_model_allreduce(m, &r->loss_main, 3, MST_EP_SUM_F64); /* loss_main, loss_mtp, aux */
+    /* loss_main, loss_mtp, aux: P stages: each sums its own (the others' are 0) */
+    return mst_model_allreduce_world(m, &r->loss_main, 3, MST_EP_SUM_F64);
 }
 
 static mst_status whole_step(mst_model* m, const mst_optim_config* o, int measuring) {

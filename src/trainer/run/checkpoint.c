@@ -42,7 +42,14 @@ typedef struct plan {
     int32_t n_shards;
 } plan;
 
-static int32_t owner_of(const mst_hf_param* p, int32_t per_rank) { return p->expert < 0 ? 0 : p->expert / per_rank; }
+/* The grid rank that writes p: data-parallel rank 0 of the stage that holds
+ * it (the embedding: stage 0, whose copy counts; a tied table's copy on the
+ * last stage is not written), an expert's own rank there. */
+static int32_t owner_of(const mst_hf_param* p, const mst_model* m) {
+    const int32_t per_rank = m->n_local;
+    const int first = strcmp(p->name, "model.embed_tokens.weight") == 0;
+    return mst_model_stage_of(m, p->layer, first) * m->dist.world + (p->expert < 0 ? 0 : p->expert / per_rank);
+}
 
 static uint64_t item_bytes(const mst_hf_param* p, const set_spec* s) {
     return (uint64_t)mst_hf_numel(p) * (s->n_kinds == 1 ? 2u : 12u);
@@ -50,8 +57,9 @@ static uint64_t item_bytes(const mst_hf_param* p, const set_spec* s) {
 
 /* The shards of set s over W ranks: each rank's tensors packed in table
  * order into shards of at most `limit` bytes (a bigger tensor alone). */
-static mst_status plan_set(const mst_hf_param* p, int32_t np, const set_spec* s, int32_t W, int32_t per_rank,
-                           uint64_t limit, plan* out) {
+static mst_status plan_set(const mst_hf_param* p, int32_t np, const set_spec* s, const mst_model* m, uint64_t limit,
+                           plan* out) {
+    const int32_t W = mst_model_grid_size(m);
     memset(out, 0, sizeof *out);
     out->order = (int32_t*)malloc(sizeof(int32_t) * (size_t)np);
     out->shards = (shard*)malloc(sizeof(shard) * (size_t)(np + W));
@@ -59,7 +67,7 @@ static mst_status plan_set(const mst_hf_param* p, int32_t np, const set_spec* s,
     for (int32_t r = 0; r < W; r++) {
         uint64_t bytes = 0;
         for (int32_t i = 0; i < np; i++) {
-            if ((s->which >= 0 && p[i].set != s->which) || owner_of(&p[i], per_rank) != r) continue;
+            if ((s->which >= 0 && p[i].set != s->which) || owner_of(&p[i], m) != r) continue;
             const uint64_t b = item_bytes(&p[i], s);
             shard* last = out->n_shards ? &out->shards[out->n_shards - 1] : NULL;
             if (!last || last->owner != r || (last->n && bytes + b > limit)) {
@@ -179,7 +187,7 @@ static mst_status gather_state(mst_model* m, float* state[3]) {
 /* This rank's shards of every set into dir; rank 0 also the indexes. */
 static mst_status write_sets(mst_model* m, const mst_train_config* cfg, const char* dir) {
     const mst_model_config* c = &m->cfg;
-    const int32_t np = mst_hf_n_params(c), W = m->dist.ep ? m->dist.world : 1, rank = m->dist.ep ? m->dist.rank : 0;
+    const int32_t np = mst_hf_n_params(c), rank = mst_model_grid_rank(m);
     float* state[3] = {NULL, NULL, NULL}; /* [n_params] each: master, adam_m, adam_v */
     mst_status st = gather_state(m, state);
     mst_hf_param* p = st == MST_OK ? (mst_hf_param*)malloc(sizeof *p * (size_t)np) : NULL;
@@ -193,7 +201,7 @@ static mst_status write_sets(mst_model* m, const mst_train_config* cfg, const ch
     char path[4400], name[64];
     for (int s = 0; s < N_SETS && st == MST_OK; s++) {
         plan pl;
-        st = plan_set(p, np, &sets[s], W, c->experts / W, limit, &pl);
+        st = plan_set(p, np, &sets[s], m, limit, &pl);
         for (int32_t k = 0; st == MST_OK && k < pl.n_shards; k++) {
             if (pl.shards[k].owner != rank) continue;
             shard_name(&sets[s], k, pl.n_shards, name, sizeof name);
@@ -276,8 +284,8 @@ static mst_status publish(const char* tmp, const char* dir) {
  * the ranks that did not fail themselves); one rank: st. */
 static mst_status agree(mst_model* m, mst_status st, const char* dir) {
     int32_t failed = st != MST_OK;
-    if (!m->dist.ep) return st;
-    const mst_status sync = mst_model_allreduce_host(m, &failed, 1, MST_EP_MAX_I32);
+    if (!m->dist.ep && !m->dist.pipe) return st;
+    const mst_status sync = mst_model_allreduce_host_world(m, &failed, 1, MST_EP_MAX_I32);
     if (st != MST_OK) return st;
     if (sync != MST_OK) return sync;
     return failed ? mst_set_error(MST_ERR_STATE, "checkpoint '%s': another rank failed writing it", dir) : MST_OK;
@@ -285,7 +293,7 @@ static mst_status agree(mst_model* m, mst_status st, const char* dir) {
 
 mst_status mst_ckpt_save(mst_model* m, const mst_train_config* cfg, int64_t step, uint64_t data_rng,
                          const mst_train_result* res, const char* dir) {
-    const int rank0 = !m->dist.ep || m->dist.rank == 0;
+    const int rank0 = mst_model_grid_rank(m) == 0;
     char tmp[4300], path[4400], parent[4300];
     snprintf(tmp, sizeof tmp, "%s.tmp", dir);
     parent_of(dir, parent, sizeof parent);
@@ -301,7 +309,7 @@ mst_status mst_ckpt_save(mst_model* m, const mst_train_config* cfg, int64_t step
         snprintf(path, sizeof path, "%s/config.json", tmp);
         st = mst_hf_write_config(path, &m->cfg);
         snprintf(path, sizeof path, "%s/trainer.json", tmp);
-        if (st == MST_OK) st = mst_ckpt_write_meta(path, cfg, m->dist.ep ? m->dist.world : 1, step, data_rng, res);
+        if (st == MST_OK) st = mst_ckpt_write_meta(path, cfg, mst_model_grid_size(m), step, data_rng, res);
         if (st == MST_OK) st = publish(tmp, dir);
     }
     if (st != MST_OK && rank0) remove_dir(tmp);

@@ -119,7 +119,8 @@ mst_status mst_ckpt_write_meta(const char* path, const mst_train_config* c, int3
     if (!f) return mst_set_error(MST_ERR_IO, "checkpoint '%s': %s", path, strerror(errno));
     fprintf(f, "{\n  \"format\": \"moestash-checkpoint\",\n  \"version\": %d,\n  \"library\": \"%d.%d\",\n", MST_CKPT_VERSION,
             MST_VERSION_MAJOR, MST_VERSION_MINOR);
-    fprintf(f, "  \"ranks\": %d,\n  \"step\": %lld,\n  \"data_rng\": \"%016llx\",\n", ranks, (long long)step,
+    fprintf(f, "  \"ranks\": %d,\n  \"pp\": %d,\n  \"step\": %lld,\n  \"data_rng\": \"%016llx\",\n", ranks,
+            c->pp > 1 ? c->pp : 1, (long long)step,
             (unsigned long long)data_rng);
     write_losses(f, res, step);
     for (int i = 0; i < N_FIELDS; i++) write_field(f, c, &fields[i]);
@@ -180,6 +181,11 @@ static mst_status parse_meta(const char* path, const mst_json* j, mst_ckpt_meta*
     if (tr >= 0 && (mst_json_i64(j, tr, &ranks) || ranks < 1 || ranks > 1024))
         return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': ranks not a count of 1 .. 1024", path);
     o->ranks = (int32_t)ranks;
+    int64_t pp = 1; /* absent: one stage */
+    const int32_t tp = mst_json_get(j, 0, "pp");
+    if (tp >= 0 && (mst_json_i64(j, tp, &pp) || pp < 1 || pp > ranks || ranks % pp))
+        return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': pp not a divisor of its %lld ranks", path, (long long)ranks);
+    o->cfg.pp = (int32_t)pp;
     for (int i = 0; i < N_FIELDS; i++)
         if (read_field(j, &o->cfg, &fields[i]))
             return mst_set_error(MST_ERR_INVALID, "checkpoint '%s': config.%s missing or not a number", path, fields[i].name);

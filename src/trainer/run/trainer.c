@@ -300,14 +300,15 @@ static mst_status train_loop(mst_model* m, mst_data* d, mst_data* e, const mst_t
  * its step. */
 static mst_status resume(mst_model* m, const mst_train_config* cfg, mst_data* d, mst_train_result* res) {
     mst_ckpt_meta meta;
-    const int32_t W = m->dist.ep ? m->dist.world : 1;
+    const int32_t W = mst_model_grid_size(m);
     const char* dir = cfg->resume_dir;
     MST_TRY(mst_ckpt_read_meta(dir, &meta));
     MST_TRY(mst_ckpt_check_ranks(&meta, cfg->resume_dir, W));
     if (memcmp(&meta.cfg.model, &cfg->model, sizeof cfg->model) != 0 || meta.cfg.microbatches != cfg->microbatches ||
+        (meta.cfg.pp > 1 ? meta.cfg.pp : 1) != m->stages ||
         meta.cfg.eval_fraction != cfg->eval_fraction)
         return mst_set_error(MST_ERR_INVALID, "--resume '%s': the checkpoint is of another configuration (model, "
-                             "microbatches or held-out fraction)", cfg->resume_dir);
+                             "microbatches, pipeline stages or held-out fraction)", cfg->resume_dir);
     if (meta.step >= cfg->steps)
         return mst_set_error(MST_ERR_INVALID, "--resume '%s': the checkpoint is at step %lld, --steps %lld leaves "
                              "nothing to do", cfg->resume_dir, (long long)meta.step, (long long)cfg->steps);

@@ -49,6 +49,9 @@ typedef struct mst_train_config {
                                   category (this run; FILE-keep.svg: KEEP)     */
     size_t memory_budget;      /* bytes: the memory plan that fits it replaces
                                   mem's policy and recompute (planner.h); 0: none */
+    int32_t pp;                /* pipeline stages P (0 or 1: one stage): the
+                                  ranks of mst_train_ranks form P stages of
+                                  world / P data-parallel ranks (stage.c)    */
     mst_dist dist;             /* the ranks of the run (model.h): each rank
                                   calls mst_train_run with its own context,
                                   rank and communicator (mst_model_ep_config of
