@@ -177,7 +177,7 @@ static mst_status norm_run(norm_job* j, mst_ctx_t** ctx, mst_ep_t** ep, mst_mode
     MST_TRY(mst_model_ep_config(&c.model, NW, &ec));
     MST_TRY(mst_ctx_create(MST_BACKEND_CPU, 0, ctx));
     MST_TRY(mst_ep_create_local(*ctx, &ec, j->g, j->rank, ep));
-    mst_dist d = {j->rank, NW, *ep};
+    mst_dist d = {.rank = j->rank, .world = NW, .ep = *ep};
     MST_TRY(mst_model_create_dist(*ctx, &c.model, 1, &c.mem, &d, m));
     j->n_params = (*m)->n_params, j->n_dense = (*m)->n_dense, j->n_decay = (*m)->n_decay;
     mst_rng rng = {100 + (uint64_t)j->rank};

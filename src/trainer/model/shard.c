@@ -151,7 +151,7 @@ void mst_optim_replicated_bytes(const mst_model* m, size_t* held, size_t* whole)
         const mst_optim_part* p = &m->opt_part[i];
         if (p->lo < m->n_dense || p->lo >= m->n_decay) *held += (size_t)p->n * per;
     }
-    *whole = (size_t)(m->rep[0].n + m->rep[1].n) * per;
+    *whole = (size_t)(m->rep[0].n + m->rep[1].n + m->n_tied) * per; /* P stages: a tied table's copy, a part of its own */
 }
 
 /* ---- the step's collectives ---------------------------------------------------- */

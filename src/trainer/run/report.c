@@ -117,6 +117,7 @@ mst_status mst_train_memory_table(mst_model* m, mst_train_result* res) {
     mst_optim_replicated_bytes(m, &res->optim_rep_bytes, &res->optim_rep_whole_bytes);
     res->mem_max = *t;
     MST_TRY(mst_weights_hash(m, &res->weights_hash, &res->replicated_hash));
+    MST_TRY(mst_train_stage_tables(m, res));
     if (!m->dist.ep) return MST_OK;
     MST_TRY(ranks_max(m, t, &res->mem_max));
     res->rank_peak = (uint64_t*)malloc(sizeof *res->rank_peak * (size_t)m->dist.world);
@@ -149,10 +150,17 @@ static void print_table(FILE* f, const char* title, const mst_mem_table* t) {
 
 void mst_train_print_memory(FILE* f, const mst_train_result* r) {
     const mst_mem_table* t = &r->mem;
-    char title[64];
-    if (r->world > 1) snprintf(title, sizeof title, "memory (MiB), rank 0 of %d", (int)r->world);
-    print_table(f, r->world > 1 ? title : "memory (MiB)", t);
-    if (r->world > 1) print_table(f, "memory (MiB), max over the ranks", &r->mem_max);
+    char title[80], max_title[80];
+    if (r->stages > 1) { /* rank 0 is stage 0's data-parallel rank 0 */
+        snprintf(title, sizeof title, "memory (MiB), rank 0: stage 0 of %d", (int)r->stages);
+        snprintf(max_title, sizeof max_title, "memory (MiB), max over stage 0's %d ranks", (int)r->world);
+    } else {
+        snprintf(title, sizeof title, r->world > 1 ? "memory (MiB), rank 0 of %d" : "memory (MiB)", (int)r->world);
+        snprintf(max_title, sizeof max_title, "memory (MiB), max over the ranks");
+    }
+    print_table(f, title, t);
+    if (r->world > 1) print_table(f, max_title, &r->mem_max);
+    mst_train_print_stages(f, r);
     if (t->manager.recompute_bytes)
         fprintf(f, "  not saved (recomputed in backward): %.2f MiB of KEEP buffers\n", mib(t->manager.recompute_bytes));
     fprintf(f, "  max_rows %lld per group; peak rows per group over the run, by layer:", (long long)r->max_rows);

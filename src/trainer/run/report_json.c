@@ -77,6 +77,7 @@ mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
         fprintf(f, "%s%d", i ? ", " : "", r->peak_rows ? r->peak_rows[i] : 0);
     fprintf(f, "],\n");
     if (r->plan) mst_plan_json(f, r->plan, r, cfg);
+    mst_train_json_stages(f, r);
     if (r->world > 1) /* the replicated gradients' all-reduce, timed alone */
         fprintf(f, "  \"allreduce\": {\"bytes\": %zu, \"ms\": %.4f},\n", r->allreduce_bytes, r->allreduce_ms);
     if (r->world > 1)

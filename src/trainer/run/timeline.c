@@ -81,17 +81,24 @@ mst_status mst_train_timeline(mst_model* m, const mst_train_config* cfg, const m
     m->after_entry = NULL;
     mst_step_record r;
     if (st == MST_OK) st = mst_step_read(m, &r);
-    char keep[4200];
+    /* P stages: stage s > 0 draws FILE-stageS.svg (and FILE-stageS-keep.svg) */
+    char path[4200], keep[4200], stage[32] = "", of[48] = "";
     const char* dot = strrchr(cfg->timeline_path, '.');
     const int stem = dot && strcmp(dot, ".svg") == 0 ? (int)(dot - cfg->timeline_path) : (int)strlen(cfg->timeline_path);
-    snprintf(keep, sizeof keep, "%.*s-keep.svg", stem, cfg->timeline_path);
-    char title[160], policy[MST_POLICY_SPEC_MAX] = "?";
+    if (m->stages > 1) snprintf(of, sizeof of, ", stage %d of %d", m->stage, m->stages);
+    if (m->stage > 0) snprintf(stage, sizeof stage, "-stage%d", m->stage);
+    if (m->stage == 0) snprintf(path, sizeof path, "%s", cfg->timeline_path);
+    else snprintf(path, sizeof path, "%.*s%s.svg", stem, cfg->timeline_path, stage);
+    snprintf(keep, sizeof keep, "%.*s%s-keep.svg", stem, cfg->timeline_path, stage);
+    char title[200], keep_title[200], policy[MST_POLICY_SPEC_MAX] = "?";
     mst_policy_spec_format(cfg->mem.policy.name, policy, sizeof policy);
-    snprintf(title, sizeof title, "backend memory over one step: this run (policy %s)", cfg->mem.policy.per_layer ? "planned" : policy);
-    const int draws = m->dist.rank == 0; /* W ranks: every rank runs the step, rank 0 draws its own memory */
-    if (st == MST_OK && draws)
-        st = draw_timeline(cfg->timeline_path, title, m, res->mem.run, &p, (double)res->mem.run[MST_ROW_MLP_DEV_PAGES]);
-    if (st == MST_OK && draws) st = draw_timeline(keep, "backend memory over one step: KEEP (static max_rows buffers)", m, res->mem.keep, NULL, 0);
+    snprintf(title, sizeof title, "backend memory over one step: this run (policy %s%s)",
+             cfg->mem.policy.per_layer ? "planned" : policy, of);
+    snprintf(keep_title, sizeof keep_title, "backend memory over one step: KEEP (static max_rows buffers%s)", of);
+    /* W ranks: every rank runs the step, data-parallel rank 0 of each stage draws its own memory */
+    const int draws = m->dist.rank == 0;
+    if (st == MST_OK && draws) st = draw_timeline(path, title, m, res->mem.run, &p, (double)res->mem.run[MST_ROW_MLP_DEV_PAGES]);
+    if (st == MST_OK && draws) st = draw_timeline(keep, keep_title, m, res->mem.keep, NULL, 0);
     free(p.dev), free(p.host);
     return st;
 }

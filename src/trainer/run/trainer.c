@@ -368,6 +368,8 @@ void mst_train_result_free(mst_train_result* res) {
     free(res->eval_loss);
     free(res->peak_rows);
     free(res->rank_peak);
+    free(res->stage_mem);
+    free(res->stage_sets);
     mst_plan_report_free(res->plan);
     free(res->plan);
     memset(res, 0, sizeof *res);

@@ -102,6 +102,11 @@ typedef struct mst_train_result {
     mst_mem_table mem;        /* this rank's                                   */
     mst_mem_table mem_max;    /* W ranks: each entry's max over the ranks      */
     int32_t world;            /* W (1: one rank)                               */
+    int32_t stages;           /* P pipeline stages (1: one)                    */
+    mst_mem_table* stage_mem; /* [P] P > 1: each stage's table (its data-parallel
+                                 rank 0's), on every rank; NULL otherwise      */
+    int32_t* stage_sets;      /* [P] each stage's activation sets: microbatches
+                                 in flight at once                            */
     uint64_t* rank_peak;      /* [W] W ranks: each rank's backend peak, bytes (NULL: one rank) */
     int32_t optim_shard;      /* 1: the optimizer state sharded (ZeRO-1)       */
     size_t optim_rep_bytes;   /* W ranks: this rank's optimizer state of the
@@ -133,6 +138,8 @@ mst_status mst_train_ranks(mst_backend_kind kind, const mst_train_config* cfg, i
                            FILE* out, FILE* json, mst_train_result* res);
 void mst_train_result_free(mst_train_result* res);
 void mst_train_print_memory(FILE* f, const mst_train_result* res);
+/* P > 1: one line a stage of res->stage_mem (nothing otherwise). */
+void mst_train_print_stages(FILE* f, const mst_train_result* res);
 mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
                                 const mst_train_result* res, const char* device);
 /* The same steps under every policy, a mixed per-name spec and layer
