@@ -13,9 +13,10 @@ tests/test_ep_gpu.py runs those).
   MLP, the bf16 roundings of the library's contract at the same places):
   each rank's y, dx, dprobs and its experts' weight gradients, with the
   probs applied by the experts (dispatch's row probs) or by the combine,
-  into fresh rows or into the communicator's window (poisoned with NaN
-  first: a padding row read shows), fresh random inputs, ranks with
-  different token counts.
+  into fresh rows or into the communicator's window, fresh random inputs,
+  ranks with different token counts. Every output the library writes is
+  poisoned first (NaN, counts -1; the window too): rows past sum(counts)
+  stay poisoned, so a padding row read, or a row left unwritten, shows.
 - routed_experts(..., ep=) gives the same bits as the explicit ops.
 - over budget (max_rows too small): check() says so; no crash.
 """
@@ -24,8 +25,18 @@ import torch
 
 import moestash
 import moestash.torch as mt
+import moestash.torch.ep as ep_mod
 import ref
 from ranks import run_ranks
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """The outputs dispatch, combine and their backwards write: NaN (counts -1)."""
+    def poisoned(shape, dtype, device):
+        return torch.full(shape if isinstance(shape, tuple) else (shape,), -1 if dtype == torch.int32 else float("nan"),
+                          dtype=dtype, device=device)
+    monkeypatch.setattr(ep_mod, "_out", poisoned)
 
 E, K, H, F = 8, 2, 32, 16
 N_MAX = 40
@@ -140,6 +151,7 @@ def test_dispatch_layout(world):
         assert counts.tolist() == want_counts
         assert torch.equal(rows[:n], torch.stack(want_rows)), f"rank {rank}: rows"
         assert torch.equal(row_probs[:n], torch.stack(want_p)), f"rank {rank}: row probs"
+        assert rows[n:].isnan().all() and row_probs[n:].isnan().all(), f"rank {rank}: a row past sum(counts) written"
 
 
 @pytest.mark.parametrize("world", [2, 4])

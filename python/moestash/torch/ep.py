@@ -300,6 +300,11 @@ class ExpertParallel:
 # ---- autograd ---------------------------------------------------------------------
 
 
+def _out(shape, dtype, device):
+    """An output the library writes (uninitialized; tests poison it here)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 class _Dispatch(torch.autograd.Function):
     """x [N, H] bf16, idx [N, k] int32, probs [N, k] fp32 or None -> rows
     [R, H] bf16, row_probs [R] fp32 ([0] without probs), counts int32 [El];
@@ -312,9 +317,9 @@ class _Dispatch(torch.autograd.Function):
         if window:
             rows, row_probs = ep.window()
         else:
-            rows = x.new_empty((R, H))
-            row_probs = torch.empty(R if with_p else 0, dtype=torch.float32, device=d)
-        counts = torch.empty(ep.n_local, dtype=torch.int32, device=d)
+            rows = _out((R, H), torch.bfloat16, d)
+            row_probs = _out(R if with_p else 0, torch.float32, d)
+        counts = _out(ep.n_local, torch.int32, d)
         ep._call("mst_ep_dispatch", route, as_mst(x, "x", d), as_mst(idx, "topk_idx", d), as_mst(probs, "probs", d),
                  as_mst(rows, "rows", d), as_mst(row_probs if with_p else None, "row_probs", d),
                  as_mst(counts, "counts", d))
@@ -333,8 +338,8 @@ class _Dispatch(torch.autograd.Function):
             d_rows = torch.zeros((ep.max_rows, ep.hidden), dtype=torch.bfloat16, device=d)
         if want_p and d_row_probs is None:
             d_row_probs = torch.zeros(ep.max_rows, dtype=torch.float32, device=d)
-        dx = torch.empty((ctx.n_tok, ep.hidden), dtype=torch.bfloat16, device=d)
-        dprobs = torch.empty((ctx.n_tok, ep.top_k), dtype=torch.float32, device=d) if want_p else None
+        dx = _out((ctx.n_tok, ep.hidden), torch.bfloat16, d)
+        dprobs = _out((ctx.n_tok, ep.top_k), torch.float32, d) if want_p else None
         ep._call("mst_ep_dispatch_backward", ctx.route, as_mst(d_rows.contiguous(), "d_rows", d),
                  as_mst(d_row_probs.contiguous() if want_p else None, "d_row_probs", d), as_mst(dx, "dx", d),
                  as_mst(dprobs, "dprobs", d))
@@ -348,7 +353,7 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out_rows, probs, ep, route):
         d = ep.device
-        y = torch.empty((route.n_tok, ep.hidden), dtype=torch.bfloat16, device=d)
+        y = _out((route.n_tok, ep.hidden), torch.bfloat16, d)
         ep._call("mst_ep_combine", route, as_mst(out_rows, "out_rows", d), as_mst(probs, "probs", d), as_mst(y, "y", d))
         ctx.ep, ctx.route = ep, route
         if probs is not None:
@@ -360,8 +365,8 @@ class _Combine(torch.autograd.Function):
         ep, d = ctx.ep, ctx.ep.device
         saved = ctx.saved_tensors
         out_rows, probs = saved if saved else (None, None)
-        d_rows = torch.empty((ep.max_rows, ep.hidden), dtype=torch.bfloat16, device=d)
-        dprobs = torch.empty(probs.shape, dtype=torch.float32, device=d) if probs is not None else None
+        d_rows = _out((ep.max_rows, ep.hidden), torch.bfloat16, d)
+        dprobs = _out(probs.shape, torch.float32, d) if probs is not None else None
         ep._call("mst_ep_combine_backward", ctx.route, as_mst(dy.contiguous(), "dy", d), as_mst(probs, "probs", d),
                  as_mst(out_rows, "out_rows", d), as_mst(d_rows, "d_rows", d), as_mst(dprobs, "dprobs", d))
         return d_rows, (dprobs if ctx.needs_input_grad[1] else None), None, None
