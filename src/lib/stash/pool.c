@@ -102,8 +102,6 @@ mst_status mst_pool_create(mst_ctx_t* ctx, mst_dtype dtype, int64_t width,
     if (fp8 && width % 8 != 0)
         return mst_set_error(MST_ERR_INVALID, "width = %lld: fp8 pages hold rows of a multiple of 8 elements",
                              (long long)width);
-    if (fp8 && ctx->be != &mst_backend_cpu) /* until the CUDA kernels land */
-        return mst_set_error(MST_ERR_UNSUPPORTED, "fp8 pages are not implemented on backend %s", ctx->be->name);
     if (fp8) dtype = MST_DTYPE_BF16; /* the rows saved and restored */
     const int64_t row_bytes = fp8 ? mst_fp8_row_bytes(width) : width * (int64_t)mst_dtype_size(dtype);
     MST_TRY(check_config(cfg, row_bytes));

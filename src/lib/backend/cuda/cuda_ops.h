@@ -30,6 +30,9 @@ mst_status mst_cuda_stash_reset(mst_ctx_t* ctx, const mst_stash_args* a);
 mst_status mst_cuda_stash_save(mst_ctx_t* ctx, const mst_stash_args* a);
 mst_status mst_cuda_stash_restore(mst_ctx_t* ctx, const mst_stash_args* a);
 mst_status mst_cuda_stash_batch(mst_ctx_t* ctx, const mst_stash_batch* b);
+/* a save (restore 0) or the copy of a restore (restore 1: part ALL or COPY)
+ * of fp8 pages, one launch (stash_fp8.cu) */
+mst_status mst_cuda_stash_fp8(mst_ctx_t* ctx, const mst_stash_args* a, int restore);
 mst_status mst_cuda_host_alloc(mst_ctx_t* ctx, size_t n_bytes, void** out);
 void mst_cuda_host_free(mst_ctx_t* ctx, void* ptr);
 

@@ -24,7 +24,8 @@
  *             the single kernels on that range; page returns alone, one
  *             warp each (returns_kernel). Slots whose copy may be large
  *             (kBatchBytes) or whose rows are not 16-byte aligned get their
- *             own single launch instead (bulk copies where they apply)
+ *             own single launch instead (bulk copies where they apply), and
+ *             so do the copies of fp8 pages (stash_fp8.cu)
  *
  * No block waits for another: a block counts itself as a reader once its
  * reads of the pool and handle state are done (an atomic whose result is
@@ -41,22 +42,16 @@
  * (page_table.h). Host pages are pinned, mapped host memory (stash_host.cu)
  * that the copy kernels write and read over PCIe.
  */
-#include "counts.cuh"
-#include "cuda_common.cuh"
 #include "cuda_ops.h"
 #include "ptx.cuh"
+#include "stash_common.cuh"
 
 namespace {
 
-constexpr int kThreads = 256; /* block size of the vector copy and reset  */
 constexpr int kUnroll = 4;    /* independent vectors in flight per thread */
 constexpr int kHostBlocks = 64; /* copy grid of a pool with only host pages:
                                    PCIe needs few blocks, and the rest of the
                                    SMs stay free for concurrent work        */
-constexpr int kWarpThreads = 32; /* the page-return kernel: one warp of at
-                                    most 32 registers fits beside a
-                                    persistent GEMM block, which leaves
-                                    1024 free; and the bulk copy's block  */
 constexpr uint32_t kChunk = 16384; /* bytes of one bulk copy (divides the
                                       pages of rows of 256-byte multiples) */
 constexpr int kStages = 12;        /* bulk copies in flight per block:
@@ -65,63 +60,6 @@ constexpr int kStages = 12;        /* bulk copies in flight per block:
 constexpr int64_t kBatchBytes = (int64_t)16 << 20; /* a slot whose handle
                                       holds more goes alone: there the copy,
                                       not the launch, is the cost          */
-
-/* This block's place among the blocks of its operation: the whole grid of
- * a single launch, or its slot's range of a batch. */
-typedef struct part {
-    uint32_t bid; /* block index within the operation */
-    uint32_t nb;  /* blocks of the operation          */
-} part;
-
-__device__ part whole_grid() { return {blockIdx.x, gridDim.x}; }
-
-/* Every thread of a save's block: the plan, computed by thread 0 on copies
- * of the state loaded while the block sums the counts. */
-__device__ void block_plan(const mst_stash_args& a, mst_plan* s_plan) {
-    mst_pool_state st;
-    mst_handle_state hs;
-    if (threadIdx.x == 0) st = *a.st, hs = *a.hs;
-    const int64_t sum = mst_block_counts(a.counts, a.n_groups, a.src_rows, NULL); /* MST_COUNTS_BAD: -1 */
-    if (threadIdx.x == 0) mst_reserve_plan(&st, &hs, a.cap, a.page_rows, a.max_rows, sum, s_plan);
-    __syncthreads();
-}
-
-/* Thread 0, once its block's reads of the pool and handle state are done:
- * the block's ticket as a reader (the last block gets pt.nb - 1). The
- * caller uses it only after its copy, so the atomic's latency is hidden. */
-__device__ uint32_t count_reader(uint32_t* done) {
-    __threadfence(); /* the state reads come before the count */
-    return atomicAdd(done, 1u);
-}
-
-/* Every lane of warp 0 after its copy: true when thread 0's ticket was the
- * last of the operation's pt.nb blocks; then every block has read the
- * state, and the counter is reset for the handle's next operation. */
-__device__ bool last_reader(uint32_t* done, uint32_t ticket, part pt) {
-    const bool last = __shfl_sync(0xffffffffu, ticket, 0) == pt.nb - 1;
-    if (last && threadIdx.x == 0) *done = 0;
-    if (last) __threadfence(); /* the state changes come after every read */
-    return last;
-}
-
-/* Save, last reader, thread 0: the commit and the context flags (every block
- * writes its share of the page table itself). */
-__device__ void finish_save(const mst_stash_args& a, const mst_plan* p) {
-    if (threadIdx.x != 0) return;
-    mst_reserve_commit(a.st, a.hs, a.cap, p, a.handle_id);
-    if (p->outcome == MST_RESERVE_OVERFLOW) mst_dev_flag(a.err_flag, MST_FLAG_OVERFLOW);
-    if (p->outcome == MST_RESERVE_COUNTS) mst_dev_flag(a.err_flag, MST_FLAG_COUNTS);
-}
-
-/* Restore, last reader, thread 0: the ring tails move past the pages that
- * every block wrote back, and the handle is emptied (a handle that holds
- * none: flagged or not, as mst_return_begin says). */
-__device__ void finish_return(const mst_stash_args& a) {
-    if (threadIdx.x != 0) return;
-    uint64_t pos[MST_N_BLK];
-    int64_t take[MST_N_BLK];
-    if (mst_return_begin(a.st, a.hs, a.handle_id, pos, take) == MST_RETURN_PAGES) mst_return_end(a.st, a.hs, take);
-}
 
 /* The page return of a split restore, one warp: the pages go back to their
  * rings. */
@@ -135,64 +73,6 @@ __device__ void finish_restore(const mst_stash_args& a) {
     mst_ring_move(a.ring, a.cap, s_pos, s_take, a.table, 1, threadIdx.x, kWarpThreads);
     __syncwarp();
     if (threadIdx.x == 0) mst_return_end(a.st, a.hs, s_take);
-}
-
-/* The end of a copy kernel: block 0 copies bytes [tail, total) (fewer than
- * a vector) byte by byte; then the last reader commits the save or the
- * restore's page return (not for MST_RESTORE_COPY, which counts no
- * readers). */
-template <bool RESTORE>
-__device__ void copy_end(const mst_stash_args& a, const mst_plan* plan, char* rows, uint32_t tail, uint32_t total,
-                         uint32_t ticket, part pt) {
-    if (pt.bid == 0 && threadIdx.x < total - tail) {
-        const uint32_t page_bytes = (uint32_t)(a.page_rows * a.row_bytes);
-        const uint32_t b = tail + threadIdx.x, p = b / page_bytes;
-        const uint32_t id = RESTORE ? a.table[p] : mst_plan_page(a.ring, a.cap, plan, p);
-        char* pg = mst_page_ptr(a.block, id, page_bytes) + (b - p * page_bytes);
-        if (RESTORE) rows[b] = *pg;
-        else *pg = rows[b];
-    }
-    if ((RESTORE && a.restore_part == MST_RESTORE_COPY) || threadIdx.x >= kWarpThreads) return;
-    if (!last_reader(&a.hs->done_blocks, ticket, pt)) return;
-    if (RESTORE) finish_return(a);
-    else finish_save(a, plan);
-}
-
-/* Where a restore's pages go back: ring positions and counts (0 for
- * MST_RESTORE_COPY or a handle that holds none). Every block writes its
- * share of the ring entries; the last reader moves the tails. */
-typedef struct page_return {
-    uint64_t pos[MST_N_BLK];  /* st->tail[b] before the return */
-    int64_t take[MST_N_BLK];  /* pages going back to ring b     */
-} page_return;
-
-/* Restore, every thread: rows to copy back (those the handle holds; 0 when
- * it holds none or for MST_RESTORE_RETURN) and *r, read by thread 0, which
- * then takes its reader ticket (not for MST_RESTORE_COPY) while the others
- * start copying. */
-__device__ int64_t restore_rows(const mst_stash_args& a, page_return* r, uint32_t* ticket) {
-    __shared__ int64_t s_n;
-    if (threadIdx.x == 0) {
-        const int live = mst_handle_live(a.st, a.hs);
-        s_n = live && a.restore_part != MST_RESTORE_RETURN ? a.hs->n_rows : 0;
-        for (int b = 0; b < MST_N_BLK; b++) {
-            r->pos[b] = a.st->tail[b];
-            r->take[b] = live && a.restore_part != MST_RESTORE_COPY ? a.hs->n_pages[b] : 0;
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x == 0 && a.restore_part != MST_RESTORE_COPY) *ticket = count_reader(&a.hs->done_blocks);
-    return s_n;
-}
-
-/* This block's share of the page table (a save; invalid ids when it took
- * none) or of the page return (a restore). */
-template <bool RESTORE>
-__device__ void table_share(const mst_stash_args& a, const mst_plan* plan, const page_return* ret, part pt) {
-    const int64_t i = (int64_t)pt.bid * blockDim.x + threadIdx.x, stride = (int64_t)pt.nb * blockDim.x;
-    mst_ring_move(a.ring, a.cap, RESTORE ? ret->pos : plan->pos, RESTORE ? ret->take : plan->take, a.table, RESTORE,
-                  i, stride);
-    if (!RESTORE) mst_table_void(plan, a.table, a.max_pages, i, stride);
 }
 
 /* Rows [0, n) between the contiguous rows (src of a save, dst of a restore)
@@ -410,12 +290,6 @@ __global__ void __maxnreg__(32) returns_kernel(const __grid_constant__ batch_lau
     finish_restore(L.b.slot[blockIdx.x]);
 }
 
-/* SMs a copy of pool state a may use: the pool's copy_sms, or all. */
-int copy_sms(mst_ctx_t* ctx, const mst_stash_args* a) {
-    const int n = mst_cuda(ctx)->n_sm;
-    return a->copy_sms > 0 && a->copy_sms < n ? a->copy_sms : n;
-}
-
 /* The slot of vector type V in mst_cuda_impl::copy_per_sm. */
 template <typename V>
 constexpr int vec_index() { return sizeof(V) == 16 ? 0 : sizeof(V) == 4 ? 1 : 2; }
@@ -505,10 +379,10 @@ const char* slot_rows(int32_t op, const mst_stash_args* a) {
 
 /* A slot that runs alone, by the single kernels: a copy whose handle may
  * hold more than kBatchBytes (there the copy is the cost, and the bulk copy
- * applies), or whose rows are not 16-byte aligned. */
+ * applies), or whose rows are not 16-byte aligned, or of fp8 pages. */
 bool alone(int32_t op, const mst_stash_args* a) {
     const char* rows = slot_rows(op, a);
-    return rows && (a->max_pages * a->page_rows * a->row_bytes > kBatchBytes || (uintptr_t)rows % 16 != 0);
+    return rows && (a->max_pages * a->page_rows * a->row_bytes > kBatchBytes || (uintptr_t)rows % 16 != 0 || a->fp8);
 }
 
 /* Blocks of a slot in batch_kernel: a copy's persistent grid, a reset's, one
@@ -539,6 +413,7 @@ extern "C" mst_status mst_cuda_stash_reset(mst_ctx_t* ctx, const mst_stash_args*
 }
 
 extern "C" mst_status mst_cuda_stash_save(mst_ctx_t* ctx, const mst_stash_args* a) {
+    if (a->fp8) return mst_cuda_stash_fp8(ctx, a, 0); /* never a claim (pool.c refuses them) */
     if (a->src) return copy<false>(ctx, a, a->src);
     bulk_kernel<false><<<1, kWarpThreads, 0, mst_cuda(ctx)->stream>>>(*a); /* a claim: plan, table, commit */
     MST_CUDA_LAUNCHED();
@@ -546,7 +421,7 @@ extern "C" mst_status mst_cuda_stash_save(mst_ctx_t* ctx, const mst_stash_args* 
 }
 
 extern "C" mst_status mst_cuda_stash_restore(mst_ctx_t* ctx, const mst_stash_args* a) {
-    if (a->restore_part != MST_RESTORE_RETURN) return copy<true>(ctx, a, a->dst);
+    if (a->restore_part != MST_RESTORE_RETURN) return a->fp8 ? mst_cuda_stash_fp8(ctx, a, 1) : copy<true>(ctx, a, a->dst);
     return_kernel<<<1, kWarpThreads, 0, mst_cuda(ctx)->stream>>>(*a);
     MST_CUDA_LAUNCHED();
     return MST_OK;
