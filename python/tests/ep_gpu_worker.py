@@ -92,6 +92,7 @@ def main():
     rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     dev = torch.device("cuda", local)
     torch.cuda.set_device(dev)
+    T.ep_mod._out = T.poisoned  # the library's outputs poisoned first, as in the CPU test
     # a rank stuck in a collective (a check failed on a peer mid-way) ends the job in minutes, not hours
     dist.init_process_group("nccl", device_id=dev, timeout=datetime.timedelta(seconds=180))
     group = dist.group.WORLD

@@ -30,12 +30,14 @@ import ref
 from ranks import run_ranks
 
 
+def poisoned(shape, dtype, device):
+    """An output dispatch, combine or their backwards write: NaN (counts -1)."""
+    return torch.full(shape if isinstance(shape, tuple) else (shape,), -1 if dtype == torch.int32 else float("nan"),
+                      dtype=dtype, device=device)
+
+
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    """The outputs dispatch, combine and their backwards write: NaN (counts -1)."""
-    def poisoned(shape, dtype, device):
-        return torch.full(shape if isinstance(shape, tuple) else (shape,), -1 if dtype == torch.int32 else float("nan"),
-                          dtype=dtype, device=device)
     monkeypatch.setattr(ep_mod, "_out", poisoned)
 
 E, K, H, F = 8, 2, 32, 16
