@@ -90,6 +90,34 @@ static void expect_fp32(mst_ctx_t* ctx, const mst_guarded* g, const double* ref,
     free(got);
 }
 
+/* Row reductions (RMSNorm, cross-entropy) take 16-byte loads where the
+ * rows allow and one value a load elsewhere, with the same sums: their
+ * outputs again from buffers 2 bytes off that alignment must have the same
+ * bits. A backend copy of host (poisoned when NULL) at base + 2. */
+typedef struct shifted {
+    void* base;
+    char* data; /* base + 2 */
+    size_t n_bytes;
+} shifted;
+
+static shifted shifted_up(mst_ctx_t* ctx, const void* host, size_t n_bytes) {
+    shifted b = {NULL, NULL, n_bytes};
+    CHECK_OK(mst_alloc(ctx, n_bytes + 16, &b.base));
+    b.data = (char*)b.base + 2;
+    if (host) CHECK_OK(mst_copy_h2b(ctx, b.data, host, n_bytes));
+    else CHECK_OK(mst_fill(ctx, b.data, 0xFF, n_bytes));
+    return b;
+}
+
+/* The bits of the shifted buffer against those of g; frees the buffer. */
+static void expect_same_bits(mst_ctx_t* ctx, shifted* b, const mst_guarded* g, const char* what) {
+    void *want = down(ctx, g, what), *got = malloc(b->n_bytes);
+    CHECK_OK(mst_copy_b2h(ctx, got, b->data, b->n_bytes));
+    CHECK(memcmp(want, got, b->n_bytes) == 0, "%s: other bits from buffers off 16-byte alignment", what);
+    free(want), free(got);
+    mst_free(ctx, b->base);
+}
+
 /* ---- matmul -------------------------------------------------------------- */
 
 static void mm_case(mst_ctx_t* ctx, int ta, int tb, int64_t M, int64_t N, int64_t K, int out32, int acc) {
@@ -175,6 +203,24 @@ static void test_norm(mst_ctx_t* ctx, int64_t N, int64_t H) {
     CHECK_OK(ops(ctx)->norm_backward(ctx, &a));
     expect_bf16(ctx, &gdx, dx, (size_t)(N * H), what[2]);
     expect_fp32(ctx, &gdw, dw, (size_t)H, MST_TOL_FP32, what[3]);
+    shifted sx = shifted_up(ctx, x, sizeof(uint16_t) * (size_t)(N * H)), sw = shifted_up(ctx, w, sizeof(uint16_t) * (size_t)H);
+    shifted sdy = shifted_up(ctx, dy, sizeof(uint16_t) * (size_t)(N * H));
+    shifted sy = shifted_up(ctx, NULL, sizeof(uint16_t) * (size_t)(N * H)), sdx = shifted_up(ctx, NULL, sizeof(uint16_t) * (size_t)(N * H));
+    mst_guarded grs2 = up(ctx, NULL, sizeof(float) * (size_t)N), gdw2 = up(ctx, dw0, sizeof(float) * (size_t)H);
+    mst_norm_args b = a;
+    b.x = (uint16_t*)sx.data, b.w = (uint16_t*)sw.data, b.y = (uint16_t*)sy.data, b.dy = (uint16_t*)sdy.data;
+    b.dx = (uint16_t*)sdx.data, b.rstd = (float*)grs2.data, b.dw = (float*)gdw2.data;
+    CHECK_OK(ops(ctx)->norm_forward(ctx, &b));
+    CHECK_OK(ops(ctx)->norm_backward(ctx, &b));
+    expect_same_bits(ctx, &sy, &gy, what[0]);
+    expect_same_bits(ctx, &sdx, &gdx, what[2]);
+    float *r1 = (float*)down(ctx, &grs, what[1]), *r2 = (float*)down(ctx, &grs2, what[1]);
+    float *w1 = (float*)down(ctx, &gdw, what[3]), *w2 = (float*)down(ctx, &gdw2, what[3]);
+    CHECK(memcmp(r1, r2, sizeof(float) * (size_t)N) == 0, "%s: other bits from buffers off alignment", what[1]);
+    CHECK(memcmp(w1, w2, sizeof(float) * (size_t)H) == 0, "%s: other bits from buffers off alignment", what[3]);
+    free(r1), free(r2), free(w1), free(w2);
+    mst_free(ctx, sx.base), mst_free(ctx, sw.base), mst_free(ctx, sdy.base);
+    mst_guarded_free(ctx, &grs2), mst_guarded_free(ctx, &gdw2);
     mst_guarded* all[] = {&gx, &gw, &gy, &grs, &gdy, &gdx, &gdw};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) mst_guarded_free(ctx, all[i]);
     free(x), free(w), free(dy), free(dw0), free(y), free(dx), free(rs), free(dw);
@@ -261,6 +307,17 @@ static void test_xent(mst_ctx_t* ctx, int64_t N, int64_t V) {
      * 151 936): 5x the fp32 tolerance there */
     expect_fp32(ctx, &gloss, loss, (size_t)N, V > 65536 ? 5 * MST_TOL_FP32 : MST_TOL_FP32, what[0]);
     expect_bf16(ctx, &gdl, dl, (size_t)(N * V), what[1]);
+    shifted sl = shifted_up(ctx, l, sizeof(uint16_t) * (size_t)(N * V)), sdl = shifted_up(ctx, NULL, sizeof(uint16_t) * (size_t)(N * V));
+    mst_guarded gloss2 = up(ctx, NULL, sizeof(float) * (size_t)N);
+    mst_xent_args b = a;
+    b.logits = (uint16_t*)sl.data, b.dlogits = (uint16_t*)sdl.data, b.loss = (float*)gloss2.data;
+    CHECK_OK(ops(ctx)->xent(ctx, &b));
+    expect_same_bits(ctx, &sdl, &gdl, what[1]);
+    float *l1 = (float*)down(ctx, &gloss, what[0]), *l2 = (float*)down(ctx, &gloss2, what[0]);
+    CHECK(memcmp(l1, l2, sizeof(float) * (size_t)N) == 0, "%s: other bits from buffers off alignment", what[0]);
+    free(l1), free(l2);
+    mst_free(ctx, sl.base);
+    mst_guarded_free(ctx, &gloss2);
     mst_guarded* all[] = {&gl, &gt, &gloss, &gdl};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) mst_guarded_free(ctx, all[i]);
     free(l), free(tg), free(loss), free(dl);

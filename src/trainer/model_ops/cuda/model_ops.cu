@@ -24,8 +24,9 @@ extern "C" mst_status mst_cuda_mm(mst_ctx_t* ctx, const mst_mm_args* a) {
 }
 
 /* ---- cross-entropy: one block per row --------------------------------------
- * Two passes over the row: thread i takes the VEC-value pieces i, i + threads,
- * ... (VEC 8: 16-byte loads) and keeps a running max and the sum of exp
+ * Two passes over the row: thread i takes the 8-value pieces i, i + threads,
+ * ... (model_ops.cuh: 16-byte loads where the rows allow, the same sums
+ * either way) and keeps a running max and the sum of exp
  * below it, rescaled when the max grows; the threads' (max, sum) pairs are
  * joined by a fixed xor tree in each warp, then the warps in order. The
  * second pass writes dlogits. Threads by V (a warp at V 256, 1024 at
@@ -45,11 +46,12 @@ __global__ void xent_kernel(mst_xent_args a) {
     const int64_t r = blockIdx.x, V = a.vocab;
     const uint16_t* l = a.logits + r * V; /* [V] */
     float m = -INFINITY, s = 0.0f;
-    for (int64_t v = (int64_t)threadIdx.x * VEC; v < V; v += (int64_t)blockDim.x * VEC) {
-        float f[VEC];
-        bf_unpack<VEC>(bf_load<VEC>(l + v), f);
+    for (int64_t v = (int64_t)threadIdx.x * MST_PIECE; v < V; v += (int64_t)blockDim.x * MST_PIECE) {
+        float f[MST_PIECE];
+        const int n = piece_load<VEC>(l, v, V, f);
 #pragma unroll
-        for (int k = 0; k < VEC; k++) {
+        for (int k = 0; k < MST_PIECE; k++) {
+            if (k >= n) break;
             if (f[k] > m) {
                 s = s * expf(m - f[k]) + 1.0f;
                 m = f[k];
@@ -67,19 +69,19 @@ __global__ void xent_kernel(mst_xent_args a) {
     for (int w = 1; w < n_warps; w++) lse_join(m, s, shm_m[w], shm_s[w]);
     const int32_t tg = a.targets[r];
     if (threadIdx.x == 0) a.loss[r] = logf(s) + m - mst_bf(l[tg]);
-    for (int64_t v = (int64_t)threadIdx.x * VEC; v < V; v += (int64_t)blockDim.x * VEC) {
-        float f[VEC];
-        bf_unpack<VEC>(bf_load<VEC>(l + v), f);
+    for (int64_t v = (int64_t)threadIdx.x * MST_PIECE; v < V; v += (int64_t)blockDim.x * MST_PIECE) {
+        float f[MST_PIECE];
+        piece_load<VEC>(l, v, V, f);
 #pragma unroll
-        for (int k = 0; k < VEC; k++) f[k] = (expf(f[k] - m) / s - (v + k == tg ? 1.0f : 0.0f)) * a.scale;
-        bf_store<VEC>(a.dlogits + r * V + v, f);
+        for (int k = 0; k < MST_PIECE; k++) f[k] = (expf(f[k] - m) / s - (v + k == tg ? 1.0f : 0.0f)) * a.scale;
+        piece_store<VEC>(a.dlogits + r * V, v, V, f);
     }
 }
 
 extern "C" mst_status mst_cuda_xent(mst_ctx_t* ctx, const mst_xent_args* a) {
     if (a->rows == 0) return MST_OK;
     const int vec = a->vocab % 8 == 0 && mst_aligned(a->logits, 16) && mst_aligned(a->dlogits, 16) ? 8 : 1;
-    int64_t threads = (a->vocab / (8 * vec) + 31) / 32 * 32; /* about 8 pieces a thread */
+    int64_t threads = (a->vocab / (8 * MST_PIECE) + 31) / 32 * 32; /* about 8 pieces a thread */
     threads = threads < 32 ? 32 : threads > 1024 ? 1024 : threads;
     cudaStream_t s = mst_cuda(ctx)->stream;
     if (vec == 8) xent_kernel<8><<<(unsigned)a->rows, (unsigned)threads, 0, s>>>(*a);

@@ -126,6 +126,37 @@ __device__ __forceinline__ void bf_unpack(const bf_raw<VEC>& r, float* f) {
     }
 }
 
+/* Pieces of 8 consecutive values of a row of n: the unit a thread takes in
+ * the row reductions (RMSNorm, cross-entropy), so that which thread sums
+ * which values, and in which order, does not depend on how they are loaded
+ * (VEC 8: one 16-byte load, the row's length a multiple of 8 and the row
+ * aligned; VEC 1: one value a load, the values past n left out). Returns
+ * how many of the 8 are in the row. */
+enum { MST_PIECE = 8 };
+
+template <int VEC>
+__device__ __forceinline__ int piece_load(const uint16_t* row, int64_t c, int64_t n, float* f) {
+    if constexpr (VEC == 8) {
+        bf_unpack<8>(bf_load<8>(row + c), f);
+        return 8;
+    } else {
+        const int m = n - c < MST_PIECE ? (int)(n - c) : MST_PIECE;
+#pragma unroll
+        for (int k = 0; k < MST_PIECE; k++) f[k] = k < m ? mst_bf(row[c + k]) : 0.0f;
+        return m;
+    }
+}
+
+template <int VEC>
+__device__ __forceinline__ void piece_store(uint16_t* row, int64_t c, int64_t n, const float* f) {
+    if constexpr (VEC == 8) {
+        bf_store<8>(row + c, f);
+    } else {
+        const int m = n - c < MST_PIECE ? (int)(n - c) : MST_PIECE;
+        for (int k = 0; k < m; k++) row[c + k] = mst_to_bf(f[k]);
+    }
+}
+
 /* Grid size for n items at `per` items per block, at most 65535 * 1024. */
 static inline unsigned mst_blocks(int64_t n, int per) { return (unsigned)((n + per - 1) / per); }
 

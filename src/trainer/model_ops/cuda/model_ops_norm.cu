@@ -1,9 +1,10 @@
 /*
  * model_ops_norm.cu — RMSNorm forward / backward and the residual add on
  * CUDA (the CPU references are in model_ops.c). A warp per row; lane l
- * takes the VEC-column pieces l, l + 32, ... of its row (VEC 8: 16-byte
- * loads and stores, when H % 8 == 0 and the buffers are aligned; else one
- * value), its sums in that order, then a fixed xor tree over the lanes.
+ * takes the 8-column pieces l, l + 32, ... of its row (model_ops.cuh:
+ * 16-byte loads and stores when H % 8 == 0 and the buffers are aligned,
+ * else one value a load, the same sums either way), its sums in that
+ * order, then a fixed xor tree over the lanes.
  * The weight gradient: DW_PARTS chunks of consecutive rows, each chunk's
  * column sums in row order into the ws_norm workspace, then the chunks
  * added in chunk order and once into dw (no atomics: the same bits on
@@ -26,22 +27,23 @@ __global__ void norm_forward_kernel(mst_norm_args a) {
     const int64_t H = a.cols;
     const uint16_t* x = a.x + r * H; /* [H] */
     float ss = 0.0f;
-    for (int64_t c = (int64_t)lane * VEC; c < H; c += 32 * VEC) {
-        float f[VEC];
-        bf_unpack<VEC>(bf_load<VEC>(x + c), f);
+    for (int64_t c = (int64_t)lane * MST_PIECE; c < H; c += 32 * MST_PIECE) {
+        float f[MST_PIECE];
+        const int m = piece_load<VEC>(x, c, H, f);
 #pragma unroll
-        for (int k = 0; k < VEC; k++) ss += f[k] * f[k];
+        for (int k = 0; k < MST_PIECE; k++)
+            if (k < m) ss += f[k] * f[k];
     }
     ss = warp_sum_xor(ss);
     const float rs = rsqrtf(ss / (float)H + a.eps);
     if (lane == 0) a.rstd[r] = rs;
-    for (int64_t c = (int64_t)lane * VEC; c < H; c += 32 * VEC) {
-        float f[VEC], w[VEC];
-        bf_unpack<VEC>(bf_load<VEC>(x + c), f);
-        bf_unpack<VEC>(bf_load<VEC>(a.w + c), w);
+    for (int64_t c = (int64_t)lane * MST_PIECE; c < H; c += 32 * MST_PIECE) {
+        float f[MST_PIECE], w[MST_PIECE];
+        piece_load<VEC>(x, c, H, f);
+        piece_load<VEC>(a.w, c, H, w);
 #pragma unroll
-        for (int k = 0; k < VEC; k++) f[k] = f[k] * rs * w[k];
-        bf_store<VEC>(a.y + r * H + c, f);
+        for (int k = 0; k < MST_PIECE; k++) f[k] = f[k] * rs * w[k];
+        piece_store<VEC>(a.y + r * H, c, H, f);
     }
 }
 
@@ -55,24 +57,25 @@ __global__ void norm_dx_kernel(mst_norm_args a) {
     const uint16_t *x = a.x + r * H, *dy = a.dy + r * H; /* [H], [H] */
     const float rs = a.rstd[r];
     float dot = 0.0f;
-    for (int64_t c = (int64_t)lane * VEC; c < H; c += 32 * VEC) {
-        float fx[VEC], fd[VEC], w[VEC];
-        bf_unpack<VEC>(bf_load<VEC>(x + c), fx);
-        bf_unpack<VEC>(bf_load<VEC>(dy + c), fd);
-        bf_unpack<VEC>(bf_load<VEC>(a.w + c), w);
+    for (int64_t c = (int64_t)lane * MST_PIECE; c < H; c += 32 * MST_PIECE) {
+        float fx[MST_PIECE], fd[MST_PIECE], w[MST_PIECE];
+        const int m = piece_load<VEC>(x, c, H, fx);
+        piece_load<VEC>(dy, c, H, fd);
+        piece_load<VEC>(a.w, c, H, w);
 #pragma unroll
-        for (int k = 0; k < VEC; k++) dot += fd[k] * w[k] * fx[k];
+        for (int k = 0; k < MST_PIECE; k++)
+            if (k < m) dot += fd[k] * w[k] * fx[k];
     }
     dot = warp_sum_xor(dot);
     const float k3 = dot * rs * rs * rs / (float)H;
-    for (int64_t c = (int64_t)lane * VEC; c < H; c += 32 * VEC) {
-        float fx[VEC], fd[VEC], w[VEC];
-        bf_unpack<VEC>(bf_load<VEC>(x + c), fx);
-        bf_unpack<VEC>(bf_load<VEC>(dy + c), fd);
-        bf_unpack<VEC>(bf_load<VEC>(a.w + c), w);
+    for (int64_t c = (int64_t)lane * MST_PIECE; c < H; c += 32 * MST_PIECE) {
+        float fx[MST_PIECE], fd[MST_PIECE], w[MST_PIECE];
+        piece_load<VEC>(x, c, H, fx);
+        piece_load<VEC>(dy, c, H, fd);
+        piece_load<VEC>(a.w, c, H, w);
 #pragma unroll
-        for (int k = 0; k < VEC; k++) fx[k] = rs * fd[k] * w[k] - fx[k] * k3;
-        bf_store<VEC>(a.dx + r * H + c, fx);
+        for (int k = 0; k < MST_PIECE; k++) fx[k] = rs * fd[k] * w[k] - fx[k] * k3;
+        piece_store<VEC>(a.dx + r * H, c, H, fx);
     }
 }
 
