@@ -28,6 +28,13 @@ if [ ! -e /usr/local/cuda/include/nccl.h ]; then
   nccl_root=$(python3 -m pip show -f nvidia-nccl-cu13 2>/dev/null | awk '
     /^Location: / { loc = $2 } /\/include\/nccl\.h$/ { sub("/include/nccl.h", "", $1); print loc "/" $1 }')
 fi
+# cuDNN (--attention cudnn, loaded at run time by dlopen("libcudnn.so.9")):
+# PyTorch's nvidia-cudnn-cu13 package's lib/ first on the loader's path, the
+# same cuDNN whose headers CMake finds first.
+cudnn_lib=$(python3 -m pip show -f nvidia-cudnn-cu13 2>/dev/null | awk '
+  /^Location: / { loc = $2 } /\/lib\/libcudnn\.so\.9$/ { sub("/libcudnn.so.9", "", $1); print loc "/" $1 }')
+[ -n "$cudnn_lib" ] && export LD_LIBRARY_PATH=$cudnn_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+summary+=("cudnn library: ${cudnn_lib:-default loader path}")
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release ${nccl_root:+-DMST_NCCL_ROOT="$nccl_root"} -G Ninja >"$out/configure.log" 2>&1 \
   || cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release ${nccl_root:+-DMST_NCCL_ROOT="$nccl_root"} >"$out/configure.log" 2>&1 \

@@ -58,7 +58,7 @@ static int parse_size(mst_args* a, size_t* out) {
 /* The current flag with its value; returns 0 or the exit code 2. */
 static int parse_flag(train_cli* t, mst_args* a) {
     static const char* const on_off[] = {"off", "on", NULL}, *const granularity[] = {"moe", "full", NULL},
-                             *const attention[] = {"auto", "flash", "cublas", NULL}, *const moments[] = {"fp32", "bf16", NULL};
+                             *const attention[] = {"auto", "flash", "cublas", "cudnn", NULL}, *const moments[] = {"fp32", "bf16", NULL};
     mst_model_config* m = &t->cfg.model;
     int64_t x = 0;
     int rc = 0, i = 0;
@@ -399,9 +399,9 @@ int mst_cmd_train(int argc, char** argv) {
         fprintf(stderr, "%s: --backend '%s': %s\n", t.l.who, kind == MST_BACKEND_CUDA ? "cuda" : "cpu", mst_last_error());
         return 2;
     }
-    int flash = 0;
+    int32_t attn = MST_ATTN_AUTO;
     char attn_note[256];
-    if (mst_model_attention(ctx, &t.cfg.model, &flash, attn_note, sizeof attn_note) != MST_OK) {
+    if (mst_model_attention(ctx, &t.cfg.model, &attn, attn_note, sizeof attn_note) != MST_OK) {
         fprintf(stderr, "%s: %s\n", t.l.who, mst_last_error());
         mst_ctx_destroy(ctx);
         return 2;
@@ -434,7 +434,7 @@ int mst_cmd_train(int argc, char** argv) {
                (double)m->mtp_weight, (long long)t.cfg.steps, t.cfg.data_path ? t.cfg.data_path : "synthetic",
                mst_schedule_kind_str(t.cfg.mem.schedule), t.cfg.memory_budget ? "planned (--memory-budget)" : policy,
                t.cfg.memory_budget ? "planned" : t.recompute ? t.recompute : "none",
-               t.cfg.graph_from ? "on" : "off", flash ? "flash" : "cublas", attn_note[0] ? "; " : "", attn_note);
+               t.cfg.graph_from ? "on" : "off", mst_attn_kind_str(attn), attn_note[0] ? "; " : "", attn_note);
     mst_train_result res = {0};
     mst_status st = MST_OK;
     int rc = 0;

@@ -76,6 +76,7 @@ bad "--pp 2: --schedule interleaved" train --backend cpu --pp 2 --gpus 2 --sched
 bad "--pp '0'" train --backend cpu --pp 0
 bad "--memory-budget '1GiB': not with --pp" train --backend cpu --pp 2 --gpus 2 --memory-budget 1GiB
 bad "--attention 'fast'" train --attention fast
+bad "--attention cudnn: backend cpu has no cuDNN attention" train --backend cpu --attention cudnn
 bad "--kv-heads 3: must divide --heads 4" train --kv-heads 3
 bad "--kv-heads '0'" train --kv-heads 0
 bad "--head-dim 7: expected an even number" train --head-dim 7

@@ -29,9 +29,13 @@ static mst_qk_args qk_args(const mst_model* m, int32_t l, const mst_layer_acts* 
     return r;
 }
 
-/* The attention op of the model's contract (flash, or the probabilities). */
+/* The attention op the model runs (cuDNN's or our flash kernels under the
+ * flash contract, or the probabilities). */
 static mst_status attention(const mst_model* m, const mst_attn_args* a, int backward) {
-    if (m->flash) return backward ? MST_MODEL_OP(m, attn_flash_backward, a) : MST_MODEL_OP(m, attn_flash_forward, a);
+    if (m->attn == MST_ATTN_CUDNN)
+        return backward ? MST_MODEL_OP(m, attn_cudnn_backward, a) : MST_MODEL_OP(m, attn_cudnn_forward, a);
+    if (m->attn == MST_ATTN_FLASH)
+        return backward ? MST_MODEL_OP(m, attn_flash_backward, a) : MST_MODEL_OP(m, attn_flash_forward, a);
     return backward ? MST_MODEL_OP(m, attn_backward, a) : MST_MODEL_OP(m, attn_forward, a);
 }
 

@@ -13,8 +13,8 @@
 #define BAD(...) mst_set_error(MST_ERR_INVALID, __VA_ARGS__)
 
 const char* mst_attn_kind_str(int32_t kind) {
-    static const char* const names[] = {"auto", "flash", "cublas"};
-    return kind >= 0 && kind <= MST_ATTN_CUBLAS ? names[kind] : "?";
+    static const char* const names[] = {"auto", "flash", "cublas", "cudnn"};
+    return kind >= 0 && kind <= MST_ATTN_CUDNN ? names[kind] : "?";
 }
 
 mst_mem_config mst_mem_config_default(void) {
@@ -129,7 +129,7 @@ static mst_status alloc_layer(mst_model* m, mst_layer_acts* a, const mst_layer_a
     ACT(Nm, a, slot, rstd1, N, own, ref);
     ACT(A, a, slot, qkv, N * qkv_cols(c), own, ref);
     ACT(A, a, slot, rstdqk, N * (c->n_head + c->n_kv_head), own, ref);
-    if (m->flash) ACT(A, a, slot, lse, rows, own, ref);
+    if (mst_attn_is_flash(m->attn)) ACT(A, a, slot, lse, rows, own, ref);
     else ACT(A, a, slot, attp, rows * c->seq, own, ref);
     ACT(A, a, slot, att, N * HO, own, ref);
     ACT(Nm, a, slot, x1, N * H, own, ref);
@@ -303,7 +303,7 @@ static mst_status alloc_acts(mst_model* m) {
     BUF(C, m->qkvr, N * qkv_cols(c));
     BUF(C, m->dqkv, N * qkv_cols(c));
     BUF(C, m->datt, N * c->n_head * c->head_dim);
-    if (m->flash) BUF(C, m->att_delta, c->batch * c->n_head * c->seq);
+    if (mst_attn_is_flash(m->attn)) BUF(C, m->att_delta, c->batch * c->n_head * c->seq);
     else if (m->ops->attn_scratch) {
         BUF(C, m->att32, c->batch * c->n_head * c->seq * c->seq);
         BUF(C, m->att16, c->batch * c->n_head * c->seq * c->seq);
@@ -315,25 +315,36 @@ static mst_status alloc_acts(mst_model* m) {
     return MST_OK;
 }
 
-mst_status mst_model_attention(mst_ctx_t* ctx, const mst_model_config* c, int* flash, char* note, size_t note_size) {
+/* Whether the backend runs the flash contract by implementation k (FLASH:
+ * our kernels, CUDNN: cuDNN's, which builds its plans in the check): MST_OK,
+ * or the reason. */
+static mst_status attn_takes(mst_ctx_t* ctx, const mst_model_backend* ops, int32_t k, const mst_attn_args* a) {
+    const int cudnn = k == MST_ATTN_CUDNN;
+    if (cudnn ? !ops->attn_cudnn_forward || !ops->attn_cudnn_backward
+              : !ops->attn_flash_forward || !ops->attn_flash_backward)
+        return mst_set_error(MST_ERR_UNSUPPORTED, "backend %s has no %s attention", ops->name,
+                             cudnn ? "cuDNN" : "flash");
+    mst_status (*check)(mst_ctx_t*, const mst_attn_args*) = cudnn ? ops->attn_cudnn_check : ops->attn_flash_check;
+    return check ? check(ctx, a) : MST_OK;
+}
+
+mst_status mst_model_attention(mst_ctx_t* ctx, const mst_model_config* c, int32_t* kind, char* note, size_t note_size) {
     const mst_model_backend* ops;
     MST_TRY(mst_model_backend_of(ctx, &ops));
     const mst_attn_args a = {.batch = c->batch, .seq = c->seq, .n_head = c->n_head, .head_dim = c->head_dim,
                              .n_kv_head = c->n_kv_head};
-    *flash = 0;
+    *kind = MST_ATTN_CUBLAS;
     if (note_size) note[0] = 0;
     if (c->attention == MST_ATTN_CUBLAS) return MST_OK;
-    mst_status st = !ops->attn_flash_forward || !ops->attn_flash_backward
-                        ? mst_set_error(MST_ERR_UNSUPPORTED, "backend %s has no flash attention", ops->name)
-                    : ops->attn_flash_check ? ops->attn_flash_check(ctx, &a)
-                                            : MST_OK;
+    const int32_t want = c->attention == MST_ATTN_CUDNN ? MST_ATTN_CUDNN : MST_ATTN_FLASH;
+    mst_status st = attn_takes(ctx, ops, want, &a);
     if (st == MST_OK) {
-        *flash = 1;
+        *kind = want;
         return MST_OK;
     }
-    char why[200];
+    char why[400];
     snprintf(why, sizeof why, "%s", mst_last_error());
-    if (c->attention == MST_ATTN_FLASH) return mst_set_error(st, "--attention flash: %s", why);
+    if (c->attention != MST_ATTN_AUTO) return mst_set_error(st, "--attention %s: %s", mst_attn_kind_str(want), why);
     if (note_size) snprintf(note, note_size, "attention: the probabilities path (%s)", why);
     return MST_OK;
 }
@@ -550,7 +561,7 @@ mst_status mst_model_create_dist(mst_ctx_t* ctx, const mst_model_config* cfg, in
     m->static_rows = mst_model_max_rows(cfg, d.world);
     m->lp = (mst_layer_params*)calloc((size_t)cfg->layers + 1, sizeof *m->lp);
     mst_status st = m->lp ? MST_OK : mst_set_error(MST_ERR_OOM, "layer parameter table");
-    if (st == MST_OK) st = mst_model_attention(ctx, cfg, &m->flash, m->attn_note, sizeof m->attn_note);
+    if (st == MST_OK) st = mst_model_attention(ctx, cfg, &m->attn, m->attn_note, sizeof m->attn_note);
     if (st == MST_OK) st = make_schedule(m);
     if (st == MST_OK) {
         mst_model_layout(m);

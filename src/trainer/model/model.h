@@ -28,10 +28,14 @@
 #include "lib/internal.h"
 #include "trainer/model_ops/model_backend.h"
 
-/* Attention: what forward saves for backward (model_backend.h). AUTO: the
- * flash contract (output and row logsumexp) where the backend takes the
- * head dims, else the probabilities (the reason in mst_model.attn_note). */
-typedef enum { MST_ATTN_AUTO = 0, MST_ATTN_FLASH, MST_ATTN_CUBLAS } mst_attn_kind;
+/* Attention: what forward saves for backward (model_backend.h) and which
+ * implementation runs it. AUTO: our flash kernels (output and row
+ * logsumexp saved) where the backend takes the head dims, else the
+ * probabilities (the reason in mst_model.attn_note). CUDNN: cuDNN's fused
+ * attention under the flash contract (the same saved tensors), where the
+ * library loads and takes the dims; else an error naming --attention (AUTO
+ * does not pick it until it is confirmed on the GPU). */
+typedef enum { MST_ATTN_AUTO = 0, MST_ATTN_FLASH, MST_ATTN_CUBLAS, MST_ATTN_CUDNN } mst_attn_kind;
 const char* mst_attn_kind_str(int32_t kind);
 
 typedef struct mst_model_config {
@@ -124,11 +128,16 @@ typedef struct mst_mem_config {
  * set), pool factor 1.10. */
 mst_mem_config mst_mem_config_default(void);
 
-/* The attention contract a model of config c takes on ctx's backend:
- * *flash 1 (the flash contract) or 0 (the probabilities); under AUTO, why
- * not flash in note ("" when flash); MST_ATTN_FLASH where the backend has
- * no flash attention for these dims is an error naming --attention. */
-mst_status mst_model_attention(mst_ctx_t* ctx, const mst_model_config* c, int* flash, char* note, size_t note_size);
+/* The attention a model of config c runs on ctx's backend: *kind
+ * MST_ATTN_FLASH or MST_ATTN_CUDNN (the flash contract) or MST_ATTN_CUBLAS
+ * (the probabilities); under AUTO, why not flash in note ("" when flash);
+ * MST_ATTN_FLASH or MST_ATTN_CUDNN where the backend cannot run it for
+ * these dims is an error naming --attention and the reason (for cuDNN:
+ * the library missing, its version, a shape no engine takes). CUDNN builds
+ * its plans here. */
+mst_status mst_model_attention(mst_ctx_t* ctx, const mst_model_config* c, int32_t* kind, char* note, size_t note_size);
+/* 1 when attention kind k (resolved) saves the flash contract's out + lse. */
+static inline int mst_attn_is_flash(int32_t k) { return k == MST_ATTN_FLASH || k == MST_ATTN_CUDNN; }
 
 /* Checks sizes (each failure names the flag and its value). */
 mst_status mst_model_config_check(const mst_model_config* c);
@@ -249,8 +258,9 @@ typedef struct mst_model {
     mst_ctx_t* ctx;
     const mst_model_backend* ops; /* ctx's model ops (mst_model_backend_of)     */
     mst_model_config cfg;
-    int flash;               /* attention: 1 flash contract (att, lse saved),
-                                0 probabilities (attp saved)                  */
+    int32_t attn;            /* attention run (mst_model_attention): FLASH or
+                                CUDNN (the flash contract: att, lse saved), or
+                                CUBLAS (the probabilities: attp saved)        */
     char attn_note[256];     /* why AUTO took the probabilities ("" if not)   */
     mst_mem_config mem_cfg;
     /* (optional) called after each schedule entry of a step, eagerly (the

@@ -43,8 +43,8 @@ mst_status mst_model_config_check(const mst_model_config* c) {
         return BAD("--capacity-factor %g: expected > 0 and <= 1024", (double)c->capacity_factor);
     if (!(c->mtp_weight >= 0.0f) || c->mtp_weight > 100.0f)
         return BAD("--mtp-weight %g: expected 0 .. 100", (double)c->mtp_weight);
-    if (c->attention < MST_ATTN_AUTO || c->attention > MST_ATTN_CUBLAS)
-        return BAD("--attention %d: expected auto, flash or cublas", c->attention);
+    if (c->attention < MST_ATTN_AUTO || c->attention > MST_ATTN_CUDNN)
+        return BAD("--attention %d: expected auto, flash, cublas or cudnn", c->attention);
     if (c->batch * c->seq * c->top_k > INT32_MAX / 4)
         return BAD("--batch %lld x --seq %lld: too many tokens", (long long)c->batch, (long long)c->seq);
     return MST_OK;

@@ -108,6 +108,9 @@ typedef struct mst_attn_args {
     float* scratch32;      /* [B, NH, T, T] fp32 scratch, or NULL where the
                               table's attn_scratch is 0 (CUDA: dP)           */
     uint16_t* scratch16;   /* [B, NH, T, T] bf16 scratch, likewise (CUDA: P, dS) */
+    int32_t nondeterministic; /* attn_cudnn_*: 1 lets the backward use an
+                              engine that adds atomically (bench attn prices
+                              determinism with it); 0: bit-identical runs  */
 } mst_attn_args;
 
 /* Qwen3's QK-norm and rotary position embedding, between the q/k/v
@@ -286,6 +289,13 @@ typedef struct mst_model_backend {
     mst_status (*attn_flash_check)(mst_ctx_t* ctx, const mst_attn_args* a);
     mst_status (*attn_flash_forward)(mst_ctx_t* ctx, const mst_attn_args* a);
     mst_status (*attn_flash_backward)(mst_ctx_t* ctx, const mst_attn_args* a);
+    /* (optional) cuDNN's fused attention under the flash contract (out and
+     * lse saved; delta: its rowsum(dO O)): whether the library loads and
+     * takes a's dims (MST_OK with its plans built and workspace sized, or
+     * MST_ERR_UNSUPPORTED with the reason), forward, backward */
+    mst_status (*attn_cudnn_check)(mst_ctx_t* ctx, const mst_attn_args* a);
+    mst_status (*attn_cudnn_forward)(mst_ctx_t* ctx, const mst_attn_args* a);
+    mst_status (*attn_cudnn_backward)(mst_ctx_t* ctx, const mst_attn_args* a);
     mst_status (*route_forward)(mst_ctx_t* ctx, const mst_route_args* a);
     mst_status (*route_backward)(mst_ctx_t* ctx, const mst_route_args* a);
     /* peak rows per group from `load` as given (route_forward computes
@@ -307,6 +317,12 @@ mst_status mst_model_backend_of(const mst_ctx_t* ctx, const mst_model_backend** 
 extern const mst_model_backend mst_model_backend_cpu;
 #ifdef MST_HAVE_CUDA
 extern const mst_model_backend mst_model_backend_cuda;
+/* Opens the cuDNN library `name` (NULL: $MST_CUDNN_LIB, else libcudnn.so.9),
+ * checks it has the backend API of the major version built for and closes
+ * it: MST_OK with its version (91900: 9.19.0), or MST_ERR_UNSUPPORTED naming
+ * the library and why (dlopen's error, a missing symbol, another version,
+ * a build without cuDNN's headers). */
+mst_status mst_cudnn_probe(const char* name, size_t* version);
 #endif
 
 #ifdef __cplusplus

@@ -66,6 +66,7 @@ static mst_status cuda_init(mst_ctx_t* ctx, int device) {
 
 static void cuda_shutdown(mst_ctx_t* ctx) {
     mst_cuda_impl* c = mst_cuda(ctx);
+    if (c->cudnn_free) c->cudnn_free(c->cudnn);
     if (c->blas) cublasDestroy(c->blas);
     for (int i = MST_STREAM_RING; i < MST_N_STREAMS; i++)
         if (c->side[i]) cudaStreamDestroy(c->side[i]);

@@ -37,6 +37,10 @@ typedef struct mst_cuda_impl {
     mst_ws ws_qk;             /* QK-norm backward's dw partials (model_ops_qk.cu) */
     mst_ws ws_norm;           /* RMSNorm backward's dw partials (model_ops_norm.cu) */
     void* blas_ws;            /* cuBLAS's workspace (context memory)            */
+    void* cudnn;              /* (optional) the trainer's cuDNN attention state,
+                                 made on first use, freed by cudnn_free at
+                                 shutdown (after the context's memory)      */
+    void (*cudnn_free)(void* cudnn);
 } mst_cuda_impl;
 
 static inline mst_cuda_impl* mst_cuda(mst_ctx_t* ctx) { return (mst_cuda_impl*)ctx->impl; }

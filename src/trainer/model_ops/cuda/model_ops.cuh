@@ -33,6 +33,10 @@ mst_status mst_cuda_attn_backward(mst_ctx_t* ctx, const mst_attn_args* a);
 mst_status mst_cuda_attn_flash_check(mst_ctx_t* ctx, const mst_attn_args* a);
 mst_status mst_cuda_attn_flash_forward(mst_ctx_t* ctx, const mst_attn_args* a);
 mst_status mst_cuda_attn_flash_backward(mst_ctx_t* ctx, const mst_attn_args* a);
+/* model_ops_cudnn.cu */
+mst_status mst_cuda_attn_cudnn_check(mst_ctx_t* ctx, const mst_attn_args* a);
+mst_status mst_cuda_attn_cudnn_forward(mst_ctx_t* ctx, const mst_attn_args* a);
+mst_status mst_cuda_attn_cudnn_backward(mst_ctx_t* ctx, const mst_attn_args* a);
 /* model_ops_route.cu */
 mst_status mst_cuda_route_forward(mst_ctx_t* ctx, const mst_route_args* a);
 mst_status mst_cuda_route_backward(mst_ctx_t* ctx, const mst_route_args* a);
