@@ -126,6 +126,16 @@ static void mem_free(mst_ctx_t* ctx, ops_mem* m) {
     memset(m, 0, sizeof *m);
 }
 
+/* The figures of the run, for --json. */
+typedef struct ops_fig {
+    const char* preset;
+    const char* op;
+    double ms, bytes;
+} ops_fig;
+
+static ops_fig g_figs[32];
+static int g_n_figs;
+
 /* One op of the table: its name, bytes and one call. */
 typedef struct ops_case {
     const char* name;
@@ -207,13 +217,30 @@ static mst_status run_shape(mst_ctx_t* ctx, const mst_model_backend* mo, const o
         const double roof_ms = mst_bench_roofline_ms(roofs, 0, cases[i].bytes);
         printf("  %-15s %10.4f %10.2f %10.0f %7.0f%%\n", cases[i].name, ms, cases[i].bytes / 1e6,
                cases[i].bytes / (ms * 1e6), 100 * roof_ms / ms);
+        if (g_n_figs < 32) g_figs[g_n_figs++] = (ops_fig){s->name, cases[i].name, ms, cases[i].bytes};
     }
     if (st == MST_OK) st = mst_ctx_check(ctx);
     mem_free(ctx, &m);
     return st;
 }
 
-static int run_ops(int which, int64_t reps) {
+/* 0, or 1 after a line when the file could not be written. */
+static int write_json(const char* path, const char* device, double copy_gbps) {
+    FILE* j = mst_out_open("moestash bench ops", path);
+    if (!j) return 1;
+    fprintf(j, "{\n  \"device\": \"%s\",\n  \"copy_gbps\": %.1f,\n  \"ops\": [\n", device, copy_gbps);
+    for (int i = 0; i < g_n_figs; i++) {
+        const ops_fig* f = &g_figs[i];
+        fprintf(j, "    {\"preset\": \"%s\", \"op\": \"%s\", \"ms\": %.5f, \"bytes\": %.0f, \"gbps\": %.1f, "
+                   "\"of_roof\": %.3f}%s\n",
+                f->preset, f->op, f->ms, f->bytes, f->bytes / (f->ms * 1e6), f->bytes / (f->ms * 1e6) / copy_gbps,
+                i + 1 < g_n_figs ? "," : "");
+    }
+    fprintf(j, "  ]\n}\n");
+    return mst_out_close("moestash bench ops", path, j);
+}
+
+static int run_ops(int which, int64_t reps, const char* json) {
     if (!mst_backend_available(MST_BACKEND_CUDA)) {
         fprintf(stderr, "moestash bench ops: needs the cuda backend (no device or not built in)\n");
         return 2;
@@ -237,6 +264,7 @@ static int run_ops(int which, int64_t reps) {
     for (int i = 0; i < 2 && st == MST_OK; i++)
         if (which < 0 || which == i) st = run_shape(ctx, mo, &shapes[i], (int)reps, &roofs);
     if (st != MST_OK) fprintf(stderr, "moestash bench ops: %s\n", mst_last_error());
+    if (st == MST_OK && json && write_json(json, mst_ctx_describe(ctx), roofs.copy_gbps)) st = MST_ERR_IO;
     if (stream) cudaStreamDestroy(stream);
     mst_ctx_destroy(ctx);
     return st == MST_OK ? 0 : 1;
@@ -244,8 +272,8 @@ static int run_ops(int which, int64_t reps) {
 
 #else
 
-static int run_ops(int which, int64_t reps) {
-    (void)which, (void)reps;
+static int run_ops(int which, int64_t reps, const char* json) {
+    (void)which, (void)reps, (void)json;
     fprintf(stderr, "moestash bench ops: needs the cuda backend (built without it)\n");
     return 2;
 }
@@ -256,17 +284,19 @@ int mst_bench_ops(int argc, char** argv) {
     mst_args a;
     int64_t reps = 20;
     int which = -1;
+    const char* json = NULL;
     static const char* const names[] = {"qwen3-30b-a3b", "h100", NULL};
     int rc = 0;
     mst_args_init(&a, "moestash bench ops", argc, argv);
     while (mst_args_next(&a)) {
         if (mst_args_is(&a, "--preset")) rc = mst_args_choice(&a, names, &which);
         else if (mst_args_is(&a, "--reps")) rc = mst_args_int(&a, 1, 100000, &reps);
+        else if (mst_args_is(&a, "--json")) rc = mst_args_out_file(&a, &json);
         else if (mst_args_is(&a, "--help") || mst_args_is(&a, "-h")) {
-            printf("usage: moestash bench ops [--preset qwen3-30b-a3b|h100 (both)] [--reps N (20)]\n");
+            printf("usage: moestash bench ops [--preset qwen3-30b-a3b|h100 (both)] [--reps N (20)] [--json FILE]\n");
             return 0;
         } else rc = mst_args_unknown(&a);
         if (rc) return rc;
     }
-    return run_ops(which, reps);
+    return run_ops(which, reps, json);
 }
