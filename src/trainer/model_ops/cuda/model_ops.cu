@@ -46,6 +46,7 @@ __global__ void xent_kernel(mst_xent_args a) {
     const int64_t r = blockIdx.x, V = a.vocab;
     const uint16_t* l = a.logits + r * V; /* [V] */
     float m = -INFINITY, s = 0.0f;
+#pragma unroll 2
     for (int64_t v = (int64_t)threadIdx.x * MST_PIECE; v < V; v += (int64_t)blockDim.x * MST_PIECE) {
         float f[MST_PIECE];
         const int n = piece_load<VEC>(l, v, V, f);
@@ -69,6 +70,7 @@ __global__ void xent_kernel(mst_xent_args a) {
     for (int w = 1; w < n_warps; w++) lse_join(m, s, shm_m[w], shm_s[w]);
     const int32_t tg = a.targets[r];
     if (threadIdx.x == 0) a.loss[r] = logf(s) + m - mst_bf(l[tg]);
+#pragma unroll 2
     for (int64_t v = (int64_t)threadIdx.x * MST_PIECE; v < V; v += (int64_t)blockDim.x * MST_PIECE) {
         float f[MST_PIECE];
         piece_load<VEC>(l, v, V, f);

@@ -27,6 +27,7 @@ __global__ void norm_forward_kernel(mst_norm_args a) {
     const int64_t H = a.cols;
     const uint16_t* x = a.x + r * H; /* [H] */
     float ss = 0.0f;
+#pragma unroll 4
     for (int64_t c = (int64_t)lane * MST_PIECE; c < H; c += 32 * MST_PIECE) {
         float f[MST_PIECE];
         const int m = piece_load<VEC>(x, c, H, f);
@@ -37,6 +38,7 @@ __global__ void norm_forward_kernel(mst_norm_args a) {
     ss = warp_sum_xor(ss);
     const float rs = rsqrtf(ss / (float)H + a.eps);
     if (lane == 0) a.rstd[r] = rs;
+#pragma unroll 4
     for (int64_t c = (int64_t)lane * MST_PIECE; c < H; c += 32 * MST_PIECE) {
         float f[MST_PIECE], w[MST_PIECE];
         piece_load<VEC>(x, c, H, f);
@@ -57,6 +59,7 @@ __global__ void norm_dx_kernel(mst_norm_args a) {
     const uint16_t *x = a.x + r * H, *dy = a.dy + r * H; /* [H], [H] */
     const float rs = a.rstd[r];
     float dot = 0.0f;
+#pragma unroll 4
     for (int64_t c = (int64_t)lane * MST_PIECE; c < H; c += 32 * MST_PIECE) {
         float fx[MST_PIECE], fd[MST_PIECE], w[MST_PIECE];
         const int m = piece_load<VEC>(x, c, H, fx);
@@ -68,6 +71,7 @@ __global__ void norm_dx_kernel(mst_norm_args a) {
     }
     dot = warp_sum_xor(dot);
     const float k3 = dot * rs * rs * rs / (float)H;
+#pragma unroll 4
     for (int64_t c = (int64_t)lane * MST_PIECE; c < H; c += 32 * MST_PIECE) {
         float fx[MST_PIECE], fd[MST_PIECE], w[MST_PIECE];
         piece_load<VEC>(x, c, H, fx);
@@ -90,7 +94,7 @@ __global__ void norm_dw_part_kernel(mst_norm_args a, int64_t chunk, float* parti
     float acc[VEC];
 #pragma unroll
     for (int k = 0; k < VEC; k++) acc[k] = 0.0f;
-#pragma unroll 4
+#pragma unroll 8
     for (int64_t r = r0; r < r1; r++) {
         float fx[VEC], fd[VEC];
         bf_unpack<VEC>(bf_load<VEC>(a.x + r * H + c), fx);
@@ -104,12 +108,23 @@ __global__ void norm_dw_part_kernel(mst_norm_args a, int64_t chunk, float* parti
     for (int k = 0; k < VEC; k++) out[k] = acc[k];
 }
 
-/* dw [H] += the parts' sums, in part order. */
+/* dw [H] += the parts' sums, in part order (SUM_AHEAD loads in flight
+ * before their adds). */
+enum { SUM_AHEAD = 8 };
+
 __global__ void norm_dw_sum_kernel(mst_norm_args a, int64_t parts, const float* partial) {
     const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= a.cols) return;
     float s = 0.0f;
-    for (int64_t p = 0; p < parts; p++) s += partial[p * a.cols + c];
+    int64_t p = 0;
+    for (; p + SUM_AHEAD <= parts; p += SUM_AHEAD) {
+        float v[SUM_AHEAD];
+#pragma unroll
+        for (int u = 0; u < SUM_AHEAD; u++) v[u] = partial[(p + u) * a.cols + c];
+#pragma unroll
+        for (int u = 0; u < SUM_AHEAD; u++) s += v[u];
+    }
+    for (; p < parts; p++) s += partial[p * a.cols + c];
     a.dw[c] += s;
 }
 
@@ -146,7 +161,7 @@ extern "C" mst_status mst_cuda_norm_backward(mst_ctx_t* ctx, const mst_norm_args
     if (vec == 8) norm_dw_part_kernel<8><<<part_grid, DW_THREADS, 0, c->stream>>>(*a, chunk, partial);
     else norm_dw_part_kernel<1><<<part_grid, DW_THREADS, 0, c->stream>>>(*a, chunk, partial);
     MST_CUDA_LAUNCHED();
-    norm_dw_sum_kernel<<<mst_blocks(a->cols, 256), 256, 0, c->stream>>>(*a, n_parts, partial);
+    norm_dw_sum_kernel<<<mst_blocks(a->cols, 64), 64, 0, c->stream>>>(*a, n_parts, partial);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
