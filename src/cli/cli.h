@@ -34,6 +34,7 @@ int mst_bench_step(int argc, char** argv); /* bench/bench_step.c */
 int mst_bench_stash(int argc, char** argv); /* bench/bench_stash.c */
 int mst_bench_gemm(int argc, char** argv); /* bench/bench_gemm.c */
 int mst_bench_train(int argc, char** argv); /* bench/bench_train.c */
+int mst_bench_optim(int argc, char** argv); /* bench/bench_optim.c */
 int mst_bench_ep(int argc, char** argv); /* bench/bench_ep.c */
 int mst_bench_plan(int argc, char** argv); /* bench/bench_plan.c */
 int mst_bench_attn(int argc, char** argv); /* bench/bench_attn.c */

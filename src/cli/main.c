@@ -17,6 +17,7 @@ static const mst_bench_entry benches[] = {
     {"attn", "causal attention fwd/bwd: flash against the cuBLAS probabilities path, ms, TFLOP/s, saved bytes", mst_bench_attn},
     {"ep", "expert-parallel dispatch/combine GB/s per GPU over NCCL vs NCCL all-to-all (CUDA, >= 1 GPU)", mst_bench_ep},
     {"ops", "the trainer's memory-bound model ops alone at a preset's shapes: ms, GB/s beside the copy roof (CUDA)", mst_bench_ops},
+    {"optim", "the optimizer's passes (zero, sum of squares, AdamW fp32 / bf16 moments): bytes a parameter, GB/s, copy roof", mst_bench_optim},
     {"plan", "train --memory-budget's plan vs the fastest fitting point of a grid of policies and recompute: step time, peak", mst_bench_plan},
     {NULL, NULL, NULL},
 };
