@@ -234,6 +234,9 @@ good "moestash $("$bin" --version | sed -n 's/^moestash \([0-9.]*\).*/\1/p')" --
 good "usage: moestash train" help train
 good "usage: moestash train" train --help
 good "step" bench --help
+good "optim" bench --help
+good "usage: moestash bench optim" help bench optim
+good "step, bf16 moments" bench optim --backend cpu --params 100003 --reps 1
 good "usage: moestash bench step" help bench step
 good "selfcheck cpu : grouped linear forward" selfcheck --backend=cpu
 good "memory (MiB), max over the ranks" train --backend cpu --gpus 2 --steps 2 --seq 8 --batch 1 --layers 1 \
