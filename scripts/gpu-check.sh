@@ -6,7 +6,8 @@
 # files); a short table is printed last.
 # usage: scripts/gpu-check.sh [tests|bench|python|all|ep] [bench names...]   (default: all)
 #   ep: expert parallelism on this machine's GPUs (needs >= 2): the EP tests
-#   over NCCL, the trainer on all GPUs (scripts/ep-train-check.sh) and
+#   over NCCL, the trainer on all GPUs (scripts/ep-train-check.sh), the
+#   pipeline grid (scripts/pp-train-check.sh) and
 #   `bench ep` (see the ep section below).
 # MST_SANITIZE_GPU="test_a test_b" runs compute-sanitizer memcheck over those
 # GPU tests (MST_SANITIZE_GPU=1: every one).
@@ -132,6 +133,10 @@ if [ "$what" = ep ]; then
   scripts/ep-train-check.sh ./build-gpu/moestash >"$out/ep-train-check.log" 2>&1
   summary+=("ep-train-check: $([ $? = 0 ] && echo ok || echo 'FAILED (see ep-train-check.log)')")
   cat "$out/ep-train-check.log"
+  # the pipeline grid (--pp): loss against one stage, STASH vs KEEP at --pp 4, the bubble
+  scripts/pp-train-check.sh ./build-gpu/moestash >"$out/pp-train-check.log" 2>&1
+  summary+=("pp-train-check: $([ $? = 0 ] && echo ok || echo 'FAILED (see pp-train-check.log)')")
+  cat "$out/pp-train-check.log"
   # PyTorch: moestash.torch.ExpertParallel over NCCL under torchrun, on every GPU
   # (python/tests/ep_gpu_worker.py: layers against the float64 reference,
   # graph capture, Qwen3-MoE patched with ep= against transformers)

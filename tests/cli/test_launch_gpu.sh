@@ -11,7 +11,9 @@
 #     and --ep N:
 #     the losses of 10 steps agree within 1e-3 relative (the contract of
 #     test_train_ep: the replicated gradients are summed in another order,
-#     so the runs drift apart by rounding).
+#     so the runs drift apart by rounding);
+#   - train --pp 2 (the pipeline grid) by --gpus and by torchrun against one
+#     stage on one GPU.
 # usage: test_launch_gpu.sh MOESTASH
 set -uo pipefail
 bin=$1
@@ -72,6 +74,33 @@ if [ $rc2 = 0 ] && [ $rc1 = 0 ] && [ "$(losses "$tmp/two.json" | wc -l)" = 10 ] 
   paste <(losses "$tmp/two.json") <(losses "$tmp/one.json") |
   awk '{ d = $1 - $2; if (d < 0) d = -d; r = d / ($2 < 0 ? -$2 : $2); if (r > m) m = r } END { print "  max relative loss difference " m; exit !(m <= 1e-3) }'; then ok
 else no "train --gpus $n (exit $rc2) vs --ep $n on one GPU (exit $rc1): 10 losses within 1e-3 relative"; fi
+
+# the pipeline grid through the launcher (processes, and torchrun): --pp 2 on 2 GPUs against one stage on
+# one GPU, untied embeddings, 1F1B over 4 microbatches (test_train_pp's contract: step 1's loss the same
+# bits; later steps within 1e-3: the gradient norm is summed per stage, another order), then --pp 2 on all
+# N GPUs (N / 2 data-parallel ranks a stage) trains
+pp=(train --backend cuda --steps 6 --log-every 6 --layers 2 --hidden 256 --ffn 512 --heads 4 --seq 128 --batch 4
+    --microbatches 4 --schedule 1f1b --tie-embeddings off)
+timeout 300 "$bin" "${pp[@]}" --pp 2 --gpus 2 --json "$tmp/pp2.json" >"$tmp/out" 2>"$tmp/err"
+rc2=$?
+timeout 300 "$bin" "${pp[@]}" --json "$tmp/pp1.json" >>"$tmp/out" 2>>"$tmp/err"
+rc1=$?
+if [ $rc2 = 0 ] && [ $rc1 = 0 ] && [ "$(losses "$tmp/pp2.json" | head -1)" = "$(losses "$tmp/pp1.json" | head -1)" ] &&
+  paste <(losses "$tmp/pp2.json") <(losses "$tmp/pp1.json") |
+  awk '{ d = $1 - $2; if (d < 0) d = -d; r = d / ($2 < 0 ? -$2 : $2); if (r > m) m = r } END { print "  --pp 2: max relative loss difference " m; exit !(m <= 1e-3) }'; then ok
+else no "train --pp 2 --gpus 2 (exit $rc2) vs --pp 1 on one GPU (exit $rc1): step 1's loss the same, 6 within 1e-3"; fi
+if command -v torchrun >/dev/null; then
+  timeout 300 torchrun --no-python --nproc-per-node 2 "$bin" "${pp[@]}" --pp 2 --json "$tmp/pp2t.json" >"$tmp/out" 2>"$tmp/err"
+  rc=$?
+  if [ $rc = 0 ] && [ "$(losses "$tmp/pp2t.json")" = "$(losses "$tmp/pp2.json")" ]; then ok
+  else no "torchrun --nproc-per-node 2 train --pp 2 -> exit $rc (want 0 and the losses of --pp 2 --gpus 2)"; fi
+fi
+if [ $((n % 2)) = 0 ] && [ "$n" -ge 4 ]; then
+  timeout 300 "$bin" "${pp[@]}" --pp 2 --gpus "$n" --experts 16 >"$tmp/out" 2>"$tmp/err"
+  rc=$?
+  if [ $rc = 0 ] && grep -qF "memory by pipeline stage" "$tmp/out"; then ok
+  else no "train --pp 2 --gpus $n -> exit $rc (want 0 and the table by stage)"; fi
+fi
 
 echo "launch_gpu: $passed passed, $failed failed"
 [ $failed = 0 ]

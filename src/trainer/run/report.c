@@ -36,12 +36,14 @@ static mst_status ranks_gather(mst_model* m, uint64_t x, uint64_t* all) {
     return mst_model_allreduce_host(m, all, 2 * (int64_t)m->dist.world, MST_EP_SUM_I32);
 }
 
-/* W ranks: the ranks' weight hashes in rank order, hashed. */
+/* W ranks: the ranks' weight hashes in rank order, hashed; P stages: every
+ * rank of the grid's, in grid order (the same on every rank). */
 static mst_status ranks_hash(mst_model* m, uint64_t* h) {
-    const int32_t W = m->dist.world;
-    uint64_t* all = (uint64_t*)malloc(sizeof *all * (size_t)W);
+    const int32_t W = mst_model_grid_size(m);
+    uint64_t* all = (uint64_t*)calloc((size_t)W, sizeof *all);
     if (!all) return mst_set_error(MST_ERR_OOM, "ranks' hashes");
-    mst_status st = ranks_gather(m, *h, all);
+    all[mst_model_grid_rank(m)] = *h; /* disjoint slots: the int32 halves' sum has no carry */
+    mst_status st = mst_model_allreduce_host_world(m, all, 2 * (int64_t)W, MST_EP_SUM_I32);
     if (st == MST_OK) *h = mst_fnv1a(MST_FNV1A_SEED, all, sizeof *all * (size_t)W);
     free(all);
     return st;
@@ -118,7 +120,7 @@ mst_status mst_train_memory_table(mst_model* m, mst_train_result* res) {
     res->mem_max = *t;
     MST_TRY(mst_weights_hash(m, &res->weights_hash, &res->replicated_hash));
     MST_TRY(mst_train_stage_tables(m, res));
-    if (!m->dist.ep) return MST_OK;
+    if (!m->dist.ep) return m->dist.pipe ? ranks_hash(m, &res->weights_hash) : MST_OK;
     MST_TRY(ranks_max(m, t, &res->mem_max));
     res->rank_peak = (uint64_t*)malloc(sizeof *res->rank_peak * (size_t)m->dist.world);
     if (!res->rank_peak) return mst_set_error(MST_ERR_OOM, "ranks' peaks");

@@ -96,7 +96,8 @@ typedef struct mst_train_result {
     int64_t n_layers, n_groups; /* L+1, G                                      */
     uint64_t weights_hash;    /* FNV-1a of the final fp32 master and bf16 weights
                                  (W ranks: of the ranks' hashes in rank order,
-                                 the same on every rank)                       */
+                                 P stages: of the grid's; the same on every
+                                 rank)                                         */
     uint64_t replicated_hash; /* the same of the parameters every rank holds
                                  (all but the experts on W ranks): this rank's */
     mst_mem_table mem;        /* this rank's                                   */

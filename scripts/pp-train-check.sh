@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The pipeline grid on this machine's GPUs (>= 2; the --pp 4 checks need 4),
+# one process per GPU; a measurement, not a CTest (tests/cli/test_launch_gpu.sh
+# and test_train_pp --backend cuda are the tests):
+#   loss:    --pp 2 --gpus 2 against one stage on one GPU (untied embeddings,
+#            1F1B over 4 microbatches, graphs on), 20 steps: step 1's loss
+#            bits and the max relative loss difference (the gradient norm is
+#            summed per stage, then over the stages: another order);
+#   policy:  KEEP and STASH at --pp P (P = 4 on 4+ GPUs, else 2), 8
+#            microbatches, dropless (capacity factor = the groups): stage 0's
+#            saved grouped-MLP bytes (kept + stash pool) under each, their
+#            ratio (target <= 0.5), STASH/KEEP step time (target <= 1.03)
+#            and whether the losses are the same bits;
+#   bubble:  the --pp P step against one stage's work alone (--pp 1 on one
+#            GPU with L / P layers and the same microbatches): measured
+#            T_pp / T_stage against the 1F1B ideal (M + P - 1) / M, i.e. the
+#            bubble (P - 1) / (M + P - 1) on top of a stage's compute
+#            (target: within 10 %). The one-stage run also does the
+#            embedding, the head and the MTP module: an upper bound of a
+#            stage's compute, so the measured bubble is a lower bound.
+# usage: scripts/pp-train-check.sh MOESTASH
+set -uo pipefail
+bin=$1
+n=$(nvidia-smi -L 2>/dev/null | wc -l)
+[ "$n" -ge 2 ] || { echo "skipped: $n GPUs"; exit 77; }
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+bad=0
+run() { # name, args...: a train run, its JSON in $tmp/name.json
+  local name=$1
+  shift
+  if ! timeout 900 "$bin" train --backend cuda "$@" --json "$tmp/$name.json" >"$tmp/$name.out" 2>"$tmp/$name.err"; then
+    echo "FAILED: train $* (exit $?)"
+    tail -5 "$tmp/$name.err"
+    bad=1
+    return 1
+  fi
+}
+P=2
+[ "$n" -ge 4 ] && P=4
+size=(--hidden 1024 --ffn 1024 --heads 8 --kv-heads 4 --head-dim 128 --seq 1024 --batch 4 --layers 8 --experts 32 --top-k 4)
+
+# ---- loss: --pp 2 on 2 GPUs vs one stage on one GPU ----
+common=(--steps 20 --log-every 20 --microbatches 4 --schedule 1f1b --tie-embeddings off)
+if run pp2 --pp 2 --gpus 2 "${common[@]}" && run pp1 "${common[@]}"; then
+  python3 - "$tmp/pp2.json" "$tmp/pp1.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+rel = [abs(x - y) / abs(y) for x, y in zip(a["loss"], b["loss"])]
+print(f"loss: train --pp 2 --gpus 2 vs --pp 1 on one GPU, 20 steps, M 4: step 1 "
+      f"{'bit-identical' if a['loss'][0] == b['loss'][0] else 'DIFFERS'}, max relative loss difference {max(rel):.2e} "
+      f"(step {rel.index(max(rel)) + 1}); loss {b['loss'][0]:.4f} -> {b['loss'][-1]:.4f}; captures {a['captures']}, "
+      f"replays {a['replays']}, reruns {a['reruns']}")
+PY
+fi
+
+# ---- policy: STASH against KEEP at --pp P, 8 microbatches ----
+for p in keep stash; do run "$p" --pp "$P" --gpus "$P" --microbatches 8 --steps 30 --log-every 30 --policy "$p" "${size[@]}"; done
+if [ -s "$tmp/keep.json" ] && [ -s "$tmp/stash.json" ]; then
+  python3 - "$tmp/keep.json" "$tmp/stash.json" "$P" <<'PY'
+import json, statistics, sys
+k, s = (json.load(open(p)) for p in sys.argv[1:3])
+tk, ts = (statistics.median(d["tokens_per_s"][10:]) for d in (k, s))
+k0, s0 = k["stages"][0], s["stages"][0]
+print(f"policy at --pp {sys.argv[3]}, M 8, graphs on, median of steps 11-30: KEEP {tk:,.0f} tok/s, STASH {ts:,.0f} "
+      f"(step time STASH/KEEP {tk / ts:.3f}); stage 0 ({k0['sets']} microbatches in flight): grouped-MLP saved KEEP "
+      f"{k0['mlp_saved'] / 2**20:.1f} MiB, STASH {s0['mlp_saved'] / 2**20:.1f} MiB (pages peak in use "
+      f"{s0['dev_pages_peak'] / 2**20:.1f} MiB): {s0['mlp_saved'] / k0['mlp_saved']:.3f}x; backend peak stage 0 "
+      f"{k0['backend_peak'] / 2**30:.2f} -> {s0['backend_peak'] / 2**30:.2f} GiB; losses "
+      f"{'bit-identical' if k['loss'] == s['loss'] else 'DIFFER'}; reruns {k['reruns']} / {s['reruns']}")
+for d, name in ((k, "KEEP"), (s, "STASH")):
+    print(f"  {name} by stage: " + "; ".join(f"stage {t['stage']}: {t['sets']} in flight, MLP saved {t['mlp_saved'] / 2**20:.1f} MiB, "
+          f"peak {t['backend_peak'] / 2**30:.2f} GiB" for t in d["stages"]))
+PY
+fi
+
+# ---- bubble: the --pp P step against one stage's work alone ----
+L=8
+if run stage --microbatches 8 --steps 30 --log-every 30 --policy keep "${size[@]}" --layers $((L / P)); then
+  python3 - "$tmp/keep.json" "$tmp/stage.json" "$P" 8 <<'PY'
+import json, statistics, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+P, M = int(sys.argv[3]), int(sys.argv[4])
+ta, tb = (1.0 / statistics.median(d["tokens_per_s"][10:]) for d in (a, b))  # seconds per token of the same batch
+ratio, ideal = ta / tb, (M + P - 1) / M
+print(f"bubble at --pp {P}, M {M}: step {ratio:.3f}x one stage's work alone (ideal 1F1B {ideal:.3f}x: bubble "
+      f"{(P - 1) / (M + P - 1):.3f} of the step); measured/ideal {ratio / ideal:.3f} (target <= 1.10)")
+PY
+fi
+exit $bad
