@@ -138,6 +138,8 @@ WRAP_MODEL(attn_forward, mst_attn_args)
 WRAP_MODEL(attn_backward, mst_attn_args)
 WRAP_MODEL(attn_flash_forward, mst_attn_args)
 WRAP_MODEL(attn_flash_backward, mst_attn_args)
+WRAP_MODEL(attn_cudnn_forward, mst_attn_args)
+WRAP_MODEL(attn_cudnn_backward, mst_attn_args)
 WRAP_MODEL(route_forward, mst_route_args)
 WRAP_MODEL(route_backward, mst_route_args)
 WRAP_MODEL(rows_gather, mst_rows_args)
@@ -196,6 +198,7 @@ static mst_status op_table(mst_ctx_t* ctx, const mst_train_config* cfg, const ch
         SET(wm, mm, wm); SET(wm, norm_forward, wm); SET(wm, norm_backward, wm); SET(wm, add, wm);
         SET(wm, embed_forward, wm); SET(wm, embed_backward, wm); SET(wm, xent, wm); SET(wm, attn_forward, wm);
         SET(wm, attn_backward, wm); SET(wm, attn_flash_forward, wm); SET(wm, attn_flash_backward, wm);
+        SET(wm, attn_cudnn_forward, wm); SET(wm, attn_cudnn_backward, wm);
         SET(wm, route_forward, wm); SET(wm, route_backward, wm);
         SET(wm, rows_gather, wm); SET(wm, rows_sum, wm); SET(wm, sumsq, wm); SET(wm, adamw, wm); SET(wm, sum, wm);
         SET(wb, gl_forward, wl); SET(wb, gl_dgrad, wl); SET(wb, gl_wgrad, wl); SET(wb, act_forward, wl);

@@ -21,6 +21,11 @@
 #   MST_MUTANTS_DIR  scratch directory (default: a fresh mktemp -d, removed at
 #                    the end unless MST_MUTANTS_KEEP=1)
 #   MST_JOBS         build parallelism (default 2)
+#   MST_MUTANTS_GPU=1  the GPU list instead (tests/mutants/gpu/*.txt: bugs
+#                    only a `gpu`-labelled test can see, e.g. in a cuDNN
+#                    graph): a CUDA build, the `gpu` tests as the suite (a
+#                    GPU machine: scripts/gpu-check.sh's environment).
+#                    --check checks both lists.
 #
 # ---- the list: tests/mutants/*.txt -----------------------------------------
 # One file per area (any name ending in .txt). Entries are blocks of
@@ -77,8 +82,14 @@ add_entry() { # uses cur_* ; $1 origin
 }
 reset_entry() { cur_name="" cur_find="" cur_repl="" cur_in="" cur_expect="" cur_why="" have_find=0 have_repl=0 last_key=""; }
 shopt -s nullglob
-lists=("$root"/tests/mutants/*.txt)
+gpu=${MST_MUTANTS_GPU:-0}
+if [ "$check_only" = 1 ]; then lists=("$root"/tests/mutants/*.txt "$root"/tests/mutants/gpu/*.txt)
+elif [ "$gpu" = 1 ]; then lists=("$root"/tests/mutants/gpu/*.txt)
+else lists=("$root"/tests/mutants/*.txt)
+fi
 [ ${#lists[@]} -gt 0 ] || { echo "mutants.sh: no tests/mutants/*.txt" >&2; exit 2; }
+# the suite: the CPU tests (a CPU-only build), or the gpu tests (MST_MUTANTS_GPU=1)
+if [ "$gpu" = 1 ]; then sel=(-L gpu) cuda_flag=() kind=GPU; export MST_TEST_REQUIRE_GPU=1; else sel=(-LE 'gpu|mutants') cuda_flag=(-DMST_CUDA=OFF) kind=CPU; fi
 for f in "${lists[@]}"; do
   rel=${f#"$root"/}
   reset_entry
@@ -164,10 +175,10 @@ trap cleanup EXIT
   tar -xf - -C "$scratch/tree" || { echo "mutants.sh: copy into $scratch failed" >&2; exit 2; }
 tree=$scratch/tree build=$scratch/build log=$scratch/log
 echo "mutants.sh: scratch copy in $scratch"
-cmake -S "$tree" -B "$build" -DMST_CUDA=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$log" 2>&1 &&
+cmake -S "$tree" -B "$build" "${cuda_flag[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$log" 2>&1 &&
   cmake --build "$build" -j"$jobs" >>"$log" 2>&1 || { echo "mutants.sh: the unmutated tree does not build:" >&2; tail -n 20 "$log" >&2; exit 2; }
 suite() { # $1: extra ctest args; prints the failing test names
-  (cd "$build" && ctest -LE 'gpu|mutants' --timeout 300 "$@" >"$log" 2>&1)
+  (cd "$build" && ctest "${sel[@]}" --timeout 300 "$@" >"$log" 2>&1)
   local rc=$?
   sed -n 's/^[[:space:]]*[0-9][0-9]* - \([^ ]*\) (.*/\1/p' "$log" | sort -u | tr '\n' ' '
   return $rc
@@ -181,8 +192,8 @@ for i in "${selected[@]}"; do
   where=$(locate "$tree" "${finds[$i]}" "${ins[$i]}"); rc=$?
   if [ $rc = 1 ]; then printf '%-34s STALE     text not found (%s)\n' "$name" "${origins[$i]}"; problems+=("$name"); continue; fi
   if [ $rc != 0 ]; then printf '%-34s AMBIGUOUS %s(%s)\n' "$name" "$where" "${origins[$i]}"; problems+=("$name"); continue; fi
-  if ! (cd "$build" && ctest -N -LE 'gpu|mutants' -R "${expects[$i]}" | grep -q '^Total Tests: [1-9]'); then
-    printf '%-34s NO-TEST   expect: %s names no CPU test (%s)\n' "$name" "${expects[$i]}" "${origins[$i]}"; problems+=("$name"); continue
+  if ! (cd "$build" && ctest -N "${sel[@]}" -R "${expects[$i]}" | grep -q '^Total Tests: [1-9]'); then
+    printf '%-34s NO-TEST   expect: %s names no %s test (%s)\n' "$name" "${expects[$i]}" "$kind" "${origins[$i]}"; problems+=("$name"); continue
   fi
   file=$tree/$where
   cp -p "$file" "$scratch/orig"

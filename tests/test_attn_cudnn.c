@@ -405,6 +405,7 @@ static void run(mst_ctx_t* ctx) {
     test_probe();
     const mst_model_backend* mo = NULL;
     if (mst_model_backend_of(ctx, &mo) != MST_OK || !mo->attn_cudnn_check) return;
+    setenv("MST_CUDNN_VERBOSE", "1", 0); /* each plan's engine and workspace on stderr */
     /* B, T, NH, KV, D */
     const dims cases[] = {{1, 256, 16, 4, 128}, {1, 256, 16, 16, 128}, {1, 256, 16, 4, 64},  {1, 256, 16, 16, 64},
                           {2, 77, 4, 2, 64},    {1, 2048, 16, 4, 128}, {1, 2048, 16, 16, 128}, {1, 2048, 16, 4, 64},

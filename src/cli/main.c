@@ -14,7 +14,7 @@ static const mst_bench_entry benches[] = {
     {"gemm", "grouped linear fwd/dgrad/wgrad TFLOP/s, graph-replayed, vs cuBLAS loop/grouped/dense (CUDA)", mst_bench_gemm},
     {"step", "memory-manager step per policy: time and activation memory vs keep and exact shapes", mst_bench_step},
     {"train", "the trainer's whole step, eager vs graph-replayed: tokens/s, model TFLOP/s, MFU, peak memory (CUDA)", mst_bench_train},
-    {"attn", "causal attention fwd/bwd: flash against the cuBLAS probabilities path, ms, TFLOP/s, saved bytes", mst_bench_attn},
+    {"attn", "causal attention fwd/bwd: our flash kernels and cuDNN against the cuBLAS probabilities path, ms, TFLOP/s, saved bytes", mst_bench_attn},
     {"ep", "expert-parallel dispatch/combine GB/s per GPU over NCCL vs NCCL all-to-all (CUDA, >= 1 GPU)", mst_bench_ep},
     {"ops", "the trainer's memory-bound model ops alone at a preset's shapes: ms, GB/s beside the copy roof (CUDA)", mst_bench_ops},
     {"optim", "the optimizer's passes (zero, sum of squares, AdamW fp32 / bf16 moments): bytes a parameter, GB/s, copy roof", mst_bench_optim},

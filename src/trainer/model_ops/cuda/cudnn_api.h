@@ -55,7 +55,7 @@ mst_status mst_cudnn_fail(const mst_cudnn_api* api, cudnnStatus_t s, const char*
 
 /* ---- graph construction ---------------------------------------------------- */
 
-enum { CDN_MAX_DESCS = 160 };
+enum { CDN_MAX_DESCS = 256 }; /* a backward graph: ~80, then up to 16 configs, 32 engines, 32 plans */
 
 typedef struct cdn_build {
     const mst_cudnn_api* api;

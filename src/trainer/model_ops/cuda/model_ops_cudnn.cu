@@ -64,6 +64,8 @@ struct sdpa_plan {
     int64_t acc_off;               /* bytes: the fp32 dQ accumulator [B, NH, T, D]
                                       in the workspace (nondeterministic backward) */
     int64_t engine;                /* cuDNN's engine index (for messages)           */
+    int noted_nondet;              /* the engine is noted NONDETERMINISTIC: taken
+                                      only where no other one took the graph   */
     float scale, neg_inf, one;     /* the by-value scalars the packs point at       */
 };
 
@@ -247,8 +249,10 @@ mst_status engine_notes(cdn_build* g, cudnnBackendDescriptor_t cfg, int* nondet,
 }
 
 /* The graph of p->g finalized, the heuristics' configs tried in their order
- * (skipping engines noted nondeterministic unless p->key.nondet) until one
- * gives an execution plan: p->plan, p->ws_bytes, p->engine. */
+ * until one gives an execution plan (p->plan, p->ws_bytes, p->engine):
+ * first skipping engines noted nondeterministic (unless p->key.nondet),
+ * then, where none other took it, those (p->noted_nondet: the GPU test's
+ * bit-identity checks tell whether its runs differ). */
 mst_status choose_plan(cudnnHandle_t h, sdpa_plan* p) {
     cdn_build* g = &p->g;
     const mst_cudnn_api* A = g->api;
@@ -269,14 +273,16 @@ mst_status choose_plan(cudnnHandle_t h, sdpa_plan* p) {
     int64_t got = 0;
     if (n > 0) CUDNN_TRY(A, get(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, n, &got, cfg));
     char why[400] = "the heuristics returned no engine config";
-    for (int64_t i = 0; i < got; i++) {
+    for (int64_t k = 0; k < 2 * got; k++) {
+        const int64_t i = k % got, pass = k / got; /* pass 1: the engines noted nondeterministic */
         int nondet = 0;
         int64_t index = -1;
         MST_TRY(engine_notes(g, cfg[i], &nondet, &index));
-        if (nondet && !p->key.nondet) {
-            snprintf(why, sizeof why, "engine %lld is nondeterministic", (long long)index);
+        if (nondet && !p->key.nondet && pass == 0) {
+            snprintf(why, sizeof why, "engine %lld is noted nondeterministic", (long long)index);
             continue;
         }
+        if (pass == 1 && !(nondet && !p->key.nondet)) continue; /* tried in pass 0 */
         cudnnBackendDescriptor_t plan;
         MST_TRY(cdn_desc(g, CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, &plan));
         CUDNN_TRY(A, set(plan, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &h));
@@ -290,6 +296,7 @@ mst_status choose_plan(cudnnHandle_t h, sdpa_plan* p) {
         CUDNN_TRY(A, get(plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &n, &p->ws_bytes));
         p->plan = plan;
         p->engine = index;
+        p->noted_nondet = nondet;
         return MST_OK;
     }
     return mst_set_error(MST_ERR_UNSUPPORTED, "cuDNN %s attention: none of %lld engine configs took it (last: %s)",
@@ -350,6 +357,12 @@ mst_status plan_build(const mst_cudnn_api* A, cudnnHandle_t h, const sdpa_key& k
     }
     const int64_t align = 256;
     p->acc_off = (p->ws_bytes + align - 1) / align * align;
+    if (getenv("MST_CUDNN_VERBOSE"))
+        fprintf(stderr, "cuDNN %zu attention plan: %s%s B %lld NH %lld KV %lld T %lld D %lld: engine %lld%s, "
+                "workspace %.1f MiB\n", A->version, k.backward ? "backward" : "forward",
+                k.nondet ? " (nondeterministic allowed)" : "", (long long)k.B, (long long)k.NH, (long long)k.KV,
+                (long long)k.T, (long long)k.D, (long long)p->engine,
+                p->noted_nondet ? " NOTED NONDETERMINISTIC" : "", (double)p->ws_bytes / (1 << 20));
     *out = p;
     return MST_OK;
 }
