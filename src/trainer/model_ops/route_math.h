@@ -1,8 +1,9 @@
 /*
- * route_math.h — the router's per-token math, shared by the CPU reference
- * (C11) and the CUDA kernel (host/device inline): softmax over the E logits
- * of token t, then its top-k (ties to the lower index), the chosen
- * probabilities divided by their sum when norm_topk.
+ * route_math.h — the router's per-token math, the CPU reference's: softmax
+ * over the E logits of token t, then its top-k (ties to the lower index),
+ * the chosen probabilities divided by their sum when norm_topk. The CUDA
+ * router (model_ops_route.cu) runs the same fp32 operations in the same
+ * order with a warp per token.
  */
 #ifndef MST_ROUTE_MATH_H
 #define MST_ROUTE_MATH_H
