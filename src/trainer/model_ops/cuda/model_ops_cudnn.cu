@@ -323,13 +323,18 @@ void state_free(void* v) {
 
 mst_status state_of(mst_ctx_t* ctx, const mst_cudnn_api* A, sdpa_state** out) {
     mst_cuda_impl* c = mst_cuda(ctx);
-    if (!c->cudnn) {
+    if (!c->cudnn) { /* kept only once its handle is made */
+        cudnnHandle_t h = NULL;
+        MST_CUDA_TRY(cudaSetDevice(c->device));
+        CUDNN_TRY(A, create(&h));
         sdpa_state* s = (sdpa_state*)calloc(1, sizeof *s);
-        if (!s) return mst_set_error(MST_ERR_OOM, "cuDNN attention state");
+        if (!s) {
+            A->destroy(h);
+            return mst_set_error(MST_ERR_OOM, "cuDNN attention state");
+        }
+        s->handle = h;
         c->cudnn = s;
         c->cudnn_free = state_free;
-        MST_CUDA_TRY(cudaSetDevice(c->device));
-        CUDNN_TRY(A, create(&s->handle));
     }
     *out = (sdpa_state*)c->cudnn;
     return MST_OK;
