@@ -168,14 +168,14 @@ void mst_model_init_params(const mst_model* m, float* p) {
 
 /* ---- memory bound ------------------------------------------------------------ */
 
-mst_status mst_model_bytes_at_least(const mst_model_config* c, double* total_bytes, double* params_bytes) {
+mst_status mst_model_bytes_at_least(const mst_model_config* c, int32_t moments_bf16, double* total_bytes, double* params_bytes) {
     mst_model m = {.cfg = *c, .n_local = c->experts};
     mst_model_set_stage(&m, 0, 1);
     m.lp = (mst_layer_params*)calloc((size_t)c->layers + 1, sizeof *m.lp);
     if (!m.lp) return mst_set_error(MST_ERR_OOM, "layer parameter table");
     mst_model_layout(&m); /* the parameter count, as the model lays them out */
     free(m.lp);
-    *params_bytes = (double)m.n_params * (2 + 4 + 3 * 4);
+    *params_bytes = (double)m.n_params * (2 + 4 + 4 + (moments_bf16 ? 2 * 2 : 2 * 4)); /* w, grad, master, m and v */
     const double N = (double)c->batch * (double)c->seq, rows = N * (double)c->n_head, D = (double)c->head_dim;
     const double Wq = ((double)c->n_head + 2.0 * (double)c->n_kv_head) * D;
     /* qkv (bf16), QK-norm's rstd (fp32) and the output (bf16) with the
