@@ -31,11 +31,21 @@ if [ ! -e /usr/local/cuda/include/nccl.h ]; then
 fi
 # cuDNN (--attention cudnn, loaded at run time by dlopen("libcudnn.so.9")):
 # PyTorch's nvidia-cudnn-cu13 package's lib/ first on the loader's path, the
-# same cuDNN whose headers CMake finds first.
-cudnn_lib=$(python3 -m pip show -f nvidia-cudnn-cu13 2>/dev/null | awk '
-  /^Location: / { loc = $2 } /\/lib\/libcudnn\.so\.9$/ { sub("/libcudnn.so.9", "", $1); print loc "/" $1 }')
-[ -n "$cudnn_lib" ] && export LD_LIBRARY_PATH=$cudnn_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-summary+=("cudnn library: ${cudnn_lib:-default loader path}")
+# same cuDNN whose headers CMake finds first; its runtime-compiled engines
+# load NVRTC: the nvidia-cuda-nvrtc-cu13 package's lib/ after it (the
+# toolkit's otherwise).
+pip_lib() { # $1 package, $2 library file name: the package's folder holding it
+  python3 -m pip show -f "$1" 2>/dev/null | awk -v f="$2" '
+    /^Location: / { loc = $2 } index($1, "/lib/" f) && substr($1, length($1) - length(f) + 1) == f {
+      sub("/" f "$", "", $1); print loc "/" $1; exit }'
+}
+cudnn_lib=$(pip_lib nvidia-cudnn-cu13 libcudnn.so.9)
+nvrtc_lib=$(pip_lib nvidia-cuda-nvrtc-cu13 libnvrtc.so.13)
+[ -n "$nvrtc_lib" ] || nvrtc_lib=$(pip_lib nvidia-cuda-nvrtc libnvrtc.so.13)
+for d in "$nvrtc_lib" "$cudnn_lib"; do
+  [ -n "$d" ] && export LD_LIBRARY_PATH=$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+done
+summary+=("cudnn library: ${cudnn_lib:-default loader path}; nvrtc: ${nvrtc_lib:-default loader path}")
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release ${nccl_root:+-DMST_NCCL_ROOT="$nccl_root"} -G Ninja >"$out/configure.log" 2>&1 \
   || cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release ${nccl_root:+-DMST_NCCL_ROOT="$nccl_root"} >"$out/configure.log" 2>&1 \

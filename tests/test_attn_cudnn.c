@@ -6,7 +6,9 @@
  * cudnn where the backend has no cuDNN attention is an error naming the
  * flag and the reason, AUTO stays on our flash kernels; a cuDNN library
  * that cannot be opened (a name that does not exist, or $MST_CUDNN_LIB
- * naming one) is refused naming the library and dlopen's reason.
+ * naming one) is refused naming the library and dlopen's reason; where
+ * the library loads (no GPU needed), every graph of the GPU cases passes
+ * cuDNN's checks of its operations and of the operation graph.
  *
  * cuda (label gpu): for causal attention at T 256 and 2048, heads 16 / 4 and
  * 16 / 16, head dims 128 and 64 (and B 2, T 77: a sequence that is no whole
@@ -77,6 +79,26 @@ static void test_probe(void) {
     mst_status st = mst_cudnn_probe(NULL, &v);
     printf("cuDNN here: %s\n", st == MST_OK ? "loads" : mst_last_error());
     if (st == MST_OK) CHECK(v / 10000 == 9, "cuDNN version %zu accepted: expected 9.x", v);
+#endif
+}
+
+/* Where the library loads (no GPU needed): every graph the GPU cases use,
+ * forward, backward and nondeterministic backward, passes cuDNN's checks of
+ * each operation and of the operation graph. */
+static void test_graphs(void) {
+#ifdef MST_HAVE_CUDA
+    if (mst_cudnn_probe(NULL, NULL) != MST_OK) return; /* said by test_probe */
+    const int64_t c[][5] = {{1, 256, 16, 4, 128}, {1, 256, 16, 16, 64}, {2, 77, 4, 2, 64}, {1, 8192, 16, 4, 128},
+                            {1, 96, 2, 1, 64}, {1, 1, 1, 1, 8}};
+    for (size_t i = 0; i < sizeof c / sizeof *c; i++)
+        for (int k = 0; k < 3; k++) {
+            const mst_attn_args a = {.batch = c[i][0], .seq = c[i][1], .n_head = c[i][2], .n_kv_head = c[i][3],
+                                     .head_dim = c[i][4], .nondeterministic = k == 2};
+            const mst_status st = mst_cudnn_graph_check(&a, k > 0);
+            CHECK(st == MST_OK, "cuDNN %s graph B %lld T %lld heads %lld/%lld D %lld: %s",
+                  k == 0 ? "forward" : k == 1 ? "backward" : "nondeterministic backward", (long long)c[i][0],
+                  (long long)c[i][1], (long long)c[i][2], (long long)c[i][3], (long long)c[i][4], mst_last_error());
+        }
 #endif
 }
 
@@ -404,6 +426,7 @@ static void test_refusals(mst_ctx_t* ctx) {
 static void run(mst_ctx_t* ctx) {
     test_choice(ctx);
     test_probe();
+    test_graphs();
     const mst_model_backend* mo = NULL;
     if (mst_model_backend_of(ctx, &mo) != MST_OK || !mo->attn_cudnn_check) return;
     setenv("MST_CUDNN_VERBOSE", "1", 0); /* each plan's engine and workspace on stderr */

@@ -323,6 +323,10 @@ extern const mst_model_backend mst_model_backend_cuda;
  * the library and why (dlopen's error, a missing symbol, another version,
  * a build without cuDNN's headers). */
 mst_status mst_cudnn_probe(const char* name, size_t* version);
+/* The cuDNN attention graph of a's dims (backward, a->nondeterministic)
+ * built and finalized as an operation graph, which needs no GPU (cuDNN
+ * checks every operation's shapes and types): MST_OK or why not. */
+mst_status mst_cudnn_graph_check(const mst_attn_args* a, int backward);
 #endif
 
 #ifdef __cplusplus

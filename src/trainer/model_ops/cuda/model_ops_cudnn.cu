@@ -460,6 +460,27 @@ mst_status check_ptrs(const mst_attn_args* a, int backward) {
 
 } // namespace
 
+/* The graph of a's dims built and finalized as an operation graph (no
+ * handle, no device: every operation's shapes and types checked by cuDNN),
+ * then dropped. */
+extern "C" mst_status mst_cudnn_graph_check(const mst_attn_args* a, int backward) {
+    const mst_cudnn_api* A;
+    MST_TRY(mst_cudnn_api_get(&A));
+    cdn_build g = {};
+    g.api = A;
+    const sdpa_key k = key_of(a, backward);
+    gb b = {&g, U_VIRTUAL, k.B, k.NH, k.KV, k.T, k.D, (k.NH + 2 * k.KV) * k.D, k.NH * k.D};
+    mst_status st = backward ? graph_backward(b, k.nondet) : graph_forward(b);
+    cudnnBackendDescriptor_t graph = NULL;
+    if (st == MST_OK) st = cdn_desc(&g, CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, &graph);
+    cudnnStatus_t e = CUDNN_STATUS_SUCCESS;
+    if (st == MST_OK) e = A->set(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, g.n_ops, g.ops);
+    if (st == MST_OK && e == CUDNN_STATUS_SUCCESS) e = A->finalize(graph);
+    if (st == MST_OK && e != CUDNN_STATUS_SUCCESS) st = mst_cudnn_fail(A, e, "finalize(operation graph)", __FILE__, __LINE__);
+    cdn_free(&g);
+    return st;
+}
+
 /* The dims cuDNN's fused attention is asked for (D a multiple of 8 up to
  * 128, KV dividing NH), then the library and both plans: building them here
  * (outside any capture) is what makes the later calls allocation-free. */
@@ -514,6 +535,10 @@ static mst_status no_cudnn(void) {
 }
 extern "C" mst_status mst_cudnn_probe(const char* name, size_t* version) {
     (void)name, (void)version;
+    return no_cudnn();
+}
+extern "C" mst_status mst_cudnn_graph_check(const mst_attn_args* a, int backward) {
+    (void)a, (void)backward;
     return no_cudnn();
 }
 extern "C" mst_status mst_cuda_attn_cudnn_check(mst_ctx_t* ctx, const mst_attn_args* a) {
