@@ -2,7 +2,8 @@
 # The trainer's end-to-end check on a GPU machine: the same small
 # configuration trained on the CPU and on CUDA, first steps' losses compared
 # (within bf16 tolerance), the CUDA run repeated for bit-identical losses, a
-# forced over-budget step on CUDA, --check-policies on CUDA, then the GPU
+# forced over-budget step on CUDA, --check-policies on CUDA, the same with
+# cuDNN's attention (--attention cudnn, head dim 64), then the GPU
 # default configuration under keep and under stash (1F1B, 2 microbatches)
 # with their memory tables. Logs and JSON under $OUT (or out/).
 # usage: scripts/train-check.sh [build dir]   (default build-gpu, built if missing)
@@ -47,6 +48,31 @@ sys.exit(0 if ok and same and fsame and fell else 1)
 PY
 "$bin" train --backend cuda $small --steps 6 --check-policies >"$out/train-cuda-policies.log" 2>&1 || rc=1
 grep check-policies "$out/train-cuda-policies.log"
+# cuDNN's attention (--attention cudnn) at head dim 64: the first losses
+# against the CPU's (whose attention is the reference), bit-identical when
+# run twice, and --check-policies (every policy the same bits)
+d64=${small/--head-dim 16/--head-dim 64}
+rc_cudnn=0
+"$bin" train --backend cpu $d64 --quiet --json "$out/train-cpu-d64.json" >"$out/train-cpu-d64.log" 2>&1 || rc_cudnn=1
+"$bin" train --backend cuda $d64 --attention cudnn --json "$out/train-cudnn.json" >"$out/train-cudnn.log" 2>&1 || rc_cudnn=1
+"$bin" train --backend cuda $d64 --attention cudnn --quiet --json "$out/train-cudnn2.json" >"$out/train-cudnn2.log" 2>&1 ||
+  rc_cudnn=1
+[ $rc_cudnn = 0 ] || tail -3 "$out/train-cpu-d64.log" "$out/train-cudnn.log" "$out/train-cudnn2.log"
+[ $rc_cudnn = 0 ] && { python3 - "$out" <<'PY' || rc_cudnn=1
+import json, sys
+d = sys.argv[1]
+cpu, a, b = (json.load(open(f"{d}/train-{n}.json")) for n in ("cpu-d64", "cudnn", "cudnn2"))
+rel = [abs(x - y) / abs(x) for x, y in zip(cpu["loss"][:5], a["loss"][:5])]
+print("cudnn: first 5 losses vs cpu, rel diff " + " ".join(f"{r:.1e}" for r in rel) +
+      f"; run twice bit-identical: {a['loss'] == b['loss'] and a['mtp_loss'] == b['mtp_loss']}")
+sys.exit(0 if max(rel) < 1e-2 and a["loss"] == b["loss"] and a["mtp_loss"] == b["mtp_loss"] else 1)
+PY
+}
+"$bin" train --backend cuda $d64 --attention cudnn --steps 6 --check-policies >"$out/train-cudnn-policies.log" 2>&1 ||
+  rc_cudnn=1
+grep check-policies "$out/train-cudnn-policies.log"
+echo "train-check cudnn: $([ $rc_cudnn = 0 ] && echo ok || echo FAILED)"
+[ $rc_cudnn = 0 ] || rc=1
 "$bin" train --backend cuda --steps ${TRAIN_STEPS:-60} --json "$out/train-cuda-default.json" >"$out/train-cuda-default.log" 2>&1 || rc=1
 tail -17 "$out/train-cuda-default.log"
 "$bin" train --backend cuda --steps ${TRAIN_STEPS:-60} --policy stash --microbatches 2 --schedule 1f1b \
