@@ -10,9 +10,15 @@
  *   spill:  a pool with no device pages: save = device -> pinned host over
  *           PCIe, restore = host -> device; GB/s of the valid bytes beside
  *           pinned cudaMemcpyAsync device-to-host / host-to-device.
+ *   fp8:    pools of fp8 pages (bf16 rows as e4m3 + a scale per 128): the
+ *           bytes moved are the bf16 rows read and the fp8 pages written (a
+ *           save; the other way for a restore), beside the same D2D copy
+ *           roof; spill: the fp8 page bytes over PCIe beside pinned D2H /
+ *           H2D. The rows are finite bf16 of a wide range.
  *
- * Each configuration is validated first (restore bit-exact, rows past n
- * untouched, mst_pool_check clean, no page left); then save, restore and the
+ * Each configuration is validated first (restore bit-exact, fp8: the bytes
+ * of the CPU twin's round trip, fp8_page.h; rows past n untouched,
+ * mst_pool_check clean, no page left); then save, restore and the
  * baseline are timed with events, interleaved, and the median is kept.
  * Ratios and a short table come last. --width W keeps the cases of that
  * width only (A/B runs of one kernel change).
@@ -33,9 +39,10 @@ enum { N_GROUPS = 8, WARMUP = 3 };
 #define TARGET 0.90
 
 typedef struct stash_case {
-    mst_dtype dtype;
+    mst_dtype dtype;         /* of the rows (bf16 for fp8 pages)           */
     int64_t width, rows;
     int spill;               /* pool without device pages                  */
+    int fp8;                 /* fp8 pages                                  */
 } stash_case;
 
 typedef struct stash_result {
@@ -52,6 +59,8 @@ typedef struct bench_bufs {
     void *src, *dst, *counts; /* backend memory [max bytes], [max bytes], [E] */
     void* pinned;             /* pinned host [max valid bytes] (baselines)   */
     unsigned char* host;      /* [max bytes] random pattern                  */
+    uint16_t* finite;         /* [max bytes / 2] random finite bf16 (fp8 cases) */
+    unsigned char* twin;      /* [max bytes] the CPU twin's fp8 round trip    */
     unsigned char* back;      /* [max bytes] downloads                       */
     size_t max_bytes;
     cudaEvent_t ev[3];
@@ -86,19 +95,40 @@ static float elapsed_ms(cudaEvent_t a, cudaEvent_t b) {
     return ms;
 }
 
-/* Restore bit-exact into poisoned dst, rows past n untouched, no page left. */
-static int validate(bench_bufs* b, mst_pool_t* pool, mst_stash_handle_t* h, const mst_tensor* src,
-                    mst_tensor* dst, const mst_tensor* counts, size_t valid, size_t all) {
+/* The rows of a case: the random pattern, or finite bf16 for fp8 pages. */
+static const void* source(const bench_bufs* b, const stash_case* c) { return c->fp8 ? (const void*)b->finite : b->host; }
+
+/* What a restore gives back of `valid` bytes of rows w wide: the source, or
+ * for fp8 pages the CPU twin's round trip of it (b->twin). */
+static const unsigned char* expected(bench_bufs* b, const stash_case* c, size_t valid) {
+    if (!c->fp8) return b->host;
+    uint8_t q[MST_FP8_BLOCK];
+    float scale;
+    uint16_t* x = (uint16_t*)b->twin;
+    memcpy(x, b->finite, valid);
+    for (size_t i = 0; i < valid / 2; i += MST_FP8_BLOCK) { /* w is a multiple of 128 */
+        mst_fp8_block_save(x + i, MST_FP8_BLOCK, q, &scale);
+        mst_fp8_block_restore(q, scale, MST_FP8_BLOCK, x + i);
+    }
+    return b->twin;
+}
+
+/* Restore into poisoned dst as expected (bit-exact), rows past n untouched,
+ * no page left. */
+static int validate(bench_bufs* b, const stash_case* c, const unsigned char* want, mst_pool_t* pool,
+                    mst_stash_handle_t* h, const mst_tensor* src, mst_tensor* dst, const mst_tensor* counts,
+                    size_t valid, size_t all) {
     if (!st_ok(mst_fill(b->ctx, b->dst, 0xFF, all), "poison dst")) return 0;
     if (!st_ok(mst_stash_save(pool, h, src, counts), "save")) return 0;
     if (!st_ok(mst_fill(b->ctx, b->src, 0x5A, valid), "overwrite src")) return 0; /* pages must hold it */
     if (!st_ok(mst_stash_restore(pool, h, dst), "restore")) return 0;
     if (!st_ok(mst_copy_b2h(b->ctx, b->back, b->dst, all), "download")) return 0;
-    if (!st_ok(mst_copy_h2b(b->ctx, b->src, b->host, valid), "re-upload src")) return 0;
-    if (memcmp(b->back, b->host, valid) != 0) {
-        fprintf(stderr, "bench stash: restore differs from the source\n");
+    if (!st_ok(mst_copy_h2b(b->ctx, b->src, source(b, c), valid), "re-upload src")) return 0;
+    if (memcmp(b->back, want, valid) != 0) {
+        fprintf(stderr, "bench stash: restore differs from the %s\n", c->fp8 ? "CPU twin's fp8 round trip" : "source");
         return 0;
     }
+    if (!st_ok(mst_ctx_check(b->ctx), "error flag")) return 0;
     for (size_t i = valid; i < all; i++)
         if (b->back[i] != 0xFF) {
             fprintf(stderr, "bench stash: byte %zu past the valid rows was written\n", i);
@@ -121,6 +151,7 @@ static int run_case(bench_bufs* b, const stash_case* c, stash_result* r) {
     const int64_t row_bytes = c->width * (int64_t)mst_dtype_size(c->dtype);
     const int64_t R = c->rows + c->rows / 2;
     const size_t valid = (size_t)(c->rows * row_bytes), all = (size_t)(R * row_bytes);
+    const double paged = c->fp8 ? (double)(c->rows * mst_fp8_row_bytes(c->width)) : (double)valid; /* bytes in pages */
     memset(r, 0, sizeof *r);
     r->c = *c;
     r->valid_bytes = (double)valid;
@@ -132,14 +163,16 @@ static int run_case(bench_bufs* b, const stash_case* c, stash_result* r) {
     mst_pool_config cfg = {sizeof(mst_pool_config), MST_POOL_PAGE_ROWS, c->spill ? 0 : pages, c->spill ? pages : 0, 0}; /* all SMs: nothing runs beside */
     mst_pool_t* pool = NULL;
     mst_stash_handle_t* h = NULL;
-    if (!st_ok(mst_pool_create(b->ctx, c->dtype, c->width, &cfg, &pool), "pool create")) return 0;
+    if (!st_ok(mst_pool_create(b->ctx, c->fp8 ? MST_DTYPE_FP8 : c->dtype, c->width, &cfg, &pool), "pool create"))
+        return 0;
     int ok = st_ok(mst_stash_handle_create(pool, R, &h), "handle create") &&
              st_ok(mst_copy_h2b(b->ctx, b->counts, counts, sizeof counts), "counts") &&
-             st_ok(mst_copy_h2b(b->ctx, b->src, b->host, all), "src");
+             st_ok(mst_copy_h2b(b->ctx, b->src, source(b, c), all), "src");
     mst_tensor src = mst_tensor_make(b->src, c->dtype, R, c->width);
     mst_tensor dst = mst_tensor_make(b->dst, c->dtype, R, c->width);
     mst_tensor tc = mst_tensor_make(b->counts, MST_DTYPE_INT32, N_GROUPS, 1);
-    ok = ok && validate(b, pool, h, &src, &dst, &tc, valid, all);
+    const unsigned char* want = expected(b, c, valid);
+    ok = ok && validate(b, c, want, pool, h, &src, &dst, &tc, valid, all);
     r->ok = ok;
     double* t = (double*)calloc((size_t)b->iters * 4, sizeof(double));
     for (int it = 0; ok && it < WARMUP + b->iters; it++) {
@@ -169,12 +202,13 @@ static int run_case(bench_bufs* b, const stash_case* c, stash_result* r) {
         t[3 * b->iters + k] = elapsed_ms(b->ev[1], b->ev[2]);
     }
     if (ok) {
-        const double moved = c->spill ? (double)valid : 2.0 * (double)valid; /* bytes per op */
-        r->save_gbs = moved / (median(t, b->iters) * 1e6);
-        r->restore_gbs = moved / (median(t + b->iters, b->iters) * 1e6);
+        const double moved = c->spill ? (double)valid : 2.0 * (double)valid; /* bytes per baseline op */
+        const double op = c->spill ? paged : (double)valid + paged;          /* bytes per save, restore */
+        r->save_gbs = op / (median(t, b->iters) * 1e6);
+        r->restore_gbs = op / (median(t + b->iters, b->iters) * 1e6);
         r->base_gbs = moved / (median(t + 2 * b->iters, b->iters) * 1e6);
         if (c->spill) r->base2_gbs = moved / (median(t + 3 * b->iters, b->iters) * 1e6);
-        ok = validate(b, pool, h, &src, &dst, &tc, valid, all); /* still right after timing */
+        ok = validate(b, c, want, pool, h, &src, &dst, &tc, valid, all); /* still right after timing */
         r->ok = ok;
     }
     free(t);
@@ -189,10 +223,11 @@ static void write_json(FILE* f, const char* device, const stash_result* r, int n
     for (int i = 0; i < n; i++) {
         const stash_result* x = &r[i];
         fprintf(f,
-                "    {\"kind\": \"%s\", \"dtype\": \"%s\", \"width\": %lld, \"rows\": %lld, \"max_rows\": %lld, "
+                "    {\"kind\": \"%s\", \"dtype\": \"%s\", \"pages\": \"%s\", \"width\": %lld, \"rows\": %lld, \"max_rows\": %lld, "
                 "\"valid_bytes\": %.0f, \"ok\": %d, \"save_gbs\": %.1f, \"restore_gbs\": %.1f, "
                 "\"%s_gbs\": %.1f, ",
-                x->c.spill ? "spill" : "device", mst_dtype_name(x->c.dtype), (long long)x->c.width,
+                x->c.spill ? "spill" : "device", mst_dtype_name(x->c.dtype), x->c.fp8 ? "fp8" : mst_dtype_name(x->c.dtype),
+                (long long)x->c.width,
                 (long long)x->c.rows, (long long)(x->c.rows * 3 / 2), x->valid_bytes, x->ok, x->save_gbs,
                 x->restore_gbs, x->c.spill ? "d2h" : "d2d", x->base_gbs);
         if (x->c.spill)
@@ -213,15 +248,15 @@ static int in_target(const stash_case* c) {
 
 static void print_table(const stash_result* r, int n) {
     double worst_dev = 1e9, worst_spill = 1e9;
-    printf("\n%-6s %5s %7s | %9s %9s %9s | %6s %6s | %s\n", "kind", "width", "rows", "save", "restore",
-           "baseline", "save/", "rest./", "ok");
-    printf("%-6s %5s %7s | %9s %9s %9s | %6s %6s |\n", "", "", "", "GB/s", "GB/s", "GB/s", "base", "base");
+    printf("\n%-6s %-5s %5s %7s | %9s %9s %9s | %6s %6s | %s\n", "kind", "pages", "width", "rows", "save",
+           "restore", "baseline", "save/", "rest./", "ok");
+    printf("%-6s %-5s %5s %7s | %9s %9s %9s | %6s %6s |\n", "", "", "", "", "GB/s", "GB/s", "GB/s", "base", "base");
     for (int i = 0; i < n; i++) {
         const stash_result* x = &r[i];
         const double base_r = x->c.spill ? x->base2_gbs : x->base_gbs;
         const double rs = x->save_gbs / x->base_gbs, rr = x->restore_gbs / base_r;
-        printf("%-6s %5lld %7lld | %9.1f %9.1f %9.1f | %6.3f %6.3f | %s%s\n", x->c.spill ? "spill" : "device",
-               (long long)x->c.width, (long long)x->c.rows, x->save_gbs, x->restore_gbs, x->base_gbs, rs, rr,
+        printf("%-6s %-5s %5lld %7lld | %9.1f %9.1f %9.1f | %6.3f %6.3f | %s%s\n", x->c.spill ? "spill" : "device",
+               x->c.fp8 ? "fp8" : mst_dtype_name(x->c.dtype), (long long)x->c.width, (long long)x->c.rows, x->save_gbs, x->restore_gbs, x->base_gbs, rs, rr,
                x->ok ? "yes" : "NO", in_target(&x->c) ? " *" : "");
         if (!in_target(&x->c)) continue;
         if (x->c.spill) worst_spill = rs < worst_spill ? rs : worst_spill;
@@ -237,6 +272,16 @@ static void print_table(const stash_result* r, int n) {
            worst_dev >= TARGET ? "MET" : "NOT MET");
     printf("target spill >= %.2f x pinned D2H: worst %.3f %s\n", TARGET, worst_spill,
            worst_spill >= TARGET ? "MET" : "NOT MET");
+    printf("fp8 pages: bytes moved = bf16 rows + fp8 pages (spill: the fp8 pages over PCIe)\n");
+    for (int i = 0; i < n; i++) /* fp8 spill against the bf16 spill of the same rows: time ratios */
+        for (int j = 0; r[i].c.fp8 && r[i].c.spill && j < n; j++)
+            if (!r[j].c.fp8 && r[j].c.spill && r[j].c.width == r[i].c.width && r[j].c.rows == r[i].c.rows) {
+                const double paged = (double)(r[i].c.rows * mst_fp8_row_bytes(r[i].c.width));
+                printf("spill W=%lld rows=%lld: fp8 save %.2fx, restore %.2fx faster than bf16\n",
+                       (long long)r[i].c.width, (long long)r[i].c.rows,
+                       (r[j].valid_bytes / r[j].save_gbs) / (paged / r[i].save_gbs),
+                       (r[j].valid_bytes / r[j].restore_gbs) / (paged / r[i].restore_gbs));
+            }
 }
 
 static int bench_bufs_open(bench_bufs* b, mst_ctx_t* ctx, size_t max_bytes, size_t max_valid) {
@@ -246,7 +291,14 @@ static int bench_bufs_open(bench_bufs* b, mst_ctx_t* ctx, size_t max_bytes, size
     b->max_bytes = max_bytes;
     b->host = (unsigned char*)malloc(max_bytes);
     b->back = (unsigned char*)malloc(max_bytes);
-    if (!b->host || !b->back) return 0;
+    b->finite = (uint16_t*)malloc(max_bytes);
+    b->twin = (unsigned char*)malloc(max_bytes);
+    if (!b->host || !b->back || !b->finite || !b->twin) return 0;
+    uint64_t fseed = 0xf8;
+    for (size_t i = 0; i < max_bytes / 2; i++) { /* sign, exponent 2^-27 .. 2^13, mantissa: random */
+        const uint64_t v = mst_splitmix64(&fseed);
+        b->finite[i] = (uint16_t)((v & 0x8000) | ((100 + (v >> 16) % 41) << 7) | ((v >> 32) & 0x7f));
+    }
     uint64_t seed = 0x57a54;
     for (size_t i = 0; i + 8 <= max_bytes; i += 8) { /* random bits, never zeros */
         uint64_t v = mst_splitmix64(&seed) | 0x0101010101010101ull;
@@ -268,12 +320,15 @@ static void bench_bufs_close(bench_bufs* b) {
     mst_free(b->ctx, b->counts);
     free(b->host);
     free(b->back);
+    free(b->finite);
+    free(b->twin);
 }
 
 int mst_bench_stash(int argc, char** argv) {
     const char* json = NULL;
     int32_t iters = 20;
     int64_t only_width = 0; /* 0: every width */
+    const char* pages = "all";
     mst_args a;
     mst_args_init(&a, "moestash bench stash", argc, argv);
     while (mst_args_next(&a)) {
@@ -281,8 +336,14 @@ int mst_bench_stash(int argc, char** argv) {
         if (mst_args_is(&a, "--json")) rc = mst_args_out_file(&a, &json);
         else if (mst_args_is(&a, "--iters")) rc = mst_args_int32(&a, 1, 1000000, &iters);
         else if (mst_args_is(&a, "--width")) rc = mst_args_int(&a, 1, INT32_MAX, &only_width);
+        else if (mst_args_is(&a, "--pages")) {
+            rc = mst_args_str(&a, &pages);
+            if (!rc && strcmp(pages, "all") && strcmp(pages, "bf16") && strcmp(pages, "fp8"))
+                rc = mst_args_bad(&a, pages, "expected all, bf16 or fp8");
+        }
         else if (mst_args_is(&a, "--help") || mst_args_is(&a, "-h")) {
-            printf("usage: moestash bench stash [--json FILE] [--iters N (20)] [--width W (every width)]\n");
+            printf("usage: moestash bench stash [--json FILE] [--iters N (20)] [--width W (every width)]\n"
+                   "                           [--pages all|bf16|fp8 (all: the pages of the rows' dtype, then fp8)]\n");
             return 0;
         } else rc = mst_args_unknown(&a);
         if (rc) return rc;
@@ -293,13 +354,15 @@ int mst_bench_stash(int argc, char** argv) {
     }
     static const int64_t widths[] = {2048, 4096, 7168, 1};
     static const int64_t rows[] = {4096, 16384, 65536, 131072};
-    enum { N_W = 4, N_R = 4, N_CASES = N_W * N_R + 3 * N_R };
+    enum { N_W = 4, N_R = 4, N_CASES = N_W * N_R + 3 * N_R + 2 * 3 * N_R };
     stash_case cases[N_CASES];
     int n = 0;
-    for (int spill = 0; spill < 2; spill++)
-        for (int w = 0; w < N_W - spill; w++) /* spill: bf16 widths only */
-            for (int r = 0; r < N_R && (only_width == 0 || only_width == widths[w]); r++)
-                cases[n++] = (stash_case){widths[w] == 1 ? MST_DTYPE_FP32 : MST_DTYPE_BF16, widths[w], rows[r], spill};
+    for (int fp8 = 0; fp8 < 2; fp8++)
+        for (int spill = 0; spill < 2 && strcmp(pages, fp8 ? "bf16" : "fp8"); spill++)
+            for (int w = 0; w < N_W - (spill || fp8); w++) /* spill, fp8: bf16 widths only */
+                for (int r = 0; r < N_R && (only_width == 0 || only_width == widths[w]); r++)
+                    cases[n++] = (stash_case){widths[w] == 1 ? MST_DTYPE_FP32 : MST_DTYPE_BF16, widths[w], rows[r],
+                                              spill, fp8};
     if (n == 0) {
         fprintf(stderr, "moestash bench stash: --width %lld: expected 2048, 4096, 7168 or 1\n", (long long)only_width);
         return 2;
@@ -318,7 +381,7 @@ int mst_bench_stash(int argc, char** argv) {
         all_ok &= run_case(&b, &cases[i], &res[n_done]);
         const stash_result* x = &res[n_done++];
         printf("%-6s %-4s W=%-5lld rows=%-6lld save %8.1f GB/s  restore %8.1f GB/s  base %8.1f GB/s%s\n",
-               cases[i].spill ? "spill" : "device", mst_dtype_name(cases[i].dtype), (long long)cases[i].width,
+               cases[i].spill ? "spill" : "device", cases[i].fp8 ? "fp8" : mst_dtype_name(cases[i].dtype), (long long)cases[i].width,
                (long long)cases[i].rows, x->save_gbs, x->restore_gbs, x->base_gbs, x->ok ? "" : "  FAILED");
         fflush(stdout);
     }

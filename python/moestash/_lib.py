@@ -21,11 +21,12 @@ import subprocess
 # ---- enums (values as in moestash.h) ---------------------------------------
 
 OK, ERR_INVALID, ERR_OOM, ERR_COUNTS, ERR_OVERFLOW, ERR_BACKEND, ERR_UNSUPPORTED, ERR_STATE, ERR_IO = range(9)
-DTYPE_BF16, DTYPE_FP32, DTYPE_INT32 = range(3)
+DTYPE_BF16, DTYPE_FP32, DTYPE_INT32, DTYPE_FP8 = range(4)  # fp8: a pool's pages only
 BACKEND_CPU, BACKEND_CUDA = range(2)
 WGRAD_OVERWRITE, WGRAD_ACCUMULATE, WGRAD_DEFERRED = range(3)
 SAVED_NAMES = ("fc1_input", "act_input", "fc2_input", "probs")  # mst_saved_name order
 POLICIES = ("keep", "stash", "offload", "recompute")  # mst_policy order
+FP8_POLICIES = ("stash:fp8", "offload:fp8")  # stash and offload with fp8 pages (MST_POLICY_FP8)
 ACTIVATIONS = ("swiglu", "clamped_swiglu")  # mst_activation order
 EP_PATHS = ("auto", "p2p", "lsa")  # mst_ep_path_kind order
 

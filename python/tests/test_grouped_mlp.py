@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import moestash.torch as mt
+from moestash.torch.saver import parse_policy
 from moestash.torch.stash import StashManager
 import ref
 
@@ -131,3 +132,45 @@ def test_delayed_wgrad(device, policy):
     keep = run(t, "swiglu", main_grad=True)
     for k in keep:
         assert torch.equal(got[k], keep[k]), f"delayed: {k} differs from the immediate wgrad"
+
+
+FP8 = "fc1_input=stash:fp8,act_input=offload:fp8,fc2_input=stash:fp8,probs=stash"
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("policy", [FP8, "stash:fp8"])
+def test_fp8_pages(device, policy):
+    """fp8 pages (e4m3, a scale per 128 values): the forward is keep's bit for
+    bit, the backward within the error of its quantized activations (not
+    keep's bits), the same bits run to run; the pools hold fp8 rows (W codes
+    and a 4-byte scale per row of these widths) and probs plain pages."""
+    t, _ = problem(device, "ragged", 51, True)
+    keep = run(t, "swiglu")
+    got = []
+    for _ in range(2):
+        manager = StashManager(page_rows=8, initial_rows=R // 4)
+        got.append(run(t, "swiglu", mt.Binding(policy, manager), manager))
+        pages = {r["name"]: (r["policy"], r["page_bytes"]) for r in manager.report()}
+        widths = {"fc1_input": H, "act_input": 2 * F, "fc2_input": F}
+        for name, w in widths.items():
+            assert pages[name] == (parse_policy(policy)[("fc1_input", "act_input", "fc2_input").index(name)],
+                                   8 * (w + 4)), pages
+        assert pages["probs"] == ("stash", 8 * 4), pages
+    assert torch.equal(got[0]["y"], keep["y"])
+    for k in keep:
+        assert torch.equal(got[0][k], got[1][k]), f"{policy}: {k} differs run to run"
+        if k != "y":
+            assert _rel(got[0][k], keep[k]) < 0.05, f"{policy}: {k} off keep's by {_rel(got[0][k], keep[k]):.4f}"
+    assert any(not torch.equal(got[0][k], keep[k]) for k in keep), "fp8 pages gave keep's bits: were they fp8?"
+
+
+def test_fp8_policy_spelling():
+    assert parse_policy("stash:fp8") == ("stash:fp8", "stash:fp8", "stash:fp8", "stash")
+    assert parse_policy("act_input=stash:bf16") == ("keep", "stash", "keep", "keep")
+    with pytest.raises(ValueError, match="probs is fp32"):
+        parse_policy("probs=stash:fp8")
+    with pytest.raises(ValueError, match="stash:fp9"):
+        parse_policy("stash:fp9")

@@ -23,21 +23,27 @@ from ._core import as_mst
 FC1_INPUT, ACT_INPUT, FC2_INPUT, PROBS = range(4)
 _IN_PLACE = (FC1_INPUT, ACT_INPUT, FC2_INPUT)  # the library's readers take their pages
 _CLAIMABLE = (ACT_INPUT, FC2_INPUT)  # their producer (the activation) writes pages itself
-_TORCH_DTYPE = {_lib.DTYPE_BF16: torch.bfloat16, _lib.DTYPE_FP32: torch.float32}
+_TORCH_DTYPE = {_lib.DTYPE_BF16: torch.bfloat16, _lib.DTYPE_FP32: torch.float32,
+                _lib.DTYPE_FP8: torch.bfloat16}  # a pool's rows: fp8 pages hold bf16 rows
 
 
 def parse_policy(policy):
     """'keep' | 'stash' | ... for every name, or {name: policy}; returns the
-    tuple of four policies in mst_saved_name order."""
+    tuple of four policies in mst_saved_name order. Stash and offload take a
+    page format: 'stash:fp8' (e4m3 pages, bf16 tensors: a bare one leaves
+    probs, fp32, the plain policy) or 'stash:bf16' (= 'stash')."""
     if isinstance(policy, str):
-        policy = {n: policy for n in _lib.SAVED_NAMES} if "=" not in policy else dict(
-            kv.split("=", 1) for kv in policy.split(","))
+        policy = {n: policy.replace(":fp8", "") if n == "probs" else policy for n in _lib.SAVED_NAMES} \
+            if "=" not in policy else dict(kv.split("=", 1) for kv in policy.split(","))
+    policy = {n: p[:-len(":bf16")] if p in ("stash:bf16", "offload:bf16") else p for n, p in policy.items()}
     out = ["keep"] * len(_lib.SAVED_NAMES)
     for name, p in policy.items():
         if name not in _lib.SAVED_NAMES:
             raise ValueError(f"saved name '{name}': expected one of {', '.join(_lib.SAVED_NAMES)}")
-        if p not in _lib.POLICIES:
-            raise ValueError(f"policy '{p}' of {name}: expected one of {', '.join(_lib.POLICIES)}")
+        if p not in _lib.POLICIES + _lib.FP8_POLICIES:
+            raise ValueError(f"policy '{p}' of {name}: expected one of {', '.join(_lib.POLICIES + _lib.FP8_POLICIES)}")
+        if p in _lib.FP8_POLICIES and name == "probs":
+            raise ValueError(f"policy {p} of probs: probs is fp32, fp8 pages hold bf16 tensors")
         if p == "recompute" and name != "fc2_input":
             raise ValueError(f"policy recompute of {name}: the grouped MLP recomputes fc2_input only")
         out[_lib.SAVED_NAMES.index(name)] = p
@@ -77,7 +83,7 @@ class Saver:
     def __init__(self, policies, manager=None):
         self.policies = policies
         self.manager = manager
-        if manager is None and any(p in ("stash", "offload") for p in policies):
+        if manager is None and any(p.split(":")[0] in ("stash", "offload") for p in policies):
             raise ValueError("stash and offload need a moestash.torch.StashManager")
         self.error = None
         self._cb = (_lib.PRODUCE(self._guarded(self._produce)), _lib.COMMIT(self._guarded(self._commit)),
@@ -90,7 +96,7 @@ class Saver:
         return self.policies[name] == "keep"
 
     def paged(self, name):
-        return self.policies[name] in ("stash", "offload")
+        return self.policies[name].split(":")[0] in ("stash", "offload")
 
     def in_place(self, name):
         """The backward reads the name from its device pages (no restore).

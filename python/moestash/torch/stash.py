@@ -2,7 +2,8 @@
 policies, shared by every layer that names the manager.
 
 One pool per (device, saved name, policy, width): device pages for stash,
-pinned host pages for offload. A save packs the rows [0, sum(counts)) into
+pinned host pages for offload; fp8 pages for "stash:fp8" / "offload:fp8"
+(bf16 rows as e4m3 with a scale per 128 values, restored as bf16). A save packs the rows [0, sum(counts)) into
 pages on torch's current stream (no host sync, capturable); a pool that runs
 out of pages raises its overflow flag on the device, the save takes nothing,
 and the backward reads zeros. The training loop checks once per step:
@@ -134,9 +135,10 @@ class StashManager:
         pool = self.pools.get(key)
         if pool is None:
             rows = self.initial_rows or max_rows
-            pool = self.pools[key] = Pool(context(device), _WIDTH_DTYPE.get(_lib.SAVED_NAMES[name], _lib.DTYPE_BF16),
-                                          width, max(1, math.ceil(rows / self.page_rows)), self.page_rows,
-                                          policy == "offload")
+            dtype = _lib.DTYPE_FP8 if policy in _lib.FP8_POLICIES else _WIDTH_DTYPE.get(_lib.SAVED_NAMES[name],
+                                                                                         _lib.DTYPE_BF16)
+            pool = self.pools[key] = Pool(context(device), dtype, width, max(1, math.ceil(rows / self.page_rows)),
+                                          self.page_rows, policy.startswith("offload"))
         pool.max_rows = max(pool.max_rows, max_rows)
         return pool, pool.take(max_rows)
 
