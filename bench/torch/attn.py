@@ -117,8 +117,10 @@ def main():
         return x.get(key)
 
     hdr = f"{'T':>6} {'KV':>4} |" + "".join(f" {n + ' f/b':>15} |" for n, _ in BACKENDS)
+    mine_impls = ("flash", "cudnn", "cudnn_nondet")  # ours: our kernels, cuDNN (deterministic bwd, nondeterministic)
     if ours:
-        hdr += " moestash flash f/b | cudnn f/b   | flash / best torch f/b | cudnn / best torch f/b"
+        hdr += "".join(f" {'ours ' + n + ' f/b':>20} |" for n in mine_impls)
+        hdr += "".join(f" {n + ' / best torch f/b':>29} |" for n in mine_impls)
     print(hdr)
     for r in results:
         line = f"{r['T']:>6} {r['KV']:>4} |"
@@ -129,17 +131,17 @@ def main():
         r["best_torch_tflops"] = best
         mine = next((c for c in ours["cases"] if c["T"] == r["T"] and c["KV"] == r["KV"]), None) if ours else None
         if mine:
-            for impl in ("flash", "cudnn"):
+            for impl in mine_impls:
                 m = mine.get(impl)
-                line += f" {m['fwd_tflops']:>7.0f} {m['bwd_tflops']:>7.0f} |" if m else f" {'n/a':>15} |"
-            for impl in ("flash", "cudnn"):
+                line += f" {m['fwd_tflops']:>10.0f} {m['bwd_tflops']:>9.0f} |" if m else f" {'n/a':>20} |"
+            for impl in mine_impls:
                 m = mine.get(impl)
                 if m and best[0] > 0 and best[1] > 0:
                     ratio = [m["fwd_tflops"] / best[0], m["bwd_tflops"] / best[1]]
                     r[f"{impl}_ratio_vs_best"] = ratio
-                    line += f" {ratio[0]:>9.2f}x {ratio[1]:>9.2f}x |"
+                    line += f" {ratio[0]:>13.2f}x {ratio[1]:>13.2f}x |"
                 else:
-                    line += f" {'n/a':>21} |"
+                    line += f" {'n/a':>29} |"
         print(line)
     if args.json:
         with open(args.json, "w") as f:
