@@ -38,11 +38,15 @@ static mst_status hash_params(mst_model* m, const float* master, int64_t lo, int
  * their shards (collective on W ranks): the same hash sharded or not. */
 mst_status mst_weights_hash(mst_model* m, uint64_t* out, uint64_t* replicated) {
     *out = *replicated = MST_FNV1A_SEED;
+    const size_t n_runs = m->opt_shard ? (size_t)(m->rep[0].n + m->rep[1].n) : 0;
     float* master = (float*)malloc(sizeof(float) * (size_t)m->n_params + 1); /* [n_params] */
-    mst_status st = master ? mst_optim_state_gather(m, 0, master) : mst_set_error(MST_ERR_OOM, "weights readback");
+    float* runs = (float*)malloc(sizeof(float) * n_runs + 1);                /* sharded: the replicated runs' */
+    mst_status st = master && runs ? mst_optim_gather_runs(m, 0, runs) : mst_set_error(MST_ERR_OOM, "weights readback");
+    if (st == MST_OK) st = mst_optim_state_get(m, 0, 0, m->n_params, runs, master);
     if (st == MST_OK) st = hash_params(m, master, 0, m->n_params, out);
     if (st == MST_OK) st = hash_params(m, master, 0, m->n_dense, replicated);
     if (st == MST_OK) st = hash_params(m, master, m->n_decay, m->n_params, replicated);
     free(master);
+    free(runs);
     return st;
 }

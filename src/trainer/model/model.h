@@ -479,10 +479,16 @@ size_t mst_optim_state_elem(const mst_model* m, int k);
  * parts of them this rank holds (bf16 moments: rounded to nearest even,
  * exact for values a bf16 state gave). */
 mst_status mst_optim_state_put(mst_model* m, int k, int64_t off, int64_t n, const float* host);
-/* State buffer k of every flat element into host [n_params] on every rank
- * (collective; sharded: all-gathered through main_grad, which is zeroed
- * after: call between steps). */
-mst_status mst_optim_state_gather(mst_model* m, int k, float* host);
+/* Sharded: state k of the replicated runs all-gathered (collective, every
+ * rank; through main_grad, which is zeroed after: call between steps) into
+ * host [rep[0].n + rep[1].n] fp32 on the ranks that pass one (NULL: take
+ * part only). Unsharded: nothing (every rank holds the runs). */
+mst_status mst_optim_gather_runs(mst_model* m, int k, float* host);
+/* State k at flat elements [off, off + n) into host [n] fp32 (bf16 moments
+ * widened): from this rank's parts, and, sharded, elements of the
+ * replicated runs from runs (mst_optim_gather_runs'; NULL: only the parts
+ * here). MST_ERR_STATE for an element this rank cannot give. */
+mst_status mst_optim_state_get(mst_model* m, int k, int64_t off, int64_t n, const float* runs, float* host);
 /* W ranks: the replicated gradients summed over the ranks (sharded: the
  * bodies reduce-scattered, the tails all-reduced; else all-reduced). */
 mst_status mst_optim_share_grads(mst_model* m);

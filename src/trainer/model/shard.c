@@ -111,36 +111,70 @@ mst_status mst_optim_state_put(mst_model* m, int k, int64_t off, int64_t n, cons
     return st;
 }
 
-/* State k of every flat element, in its own type, into host [n_params]
- * elements of es bytes. */
-static mst_status gather_raw(mst_model* m, int k, size_t es, void* host) {
-    const char* s = state_buf(m, k);
-    if (!m->opt_shard) {
-        for (int32_t i = 0; i < m->n_opt_parts; i++) {
-            const mst_optim_part* p = &m->opt_part[i];
-            MST_TRY(mst_copy_b2h(m->ctx, (char*)host + es * (size_t)p->lo, s + es * (size_t)p->at, es * (size_t)p->n));
-        }
-        return MST_OK;
-    }
-    /* main_grad [n_params] fp32 holds the flat layout of state k for a moment */
-    char* stage = (char*)m->grad;
-    for (int32_t i = 0; i < m->n_opt_parts; i++) {
-        const mst_optim_part* p = &m->opt_part[i];
-        MST_TRY(mst_copy_b2b(m->ctx, stage + es * (size_t)p->lo, s + es * (size_t)p->at, es * (size_t)p->n));
-    }
-    for (int u = 0; u < 2; u++) MST_TRY(mst_ep_allgather(m->dist.ep, stage + es * (size_t)m->rep[u].lo, es * (size_t)m->rep[u].q));
-    MST_TRY(mst_copy_b2h(m->ctx, host, stage, es * (size_t)m->n_params));
-    return mst_optim_zero(m);
+/* host [n] fp32 = src [n] of es bytes (bf16 widened). */
+static void widen(float* host, const void* src, int64_t n, size_t es) {
+    if (es == 4) memcpy(host, src, sizeof(float) * (size_t)n);
+    else for (int64_t i = 0; i < n; i++) host[i] = mst_bf16_to_fp32(((const uint16_t*)src)[i]);
 }
 
-mst_status mst_optim_state_gather(mst_model* m, int k, float* host) {
+/* The part holding flat element x, or NULL. */
+static const mst_optim_part* part_of(const mst_model* m, int64_t x) {
+    for (int32_t i = 0; i < m->n_opt_parts; i++)
+        if (x >= m->opt_part[i].lo && x < m->opt_part[i].lo + m->opt_part[i].n) return &m->opt_part[i];
+    return NULL;
+}
+
+mst_status mst_optim_state_get(mst_model* m, int k, int64_t off, int64_t n, const float* runs, float* host) {
+    const char* s = state_buf(m, k);
     const size_t es = mst_optim_state_elem(m, k);
-    if (es == 4) return gather_raw(m, k, es, host);
-    uint16_t* half = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)m->n_params + 1); /* [n_params] bf16 */
-    mst_status st = half ? gather_raw(m, k, es, half) : mst_set_error(MST_ERR_OOM, "optimizer state readback");
-    for (int64_t i = 0; st == MST_OK && i < m->n_params; i++) host[i] = mst_bf16_to_fp32(half[i]);
-    free(half);
+    void* stage = malloc(es * (size_t)n + 1); /* [n] of es bytes */
+    if (!stage) return mst_set_error(MST_ERR_OOM, "optimizer state readback (%lld)", (long long)n);
+    mst_status st = MST_OK;
+    for (int64_t x = off; x < off + n && st == MST_OK;) {
+        int64_t end = off + n;
+        const mst_optim_run* u = NULL;
+        for (int v = 0; runs && m->opt_shard && v < 2; v++)
+            if (x >= m->rep[v].lo && x < m->rep[v].lo + m->rep[v].n) u = &m->rep[v];
+        const mst_optim_part* p = u ? NULL : part_of(m, x);
+        if (u) { /* a replicated run, from the gathered runs [rep0 | rep1] */
+            end = end < u->lo + u->n ? end : u->lo + u->n;
+            const float* from = runs + (u == &m->rep[1] ? m->rep[0].n : 0) + (x - u->lo);
+            memcpy(host + (x - off), from, sizeof(float) * (size_t)(end - x));
+        } else if (p) {
+            end = end < p->lo + p->n ? end : p->lo + p->n;
+            st = mst_copy_b2h(m->ctx, stage, s + es * (size_t)(p->at + x - p->lo), es * (size_t)(end - x));
+            if (st == MST_OK) widen(host + (x - off), stage, end - x, es);
+        } else {
+            st = mst_set_error(MST_ERR_STATE, "optimizer state of parameter element %lld: not on rank %d (sharded)",
+                               (long long)x, m->dist.rank);
+        }
+        x = end;
+    }
+    free(stage);
     return st;
+}
+
+mst_status mst_optim_gather_runs(mst_model* m, int k, float* host) {
+    if (!m->opt_shard) return MST_OK;
+    const char* s = state_buf(m, k);
+    const size_t es = mst_optim_state_elem(m, k);
+    char* stage = (char*)m->grad; /* [n_params] fp32: the runs' flat layout of state k for a moment */
+    mst_status st = MST_OK;
+    void* tmp = host ? malloc(es * (size_t)(m->rep[0].n > m->rep[1].n ? m->rep[0].n : m->rep[1].n) + 1) : NULL;
+    if (host && !tmp) st = mst_set_error(MST_ERR_OOM, "optimizer state gather");
+    for (int32_t i = 0; i < m->n_opt_parts && st == MST_OK; i++) { /* every part here: the blocks, tails, experts */
+        const mst_optim_part* p = &m->opt_part[i];
+        st = mst_copy_b2b(m->ctx, stage + es * (size_t)p->lo, s + es * (size_t)p->at, es * (size_t)p->n);
+    }
+    for (int u = 0; u < 2 && st == MST_OK; u++) {
+        const mst_optim_run* x = &m->rep[u];
+        st = mst_ep_allgather(m->dist.ep, stage + es * (size_t)x->lo, es * (size_t)x->q);
+        if (st == MST_OK && host) st = mst_copy_b2h(m->ctx, tmp, stage + es * (size_t)x->lo, es * (size_t)x->n);
+        if (st == MST_OK && host) widen(host + (u ? m->rep[0].n : 0), tmp, x->n, es);
+    }
+    free(tmp);
+    if (st != MST_OK) return st;
+    return mst_optim_zero(m);
 }
 
 void mst_optim_replicated_bytes(const mst_model* m, size_t* held, size_t* whole) {

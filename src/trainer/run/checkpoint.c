@@ -96,13 +96,12 @@ static void shard_name(const set_spec* s, int32_t k, int32_t K, char* buf, size_
 }
 
 /* Elements [off, off + n) of kind k of set s into host: the bf16 weights
- * from the backend, the optimizer's from state [3] (mst_optim_state_gather's
- * flat copies). */
-static mst_status read_kind(mst_model* m, const set_spec* s, int32_t k, float* const state[3], int64_t off, int64_t n,
+ * from the backend, the optimizer's from this rank's state and, sharded,
+ * the replicated runs from runs [3] (mst_optim_gather_runs'). */
+static mst_status read_kind(mst_model* m, const set_spec* s, int32_t k, float* const runs[3], int64_t off, int64_t n,
                             void* host) {
     if (s->n_kinds == 1) return mst_copy_b2h(m->ctx, host, m->w + off, sizeof(uint16_t) * (size_t)n);
-    memcpy(host, state[k] + off, sizeof(float) * (size_t)n);
-    return MST_OK;
+    return mst_optim_state_get(m, k, off, n, runs[k], (float*)host);
 }
 
 static void entry_of(const mst_hf_param* p, const set_spec* s, int32_t k, mst_st_entry* e) {
@@ -168,19 +167,22 @@ static mst_status write_index(const mst_hf_param* p, const set_spec* s, const pl
     return bad ? mst_set_error(MST_ERR_IO, "checkpoint '%s': write failed: %s", path, strerror(errno)) : MST_OK;
 }
 
-/* The optimizer state of every flat element into host state [3]
- * (collective: every rank, before any writes; sharded, the replicated
- * parameters' come from the other ranks). */
-static mst_status gather_state(mst_model* m, float* state[3]) {
+/* Sharded: the replicated runs' optimizer state into runs [3] on the
+ * data-parallel rank 0 (the writer of the replicated tensors), the other
+ * ranks taking part (collective, before any writes); unsharded: nothing,
+ * every rank reads its state as it writes. */
+static mst_status gather_runs(mst_model* m, float* runs[3]) {
+    if (!m->opt_shard) return MST_OK;
+    const size_t n = (size_t)(m->rep[0].n + m->rep[1].n);
     mst_status st = MST_OK;
-    for (int k = 0; k < 3; k++) {
-        state[k] = (float*)malloc(sizeof(float) * (size_t)m->n_params);
-        if (!state[k] && st == MST_OK) st = mst_set_error(MST_ERR_OOM, "checkpoint: optimizer state (%lld)", (long long)m->n_params);
+    for (int k = 0; k < 3 && m->dist.rank == 0; k++) {
+        runs[k] = (float*)malloc(sizeof(float) * n + 1);
+        if (!runs[k] && st == MST_OK) st = mst_set_error(MST_ERR_OOM, "checkpoint: optimizer state (%zu)", n);
     }
     int32_t bad = st != MST_OK; /* every rank gathers, or none */
     MST_TRY(mst_model_allreduce_host(m, &bad, 1, MST_EP_MAX_I32));
     if (bad) return st != MST_OK ? st : mst_set_error(MST_ERR_STATE, "checkpoint: another rank failed gathering the optimizer state");
-    for (int k = 0; k < 3 && st == MST_OK; k++) st = mst_optim_state_gather(m, k, state[k]);
+    for (int k = 0; k < 3 && st == MST_OK; k++) st = mst_optim_gather_runs(m, k, runs[k]);
     return st;
 }
 
@@ -188,8 +190,8 @@ static mst_status gather_state(mst_model* m, float* state[3]) {
 static mst_status write_sets(mst_model* m, const mst_train_config* cfg, const char* dir) {
     const mst_model_config* c = &m->cfg;
     const int32_t np = mst_hf_n_params(c), rank = mst_model_grid_rank(m);
-    float* state[3] = {NULL, NULL, NULL}; /* [n_params] each: master, adam_m, adam_v */
-    mst_status st = gather_state(m, state);
+    float* state[3] = {NULL, NULL, NULL}; /* sharded, DP rank 0: [rep[0].n + rep[1].n] each: master, adam_m, adam_v */
+    mst_status st = gather_runs(m, state);
     mst_hf_param* p = st == MST_OK ? (mst_hf_param*)malloc(sizeof *p * (size_t)np) : NULL;
     if (!p) {
         for (int k = 0; k < 3; k++) free(state[k]);
