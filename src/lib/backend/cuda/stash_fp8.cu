@@ -11,8 +11,8 @@
  * (the CPU backend's, so both store the same bytes); lane 0 writes the
  * scale, and raises MST_FLAG_NONFINITE for a block holding inf or NaN (its
  * codes zeros). A restore decodes. Each warp has kBlocks blocks in flight;
- * the grid is persistent (4 blocks of kThreads per SM of the copy, 64 for a
- * pool of host pages only).
+ * the grid is persistent (per_sm blocks of kThreads per SM of the copy, 64
+ * for a pool of host pages only).
  */
 #include "cuda_ops.h"
 #include "stash_common.cuh"
@@ -21,7 +21,11 @@
 namespace {
 
 constexpr int kBlocks = 4;      /* fp8 blocks in flight per warp            */
-constexpr int kPerSm = 4;       /* resident blocks of kThreads per SM       */
+/* Resident blocks of kThreads per SM: 4 for a restore (56 registers); 3 for
+ * a save (80 registers, 8 bytes spilled), whose kBlocks blocks in flight
+ * need more than 64 (at 4 per SM ptxas spilled 52 bytes; kBlocks 2 at 4 per
+ * SM spills nothing but keeps a third fewer bytes in flight). */
+__host__ __device__ constexpr int per_sm(bool restore) { return restore ? 4 : 3; }
 constexpr int kHostGrid = 64;   /* blocks for a pool of host pages only     */
 
 /* Where block u (of row u / nb) of the rows sits: its bf16 elements in the
@@ -82,7 +86,7 @@ __device__ void restore_block(const fp8_unit& o, uint32_t w, float scale, int la
  * grid: blocks u = warp, warp + n_warps, ... of the n rows, kBlocks at a
  * time, every load of a step before its stores. */
 template <bool RESTORE>
-__global__ void __launch_bounds__(kThreads, kPerSm) fp8_kernel(mst_stash_args a) {
+__global__ void __launch_bounds__(kThreads, per_sm(RESTORE)) fp8_kernel(mst_stash_args a) {
     __shared__ mst_plan s_plan;    /* save only    */
     __shared__ page_return s_ret; /* restore only */
     const part pt = whole_grid();
@@ -125,12 +129,12 @@ __global__ void __launch_bounds__(kThreads, kPerSm) fp8_kernel(mst_stash_args a)
     copy_end<RESTORE>(a, &s_plan, rows, 0, 0, ticket, pt);
 }
 
-/* The persistent grid for the handle's most blocks: kPerSm blocks per SM
+/* The persistent grid for the handle's most blocks: per_sm blocks per SM
  * of the copy (kHostGrid for host pages only), fewer for small handles. */
-unsigned fp8_grid(mst_ctx_t* ctx, const mst_stash_args* a) {
+unsigned fp8_grid(mst_ctx_t* ctx, const mst_stash_args* a, bool restore) {
     const int64_t units = a->max_pages * a->page_rows * mst_fp8_blocks(a->width);
     const int64_t warps = kThreads / kWarpThreads, want = (units + warps * kBlocks - 1) / (warps * kBlocks);
-    int64_t cap = (int64_t)copy_sms(ctx, a) * kPerSm;
+    int64_t cap = (int64_t)copy_sms(ctx, a) * per_sm(restore);
     if (a->cap[MST_BLK_DEV] == 0 && cap > kHostGrid) cap = kHostGrid;
     return (unsigned)(want < 1 ? 1 : want < cap ? want : cap);
 }
@@ -141,8 +145,8 @@ extern "C" mst_status mst_cuda_stash_fp8(mst_ctx_t* ctx, const mst_stash_args* a
     const char* rows = restore ? a->dst : a->src;
     if ((uintptr_t)rows % 8 != 0)
         return mst_set_error(MST_ERR_INVALID, "fp8 pages: the rows at %p are not 8-byte aligned", (const void*)rows);
-    if (restore) fp8_kernel<true><<<fp8_grid(ctx, a), kThreads, 0, mst_cuda(ctx)->stream>>>(*a);
-    else fp8_kernel<false><<<fp8_grid(ctx, a), kThreads, 0, mst_cuda(ctx)->stream>>>(*a);
+    if (restore) fp8_kernel<true><<<fp8_grid(ctx, a, true), kThreads, 0, mst_cuda(ctx)->stream>>>(*a);
+    else fp8_kernel<false><<<fp8_grid(ctx, a, false), kThreads, 0, mst_cuda(ctx)->stream>>>(*a);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
