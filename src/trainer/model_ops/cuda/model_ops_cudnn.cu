@@ -340,8 +340,9 @@ mst_status state_of(mst_ctx_t* ctx, const mst_cudnn_api* A, sdpa_state** out) {
     return MST_OK;
 }
 
+/* The plan of a's dims: one forward whatever the backward's determinism. */
 sdpa_key key_of(const mst_attn_args* a, int backward) {
-    return {a->batch, a->n_head, a->n_kv_head, a->seq, a->head_dim, backward, a->nondeterministic != 0};
+    return {a->batch, a->n_head, a->n_kv_head, a->seq, a->head_dim, backward, backward && a->nondeterministic};
 }
 
 /* A new plan for k (graph built, engine chosen, scalars set). */
