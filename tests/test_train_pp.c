@@ -22,9 +22,11 @@
  * runs then drift apart as rounding does (20 steps within 1e-3 relative).
  *
  * Cases: bad grids refused before any work (P not dividing the layers or
- * the world, D not dividing the experts, interleaved), each naming --pp;
- * --pp 2 x 1, --pp 2 x 2, --pp 4 x 1 bit for bit against --pp 1 x D after
- * one step (checkpoint tensors by name); --pp 2 x 2 with tied embeddings
+ * the world, D not dividing the experts, interleaved chunks that do not
+ * split the layers), each naming --pp; 1F1B at --pp 2 x 1, 2 x 2, 4 x 1
+ * and interleaved (2 and 3 chunks a stage, a stage 0 all warm-up) bit for
+ * bit against --pp 1 x D with the same schedule after one step
+ * (checkpoint tensors by name); --pp 2 x 2 with tied embeddings
  * over 20 steps; KEEP, STASH and layer recompute bit-identical on a grid;
  * a --pp 2 x 2 run resumed from its step-3 checkpoint matches the run
  * without a stop.
@@ -81,7 +83,7 @@ static void free_all(mst_train_result* res, int32_t n) {
 static void refused(mst_train_config c, int32_t pp, int32_t world, const char* what) {
     char want[32];
     snprintf(want, sizeof want, "--pp %d", pp);
-    mst_status st = mst_model_grid_check(&c.model, pp, world, c.mem.schedule);
+    mst_status st = mst_model_grid_check(&c.model, pp, world, c.mem.schedule, c.mem.virtual_stages);
     CHECK(st == MST_ERR_INVALID && strstr(mst_last_error(), want), "%s: grid check gave %s (%s), want invalid naming %s",
           what, mst_status_str(st), mst_last_error(), want);
     c.pp = pp;
@@ -102,11 +104,14 @@ static void bad_grids(void) {
     refused(small(1, 4, 1), 4, 2, "a world smaller than P");
     c = small(3, 2, 1); /* D 3 does not divide 8 experts */
     refused(c, 2, 6, "D not dividing the experts");
-    c = small(1, 2, 1);
+    c = small(1, 4, 1); /* 5 layers do not split over 2 x 2 virtual stages */
     c.mem.schedule = MST_SCHEDULE_INTERLEAVED;
-    refused(c, 2, 2, "interleaved across stages");
+    c.mem.virtual_stages = 2;
+    refused(c, 2, 2, "interleaved: P V not dividing L + 1");
+    c.model.layers = 3; /* 4 layers over 2 x 2 virtual stages: 1 each */
+    refused(c, 2, 2, "interleaved: one layer a virtual stage");
     c = small(2, 2, 1);
-    CHECK_OK(mst_model_grid_check(&c.model, 2, 4, MST_SCHEDULE_1F1B));
+    CHECK_OK(mst_model_grid_check(&c.model, 2, 4, MST_SCHEDULE_1F1B, 1));
 }
 
 /* ---- bit for bit against one stage ------------------------------------------------ */
@@ -146,12 +151,15 @@ static int64_t ckpt_diff(const mst_model_config* c, const char* a, const char* b
     return bad;
 }
 
-/* P x D after `steps` against 1 x D: losses and the final checkpoint. */
-static void bits_against_one_stage(int32_t P, int32_t D, int32_t L) {
+/* P x D after one step against 1 x D: losses and the final checkpoint. V
+ * > 1: interleaved, V chunks a stage (one stage: V chunks too). */
+static void bits_against_one_stage(int32_t P, int32_t D, int32_t L, int32_t V, int32_t M) {
     mst_train_config c = small(D, L, 1);
+    c.microbatches = M;
+    if (V > 1) c.mem.schedule = MST_SCHEDULE_INTERLEAVED, c.mem.virtual_stages = V;
     char da[400], db[400];
-    snprintf(da, sizeof da, "%s/one-%d-%d-%d", tmp_root, P, D, L);
-    snprintf(db, sizeof db, "%s/grid-%d-%d-%d", tmp_root, P, D, L);
+    snprintf(da, sizeof da, "%s/one-%d-%d-%d-%d-%d", tmp_root, P, D, L, V, M);
+    snprintf(db, sizeof db, "%s/grid-%d-%d-%d-%d-%d", tmp_root, P, D, L, V, M);
     mst_train_result one[4], res[8];
     memset(one, 0, sizeof one);
     memset(res, 0, sizeof res);
@@ -172,8 +180,9 @@ static void bits_against_one_stage(int32_t P, int32_t D, int32_t L) {
         const int64_t bad = ckpt_diff(&c.model, path[0], path[1], first, sizeof first);
         CHECK(bad == 0, "--pp %d x %d, %d layers: %lld checkpoint tensors differ from one stage's after step 1 (first: %s)",
               P, D, L, (long long)bad, first);
-        printf("  %-40s --pp %d x %d, %d layers, M 4: step 1 loss %.6f and every checkpoint tensor %s one stage's\n",
-               "bits", P, D, L, res[0].loss[0], bad ? "DIFFER from" : "bit-identical to");
+        printf("  %-40s --pp %d x %d, %d layers, %s, M %d: step 1 loss %.6f and every checkpoint tensor %s one "
+               "stage's\n", "bits", P, D, L, V > 1 ? (V == 2 ? "interleaved 2 chunks" : "interleaved 3 chunks") : "1f1b",
+               M, res[0].loss[0], bad ? "DIFFER from" : "bit-identical to");
     }
     free_all(one, 4);
     free_all(res, 8);
@@ -287,10 +296,14 @@ int main(int argc, char** argv) {
     snprintf(tmp_root, sizeof tmp_root, "/tmp/mst-pp-XXXXXX");
     if (!mkdtemp(tmp_root)) return 1;
     bad_grids();
-    bits_against_one_stage(2, 1, 2);
+    bits_against_one_stage(2, 1, 2, 1, 4);
+    bits_against_one_stage(2, 1, 7, 2, 4);  /* interleaved: 4 virtual stages of 2 layers */
+    bits_against_one_stage(2, 1, 11, 3, 6); /* 6 virtual stages of 2 layers */
     if (n_dev >= 4) {
-        bits_against_one_stage(2, 2, 2);
-        bits_against_one_stage(4, 1, 4);
+        bits_against_one_stage(2, 2, 2, 1, 4);
+        bits_against_one_stage(4, 1, 4, 1, 4);
+        bits_against_one_stage(4, 1, 15, 2, 4); /* every entry of stage 0 a warm-up forward, then the backwards */
+        bits_against_one_stage(2, 2, 7, 2, 6);
         drift_tied();
         policies_on_grid();
         resume_on_grid();

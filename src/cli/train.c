@@ -343,7 +343,8 @@ static int rank_comm(train_cli* t, mst_ctx_t* ctx, mst_ep_t** ep, mst_ep_t** pip
 static int grid(int argc, char** argv, train_cli* t) {
     const int32_t P = t->cfg.pp > 1 ? t->cfg.pp : 1;
     if (P > 1 && !mst_args_find(argc, argv, "--schedule")) t->cfg.mem.schedule = MST_SCHEDULE_1F1B;
-    if (mst_model_grid_check(&t->cfg.model, P, (int32_t)(t->gpus ? t->gpus : 1), t->cfg.mem.schedule) != MST_OK) {
+    if (mst_model_grid_check(&t->cfg.model, P, (int32_t)(t->gpus ? t->gpus : 1), t->cfg.mem.schedule,
+                             t->cfg.mem.virtual_stages) != MST_OK) {
         fprintf(stderr, "moestash train: %s\n", mst_last_error());
         return 2;
     }

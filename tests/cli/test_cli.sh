@@ -72,7 +72,7 @@ bad "--pp 2: must divide --layers 3" train --backend cpu --pp 2 --gpus 2 --layer
 bad "--pp 2: must divide --gpus 3" train --backend cpu --pp 2 --gpus 3
 bad "--pp 4: must divide --gpus 2" train --backend cpu --pp 4 --gpus 2 --layers 4
 bad "--pp 2: the 3 data-parallel ranks of a stage" train --backend cpu --pp 2 --gpus 6
-bad "--pp 2: --schedule interleaved" train --backend cpu --pp 2 --gpus 2 --schedule interleaved --layers 4
+bad "--pp 2: with --schedule interleaved (2 chunks a stage) P x 2 must divide --layers + 1 = 5" train --backend cpu --pp 2 --gpus 2 --schedule interleaved --layers 4
 bad "--pp '0'" train --backend cpu --pp 0
 bad "--memory-budget '1GiB': not with --pp" train --backend cpu --pp 2 --gpus 2 --memory-budget 1GiB
 bad "--attention 'fast'" train --attention fast

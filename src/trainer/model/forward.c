@@ -150,7 +150,7 @@ static mst_status mtp_backward(mst_model* m, int32_t mb, const mst_saver* sv) {
     MST_TRY(mst_op_linear_wgrad(m, N, H, H, m->dm, u->nh, m->grad + m->proj + H, 2 * H));
     MST_TRY(mst_op_linear_dgrad(m, N, H, H, m->dm, m->w + m->proj, 2 * H, m->t3));
     /* P > 1: d(e1) goes back to stage 0, which adds it into the table's gradient */
-    uint16_t* de1 = m->stages > 1 ? m->de1 : m->t1;
+    uint16_t* de1 = m->stages > 1 ? u->de1 : m->t1;
     MST_TRY(mst_op_norm_bwd(m, N, H, u->e1, m->w + m->ln_e, u->rstd_e, m->t3, de1, m->grad + m->ln_e));
     if (m->stages == 1) MST_TRY(embed_bwd(m, u->tok + N, de1));
     MST_TRY(mst_op_linear_dgrad(m, N, H, H, m->dm, m->w + m->proj + H, 2 * H, m->t3));
@@ -189,7 +189,7 @@ static mst_status backward_chunk(mst_model* m, int32_t chunk, int32_t mb) {
     const int32_t L = m->cfg.layers, first = chunk * m->layers_per_chunk, top = first + m->layers_per_chunk - 1;
     mst_micro* u = &m->micro[mb];
     /* stage 0 of P > 1: the MTP module's d(e1) first, where one stage adds it */
-    if (m->stages > 1 && m->stage == 0 && first == 0) MST_TRY(embed_bwd(m, u->tok + n_tok(m), m->de1));
+    if (m->stages > 1 && m->stage == 0 && first == 0) MST_TRY(embed_bwd(m, u->tok + n_tok(m), u->de1));
     for (int32_t i = top; i >= first; i--) {
         const int32_t l = mst_model_global(m, i);
         int32_t cs = mst_memmgr_recompute_chunk(m->mm, i);

@@ -203,8 +203,10 @@ static mst_status alloc_micro(mst_model* m, mst_micro* u) {
         if (m->dist.ep) MST_TRY(mst_ep_handle_create(m->dist.ep, &u->acts[l].eph));
     }
     const int S = MST_MEM_SAVED_HEAD, first = m->stage == 0, last = m->stage == m->stages - 1;
-    if (!first) { /* the stage's input, the previous stage's output (received) */
-        BUF(MST_MEM_SAVED_NORM, u->acts[m->l_first - 1].out, N * H);
+    for (int32_t c = 0; c < m->mem_cfg.virtual_stages; c++) { /* each chunk's input from another stage (received) */
+        const int32_t f = mst_model_global(m, c * m->layers_per_chunk);
+        if (f == 0 || mst_model_here(m, f - 1)) continue;
+        BUF(MST_MEM_SAVED_NORM, u->acts[f - 1].out, N * H);
         m->mem_keep[MST_MEM_SAVED_NORM] += sizeof(uint16_t) * (size_t)(N * H);
     }
     if (first) BUF(S, u->x0, N * H);
@@ -220,6 +222,10 @@ static mst_status alloc_micro(mst_model* m, mst_micro* u) {
         m->mem_keep[MST_MEM_SAVED_MTP] += sizeof(uint16_t) * (size_t)(N * H);
     }
     BUF(MST_MEM_COMPUTE, u->dh, N * H);
+    if (m->stages > 1) { /* the backward message's own buffers (stage.c) */
+        BUF(MST_MEM_COMPUTE, u->de1, N * H);
+        BUF(MST_MEM_COMPUTE, u->loads_bwd, (L + 1) * c->experts);
+    }
     return MST_OK;
 }
 
@@ -295,8 +301,6 @@ static mst_status alloc_acts(mst_model* m) {
     MST_TRY(mst_fill(m->ctx, m->loss_main, 0, sizeof(float) * (size_t)(M * N)));
     MST_TRY(mst_fill(m->ctx, m->loss_mtp, 0, sizeof(float) * (size_t)(M * N)));
     MST_TRY(mst_fill(m->ctx, m->aux_sum, 0, sizeof(float) * (size_t)(M * (c->layers + 1))));
-    if (m->stages > 1) BUF(C, m->de1, N * H);
-    if (m->stages > 1) BUF(C, m->loads_bwd, (c->layers + 1) * c->experts);
     BUF(C, m->dtopk, N * c->top_k);
     BUF(C, m->drl, N * c->experts);
     if (m->stage == 0) BUF(C, m->emb_order, mst_embed_order_len(N));
@@ -354,11 +358,9 @@ mst_status mst_model_attention(mst_ctx_t* ctx, const mst_model_config* c, int32_
 static mst_status make_schedule(mst_model* m) {
     const mst_mem_config* mc = &m->mem_cfg;
     const int32_t L1 = m->n_here, V = mc->virtual_stages;
-    if (V < 1 || L1 % V)
+    if (V < 1 || (V > 1 && (m->cfg.layers + 1) % (V * m->stages)))
         return BAD("--schedule %s: %d chunks do not divide the %d layers (--layers + the MTP layer)",
-                   mst_schedule_kind_str(mc->schedule), V, L1);
-    if (m->stages > 1 && V != 1)
-        return BAD("--pp %d: virtual stages (%d chunks) across stages are not built yet", m->stages, V);
+                   mst_schedule_kind_str(mc->schedule), V * m->stages, m->cfg.layers + 1);
     mst_schedule_config sc = {.struct_size = sizeof sc, .kind = mc->schedule, .stages = m->stages, .rank = m->stage,
                               .microbatches = m->n_micro, .virtual_stages = V};
     m->n_sched = 2 * m->n_micro * V;
@@ -478,7 +480,7 @@ mst_status mst_model_create(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t
 
 /* The ranks of dist (NULL, or no communicator: one rank): checked against
  * the communicator and the model's groups. */
-static mst_status check_dist(const mst_model_config* cfg, const mst_dist* dist, mst_dist* out) {
+static mst_status check_dist(const mst_model_config* cfg, const mst_mem_config* mem, const mst_dist* dist, mst_dist* out) {
     mst_dist one = {0, 1, NULL, 0, 1, NULL};
     *out = dist && (dist->ep || dist->pipe) ? *dist : one;
     if (out->stages < 1) out->stages = 1;
@@ -489,7 +491,7 @@ static mst_status check_dist(const mst_model_config* cfg, const mst_dist* dist, 
             mst_ep_rank(out->pipe) != out->stage * out->world + out->rank)
             return BAD("dist: rank %d of stage %d (%d x %d), but the pipe is rank %d of %d", out->rank, out->stage,
                        out->stages, out->world, mst_ep_rank(out->pipe), mst_ep_world(out->pipe));
-        MST_TRY(mst_model_grid_check(cfg, out->stages, out->stages * out->world, MST_SCHEDULE_1F1B));
+        MST_TRY(mst_model_grid_check(cfg, out->stages, out->stages * out->world, mem->schedule, mem->virtual_stages));
     }
     if (!out->ep) {
         if (out->world != 1) return BAD("dist: %d data-parallel ranks a stage without a communicator", out->world);
@@ -537,19 +539,20 @@ mst_status mst_model_create_dist(mst_ctx_t* ctx, const mst_model_config* cfg, in
     MST_TRY(mst_model_backend_of(ctx, &ops));
     MST_TRY(mst_model_config_check(cfg));
     if (n_micro < 1 || n_micro > 4096) return BAD("--microbatches %d: expected 1 .. 4096", n_micro);
+    const mst_mem_config mc = mem ? *mem : mst_mem_config_default();
     mst_dist d;
-    MST_TRY(check_dist(cfg, dist, &d));
+    MST_TRY(check_dist(cfg, &mc, dist, &d));
     mst_model* m = (mst_model*)calloc(1, sizeof *m);
     if (!m) return mst_set_error(MST_ERR_OOM, "model");
     m->ctx = ctx;
     m->ops = ops;
     m->cfg = *cfg;
     m->dist = d;
+    m->mem_cfg = mc;
     mst_model_set_stage(m, d.stage, d.stages);
     m->n_local = cfg->experts / d.world;
     m->row_groups = d.ep ? 1 : cfg->ep;
     m->n_micro = n_micro;
-    m->mem_cfg = mem ? *mem : mst_mem_config_default();
     if (m->mem_cfg.recompute_mtp && !(cfg->mtp_weight > 0.0f)) {
         free(m);
         return BAD("--recompute-mtp: the model has no MTP module (--mtp-weight %g)", (double)cfg->mtp_weight);

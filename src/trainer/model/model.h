@@ -81,10 +81,12 @@ typedef struct mst_dist {
                              communicator: mst_ep_p2p and all-reduces); NULL  */
 } mst_dist;
 
-/* The grid of `world` ranks in `pp` stages: pp divides --layers and world,
- * the world / pp data-parallel ranks of a stage divide --experts, and the
- * schedule is not interleaved; each refusal names --pp and its value. */
-mst_status mst_model_grid_check(const mst_model_config* c, int32_t pp, int32_t world, mst_schedule_kind schedule);
+/* The grid of `world` ranks in `pp` stages: pp divides --layers (interleaved,
+ * virtual_stages V chunks a stage: P V divides --layers + 1, at least 2
+ * layers a virtual stage) and world, the world / pp data-parallel ranks of a
+ * stage divide --experts; each refusal names --pp and its value. */
+mst_status mst_model_grid_check(const mst_model_config* c, int32_t pp, int32_t world, mst_schedule_kind schedule,
+                                int32_t virtual_stages);
 
 /* The policy of each saved grouped-MLP activation (layer, name) of the L+1
  * layers: per_layer's when set (the memory-budget planner's plan), else
@@ -219,6 +221,10 @@ typedef struct mst_micro {
     float* rstd_mf;          /* [N]                                           */
     uint16_t *dl_main, *dl_mtp; /* [N, V] d(loss)/d(logits)                   */
     uint16_t* dh;            /* [N, H] gradient flowing down the main layers  */
+    uint16_t* de1;           /* [N, H] P > 1: d(e1), from the last stage back to
+                                stage 0 (stage.c)                             */
+    int32_t* loads_bwd;      /* [L+1, E] P > 1: the router loads of a backward
+                                message                                        */
     int32_t* loads;          /* [L+1, E] each layer's router loads (the main
                                 layers' load-balancing loss spans rows [0, L)) */
     mst_layer_acts* acts;    /* [L+1]                                         */
@@ -281,10 +287,8 @@ typedef struct mst_model {
                                 last (the table at [0, V H), its gradient
                                 summed over the grid), else 0                 */
     float* tied_zero;        /* [V H] zeros: a middle stage's share of that sum */
-    uint16_t* de1;           /* [N, H] P > 1: d(the MTP's next-token embedding),
-                                from the last stage back to stage 0          */
-    int32_t* loads_bwd;      /* [L+1, E] P > 1: the router loads of a backward
-                                message (stage.c)                             */
+    int32_t lpv;             /* interleaved (V > 1): layers a virtual stage,
+                                (L + 1) / (P V); 0 otherwise                  */
     int32_t n_local;         /* El: experts held here (E, or E / W)           */
     int32_t row_groups;      /* groups whose rows are here (G, or 1 on W ranks) */
     int64_t max_rows;        /* R in use now (static, or exact on a rerun)     */

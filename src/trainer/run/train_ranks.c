@@ -99,7 +99,7 @@ mst_status mst_train_ranks(mst_backend_kind kind, const mst_train_config* cfg, i
     if (world < 1 || world > 1024) return mst_set_error(MST_ERR_INVALID, "--gpus %d: expected 1 .. 1024", world);
     if (cfg->dist.ep || cfg->dist.pipe) return mst_set_error(MST_ERR_INVALID, "cfg->dist: the ranks are made here");
     const int32_t P = stages_of(cfg);
-    MST_TRY(mst_model_grid_check(&cfg->model, P, world, cfg->mem.schedule));
+    MST_TRY(mst_model_grid_check(&cfg->model, P, world, cfg->mem.schedule, cfg->mem.virtual_stages));
     const int32_t D = world / P;
     mst_ep_group_t** g = (mst_ep_group_t**)calloc((size_t)P, sizeof *g); /* [P] */
     mst_ep_group_t* pipe = NULL;
