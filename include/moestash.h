@@ -803,7 +803,9 @@ MST_API mst_status mst_ep_id_share(mst_ep_id* id, int rank, int world, const cha
                                    int timeout_ms);
 /* A communicator of `world` ranks over NCCL on a CUDA context; this is rank
  * `rank`. MST_ERR_UNSUPPORTED when the library was built without NCCL or the
- * context is not CUDA. */
+ * context is not CUDA. cfg NULL (here and in mst_ep_create_local): a bare
+ * communicator, with no dispatch buffers, for mst_ep_allreduce (and the
+ * trainer's point-to-point transfers between pipeline stages). */
 MST_API mst_status mst_ep_create(mst_ctx_t* ctx, const mst_ep_config* cfg, const mst_ep_id* id, int rank,
                                  int world, mst_ep_t** out);
 /* The same over an existing ncclComm_t (passed as void*, e.g. a PyTorch
