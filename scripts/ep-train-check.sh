@@ -138,7 +138,9 @@ print(f"shard on {sys.argv[3]} GPUs, {sys.argv[4]}, graphs on, median of steps 1
       f"({ob['replicated_bytes'] / oa['replicated_bytes']:.3f}x); backend peak, max over ranks: off {peak(a):.2f} GiB, "
       f"on {peak(b):.2f} GiB; step 1 loss {'bit-identical' if a['loss'][0] == b['loss'][0] else 'DIFFERS'}, max relative "
       f"loss difference over 30 steps {rel:.2e}")
-sys.exit(0 if a["loss"][0] == b["loss"][0] and rel < 3e-2 else 1)
+# reduce-scatter and all-reduce may sum in other orders: the runs drift by rounding (test_train_ep: 1e-2
+# in 10 steps at this size); a broken reduction or gather is far past 0.1
+sys.exit(0 if a["loss"][0] == b["loss"][0] and rel < 0.1 else 1)
 EOF
   [ $? = 0 ] || bad=1
   rm -f "$tmp/shard_off.json" "$tmp/shard_on.json"
