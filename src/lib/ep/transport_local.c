@@ -260,6 +260,14 @@ static mst_status local_dispatch_direct(mst_ep_t* ep, const mst_ep_args* a) {
 
 /* ---- point-to-point ---- */
 
+/* Seconds a point-to-point wait may take: MOESTASH_P2P_TIMEOUT_S, else
+ * MST_EP_P2P_TIMEOUT_S. */
+static int p2p_timeout_s(void) {
+    const char* v = getenv("MOESTASH_P2P_TIMEOUT_S");
+    const int t = v ? atoi(v) : 0;
+    return t > 0 ? t : MST_EP_P2P_TIMEOUT_S;
+}
+
 /* Waits on wait_cv until the deadline: 0, or ETIMEDOUT. */
 static int timed_wait(mst_ep_group_t* g, const struct timespec* deadline) {
     return pthread_cond_timedwait(&g->wait_cv, &g->wait_mu, deadline);
@@ -283,7 +291,7 @@ static mst_status take_recv(mst_ep_group_t* g, int me, const mst_ep_p2p_op* o, c
         }
         if (timed_wait(g, deadline) == ETIMEDOUT)
             return mst_set_error(MST_ERR_STATE, "rank %d: no send from rank %d within %d s (the ranks' transfers do not "
-                                 "pair: a deadlock on NCCL)", me, o->peer, (int)MST_EP_P2P_TIMEOUT_S);
+                                 "pair: a deadlock on NCCL)", me, o->peer, p2p_timeout_s());
     }
 }
 
@@ -296,7 +304,7 @@ static mst_status local_sendrecv(mst_ep_t* ep, const mst_ep_p2p_op* ops, int n) 
     if (!taken) return mst_set_error(MST_ERR_OOM, "mst_ep_p2p (rank %d): %d transfers", me, n);
     struct timespec deadline;
     clock_gettime(CLOCK_REALTIME, &deadline);
-    deadline.tv_sec += MST_EP_P2P_TIMEOUT_S;
+    deadline.tv_sec += p2p_timeout_s();
     pthread_mutex_lock(&g->wait_mu);
     g->taken[me] = taken, g->n_posted[me] = n, g->posted[me] = ops;
     pthread_cond_broadcast(&g->wait_cv);
@@ -309,7 +317,7 @@ static mst_status local_sendrecv(mst_ep_t* ep, const mst_ep_p2p_op* ops, int n) 
                 st = mst_set_error(MST_ERR_STATE, "rank %d: rank %d left the group while this one waited for it", me, g->left);
             else if (timed_wait(g, &deadline) == ETIMEDOUT)
                 st = mst_set_error(MST_ERR_STATE, "rank %d: rank %d took no send within %d s (the ranks' transfers do not "
-                                   "pair: a deadlock on NCCL)", me, ops[i].peer, (int)MST_EP_P2P_TIMEOUT_S);
+                                   "pair: a deadlock on NCCL)", me, ops[i].peer, p2p_timeout_s());
         }
     g->posted[me] = NULL, g->n_posted[me] = 0, g->taken[me] = NULL;
     pthread_mutex_unlock(&g->wait_mu);
