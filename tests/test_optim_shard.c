@@ -14,6 +14,9 @@
  * relative (losses) and 1e-2 (load-balancing loss), the bound of
  * test_train_ep for runs that differ by fp32 rounding of the gradients.
  *
+ * The same on a pipeline grid (--pp 2 of 2 data-parallel ranks, the
+ * embedding tied across the stages).
+ *
  * Also: the optimizer bytes of the replicated parameters a rank holds,
  * sharded, <= 0.3x of unsharded at 4 ranks (<= 0.55x at 2), and the memory
  * table's optimizer row smaller; a run that saves at step 4 resumed with
@@ -123,6 +126,27 @@ static void on_vs_off(int32_t W, int bf16) {
     }
     free_ranks(off, W);
     free_ranks(on, W);
+}
+
+/* --pp 2 x 2 (tied embeddings: a part of its own on the two stages that
+ * hold it), 8 steps sharded against unsharded, every rank's hash. */
+static void pp_on_vs_off(void) {
+    mst_train_result off[4], on[4];
+    memset(off, 0, sizeof off);
+    memset(on, 0, sizeof on);
+    mst_train_config c = small(2, 8, 0);
+    c.pp = 2;
+    CHECK_OK(mst_train_ranks(kind, &c, 4, 0, NULL, NULL, off));
+    c.mem.optimizer_shard = 1;
+    CHECK_OK(mst_train_ranks(kind, &c, 4, 0, NULL, NULL, on));
+    if (off[0].loss && on[0].loss) {
+        compare(&on[0], &off[0], 0, kind == MST_BACKEND_CPU, "--pp 2 x 2: --optimizer-shard on vs off");
+        for (int r = 1; r < 4 && kind == MST_BACKEND_CPU; r++)
+            CHECK(on[r].weights_hash == off[r].weights_hash, "--pp 2 x 2: rank %d's weights hash sharded %016llx, "
+                  "unsharded %016llx", r, (unsigned long long)on[r].weights_hash, (unsigned long long)off[r].weights_hash);
+    }
+    free_ranks(off, 4);
+    free_ranks(on, 4);
 }
 
 /* 8 steps sharded, saved at step 4; resumed sharded and unsharded. */
@@ -367,6 +391,7 @@ int main(int argc, char** argv) {
     on_vs_off(2, 1);
     if (n_dev >= 4) on_vs_off(4, 0);
     else printf("  4 ranks skipped: %d devices\n", n_dev);
+    if (n_dev >= 4) pp_on_vs_off();
     resume_across(2, 0);
     resume_across(2, 1);
     printf("%s: %d passed, %d failed\n", argv[0], mst_test_checks - mst_test_failures, mst_test_failures);

@@ -259,7 +259,7 @@ typedef struct mst_optim_part {
     int64_t lo, n, at;
     int32_t decay;
 } mst_optim_part;
-enum { MST_OPTIM_MAX_PARTS = 5, MST_GNORM_COLS = 4 };
+enum { MST_OPTIM_MAX_PARTS = 6, MST_GNORM_COLS = 4 }; /* parts: a tied table (P stages), 2 per run, the experts */
 
 typedef struct mst_model {
     mst_ctx_t* ctx;
