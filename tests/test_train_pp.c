@@ -27,7 +27,8 @@
  * and interleaved (2 and 3 chunks a stage, a stage 0 all warm-up) bit for
  * bit against --pp 1 x D with the same schedule after one step
  * (checkpoint tensors by name); --pp 2 x 2 with tied embeddings
- * over 20 steps; KEEP, STASH and layer recompute bit-identical on a grid;
+ * over 20 steps; KEEP, STASH and layer recompute bit-identical on a grid,
+ * and the optimizer sharded over each stage's ranks (ZeRO-1) against not;
  * a --pp 2 x 2 run resumed from its step-3 checkpoint matches the run
  * without a stop.
  */
@@ -246,6 +247,31 @@ static void policies_on_grid(void) {
     free_all(base, 4);
 }
 
+/* ZeRO-1 over each stage's data-parallel ranks (shard.c): the same bits as
+ * unsharded on the CPU twin (its reduce-scatter sums as its all-reduce). */
+static void shard_on_grid(void) {
+    mst_train_config c = small(2, 2, 4);
+    c.model.tie_embeddings = 1;
+    mst_train_result off[4], on[4];
+    memset(off, 0, sizeof off);
+    memset(on, 0, sizeof on);
+    CHECK_OK(grid(c, 2, 4, off));
+    c.mem.optimizer_shard = 1;
+    CHECK_OK(grid(c, 2, 4, on));
+    if (off[0].loss && on[0].loss) {
+        if (kind == MST_BACKEND_CPU)
+            for (int32_t k = 0; k < 4; k++) same_run(&off[k], &on[k], 0, "--pp 2 x 2 --optimizer-shard on");
+        CHECK(on[0].optim_shard && on[0].optim_rep_bytes < off[0].optim_rep_bytes,
+              "--optimizer-shard on: %zu bytes of replicated state a rank, off %zu", on[0].optim_rep_bytes,
+              off[0].optim_rep_bytes);
+        printf("  %-40s --pp 2 x 2: replicated optimizer state %zu -> %zu bytes a rank, %s\n", "optimizer shard",
+               off[0].optim_rep_bytes, on[0].optim_rep_bytes,
+               kind == MST_BACKEND_CPU ? "every rank bit-identical to unsharded" : "(bits not promised over NCCL)");
+    }
+    free_all(off, 4);
+    free_all(on, 4);
+}
+
 static void resume_on_grid(void) {
     mst_train_config c = small(2, 2, 6);
     char dir[400], ck[500];
@@ -306,6 +332,7 @@ int main(int argc, char** argv) {
         bits_against_one_stage(2, 2, 7, 2, 6);
         drift_tied();
         policies_on_grid();
+        shard_on_grid();
         resume_on_grid();
     } else {
         printf("  4-rank cases skipped: %d devices\n", n_dev);
