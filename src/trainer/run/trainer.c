@@ -287,7 +287,7 @@ static mst_status train_loop(mst_model* m, mst_data* d, mst_data* e, const mst_t
     res->seconds = mst_clock_s() - t0;
     free(tok);
     if (st == MST_OK && cfg->save_dir) st = save(m, cfg, cfg->steps, rng, 1, res);
-    if (st == MST_OK && cfg->plot_path && m->dist.rank == 0) st = plot(cfg, res); /* W ranks: the same curves */
+    if (st == MST_OK && cfg->plot_path && mst_model_grid_rank(m) == 0) st = plot(cfg, res); /* W ranks: the same curves */
     if (st == MST_OK) st = mst_memmgr_check(m->mm);
     if (st == MST_OK) st = mst_train_memory_table(m, res);
     if (st == MST_OK && cfg->timeline_path) st = mst_train_timeline(m, cfg, res);
