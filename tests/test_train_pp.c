@@ -217,6 +217,33 @@ static void drift_tied(void) {
     free_all(res, 4);
 }
 
+/* Clipping active (clip 1e-3, far under the gradient norm): the norm is
+ * summed per stage and then over the stages, one stage's in another order,
+ * so the clip factors differ in their last bits at most: 3 steps within
+ * 1e-5 relative of one stage (a stage clipping by its own norm is off by
+ * far more). */
+static void clipped(void) {
+    mst_train_config c = small(1, 2, 3);
+    c.optim.clip = 1e-3f;
+    mst_train_result one[1], res[2];
+    memset(one, 0, sizeof one);
+    memset(res, 0, sizeof res);
+    CHECK_OK(grid(c, 1, 1, one));
+    CHECK_OK(grid(c, 2, 2, res));
+    if (one[0].loss && res[0].loss) {
+        double w = 0;
+        for (int64_t i = 0; i < c.steps; i++) {
+            const double d = fabs(res[0].loss[i] - one[0].loss[i]) / one[0].loss[i];
+            w = d > w || isnan(d) ? d : w;
+        }
+        printf("  %-40s --pp 2 x 1 vs one stage, clip 1e-3: worst relative loss difference over 3 steps %.2e\n",
+               "clipped", w);
+        CHECK(w <= 1e-5, "clipped: the losses differ from one stage by %.3g relative (the gradient norm over the stages)", w);
+    }
+    free_all(one, 1);
+    free_all(res, 2);
+}
+
 /* ---- between runs on one grid ------------------------------------------------------ */
 
 static void same_run(const mst_train_result* a, const mst_train_result* b, int64_t from, const char* what) {
@@ -325,6 +352,7 @@ int main(int argc, char** argv) {
     bits_against_one_stage(2, 1, 2, 1, 4);
     bits_against_one_stage(2, 1, 7, 2, 4);  /* interleaved: 4 virtual stages of 2 layers */
     bits_against_one_stage(2, 1, 11, 3, 6); /* 6 virtual stages of 2 layers */
+    clipped();
     if (n_dev >= 4) {
         bits_against_one_stage(2, 2, 2, 1, 4);
         bits_against_one_stage(4, 1, 4, 1, 4);
