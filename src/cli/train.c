@@ -424,14 +424,14 @@ int mst_cmd_train(int argc, char** argv) {
     char policy[MST_POLICY_SPEC_MAX] = "?";
     mst_policy_spec_format(t.cfg.mem.policy.name, policy, sizeof policy);
     if (!t.quiet && rank0)
-        printf("moestash train on %s%s\n  H=%lld F=%lld heads=%lld/%lld D=%lld V=%lld T=%lld B=%lld M=%d L=%d E=%d k=%d ep=%d cf=%g "
+        printf("moestash train on %s%s\n  H=%lld F=%lld heads=%lld/%lld D=%lld V=%lld T=%lld B=%lld M=%d L=%d E=%d k=%d ep=%d pp=%d cf=%g "
                "max_rows=%lld mtp-weight=%g steps=%lld data=%s\n  schedule %s, policy %s, recompute %s, graph %s, "
                "attention %s%s%s\n",
                mst_ctx_describe(ctx), ep || pipe ? ", one process per GPU: B per rank"
                                       : t.gpus > 1 ? ", ranks as threads (--gpus): B per rank" : "",
                (long long)m->hidden, (long long)m->ffn, (long long)m->n_head, (long long)m->n_kv_head,
                (long long)m->head_dim, (long long)m->vocab, (long long)m->seq, (long long)m->batch, t.cfg.microbatches, m->layers, m->experts,
-               m->top_k, m->ep, (double)m->capacity_factor, (long long)mst_model_max_rows(m, dp > 1 ? (int32_t)dp : 1),
+               m->top_k, m->ep, t.cfg.pp > 1 ? t.cfg.pp : 1, (double)m->capacity_factor, (long long)mst_model_max_rows(m, dp > 1 ? (int32_t)dp : 1),
                (double)m->mtp_weight, (long long)t.cfg.steps, t.cfg.data_path ? t.cfg.data_path : "synthetic",
                mst_schedule_kind_str(t.cfg.mem.schedule), t.cfg.memory_budget ? "planned (--memory-budget)" : policy,
                t.cfg.memory_budget ? "planned" : t.recompute ? t.recompute : "none",
