@@ -4,7 +4,8 @@
  *
  * Any backend (CI runs cpu): the choice and its fallbacks — --attention
  * cudnn where the backend has no cuDNN attention is an error naming the
- * flag and the reason, AUTO stays on our flash kernels; a cuDNN library
+ * flag and the reason; AUTO takes cuDNN where it loads and takes the dims,
+ * else flash saying why not cuDNN (a backend without cuDNN: flash, no note); a cuDNN library
  * that cannot be opened (a name that does not exist, or $MST_CUDNN_LIB
  * naming one) is refused naming the library and dlopen's reason; where
  * the library loads (no GPU needed), every graph of the GPU cases passes
@@ -48,8 +49,19 @@ static void test_choice(mst_ctx_t* ctx) {
     char note[256];
     mst_model_config c = config(MST_ATTN_AUTO);
     CHECK_OK(mst_model_attention(ctx, &c, &kind, note, sizeof note));
-    CHECK(kind == MST_ATTN_FLASH && note[0] == 0, "auto on %s: kind %s (note '%s'), expected flash: auto does not "
-          "pick cuDNN until it is confirmed on the GPU", mst_ctx_describe(ctx), mst_attn_kind_str(kind), note);
+    if (!mo->attn_cudnn_forward) /* no cuDNN on this backend: flash, nothing to say */
+        CHECK(kind == MST_ATTN_FLASH && note[0] == 0, "auto on %s: kind %s (note '%s'), expected flash",
+              mst_ctx_describe(ctx), mst_attn_kind_str(kind), note);
+    else { /* cuDNN when it loads and takes the dims, else flash saying why not cuDNN */
+        int32_t k2 = -1;
+        char n2[256];
+        c = config(MST_ATTN_CUDNN);
+        const int takes = mst_model_attention(ctx, &c, &k2, n2, sizeof n2) == MST_OK;
+        CHECK(takes ? kind == MST_ATTN_CUDNN && note[0] == 0
+                    : kind == MST_ATTN_FLASH && strstr(note, "not cuDNN") != NULL,
+              "auto on %s: kind %s (note '%s'), expected %s", mst_ctx_describe(ctx), mst_attn_kind_str(kind), note,
+              takes ? "cudnn (--attention cudnn takes these dims)" : "flash with cuDNN's refusal in the note");
+    }
     if (!mo->attn_cudnn_check) {
         c = config(MST_ATTN_CUDNN);
         CHECK_STATUS(mst_model_attention(ctx, &c, &kind, note, sizeof note), MST_ERR_UNSUPPORTED);

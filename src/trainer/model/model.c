@@ -340,16 +340,28 @@ mst_status mst_model_attention(mst_ctx_t* ctx, const mst_model_config* c, int32_
     *kind = MST_ATTN_CUBLAS;
     if (note_size) note[0] = 0;
     if (c->attention == MST_ATTN_CUBLAS) return MST_OK;
+    /* AUTO: cuDNN where the backend has it and it takes the dims, else
+     * flash, else the probabilities; each refusal in the note */
+    char cudnn_why[400] = "", why[400];
+    if (c->attention == MST_ATTN_AUTO && ops->attn_cudnn_forward) {
+        if (attn_takes(ctx, ops, MST_ATTN_CUDNN, &a) == MST_OK) {
+            *kind = MST_ATTN_CUDNN;
+            return MST_OK;
+        }
+        snprintf(cudnn_why, sizeof cudnn_why, "%s", mst_last_error());
+    }
     const int32_t want = c->attention == MST_ATTN_CUDNN ? MST_ATTN_CUDNN : MST_ATTN_FLASH;
     mst_status st = attn_takes(ctx, ops, want, &a);
     if (st == MST_OK) {
         *kind = want;
+        if (cudnn_why[0] && note_size) snprintf(note, note_size, "attention: flash, not cuDNN (%s)", cudnn_why);
         return MST_OK;
     }
-    char why[400];
     snprintf(why, sizeof why, "%s", mst_last_error());
     if (c->attention != MST_ATTN_AUTO) return mst_set_error(st, "--attention %s: %s", mst_attn_kind_str(want), why);
-    if (note_size) snprintf(note, note_size, "attention: the probabilities path (%s)", why);
+    if (note_size)
+        snprintf(note, note_size, "attention: the probabilities path (%s%s%s)", why, cudnn_why[0] ? "; cuDNN: " : "",
+                 cudnn_why);
     return MST_OK;
 }
 

@@ -29,12 +29,12 @@
 #include "trainer/model_ops/model_backend.h"
 
 /* Attention: what forward saves for backward (model_backend.h) and which
- * implementation runs it. AUTO: our flash kernels (output and row
- * logsumexp saved) where the backend takes the head dims, else the
- * probabilities (the reason in mst_model.attn_note). CUDNN: cuDNN's fused
- * attention under the flash contract (the same saved tensors), where the
- * library loads and takes the dims; else an error naming --attention (AUTO
- * does not pick it until it is confirmed on the GPU). */
+ * implementation runs it. CUDNN: cuDNN's fused attention under the flash
+ * contract (output and row logsumexp saved), where the library loads and
+ * takes the dims; else an error naming --attention. FLASH: our kernels,
+ * the same contract. AUTO: cuDNN where the backend has it and it takes the
+ * dims, else our flash kernels, else the probabilities (each refusal in
+ * mst_model.attn_note). */
 typedef enum { MST_ATTN_AUTO = 0, MST_ATTN_FLASH, MST_ATTN_CUBLAS, MST_ATTN_CUDNN } mst_attn_kind;
 const char* mst_attn_kind_str(int32_t kind);
 
@@ -132,7 +132,8 @@ mst_mem_config mst_mem_config_default(void);
 
 /* The attention a model of config c runs on ctx's backend: *kind
  * MST_ATTN_FLASH or MST_ATTN_CUDNN (the flash contract) or MST_ATTN_CUBLAS
- * (the probabilities); under AUTO, why not flash in note ("" when flash);
+ * (the probabilities); under AUTO, why not cuDNN or flash in note ("" when
+ * the first it tried runs);
  * MST_ATTN_FLASH or MST_ATTN_CUDNN where the backend cannot run it for
  * these dims is an error naming --attention and the reason (for cuDNN:
  * the library missing, its version, a shape no engine takes). CUDNN builds
