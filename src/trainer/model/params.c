@@ -168,14 +168,29 @@ void mst_model_init_params(const mst_model* m, float* p) {
 
 /* ---- memory bound ------------------------------------------------------------ */
 
-mst_status mst_model_bytes_at_least(const mst_model_config* c, int32_t moments_bf16, double* total_bytes, double* params_bytes) {
-    mst_model m = {.cfg = *c, .n_local = c->experts};
-    mst_model_set_stage(&m, 0, 1);
+/* The parameters of stage s of P with El experts a layer, as the model lays
+ * them out. */
+static mst_status stage_params(const mst_model_config* c, int32_t s, int32_t P, int32_t El, int64_t* n) {
+    mst_model m = {.cfg = *c, .n_local = El};
+    mst_model_set_stage(&m, s, P);
     m.lp = (mst_layer_params*)calloc((size_t)c->layers + 1, sizeof *m.lp);
     if (!m.lp) return mst_set_error(MST_ERR_OOM, "layer parameter table");
-    mst_model_layout(&m); /* the parameter count, as the model lays them out */
+    mst_model_layout(&m);
     free(m.lp);
-    *params_bytes = (double)m.n_params * (2 + 4 + 4 + (moments_bf16 ? 2 * 2 : 2 * 4)); /* w, grad, master, m and v */
+    *n = m.n_params;
+    return MST_OK;
+}
+
+mst_status mst_model_bytes_at_least(const mst_model_config* c, int32_t moments_bf16, int32_t pp, int32_t dp,
+                                    double* total_bytes, double* params_bytes) {
+    const int32_t P = pp > 1 ? pp : 1, ranks = dp > 1 && c->experts % dp == 0 ? dp : 1;
+    int64_t most = 0; /* the largest stage's (its experts over its data-parallel ranks) */
+    for (int32_t s = 0; s < P; s++) {
+        int64_t n = 0;
+        MST_TRY(stage_params(c, s, P, c->experts / ranks, &n));
+        most = n > most ? n : most;
+    }
+    *params_bytes = (double)most * (2 + 4 + 4 + (moments_bf16 ? 2 * 2 : 2 * 4)); /* w, grad, master, m and v */
     const double N = (double)c->batch * (double)c->seq, rows = N * (double)c->n_head, D = (double)c->head_dim;
     const double Wq = ((double)c->n_head + 2.0 * (double)c->n_kv_head) * D;
     /* qkv (bf16), QK-norm's rstd (fp32) and the output (bf16) with the
