@@ -490,61 +490,6 @@ mst_status mst_model_create(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t
     return mst_model_create_dist(ctx, cfg, n_micro, mem, NULL, out);
 }
 
-/* The ranks of dist (NULL, or no communicator: one rank): checked against
- * the communicator and the model's groups. */
-static mst_status check_dist(const mst_model_config* cfg, const mst_mem_config* mem, const mst_dist* dist, mst_dist* out) {
-    mst_dist one = {0, 1, NULL, 0, 1, NULL};
-    *out = dist && (dist->ep || dist->pipe) ? *dist : one;
-    if (out->stages < 1) out->stages = 1;
-    if (out->stages > 1 || out->pipe) {
-        if (!out->pipe || out->stage < 0 || out->stage >= out->stages || out->world < 1)
-            return BAD("dist: stage %d of %d, pipe %s", out->stage, out->stages, out->pipe ? "given" : "NULL");
-        if (mst_ep_world(out->pipe) != out->stages * out->world ||
-            mst_ep_rank(out->pipe) != out->stage * out->world + out->rank)
-            return BAD("dist: rank %d of stage %d (%d x %d), but the pipe is rank %d of %d", out->rank, out->stage,
-                       out->stages, out->world, mst_ep_rank(out->pipe), mst_ep_world(out->pipe));
-        MST_TRY(mst_model_grid_check(cfg, out->stages, out->stages * out->world, mem->schedule, mem->virtual_stages));
-    }
-    if (!out->ep) {
-        if (out->world != 1) return BAD("dist: %d data-parallel ranks a stage without a communicator", out->world);
-        return MST_OK;
-    }
-    if (out->world != mst_ep_world(out->ep) || out->rank != mst_ep_rank(out->ep))
-        return BAD("dist: rank %d of %d, but the communicator is rank %d of %d", out->rank, out->world,
-                   mst_ep_rank(out->ep), mst_ep_world(out->ep));
-    if (cfg->ep != out->world)
-        return BAD("--ep %d: on %d ranks the expert groups are the ranks (--ep %d)", cfg->ep, out->world, out->world);
-    return MST_OK;
-}
-
-mst_status mst_model_allreduce(mst_model* m, void* data, int64_t count, mst_ep_reduce kind) {
-    return m->dist.ep ? mst_ep_allreduce(m->dist.ep, data, count, kind) : MST_OK;
-}
-
-static mst_status allreduce_host(mst_model* m, void* host, int64_t count, mst_ep_reduce kind, int world) {
-    if (!(world ? (m->dist.pipe || m->dist.ep) : m->dist.ep != NULL) || count == 0) return MST_OK;
-    const size_t bytes = (size_t)count * mst_ep_reduce_size(kind);
-    void* dev = NULL; /* [count] of kind's type */
-    MST_TRY(mst_alloc(m->ctx, bytes, &dev));
-    mst_status st = mst_copy_h2b(m->ctx, dev, host, bytes);
-    if (st == MST_OK) st = world ? mst_model_allreduce_world(m, dev, count, kind) : mst_model_allreduce(m, dev, count, kind);
-    if (st == MST_OK) st = mst_copy_b2h(m->ctx, host, dev, bytes);
-    mst_free(m->ctx, dev);
-    return st;
-}
-
-mst_status mst_model_allreduce_host(mst_model* m, void* host, int64_t count, mst_ep_reduce kind) {
-    return allreduce_host(m, host, count, kind, 0);
-}
-
-mst_status mst_model_allreduce_host_world(mst_model* m, void* host, int64_t count, mst_ep_reduce kind) {
-    return allreduce_host(m, host, count, kind, 1);
-}
-
-mst_status mst_model_max_over_ranks(mst_model* m, double* v, int64_t n) {
-    return mst_model_allreduce_host(m, v, n, MST_EP_MAX_F64);
-}
-
 mst_status mst_model_create_dist(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t n_micro,
                                  const mst_mem_config* mem, const mst_dist* dist, mst_model** out) {
     const mst_model_backend* ops;
@@ -553,7 +498,7 @@ mst_status mst_model_create_dist(mst_ctx_t* ctx, const mst_model_config* cfg, in
     if (n_micro < 1 || n_micro > 4096) return BAD("--microbatches %d: expected 1 .. 4096", n_micro);
     const mst_mem_config mc = mem ? *mem : mst_mem_config_default();
     mst_dist d;
-    MST_TRY(check_dist(cfg, &mc, dist, &d));
+    MST_TRY(mst_model_dist_check(cfg, &mc, dist, &d));
     mst_model* m = (mst_model*)calloc(1, sizeof *m);
     if (!m) return mst_set_error(MST_ERR_OOM, "model");
     m->ctx = ctx;

@@ -400,8 +400,6 @@ int32_t mst_model_stage_of(const mst_model* m, int32_t layer, int first);
  * pairing). One stage: nothing. */
 mst_status mst_stage_before(mst_model* m, int32_t i);
 mst_status mst_stage_after(mst_model* m, int32_t i);
-/* Over every rank of the grid (dist.pipe; one stage: dist.ep). */
-mst_status mst_model_allreduce_world(mst_model* m, void* data, int64_t count, mst_ep_reduce kind);
 /* P > 1, tied embeddings: the table's gradient summed over the grid (stage
  * 0's and the last stage's copies; the others add zeros). */
 mst_status mst_stage_share_tied(mst_model* m);
@@ -425,9 +423,16 @@ mst_status mst_model_create(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t
  * one rank). Collective on W ranks. */
 mst_status mst_model_create_dist(mst_ctx_t* ctx, const mst_model_config* cfg, int32_t n_micro,
                                  const mst_mem_config* mem, const mst_dist* dist, mst_model** out);
+/* dist (NULL, or no communicator: one rank) checked against its
+ * communicators, the grid (stage.c) and the model's groups, into *out
+ * (stages 0 read as 1). dist.c, with the sums below. */
+mst_status mst_model_dist_check(const mst_model_config* cfg, const mst_mem_config* mem, const mst_dist* dist,
+                                mst_dist* out);
 /* W ranks: all-reduces count elements of backend memory over the ranks (one
  * rank: nothing). */
 mst_status mst_model_allreduce(mst_model* m, void* data, int64_t count, mst_ep_reduce kind);
+/* The same over every rank of the grid (dist.pipe; one stage: dist.ep). */
+mst_status mst_model_allreduce_world(mst_model* m, void* data, int64_t count, mst_ep_reduce kind);
 /* The same on count elements of host memory (through a backend buffer);
  * world: over every rank of the grid (mst_model_allreduce_world). */
 mst_status mst_model_allreduce_host(mst_model* m, void* host, int64_t count, mst_ep_reduce kind);

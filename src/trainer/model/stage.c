@@ -201,10 +201,6 @@ mst_status mst_stage_after(mst_model* m, int32_t i) {
 
 /* ---- sums over the grid ------------------------------------------------------ */
 
-mst_status mst_model_allreduce_world(mst_model* m, void* data, int64_t count, mst_ep_reduce kind) {
-    return m->dist.pipe ? mst_ep_allreduce(m->dist.pipe, data, count, kind) : mst_model_allreduce(m, data, count, kind);
-}
-
 mst_status mst_stage_share_tied(mst_model* m) {
     if (m->stages == 1 || !m->cfg.tie_embeddings) return MST_OK;
     const int64_t n = m->cfg.vocab * m->cfg.hidden;
