@@ -30,6 +30,10 @@
  *              first claim of a layer call takes every produced name read
  *              in place, in one ring batch with the saves queued before it
  *   OFFLOAD    as STASH, into pinned host pages
+ *   STASH_FP8, OFFLOAD_FP8  as STASH, OFFLOAD into fp8 pages (their own
+ *              pools, kind MM_KIND_FP8): never claimed nor read in place,
+ *              restored (dequantized) into the restore buffers; a measuring
+ *              step's exact copy holds the rows the pages would give back
  *   RECOMPUTE  fc2_input only: not saved; the grouped MLP recomputes it
  *   layer recompute (uniform / block): a recomputed layer saves nothing in
  *              its forward; the caller keeps the chunk input and reruns the
