@@ -236,7 +236,7 @@ def _mlp_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Option
     d, R = x.device, x.shape[0]
     cfg = _mlp_cfg(x, w1, counts, activation, clamp_limit, clamp_alpha)
     y = x.new_empty((R, x.shape[1]))
-    record = b.saver.forward(d, R, cfg.ffn, (x, probs, counts))
+    record = b.saver.forward(d, R, cfg.ffn)
     hs, zs = _saved_shapes(binding, R, cfg.ffn)
     try:
         if R:  # the library takes no empty tensor; no rows, nothing to do
@@ -280,7 +280,6 @@ def _mlp_bwd(dy: Tensor, x: Tensor, h: Tensor, z: Tensor, probs: Tensor, rid: Te
     grads = [_grad_buf(p, m, mode if R else _lib.WGRAD_ACCUMULATE) for p, m in zip(params, mgs)]  # no rows: 0
     record = None
     if int(rid[0]) >= 0:
-        b.saver.manager.prefetch_before(int(rid[0]))  # the next backward's offloaded names (offload_stream)
         record = b.saver.manager.release(int(rid[0]))
         if record is None:
             raise RuntimeError("grouped_mlp backward: the stashed activations of its forward were reset by "

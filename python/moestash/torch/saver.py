@@ -60,21 +60,10 @@ class Record:
     captured: the forward ran inside a CUDA graph capture; its handles then
     belong to that graph, whose replays save into them (see Saver._release)."""
 
-    def __init__(self, captured=False, rows=0):
+    def __init__(self, captured=False):
         self.handles = {}  # name -> (pool, handle, max_rows)
         self.claimed = set()  # names whose pages the producer wrote (no save)
         self.captured = captured
-        self.rows = rows  # R of the forward
-        self.prefetched = {}  # name -> (buffer [R, width], event): restores started early
-
-    def prefetch(self, manager):
-        """Starts the restores of the names in host pages on the manager's
-        copy stream (StashManager.offload_stream), once each."""
-        for name, (pool, handle, _) in self.handles.items():
-            if name in self.prefetched or manager.copy_stream(pool) is None:
-                continue
-            buf = torch.empty((self.rows, pool.width), dtype=_TORCH_DTYPE[pool.dtype], device=pool.ctx.device)
-            self.prefetched[name] = (buf, manager.restore(pool, handle, buf, wait=False))
 
 
 class Saver:
@@ -107,16 +96,15 @@ class Saver:
 
     # ---- one call --------------------------------------------------------
 
-    def _begin(self, device, record, saved, restore=False, max_rows=0, widths=None, inputs=()):
-        self.device, self.record, self.saved, self.inputs = device, record, saved or {}, inputs
+    def _begin(self, device, record, saved, restore=False, max_rows=0, widths=None):
+        self.device, self.record, self.saved = device, record, saved or {}
         self.restore_all, self.max_rows, self.widths = restore, max_rows, widths
         self.produced, self.keepalive = {}, []
 
-    def forward(self, device, max_rows, ffn, inputs=()):
-        """Arms the saver for one forward; returns its Record. inputs: the
-        op's torch tensors a save may read (x, probs, counts)."""
-        self._begin(device, Record(capturing(device), max_rows), None, max_rows=max_rows,
-                    widths={ACT_INPUT: 2 * ffn, FC2_INPUT: ffn}, inputs=inputs)
+    def forward(self, device, max_rows, ffn):
+        """Arms the saver for one forward; returns its Record."""
+        self._begin(device, Record(capturing(device)), None, max_rows=max_rows,
+                    widths={ACT_INPUT: 2 * ffn, FC2_INPUT: ffn})
         return self.record
 
     def backward(self, device, record, saved, restore_all):
@@ -183,10 +171,7 @@ class Saver:
             return
         pool, handle = self.manager.take(self.policies[name], name, self.device, self.max_rows, src[0].cols)
         self.record.handles[name] = (pool, handle, self.max_rows)
-        reads = (src[0].data, counts[0].data)
-        tensors = [t for t in (*self.inputs, *self.produced.values())
-                   if t is not None and t.numel() and t.data_ptr() in reads]
-        self.manager.save(pool, handle, src, counts, tensors)
+        self.manager.save(pool, handle, src, counts)
 
     def _fetch(self, name, out):
         policy = self.policies[name]
@@ -202,13 +187,8 @@ class Saver:
             self.keepalive.append(pages)
             out[0] = _lib.tensor(pages.table, pool.dtype, rows, pool.width, pages)
             return
-        pre = self.record.prefetched.pop(name, None)
-        if pre is not None:  # started by the backward before this one
-            buf = pre[0]
-            torch.cuda.current_stream(self.device).wait_event(pre[1])
-        else:
-            buf = torch.empty((rows, pool.width), dtype=_TORCH_DTYPE[pool.dtype], device=self.device)
-            self.manager.restore(pool, handle, buf)
+        buf = torch.empty((rows, pool.width), dtype=_TORCH_DTYPE[pool.dtype], device=self.device)
+        self.manager.restore(pool, handle, buf)
         self.keepalive.append(buf)
         out[0] = as_mst(buf, _lib.SAVED_NAMES[name], self.device)
 

@@ -28,15 +28,6 @@ another forward); a capture makes none (that allocates), so run one whole
 step eagerly before capturing, and size the pools first (initial_rows, or
 eager steps until step_check() passes): a growth after the capture would
 replace the pools the graphs hold.
-
-offload_stream=True (CUDA, eager steps): the offload pools' copies run on a
-copy stream of the manager's, beside the compute: a save waits for what
-torch's current stream enqueued before it (the rows exist) and the source
-tensors are kept from reuse until it is done (Tensor.record_stream); the
-backward of a forward starts the restores of the forward held just before
-it (the next backward, in a model's reverse order) into device buffers,
-and a backward waits for its own restores only. Inside a CUDA graph
-capture every copy stays on the current stream, as without it.
 """
 import contextlib
 import ctypes
@@ -119,10 +110,8 @@ class StashManager:
     initial_rows: rows each pool holds before the first growth (default:
     the max_rows of the first save); factor: pages over the measured peak."""
 
-    def __init__(self, page_rows=64, factor=1.10, initial_rows=None, offload_stream=False):
+    def __init__(self, page_rows=64, factor=1.10, initial_rows=None):
         self.page_rows, self.factor, self.initial_rows = page_rows, factor, initial_rows
-        self.offload_stream = offload_stream
-        self.streams = {}  # device -> the copy stream of its offload pools (offload_stream)
         self.pools = {}  # (device, name, policy, width) -> Pool
         self.resize = False  # the pools grew: size them from the next good step's peak
         self.overflows = 0
@@ -142,34 +131,8 @@ class StashManager:
         pool.max_rows = max(pool.max_rows, max_rows)
         return pool, pool.take(max_rows)
 
-    def copy_stream(self, pool):
-        """The stream of pool's copies: the manager's copy stream for an offload
-        pool with offload_stream outside a capture; None: torch's current one."""
-        d = pool.ctx.device
-        if not (self.offload_stream and pool.host and d.type == "cuda") or capturing(d):
-            return None
-        if d not in self.streams:
-            self.streams[d] = torch.cuda.Stream(d)
-        return self.streams[d]
-
-    def _join(self):
-        """torch's current streams wait for the copy streams' work (not inside
-        a capture: eager work is done before one, see the module doc)."""
-        for d, side in self.streams.items():
-            if not capturing(d):
-                torch.cuda.current_stream(d).wait_stream(side)
-
-    def save(self, pool, handle, src, counts, tensors=()):
-        """Saves src's rows [0, sum(counts)); tensors: the torch tensors the
-        save reads (kept from reuse while a copy stream reads them)."""
-        side = self.copy_stream(pool)
-        if side is None:
-            return pool.call("mst_stash_save", handle, src, counts)
-        side.wait_stream(torch.cuda.current_stream(pool.ctx.device))
-        for t in tensors:
-            t.record_stream(side)
-        with torch.cuda.stream(side):
-            pool.call("mst_stash_save", handle, src, counts)
+    def save(self, pool, handle, src, counts):
+        pool.call("mst_stash_save", handle, src, counts)
 
     def claim(self, pool, handle, rows, counts):
         """Takes the pages of a save whose producer writes them itself."""
@@ -180,31 +143,9 @@ class StashManager:
         _lib.call("mst_stash_handle_pages", handle, ctypes.byref(pages))
         return pages
 
-    def restore(self, pool, handle, dst, wait=True):
-        """Restores the handle's rows into dst; on the copy stream, where
-        torch's current stream waits for it (wait) or the returned event
-        says when it is done (wait=False; None: on the current stream)."""
+    def restore(self, pool, handle, dst):
         t = as_mst(dst, "restore buffer", dst.device)
-        side = self.copy_stream(pool)
-        if side is None:
-            return pool.call("mst_stash_restore", handle, ctypes.byref(t))
-        main = torch.cuda.current_stream(pool.ctx.device)
-        side.wait_stream(main)  # dst's memory is free of main's earlier work
-        with torch.cuda.stream(side):
-            pool.call("mst_stash_restore", handle, ctypes.byref(t))
-        if wait:
-            return main.wait_stream(side)
-        return side.record_event()
-
-    def prefetch_before(self, rid):
-        """Starts the restores of the offloaded names of the record held
-        just before forward `rid` on the copy stream (offload_stream)."""
-        earlier = [r for r in self.records if r < rid]
-        if not self.streams or not earlier:
-            return
-        record = self.records[max(earlier)]
-        if not record.captured:
-            record.prefetch(self)
+        pool.call("mst_stash_restore", handle, ctypes.byref(t))
 
     def give_back(self, pool, handle):
         pool.call("mst_stash_restore_return", handle)
@@ -226,7 +167,6 @@ class StashManager:
         records of forwards whose backward never ran (a forward under
         torch.no_grad(), an output dropped unused) end here: their pages are
         reset and their handles go back to the pools."""
-        self._join()
         for pool in self.pools.values():
             pool.call("mst_pool_reset")
         for record in self.records.values():
@@ -241,7 +181,6 @@ class StashManager:
         step (a device-side copy of the flags: for an optimizer that skips
         itself without a host sync)."""
         device = context(device).device  # cuda -> cuda:<current>
-        self._join()
         pools = [p for k, p in self.pools.items() if k[0] == device]
         out = torch.zeros(max(len(pools), 1), dtype=torch.int32, device=device)
         for i, p in enumerate(pools):
@@ -253,7 +192,6 @@ class StashManager:
         """Host: True when no pool overflowed this step. On overflow every
         overflowed pool doubles (the step must be rerun: False)."""
         over = []
-        self._join()
         for key, pool in self.pools.items():
             st = pool.poll()
             if st == _lib.ERR_OVERFLOW:
@@ -291,7 +229,6 @@ class StashManager:
         return rows
 
     def close(self):
-        self._join()
         for pool in self.pools.values():
             pool.close()
         self.pools = {}
