@@ -374,14 +374,14 @@ int mst_cmd_train(int argc, char** argv) {
     if (t.graph) t.cfg.graph_from = strcmp(t.graph, "on") == 0;
     if (grid(argc, argv, &t)) return 2;
     const int64_t dp = t.gpus / (t.cfg.pp > 1 ? t.cfg.pp : 1); /* a stage's data-parallel ranks */
-    if (t.gpus > 1 && mst_args_find(argc, argv, "--ep") && t.cfg.model.ep != dp)
+    if (dp > 1 && mst_args_find(argc, argv, "--ep") && t.cfg.model.ep != dp)
         return bad_value("--ep", t.cfg.model.ep, "on --gpus N ranks the expert groups are the ranks (--ep N; --pp P: N / P)");
     if (dp > 1 && t.cfg.model.experts % dp != 0) {
         char why[96];
         snprintf(why, sizeof why, "the ranks share the %d experts (--experts): must divide it", t.cfg.model.experts);
         return bad_value("--gpus", t.gpus, why);
     }
-    if (t.gpus > 1) t.cfg.model.ep = (int32_t)dp; /* --pp P --gpus P: one rank a stage, --ep 1 */
+    if (dp > 1) t.cfg.model.ep = (int32_t)dp;
     if (consistent(&t)) return 2;
     if (t.cfg.model.capacity_factor == 0.0f) t.cfg.model.capacity_factor = (float)t.cfg.model.ep;
     if (mst_model_config_check(&t.cfg.model) != MST_OK) {
