@@ -274,6 +274,39 @@ static void policies_on_grid(void) {
     free_all(base, 4);
 }
 
+/* The seeds' setting: stage 0 of --pp 4 holds 4 microbatches in flight
+ * (1F1B, M 8); one rank a stage keeps its --ep 4 groups local, each
+ * budgeted for its dropless worst case (capacity factor 4: every row), so
+ * KEEP's static buffers are 4x the rows in flight; STASH's pages hold the
+ * rows there are. Stage 0's saved grouped-MLP bytes under STASH <= 0.5x
+ * KEEP's (the issue's target), and every rank's bits the same. */
+static void stash_on_stage0(void) {
+    mst_train_config c = small(1, 4, 3);
+    c.model.ep = 4;
+    c.model.capacity_factor = 4.0f;
+    c.microbatches = 8;
+    mst_train_result keep[4], stash[4];
+    memset(keep, 0, sizeof keep);
+    memset(stash, 0, sizeof stash);
+    CHECK_OK(grid(c, 4, 4, keep));
+    CHECK_OK(mst_policy_spec_parse("stash", c.mem.policy.name));
+    CHECK_OK(grid(c, 4, 4, stash));
+    if (keep[0].stage_mem && stash[0].stage_mem) {
+        for (int32_t k = 0; k < 4; k++) same_run(&keep[k], &stash[k], 0, "--pp 4, stash against keep");
+        const size_t* kr = keep[0].stage_mem[0].run;
+        const size_t* sr = stash[0].stage_mem[0].run;
+        const double kb = (double)(kr[MST_ROW_MLP_KEPT] + kr[MST_ROW_MLP_DEV_PAGES]);
+        const double sb = (double)(sr[MST_ROW_MLP_KEPT] + sr[MST_ROW_MLP_DEV_PAGES]);
+        CHECK(keep[0].stage_sets[0] == 4 && kb > 0 && sb <= 0.5 * kb,
+              "--pp 4, M 8, --ep 4 a stage: stage 0 (%d in flight) saved grouped-MLP bytes STASH %.0f, KEEP %.0f (%.3fx; "
+              "expected <= 0.5x)", keep[0].stage_sets[0], sb, kb, sb / kb);
+        printf("  %-40s --pp 4 x 1, M 8, --ep 4 a stage: stage 0 (%d in flight) grouped-MLP saved STASH / KEEP %.3f, "
+               "bits the same\n", "stash on stage 0", keep[0].stage_sets[0], sb / kb);
+    }
+    free_all(keep, 4);
+    free_all(stash, 4);
+}
+
 /* ZeRO-1 over each stage's data-parallel ranks (shard.c): the same bits as
  * unsharded on the CPU twin (its reduce-scatter sums as its all-reduce). */
 static void shard_on_grid(void) {
@@ -360,6 +393,7 @@ int main(int argc, char** argv) {
         bits_against_one_stage(2, 2, 7, 2, 6);
         drift_tied();
         policies_on_grid();
+        stash_on_stage0();
         shard_on_grid();
         resume_on_grid();
     } else {

@@ -324,8 +324,8 @@ static int rank_comm(train_cli* t, mst_ctx_t* ctx, mst_ep_t** ep, mst_ep_t** pip
     *ep = *pipe = NULL;
     if (!t->l.launched || t->l.world == 1) return 0;
     const int32_t P = t->cfg.pp > 1 ? t->cfg.pp : 1, D = t->l.world / P, s = t->l.rank / D, d = t->l.rank % D;
-    mst_ep_config ec;
-    mst_status st = mst_model_ep_config(&t->cfg.model, D, &ec);
+    mst_ep_config ec; /* the stage's communicator (none for one rank a stage: its --ep groups are local) */
+    mst_status st = D > 1 || P == 1 ? mst_model_ep_config(&t->cfg.model, D, &ec) : MST_OK;
     if (st == MST_OK && P == 1) st = mst_launch_ep(&t->l, ctx, &ec, ep);
     if (st == MST_OK && P > 1) st = mst_launch_ep(&t->l, ctx, NULL, pipe);
     if (st == MST_OK && P > 1 && D > 1) st = mst_ep_create_split(ctx, &ec, *pipe, s, d, ep);
