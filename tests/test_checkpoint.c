@@ -28,17 +28,20 @@
 #include "harness.h"
 #include "trainer/run/checkpoint.h"
 
+/* Field by field into a zeroed config: the round-trip checks compare the
+ * structs with memcmp, so their padding must be zero on both sides (a
+ * designated initializer of a local leaves it indeterminate). */
 static mst_train_config tiny(int64_t hidden) {
-    mst_train_config t = {0};
-    mst_model_config m = {.vocab = 256, .hidden = hidden, .ffn = 16, .n_head = 2,
-                          .n_kv_head = 1, .head_dim = hidden / 2, .rope_theta = 10000.0f, .norm_topk_prob = 1, .tie_embeddings = 1, .seq = 8, .batch = 2,
-                          .layers = 2, .experts = 4, .top_k = 2, .ep = 2, .capacity_factor = 2.0f,
-                          .mtp_weight = 0.3f, .aux_coef = 0.01f, .norm_eps = 1e-5f, .init_std = 0.02f,
-                          .seed = 12345678901234ull};
-    mst_optim_config o = {.lr = 3e-3f, .min_lr_frac = 0.1f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f,
-                          .weight_decay = 0.1f, .clip = 1.0f, .warmup = 3, .steps = 7};
-    t.model = m;
-    t.optim = o;
+    mst_train_config t;
+    memset(&t, 0, sizeof t);
+    mst_model_config* m = &t.model;
+    m->vocab = 256, m->hidden = hidden, m->ffn = 16, m->n_head = 2, m->n_kv_head = 1, m->head_dim = hidden / 2;
+    m->rope_theta = 10000.0f, m->norm_topk_prob = 1, m->tie_embeddings = 1, m->seq = 8, m->batch = 2;
+    m->layers = 2, m->experts = 4, m->top_k = 2, m->ep = 2, m->capacity_factor = 2.0f;
+    m->mtp_weight = 0.3f, m->aux_coef = 0.01f, m->norm_eps = 1e-5f, m->init_std = 0.02f, m->seed = 12345678901234ull;
+    mst_optim_config* o = &t.optim;
+    o->lr = 3e-3f, o->min_lr_frac = 0.1f, o->beta1 = 0.9f, o->beta2 = 0.95f, o->eps = 1e-8f;
+    o->weight_decay = 0.1f, o->clip = 1.0f, o->warmup = 3, o->steps = 7;
     t.mem = mst_mem_config_default();
     CHECK_OK(mst_policy_spec_parse("fc1_input=stash,act_input=offload", t.mem.policy.name));
     t.mem.recompute = (mst_recompute_config){sizeof(mst_recompute_config), MST_RECOMPUTE_UNIFORM, 1};
