@@ -25,24 +25,8 @@
 # usage: scripts/ep-train-check.sh MOESTASH
 set -uo pipefail
 bin=$1
-n=$(nvidia-smi -L 2>/dev/null | wc -l)
-[ "$n" -ge 2 ] || { echo "skipped: $n GPUs"; exit 77; }
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-bad=0
-run() { # name, args...: a train run, its JSON in $tmp/name.json
-  local name=$1
-  shift
-  if ! timeout 600 "$bin" train --backend cuda "$@" --json "$tmp/$name.json" >"$tmp/$name.out" 2>"$tmp/$name.err"; then
-    echo "FAILED: train $* (exit $?)"
-    tail -5 "$tmp/$name.err"
-    bad=1
-    return 1
-  fi
-}
-field() { python3 -c "import json,sys; d=json.load(open('$tmp/$1.json')); print($2)"; }
+run_timeout=600
+. "$(dirname "$0")/lib/train-runs.sh"
 
 # ---- loss: N GPUs vs one GPU with --ep N ----
 if run gpus --gpus "$n" --batch 4 --steps 20 --log-every 20 && run one --ep "$n" --batch $((4 * n)) --steps 20 --log-every 20; then

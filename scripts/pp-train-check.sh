@@ -21,23 +21,8 @@
 # usage: scripts/pp-train-check.sh MOESTASH
 set -uo pipefail
 bin=$1
-n=$(nvidia-smi -L 2>/dev/null | wc -l)
-[ "$n" -ge 2 ] || { echo "skipped: $n GPUs"; exit 77; }
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-bad=0
-run() { # name, args...: a train run, its JSON in $tmp/name.json
-  local name=$1
-  shift
-  if ! timeout 900 "$bin" train --backend cuda "$@" --json "$tmp/$name.json" >"$tmp/$name.out" 2>"$tmp/$name.err"; then
-    echo "FAILED: train $* (exit $?)"
-    tail -5 "$tmp/$name.err"
-    bad=1
-    return 1
-  fi
-}
+run_timeout=900
+. "$(dirname "$0")/lib/train-runs.sh"
 P=2
 [ "$n" -ge 4 ] && P=4
 size=(--hidden 1024 --ffn 1024 --heads 8 --kv-heads 4 --head-dim 128 --seq 1024 --batch 4 --layers 8 --experts 32 --top-k 4)
