@@ -56,6 +56,26 @@ int mst_test_main(int argc, char** argv, void (*run)(mst_ctx_t* ctx)) {
     return mst_test_failures ? 1 : 0;
 }
 
+mst_backend_kind mst_test_backend_arg(int argc, char** argv) {
+    mst_backend_kind kind = MST_BACKEND_CPU;
+    for (int i = 1; i + 1 < argc; i++)
+        if (!strcmp(argv[i], "--backend") && !strcmp(argv[i + 1], "cuda")) kind = MST_BACKEND_CUDA;
+    return kind;
+}
+
+int mst_test_devices(mst_backend_kind kind, int most) {
+    if (kind == MST_BACKEND_CPU) return 64;
+    int n = 0;
+    for (mst_ctx_t* c = NULL; n < most && mst_ctx_create(kind, n, &c) == MST_OK; n++) mst_ctx_destroy(c);
+    return n;
+}
+
+int mst_test_skip_devices(const char* prog, int n_dev, const char* needs) {
+    printf("%s: skipped: %d CUDA devices, %s\n", prog, n_dev, needs);
+    /* no GPU where one is required fails; one GPU skips */
+    return n_dev == 0 && getenv("MST_TEST_REQUIRE_GPU") ? 1 : MST_TEST_SKIP;
+}
+
 uint64_t mst_rng_next(mst_rng* r) { return mst_splitmix64(&r->s); }
 
 double mst_rng_uniform(mst_rng* r) { return mst_splitmix_unit(&r->s); }

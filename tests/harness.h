@@ -48,6 +48,17 @@ void mst_test_fail(const char* file, int line, const char* fmt, ...);
 #define MST_TEST_SKIP 77
 int mst_test_main(int argc, char** argv, void (*run)(mst_ctx_t* ctx));
 
+/* ---- tests of several ranks (their own main: a context a rank) ---- */
+/* The backend `--backend cuda` names; the CPU otherwise. */
+mst_backend_kind mst_test_backend_arg(int argc, char** argv);
+/* The ranks `kind` can host: 64 on the CPU, else the devices a context opens
+ * on (at most `most`). */
+int mst_test_devices(mst_backend_kind kind, int most);
+/* The exit of a test that needs 2 devices and has n_dev: prints
+ * "<prog>: skipped: N CUDA devices, <needs>" and returns MST_TEST_SKIP, or 1
+ * where there is none and MST_TEST_REQUIRE_GPU is set (the GPU machine). */
+int mst_test_skip_devices(const char* prog, int n_dev, const char* needs);
+
 /* ---- random inputs ---- */
 typedef struct mst_rng { uint64_t s; } mst_rng;
 uint64_t mst_rng_next(mst_rng* r);

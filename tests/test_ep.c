@@ -596,18 +596,6 @@ static int have_results(const scen* s, rank_io* io, const char* what) {
     return ok;
 }
 
-static int n_devices(mst_backend_kind kind) {
-    if (kind == MST_BACKEND_CPU) return 64;
-    int n = 0;
-    while (n < 16) {
-        mst_ctx_t* c = NULL;
-        if (mst_ctx_create(kind, n, &c) != MST_OK) break;
-        mst_ctx_destroy(c);
-        n++;
-    }
-    return n;
-}
-
 /* Every scenario twice (same bits), each run two passes on the same
  * communicator: dispatch into the caller's rows, then into the window rows
  * (direct where the transport has it): both against the reference, and the
@@ -880,15 +868,9 @@ static const scen SCENS[] = {
 };
 
 int main(int argc, char** argv) {
-    mst_backend_kind kind = MST_BACKEND_CPU;
-    for (int i = 1; i + 1 < argc; i++)
-        if (!strcmp(argv[i], "--backend") && !strcmp(argv[i + 1], "cuda")) kind = MST_BACKEND_CUDA;
-    const int n_dev = n_devices(kind);
-    if (kind == MST_BACKEND_CUDA && n_dev < 2) {
-        printf("%s: skipped: %d CUDA devices, expert parallelism needs 2\n", argv[0], n_dev);
-        /* no GPU where one is required (MST_TEST_REQUIRE_GPU) fails; one GPU skips */
-        return n_dev == 0 && getenv("MST_TEST_REQUIRE_GPU") ? 1 : MST_TEST_SKIP;
-    }
+    const mst_backend_kind kind = mst_test_backend_arg(argc, argv);
+    const int n_dev = mst_test_devices(kind, 16);
+    if (kind == MST_BACKEND_CUDA && n_dev < 2) return mst_test_skip_devices(argv[0], n_dev, "expert parallelism needs 2");
     if (kind == MST_BACKEND_CPU) check_bad_args();
     for (size_t i = 0; i < sizeof SCENS / sizeof SCENS[0]; i++) {
         if (SCENS[i].W > n_dev) {

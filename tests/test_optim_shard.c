@@ -370,21 +370,10 @@ static void twin_collectives(void) {
     printf("  %-44s 3 ranks, %d elements a block: reduce-scatter = all-reduce bits, all-gather exact\n", "twin collectives", CN);
 }
 
-static int n_devices(void) {
-    if (kind == MST_BACKEND_CPU) return 64;
-    int n = 0;
-    for (mst_ctx_t* c = NULL; n < 8 && mst_ctx_create(kind, n, &c) == MST_OK; n++) mst_ctx_destroy(c);
-    return n;
-}
-
 int main(int argc, char** argv) {
-    for (int i = 1; i + 1 < argc; i++)
-        if (!strcmp(argv[i], "--backend") && !strcmp(argv[i + 1], "cuda")) kind = MST_BACKEND_CUDA;
-    const int n_dev = n_devices();
-    if (n_dev < 2) {
-        printf("%s: skipped: %d CUDA devices, the sharded optimizer needs 2 ranks\n", argv[0], n_dev);
-        return n_dev == 0 && getenv("MST_TEST_REQUIRE_GPU") ? 1 : MST_TEST_SKIP;
-    }
+    kind = mst_test_backend_arg(argc, argv);
+    const int n_dev = mst_test_devices(kind, 8);
+    if (n_dev < 2) return mst_test_skip_devices(argv[0], n_dev, "the sharded optimizer needs 2 ranks");
     if (kind == MST_BACKEND_CPU) twin_collectives();
     if (kind == MST_BACKEND_CPU) norm_and_reduction();
     on_vs_off(2, 0);
