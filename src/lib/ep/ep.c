@@ -203,24 +203,6 @@ mst_status mst_ep_window_rows(mst_ep_t* ep, mst_tensor* rows, mst_tensor* row_pr
     return MST_OK;
 }
 
-/* ---- all-reduce ---------------------------------------------------------- */
-
-size_t mst_ep_reduce_size(mst_ep_reduce k) {
-    return k == MST_EP_SUM_F64 || k == MST_EP_MAX_F64 ? sizeof(double) : 4;
-}
-
-mst_status mst_ep_allreduce(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind) {
-    if (!ep) return mst_set_error(MST_ERR_INVALID, "ep is NULL");
-    if (kind < MST_EP_SUM_F32 || kind > MST_EP_MAX_F64)
-        return mst_set_error(MST_ERR_INVALID, "kind = %d: must be a mst_ep_reduce", (int)kind);
-    if (count < 0) return mst_set_error(MST_ERR_INVALID, "count = %lld: must be >= 0", (long long)count);
-    if (count == 0) return MST_OK;
-    if (!data) return mst_set_error(MST_ERR_INVALID, "data is NULL (count %lld)", (long long)count);
-    if (!ep->tr || !ep->tr->allreduce)
-        return mst_set_error(MST_ERR_UNSUPPORTED, "mst_ep_allreduce: the %s transport has none", mst_ep_path(ep));
-    return ep->tr->allreduce(ep, data, count, kind);
-}
-
 /* ---- handles ------------------------------------------------------------- */
 
 mst_status mst_ep_handle_create(mst_ep_t* ep, mst_ep_handle_t** out) {
