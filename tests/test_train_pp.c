@@ -81,6 +81,17 @@ static void free_all(mst_train_result* res, int32_t n) {
 
 /* ---- bad grids ------------------------------------------------------------------ */
 
+/* The worst relative difference of a's losses from ref's over the steps (NaN
+ * where a difference is NaN). */
+static double worst_loss_diff(const mst_train_result* a, const mst_train_result* ref, int64_t steps) {
+    double w = 0;
+    for (int64_t i = 0; i < steps; i++) {
+        const double d = fabs(a->loss[i] - ref->loss[i]) / ref->loss[i];
+        w = d > w || isnan(d) ? d : w;
+    }
+    return w;
+}
+
 static void refused(mst_train_config c, int32_t pp, int32_t world, const char* what) {
     char want[32];
     snprintf(want, sizeof want, "--pp %d", pp);
@@ -200,11 +211,7 @@ static void drift_tied(void) {
     CHECK_OK(grid(c, 1, 2, one));
     CHECK_OK(grid(c, 2, 4, res));
     if (one[0].loss && res[0].loss) {
-        double w = 0;
-        for (int64_t i = 0; i < c.steps; i++) {
-            const double d = fabs(res[0].loss[i] - one[0].loss[i]) / one[0].loss[i];
-            w = d > w || isnan(d) ? d : w;
-        }
+        const double w = worst_loss_diff(&res[0], &one[0], c.steps);
         printf("  %-40s --pp 2 x 2 vs --pp 1 x 2: loss %.5f -> %.5f, worst relative difference over 20 steps %.2e; step 1 "
                "%s\n", "tied embeddings", res[0].loss[0], res[0].loss[19], w,
                res[0].loss[0] == one[0].loss[0] ? "bit-identical" : "DIFFERS");
@@ -231,11 +238,7 @@ static void clipped(void) {
     CHECK_OK(grid(c, 1, 1, one));
     CHECK_OK(grid(c, 2, 2, res));
     if (one[0].loss && res[0].loss) {
-        double w = 0;
-        for (int64_t i = 0; i < c.steps; i++) {
-            const double d = fabs(res[0].loss[i] - one[0].loss[i]) / one[0].loss[i];
-            w = d > w || isnan(d) ? d : w;
-        }
+        const double w = worst_loss_diff(&res[0], &one[0], c.steps);
         printf("  %-40s --pp 2 x 1 vs one stage, clip 1e-3: worst relative loss difference over 3 steps %.2e\n",
                "clipped", w);
         CHECK(w <= 1e-5, "clipped: the losses differ from one stage by %.3g relative (the gradient norm over the stages)", w);
