@@ -165,41 +165,34 @@ def load_hf(path, dtype):
     return model.eval()
 
 
-def hub_params(model):
-    """The model's parameters under the hub's names (experts one by one:
-    gate_proj is the first half of the fused gate_up_proj rows)."""
+def hub_tensors(model, of, prefix=""):
+    """of(p) for each parameter p of the model under the hub's names (experts
+    one by one: gate_proj is the first half of the fused gate_up_proj rows)."""
     out = {}
     for name, p in model.named_parameters():
+        t = of(p)
         m = re.fullmatch(r"((?:.*\.)?mlp\.experts)\.(gate_up_proj|down_proj)", name)
         if not m:
-            out[name] = p
+            out[prefix + name] = t
             continue
-        for e in range(p.shape[0]):
+        for e in range(t.shape[0]):
             if m.group(2) == "down_proj":
-                out[f"{m.group(1)}.{e}.down_proj.weight"] = p[e]
+                out[f"{prefix}{m.group(1)}.{e}.down_proj.weight"] = t[e]
             else:
-                f = p.shape[1] // 2
-                out[f"{m.group(1)}.{e}.gate_proj.weight"] = p[e, :f]
-                out[f"{m.group(1)}.{e}.up_proj.weight"] = p[e, f:]
+                f = t.shape[1] // 2
+                out[f"{prefix}{m.group(1)}.{e}.gate_proj.weight"] = t[e, :f]
+                out[f"{prefix}{m.group(1)}.{e}.up_proj.weight"] = t[e, f:]
     return out
+
+
+def hub_params(model):
+    """The model's parameters under the hub's names (hub_tensors)."""
+    return hub_tensors(model, lambda p: p)
 
 
 def hub_grads(model, prefix=""):
-    out = {}
-    for name, p in model.named_parameters():
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
-        m = re.fullmatch(r"((?:.*\.)?mlp\.experts)\.(gate_up_proj|down_proj)", name)
-        if not m:
-            out[prefix + name] = g
-            continue
-        for e in range(g.shape[0]):
-            if m.group(2) == "down_proj":
-                out[f"{prefix}{m.group(1)}.{e}.down_proj.weight"] = g[e]
-            else:
-                f = g.shape[1] // 2
-                out[f"{prefix}{m.group(1)}.{e}.gate_proj.weight"] = g[e, :f]
-                out[f"{prefix}{m.group(1)}.{e}.up_proj.weight"] = g[e, f:]
-    return out
+    """The parameters' gradients (zeros where none) under the hub's names."""
+    return hub_tensors(model, lambda p: p.grad if p.grad is not None else torch.zeros_like(p), prefix)
 
 
 def causal_mask(T, dtype, device=None):
