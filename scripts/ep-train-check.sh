@@ -30,7 +30,9 @@ run_timeout=600
 . "$(dirname "$0")/lib/train-runs.sh"
 
 # ---- loss: N GPUs vs one GPU with --ep N ----
-if run gpus --gpus "$n" --batch 4 --steps 20 --log-every 20 && run one --ep "$n" --batch $((4 * n)) --steps 20 --log-every 20; then
+# (NCCL_ALGO=Ring: this run is also the NVLink side of the network check)
+grid=(--gpus "$n" --batch 4 --steps 20 --log-every 20)
+if NCCL_ALGO=Ring run gpus "${grid[@]}" && run one --ep "$n" --batch $((4 * n)) --steps 20 --log-every 20; then
   python3 - "$tmp/gpus.json" "$tmp/one.json" "$n" <<'EOF'
 import json, sys
 a, b = (json.load(open(p)) for p in sys.argv[1:3])
@@ -43,9 +45,8 @@ EOF
 fi
 
 # ---- network: the same grid with NCCL on its network transport ----
-grid=(--gpus "$n" --batch 4 --steps 20 --log-every 20)
-if NCCL_ALGO=Ring run nvlink "${grid[@]}" && NCCL_ALGO=Ring NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 run net "${grid[@]}"; then
-  python3 - "$tmp/nvlink.json" "$tmp/net.json" "$n" "$(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 timeout 120 "$bin" ep-hello --backend cuda --gpus "$n" 2>&1 | grep -m1 -iE 'path' || true)" <<'EOF'
+if [ -s "$tmp/gpus.json" ] && NCCL_ALGO=Ring NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 run net "${grid[@]}"; then
+  python3 - "$tmp/gpus.json" "$tmp/net.json" "$n" "$(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 timeout 120 "$bin" ep-hello --backend cuda --gpus "$n" 2>&1 | grep -m1 -iE 'path' || true)" <<'EOF'
 import json, statistics, sys
 a, b = (json.load(open(p)) for p in sys.argv[1:3])
 ta, tb = (statistics.median(d["tokens_per_s"][5:]) for d in (a, b))
