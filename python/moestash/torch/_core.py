@@ -50,6 +50,20 @@ class Context:
         with device_guard(self.device):
             _lib.call(name, self.bind(), *args)
 
+    @contextlib.contextmanager
+    def on_stream(self, stream):
+        """The context enqueues on torch CUDA stream `stream` inside the block
+        and on the stream it had before after it. A saver callback runs in
+        the middle of a library op on this same context: the op's kernels
+        after the callback must stay on the op's stream."""
+        before = _lib.lib.mst_ctx_stream(self.ptr)
+        with device_guard(self.device):
+            _lib.call("mst_ctx_set_stream", self.ptr, ctypes.c_void_p(stream.cuda_stream or _CUDA_STREAM_LEGACY))
+            try:
+                yield self.ptr
+            finally:
+                _lib.call("mst_ctx_set_stream", self.ptr, ctypes.c_void_p(before))
+
     def close(self):
         if self.ptr:
             _lib.lib.mst_ctx_destroy(self.ptr)

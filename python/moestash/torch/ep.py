@@ -65,6 +65,7 @@ import torch
 
 from .. import _lib
 from ._core import as_mst, context, device_guard
+from .stash import join_copy_streams
 
 _local_groups = {}  # key -> _LocalGroup while its ranks join (CPU twin)
 _local_lock = threading.Lock()
@@ -315,6 +316,7 @@ class _Dispatch(torch.autograd.Function):
         d, R, H = ep.device, ep.max_rows, ep.hidden
         with_p = probs is not None
         if window:
+            join_copy_streams(d)  # a save of the last window rows may still read them (offload_stream)
             rows, row_probs = ep.window()
         else:
             rows = _out((R, H), torch.bfloat16, d)

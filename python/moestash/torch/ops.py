@@ -236,7 +236,7 @@ def _mlp_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Option
     d, R = x.device, x.shape[0]
     cfg = _mlp_cfg(x, w1, counts, activation, clamp_limit, clamp_alpha)
     y = x.new_empty((R, x.shape[1]))
-    record = b.saver.forward(d, R, cfg.ffn)
+    record = b.saver.forward(d, R, cfg.ffn, (x, probs, counts))
     hs, zs = _saved_shapes(binding, R, cfg.ffn)
     try:
         if R:  # the library takes no empty tensor; no rows, nothing to do
@@ -293,6 +293,8 @@ def _mlp_bwd(dy: Tensor, x: Tensor, h: Tensor, z: Tensor, probs: Tensor, rid: Te
                             b.ctx(d))
     finally:
         _, keepalive = b.saver.end()
+    if record is not None:  # the next backward's offloaded names, beside this one's compute (offload_stream)
+        b.saver.manager.prefetch_before(int(rid[0]))
     if mode == _lib.WGRAD_DEFERRED:
         b.hold(dy, x, z, probs, *keepalive)
     out = [g.to(p.dtype) if p is not None and m is None else _empty(d) for p, m, g in zip(params, mgs, grads)]

@@ -60,10 +60,23 @@ class Record:
     captured: the forward ran inside a CUDA graph capture; its handles then
     belong to that graph, whose replays save into them (see Saver._release)."""
 
-    def __init__(self, captured=False):
+    def __init__(self, captured=False, rows=0):
         self.handles = {}  # name -> (pool, handle, max_rows)
         self.claimed = set()  # names whose pages the producer wrote (no save)
         self.captured = captured
+        self.rows = rows  # R of the forward
+        self.prefetched = {}  # name -> (buffer [R, width], event): restores started early
+
+    def prefetch(self, manager):
+        """Starts the restores of its names in pools with a copy stream
+        (StashManager.offload_stream), once each; none of a captured record
+        (its graph's replays restore them)."""
+        for name, (pool, handle, _) in self.handles.items():
+            if self.captured or name in self.prefetched:
+                continue
+            pre = manager.prefetch(pool, handle, self.rows)
+            if pre is not None:
+                self.prefetched[name] = pre
 
 
 class Saver:
@@ -96,15 +109,16 @@ class Saver:
 
     # ---- one call --------------------------------------------------------
 
-    def _begin(self, device, record, saved, restore=False, max_rows=0, widths=None):
-        self.device, self.record, self.saved = device, record, saved or {}
+    def _begin(self, device, record, saved, restore=False, max_rows=0, widths=None, inputs=()):
+        self.device, self.record, self.saved, self.inputs = device, record, saved or {}, inputs
         self.restore_all, self.max_rows, self.widths = restore, max_rows, widths
         self.produced, self.keepalive = {}, []
 
-    def forward(self, device, max_rows, ffn):
-        """Arms the saver for one forward; returns its Record."""
-        self._begin(device, Record(capturing(device)), None, max_rows=max_rows,
-                    widths={ACT_INPUT: 2 * ffn, FC2_INPUT: ffn})
+    def forward(self, device, max_rows, ffn, inputs=()):
+        """Arms the saver for one forward; returns its Record. inputs: the
+        op's torch tensors a save may read (x, probs, counts)."""
+        self._begin(device, Record(capturing(device), max_rows), None, max_rows=max_rows,
+                    widths={ACT_INPUT: 2 * ffn, FC2_INPUT: ffn}, inputs=inputs)
         return self.record
 
     def backward(self, device, record, saved, restore_all):
@@ -171,7 +185,10 @@ class Saver:
             return
         pool, handle = self.manager.take(self.policies[name], name, self.device, self.max_rows, src[0].cols)
         self.record.handles[name] = (pool, handle, self.max_rows)
-        self.manager.save(pool, handle, src, counts)
+        reads = (src[0].data, counts[0].data)
+        tensors = [t for t in (*self.inputs, *self.produced.values())
+                   if t is not None and t.numel() and t.data_ptr() in reads]
+        self.manager.save(pool, handle, src, counts, tensors)
 
     def _fetch(self, name, out):
         policy = self.policies[name]
@@ -187,8 +204,15 @@ class Saver:
             self.keepalive.append(pages)
             out[0] = _lib.tensor(pages.table, pool.dtype, rows, pool.width, pages)
             return
-        buf = torch.empty((rows, pool.width), dtype=_TORCH_DTYPE[pool.dtype], device=self.device)
-        self.manager.restore(pool, handle, buf)
+        pre = self.record.prefetched.pop(name, None)
+        if pre is not None:  # started by the backward before this one, on the copy stream
+            buf, done = pre
+            main = torch.cuda.current_stream(self.device)
+            main.wait_event(done)
+            buf.record_stream(main)  # its memory goes back to the copy stream's pool after main read it
+        else:
+            buf = torch.empty((rows, pool.width), dtype=_TORCH_DTYPE[pool.dtype], device=self.device)
+            self.manager.restore(pool, handle, buf)
         self.keepalive.append(buf)
         out[0] = as_mst(buf, _lib.SAVED_NAMES[name], self.device)
 

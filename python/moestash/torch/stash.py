@@ -28,18 +28,53 @@ another forward); a capture makes none (that allocates), so run one whole
 step eagerly before capturing, and size the pools first (initial_rows, or
 eager steps until step_check() passes): a growth after the capture would
 replace the pools the graphs hold.
+
+offload_stream=True (CUDA, eager steps): the offload pools' copies run on a
+copy stream of the manager's, beside the compute. A save waits for what
+torch's current stream enqueued before it (its rows exist) and its source
+tensors are kept from reuse until it is done (Tensor.record_stream); the
+current stream does not wait for it. A restore waits for the current
+stream, and the current stream waits for the restore before the backward
+reads it. After a backward, the restores of the forward held just before
+its own (the next backward in a model's reverse order) start on the copy
+stream, into buffers allocated there (they wait for nothing of the
+current stream); that next backward waits for their event only. The
+library context keeps the op's stream: a save or restore called back in
+the middle of an op sets the context's stream to the copy stream and back
+(Context.on_stream). The manager joins the copy stream into the current
+one before it resets, polls, reads or closes its pools; a forward whose
+backward ran has nothing left on it. Inside a CUDA graph capture every
+copy stays on the capture stream, and a pool a capture used keeps its
+copies on the current stream from then on (the replays update its rings
+there). As for a tensor autograd saves, the inputs of an offloaded name
+must not be written in place before its backward.
 """
 import contextlib
 import ctypes
 import math
+import weakref
 
 import torch
 
 from .. import _lib
 from ._core import as_mst, context, device_guard
-from .saver import capturing
+from .saver import _TORCH_DTYPE, capturing
 
 _WIDTH_DTYPE = {"probs": _lib.DTYPE_FP32}
+_with_streams = weakref.WeakSet()  # the StashManagers with offload_stream
+
+
+def join_copy_streams(device):
+    """torch's current stream of `device` waits for the copy streams of every
+    StashManager: before memory that is not torch's (the expert-parallel
+    window rows) is written again, which a save may still read (outside a
+    capture; inside one, the eager copies were joined before it)."""
+    if capturing(device):
+        return
+    for manager in list(_with_streams):
+        side = manager.streams.get(device)
+        if side is not None:
+            torch.cuda.current_stream(device).wait_stream(side)
 
 
 class Pool:
@@ -55,6 +90,7 @@ class Pool:
         self.free = {}  # max_rows -> [handle]
         self.handles = []
         self.max_rows = 0  # the largest save asked for
+        self.in_graph = False  # a capture used it: its copies stay on the current stream (its rings)
 
     @contextlib.contextmanager
     def on_current_stream(self):
@@ -67,6 +103,12 @@ class Pool:
     def call(self, name, *args):
         """lib.name(pool, *args) on torch's current stream and device."""
         with self.on_current_stream():
+            _lib.call(name, self.ptr, *args)
+
+    def call_on(self, stream, name, *args):
+        """lib.name(pool, *args) on torch CUDA stream `stream`; the context's
+        stream is what it was before afterwards."""
+        with self.ctx.on_stream(stream):
             _lib.call(name, self.ptr, *args)
 
     def poll(self):
@@ -110,8 +152,12 @@ class StashManager:
     initial_rows: rows each pool holds before the first growth (default:
     the max_rows of the first save); factor: pages over the measured peak."""
 
-    def __init__(self, page_rows=64, factor=1.10, initial_rows=None):
+    def __init__(self, page_rows=64, factor=1.10, initial_rows=None, offload_stream=False):
         self.page_rows, self.factor, self.initial_rows = page_rows, factor, initial_rows
+        self.offload_stream = offload_stream
+        self.streams = {}  # device -> the copy stream of its offload pools (offload_stream)
+        if offload_stream:
+            _with_streams.add(self)
         self.pools = {}  # (device, name, policy, width) -> Pool
         self.resize = False  # the pools grew: size them from the next good step's peak
         self.overflows = 0
@@ -131,8 +177,38 @@ class StashManager:
         pool.max_rows = max(pool.max_rows, max_rows)
         return pool, pool.take(max_rows)
 
-    def save(self, pool, handle, src, counts):
-        pool.call("mst_stash_save", handle, src, counts)
+    def copy_stream(self, pool):
+        """The stream of pool's copies: the manager's copy stream for an offload
+        pool with offload_stream outside a capture; None: torch's current one."""
+        d = pool.ctx.device
+        if not (self.offload_stream and pool.host and d.type == "cuda"):
+            return None
+        if capturing(d):
+            pool.in_graph = True  # its replays update the rings on the replaying stream
+        if pool.in_graph:
+            return None
+        if d not in self.streams:
+            self.streams[d] = torch.cuda.Stream(d)
+        return self.streams[d]
+
+    def _join(self):
+        """torch's current streams wait for the copy streams' work (not inside
+        a capture: its copies are on the capture stream, and the eager ones
+        before it were joined by the backwards that restored them)."""
+        for d, side in self.streams.items():
+            if not capturing(d):
+                torch.cuda.current_stream(d).wait_stream(side)
+
+    def save(self, pool, handle, src, counts, tensors=()):
+        """Saves src's rows [0, sum(counts)); tensors: the torch tensors the
+        save reads (kept from reuse while the copy stream reads them)."""
+        side = self.copy_stream(pool)
+        if side is None:
+            return pool.call("mst_stash_save", handle, src, counts)
+        side.wait_stream(torch.cuda.current_stream(pool.ctx.device))  # the rows exist
+        for t in tensors:
+            t.record_stream(side)
+        pool.call_on(side, "mst_stash_save", handle, src, counts)
 
     def claim(self, pool, handle, rows, counts):
         """Takes the pages of a save whose producer writes them itself."""
@@ -144,8 +220,37 @@ class StashManager:
         return pages
 
     def restore(self, pool, handle, dst):
+        """Restores the handle's rows into dst, for torch's current stream."""
         t = as_mst(dst, "restore buffer", dst.device)
-        pool.call("mst_stash_restore", handle, ctypes.byref(t))
+        side = self.copy_stream(pool)
+        if side is None:
+            return pool.call("mst_stash_restore", handle, ctypes.byref(t))
+        main = torch.cuda.current_stream(pool.ctx.device)
+        side.wait_stream(main)  # dst's memory is free of main's earlier work
+        pool.call_on(side, "mst_stash_restore", handle, ctypes.byref(t))
+        main.wait_stream(side)
+
+    def prefetch(self, pool, handle, rows):
+        """Starts the restore of the handle's rows [rows, width] on the copy
+        stream into a buffer allocated on it (so it waits for nothing of
+        torch's current stream): (buffer, event of its end), or None without
+        a copy stream. Its reader waits for the event (Saver._fetch)."""
+        side = self.copy_stream(pool)
+        if side is None:
+            return None
+        with torch.cuda.stream(side):
+            buf = torch.empty((rows, pool.width), dtype=_TORCH_DTYPE[pool.dtype], device=pool.ctx.device)
+        t = as_mst(buf, "restore buffer", buf.device)
+        pool.call_on(side, "mst_stash_restore", handle, ctypes.byref(t))
+        return buf, side.record_event()
+
+    def prefetch_before(self, rid):
+        """Starts, on the copy stream, the restores of the offloaded names of
+        the record held just before forward `rid`'s (offload_stream): the
+        backward that comes next in a model's reverse order."""
+        earlier = [r for r in self.records if r < rid]
+        if self.streams and earlier:
+            self.records[max(earlier)].prefetch(self)
 
     def give_back(self, pool, handle):
         pool.call("mst_stash_restore_return", handle)
@@ -167,6 +272,7 @@ class StashManager:
         records of forwards whose backward never ran (a forward under
         torch.no_grad(), an output dropped unused) end here: their pages are
         reset and their handles go back to the pools."""
+        self._join()
         for pool in self.pools.values():
             pool.call("mst_pool_reset")
         for record in self.records.values():
@@ -181,6 +287,7 @@ class StashManager:
         step (a device-side copy of the flags: for an optimizer that skips
         itself without a host sync)."""
         device = context(device).device  # cuda -> cuda:<current>
+        self._join()
         pools = [p for k, p in self.pools.items() if k[0] == device]
         out = torch.zeros(max(len(pools), 1), dtype=torch.int32, device=device)
         for i, p in enumerate(pools):
@@ -192,6 +299,7 @@ class StashManager:
         """Host: True when no pool overflowed this step. On overflow every
         overflowed pool doubles (the step must be rerun: False)."""
         over = []
+        self._join()
         for key, pool in self.pools.items():
             st = pool.poll()
             if st == _lib.ERR_OVERFLOW:
@@ -222,6 +330,7 @@ class StashManager:
     def report(self):
         """Per pool: name, policy, width, pages, pages in use at peak, bytes per page."""
         rows = []
+        self._join()
         for (device, name, policy, width), pool in self.pools.items():
             s = pool.stats()
             rows.append({"device": str(device), "name": _lib.SAVED_NAMES[name], "policy": policy, "width": width,
@@ -229,6 +338,7 @@ class StashManager:
         return rows
 
     def close(self):
+        self._join()
         for pool in self.pools.values():
             pool.close()
         self.pools = {}
