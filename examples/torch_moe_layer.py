@@ -31,7 +31,9 @@ capacity factor 2, whose dropped rows exempt it from the loss check) and
 moestash under each memory policy of its saved tensors alone: keep, stash
 (every saved tensor in device pages), offload (every one in pinned host
 pages), and the mix (fc1_input offloaded, act_input and probs stashed,
-fc2_input recomputed). Peak memory counts the library's own device memory
+fc2_input recomputed); "offload+s" and "mix+s" are the same with the
+StashManager's copy stream (offload_stream=True: the copies beside the
+compute in eager steps; a captured step keeps them on its stream). Peak memory counts the library's own device memory
 (workspaces, pages) beside torch's, from a peak reset at each run's start.
 Offload: the bytes a step moves each way (the pools' pages in use), the
 time they take at the pinned-copy roof (host <-> device copies of pinned
@@ -58,8 +60,9 @@ CAPACITY_FACTOR = 2.0  # of the static-capacity PyTorch layer
 FIRST_STEP_RTOL = 1e-3  # loss of step 1 vs torch: the same weights, only roundings differ
 DRIFT_RTOL = 5e-2  # loss of any step vs torch: the floor of the drift bound (see above)
 # the memory policies of the moestash layers' saved tensors, each alone, and the mix
-POLICY = {"keep": "keep", "stash": "stash", "offload": "offload",
-          "mix": "fc1_input=offload,act_input=stash,fc2_input=recompute,probs=stash"}
+MIX = "fc1_input=offload,act_input=stash,fc2_input=recompute,probs=stash"
+POLICY = {"keep": "keep", "stash": "stash", "offload": "offload", "mix": MIX,
+          "offload+s": "offload", "mix+s": MIX}  # +s: StashManager(offload_stream=True)
 TORCH_KINDS = ("torch", "torch_round1", "torch_capacity")
 NAMES = {"torch": "torch", "torch_round1": "torch round-once", "torch_capacity": "torch cap {cf:g}"}
 
@@ -177,7 +180,8 @@ class Trainer:
     """One kind of layer, its optimizer on the fp32 masters, its loss."""
 
     def __init__(self, kind, args, device, data):
-        self.manager = mt.StashManager() if kind in POLICY and kind != "keep" else None
+        self.manager = (mt.StashManager(offload_stream=kind.endswith("+s"))
+                        if kind in POLICY and kind != "keep" else None)
         self.layer, self.masters = build(kind, args.hidden, args.ffn, args.experts, args.topk, device, self.manager)
         self.params = list(self.layer.parameters())
         for m in self.masters:
@@ -335,7 +339,7 @@ def print_policies(results, graphed, roof):
         r = results[(kind, graphed)]
         r["step_vs_keep"] = r["step_ms"] / keep["step_ms"]
         mem = f"{r['step_peak_mib'] / keep['step_peak_mib']:>6.3f}x" if keep["step_peak_mib"] else f"{'-':>7}"
-        line = f"{'':>6} {kind:>8} | {r['step_ms']:>8.2f} {r['step_vs_keep']:>6.3f}x | {r['step_peak_mib']:>9.1f} "
+        line = f"{'':>5} {kind:>9} | {r['step_ms']:>8.2f} {r['step_vs_keep']:>6.3f}x | {r['step_peak_mib']:>9.1f} "
         line += f"{mem} |"
         if r["offload_bytes"] and roof:
             roof_ms = 1e3 * (r["offload_bytes"] / roof[1] + r["offload_bytes"] / roof[0])  # out in fwd, back in bwd
@@ -375,7 +379,7 @@ def main():
             results[(kind, graphed)] = {"losses": losses, "step_ms": dt * 1e3, "peak_mib": peak / 2 ** 20,
                                         "step_peak_mib": step_peak / 2 ** 20, "offload_bytes": offload}
     ok = True
-    print(f"{'mode':>6} {'layer':>16} | {'step ms':>8} | {'peak MiB':>9} | {'step MiB':>9} | "
+    print(f"{'mode':>6} {'layer':>18} | {'step ms':>8} | {'peak MiB':>9} | {'step MiB':>9} | "
           f"loss first -> last | rel. diff vs torch: step 1, max (bound)")
     for (kind, graphed), r in results.items():
         base = results[("torch", graphed)]["losses"]
@@ -387,7 +391,7 @@ def main():
         r["rel_loss_diff_vs_torch_step1"], r["max_rel_loss_diff_vs_torch"] = diffs[0], max(diffs)
         r["drift_bound"] = bound
         mode = "graph" if graphed else "eager"
-        print(f"{mode:>6} {name_of(kind):>16} | {r['step_ms']:>8.2f} | {r['peak_mib']:>9.1f} | "
+        print(f"{mode:>6} {name_of(kind):>18} | {r['step_ms']:>8.2f} | {r['peak_mib']:>9.1f} | "
               f"{r['step_peak_mib']:>9.1f} | {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} | "
               f"{diffs[0]:.2e}, {max(diffs):.2e}"
               + ("" if kind in TORCH_KINDS else f" ({bound:.2e})"))

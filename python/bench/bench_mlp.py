@@ -174,7 +174,7 @@ def main():
         for graphed in (False, True):
             if ("torch", graphed) not in ex:
                 continue
-            kinds = ("torch", "torch_capacity", "keep", "stash", "offload", "mix")
+            kinds = ("torch", "torch_capacity", "keep", "stash", "offload", "mix", "offload+s", "mix+s")
             peaks = {kind: ex[(kind, graphed)]["step_peak_mib"] for kind in kinds if (kind, graphed) in ex}
             out["example_peak_mib"]["graph" if graphed else "eager"] = peaks
             t, cap, mix = peaks["torch"], peaks["torch_capacity"], peaks.get("mix", peaks.get("stash"))
@@ -182,7 +182,7 @@ def main():
                   + ", ".join(f"{kind} {v:.0f} MiB" for kind, v in peaks.items())
                   + f": the mix / static capacity {mix / cap:.2f}x (target <= 0.75x), the mix / grouped_mm "
                   f"{mix / t:.2f}x")
-            for kind in ("stash", "offload", "mix"):
+            for kind in ("stash", "offload", "mix", "offload+s", "mix+s"):
                 r = ex.get((kind, graphed))
                 if r and "step_vs_keep" in r:
                     print(f"  {kind}: step {r['step_ms']:.2f} ms, {r['step_vs_keep']:.3f}x keep's"
