@@ -850,9 +850,11 @@ MST_API mst_status mst_ep_set_max_rows(mst_ep_t* ep, int64_t max_rows);
 MST_API mst_status mst_ep_window_rows(mst_ep_t* ep, mst_tensor* rows, mst_tensor* row_probs);
 
 /* All-reduce over the ranks, in place, enqueued on the context's stream
- * (capturable over NCCL): every rank ends with the same bits. Sums run in a
- * fixed order for a fixed world (the CPU twin: rank 0 + rank 1 + ...; NCCL:
- * its allreduce, deterministic for a fixed communicator and count). */
+ * (capturable over NCCL): every rank ends with the same bits. Float sums
+ * add in one order on every transport: rank 0's value + rank 1's + ... in
+ * the element type, so the CPU twin and NCCL over NVLink or a network give
+ * the same bits (NCCL moves the bytes; the sum is the library's). Integer
+ * sums and maxima are exact. */
 typedef enum mst_ep_reduce {
     MST_EP_SUM_F32 = 0, /* float, sum         */
     MST_EP_SUM_F64,     /* double, sum        */

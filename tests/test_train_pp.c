@@ -311,7 +311,7 @@ static void stash_on_stage0(void) {
 }
 
 /* ZeRO-1 over each stage's data-parallel ranks (shard.c): the same bits as
- * unsharded on the CPU twin (its reduce-scatter sums as its all-reduce). */
+ * unsharded (the reduce-scatter sums as the all-reduce, every transport). */
 static void shard_on_grid(void) {
     mst_train_config c = small(2, 2, 4);
     c.model.tie_embeddings = 1;
@@ -322,14 +322,13 @@ static void shard_on_grid(void) {
     c.mem.optimizer_shard = 1;
     CHECK_OK(grid(c, 2, 4, on));
     if (off[0].loss && on[0].loss) {
-        if (kind == MST_BACKEND_CPU)
-            for (int32_t k = 0; k < 4; k++) same_run(&off[k], &on[k], 0, "--pp 2 x 2 --optimizer-shard on");
+        for (int32_t k = 0; k < 4; k++) same_run(&off[k], &on[k], 0, "--pp 2 x 2 --optimizer-shard on");
         CHECK(on[0].optim_shard && on[0].optim_rep_bytes < off[0].optim_rep_bytes,
               "--optimizer-shard on: %zu bytes of replicated state a rank, off %zu", on[0].optim_rep_bytes,
               off[0].optim_rep_bytes);
         printf("  %-40s --pp 2 x 2: replicated optimizer state %zu -> %zu bytes a rank, %s\n", "optimizer shard",
                off[0].optim_rep_bytes, on[0].optim_rep_bytes,
-               kind == MST_BACKEND_CPU ? "every rank bit-identical to unsharded" : "(bits not promised over NCCL)");
+               "every rank bit-identical to unsharded");
     }
     free_all(off, 4);
     free_all(on, 4);

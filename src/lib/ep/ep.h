@@ -108,11 +108,14 @@ size_t mst_ep_reduce_size(mst_ep_reduce k);
  * NCCL), collective in the same order on every rank.
  * Reduce-scatter, in place: data [W, count] elements of kind's type; rank r
  * ends with block r the reduction over the ranks of their blocks r, the
- * other blocks undefined. The CPU twin sums in rank order (rank 0 + rank 1
- * + ...), the order of its all-reduce: block r holds the bits
- * mst_ep_allreduce gives there. NCCL: ncclReduceScatter, deterministic for
- * a fixed communicator and count, in an order NCCL chooses (not promised to
- * be its all-reduce's). */
+ * other blocks undefined.
+ * The bits of the float sums (MST_EP_SUM_F32 / F64, both collectives): each
+ * element is rank 0's value + rank 1's + ... + rank W-1's, added in that
+ * order in the element type (sum_order.h), on every transport: the CPU twin
+ * and NCCL (which moves the bytes and adds nothing: transport_nccl_sum.cu)
+ * over NVLink or a network give the same bits, and block r of a
+ * reduce-scatter holds the bits mst_ep_allreduce gives for those elements.
+ * The int32 sums and the maxima are exact (NCCL's own there). */
 mst_status mst_ep_reduce_scatter(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind);
 /* All-gather, in place: data [W, block_bytes]; every rank ends with block j
  * the bytes rank j had in its block j. */
@@ -142,7 +145,15 @@ struct mst_ep {
                                     recv_block; NULL when cfg.window_rows is 0    */
     float* win_p;                /* [window_rows] fp32, likewise                  */
     int32_t* scratch;            /* [ceil(N k / MST_EP_CHUNK), E] route scratch    */
+    size_t sum_stage_cap;        /* bytes the NCCL float sums may stage ([W, c]
+                                    columns, in buckets); 0: MST_EP_SUM_STAGE_BYTES.
+                                    Tests lower it (before the first sum) to make
+                                    many buckets                                  */
 };
+
+/* The NCCL float sums' staging: at most this many bytes per communicator
+ * (transport_nccl_sum.cu). */
+#define MST_EP_SUM_STAGE_BYTES ((size_t)64 << 20)
 
 struct mst_ep_handle {
     mst_ep_t* ep;

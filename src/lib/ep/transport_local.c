@@ -7,8 +7,8 @@
  * before every peer has read them. Copies the valid rows of each block only
  * (as the NCCL device-API path moves them), so counts that undercount the
  * rows a block holds lose rows here too. All-reduce and reduce-scatter sum
- * in rank order (the same bits for a block either way). Direct dispatch stores into the
- * peers' window rows as the lsa kernel does (the same offset math,
+ * in rank order by sum_order.h (the NCCL transport's bits; the same bits for
+ * a block either way). Direct dispatch stores into the peers' window rows as the lsa kernel does (the same offset math,
  * ep_ops.h), a wait for each of its barriers. Point-to-point transfers
  * (mst_ep_p2p) meet as NCCL's do: a rank posts its group's sends, takes each
  * receive from its peer's posted group (the first send to it not yet taken:
@@ -22,6 +22,7 @@
 #include <time.h>
 
 #include "ep.h"
+#include "sum_order.h"
 
 enum { MAX_PLANES = 4 };
 
@@ -139,11 +140,13 @@ static mst_status local_exchange(mst_ep_t* ep, const mst_ep_plane* pl, int n) {
     return group_wait(g, me);
 }
 
-/* acc [count] = src (first), else acc op src, element by element. */
-static void reduce_into(void* acc, const void* src, int64_t count, mst_ep_reduce kind, int first) {
+/* acc [count] after rank j's src [count], element by element: the float
+ * sums by sum_order.h (the NCCL transport's order), the rest exact. */
+static void reduce_into(void* acc, const void* src, int64_t count, mst_ep_reduce kind, int j) {
+    const int first = j == 0;
     for (int64_t i = 0; i < count; i++) switch (kind) {
-        case MST_EP_SUM_F32: ((float*)acc)[i] = first ? ((const float*)src)[i] : ((float*)acc)[i] + ((const float*)src)[i]; break;
-        case MST_EP_SUM_F64: ((double*)acc)[i] = first ? ((const double*)src)[i] : ((double*)acc)[i] + ((const double*)src)[i]; break;
+        case MST_EP_SUM_F32: ((float*)acc)[i] = mst_ep_sum_f32(((float*)acc)[i], ((const float*)src)[i], j); break;
+        case MST_EP_SUM_F64: ((double*)acc)[i] = mst_ep_sum_f64(((double*)acc)[i], ((const double*)src)[i], j); break;
         case MST_EP_SUM_I32: ((int32_t*)acc)[i] = first ? ((const int32_t*)src)[i] : ((int32_t*)acc)[i] + ((const int32_t*)src)[i]; break;
         case MST_EP_MAX_I32: {
             const int32_t v = ((const int32_t*)src)[i];
@@ -195,7 +198,7 @@ static mst_status reduce_blocks(mst_ep_t* ep, void* data, int64_t count, mst_ep_
         free(acc);
         return st;
     }
-    for (int j = 0; same && j < g->world; j++) reduce_into(acc, (const char*)g->planes[j]->send + at, count, kind, j == 0);
+    for (int j = 0; same && j < g->world; j++) reduce_into(acc, (const char*)g->planes[j]->send + at, count, kind, j);
     st = group_wait(g, ep->rank);
     if (same && st == MST_OK) memcpy((char*)data + at, acc, n_bytes);
     free(acc);

@@ -21,46 +21,19 @@
  * path is built where nccl_device.h stands beside nccl.h.
  * MST_EP_PATH_AUTO takes lsa when every rank is load/store accessible to
  * every other (one NVLink domain) and NCCL can make the device communicator,
- * else p2p.
+ * else p2p. The collectives: the float sums in a fixed order
+ * (transport_nccl_sum.cu), the exact kinds and the all-gather NCCL's.
  */
-#include <nccl.h>
-#ifdef MST_HAVE_NCCL_DEVICE /* nccl_device.h beside nccl.h (NCCL >= 2.28) */
-#include <nccl_device.h>
-#endif
 #include <string.h>
 
 #include "../backend/cuda/cuda_common.cuh"
-#include "ep.h"
+#include "transport_nccl.h"
 
-/* lsa: CTAs of the exchange kernel (one LSA barrier each), threads per CTA.
- * 128 x 512: a CTA on nearly every SM of an H100, 16 warps each, 4 loads in
- * flight per thread (the old 32 CTAs left NVLink idle between loads). */
-enum { LSA_CTAS = 128, LSA_THREADS = 512, LSA_MAX_PLANES = 4 };
-
-typedef struct nccl_state {
-    ncclComm_t comm;
-    int owned;          /* 1: made by mst_ep_create, destroyed with the communicator */
-    int failed;         /* an NCCL call failed: abort instead of destroy             */
-    int lsa;            /* the device-API path is set up                             */
-    void* win_base;     /* ncclMemAlloc'd receive block (lsa)                        */
-    ncclWindow_t win;   /* its symmetric window                                      */
-#ifdef MST_HAVE_NCCL_DEVICE
-    ncclDevComm dev;    /* device communicator with LSA_CTAS barriers                */
-#endif
-} nccl_state;
+/* lsa: threads per CTA of the exchange kernel (LSA_CTAS of them:
+ * transport_nccl.h). */
+enum { LSA_THREADS = 512, LSA_MAX_PLANES = 4 };
 
 static_assert(sizeof(ncclUniqueId) == sizeof(((mst_ep_id*)0)->bytes), "mst_ep_id holds an ncclUniqueId");
-
-static mst_status nccl_error(ncclResult_t r, const char* what, ncclComm_t comm) {
-    return mst_set_error(MST_ERR_BACKEND, "%s failed: %s (%s)", what, ncclGetErrorString(r),
-                         ncclGetLastError(comm));
-}
-
-#define NCCL_TRY(call, comm)                                            \
-    do {                                                                \
-        ncclResult_t r_ = (call);                                       \
-        if (r_ != ncclSuccess) return nccl_error(r_, #call, comm);      \
-    } while (0)
 
 /* ---- p2p: send/recv of whole blocks ---- */
 
@@ -341,11 +314,16 @@ static mst_status lsa_recv_alloc(mst_ep_t* ep, size_t n_bytes, void** out) {
 
 #endif /* MST_HAVE_NCCL_DEVICE */
 
-/* ---- all-reduce, reduce-scatter, all-gather (both paths): NCCL's, in place ---- */
+/* ---- all-reduce, reduce-scatter, all-gather (both paths), in place: the
+ * float sums in sum_order.h's order (transport_nccl_sum.cu), the exact
+ * kinds (int32 sums, maxima) and the all-gather NCCL's ---- */
 
 static const ncclDataType_t nccl_type[] = {ncclFloat32, ncclFloat64, ncclInt32, ncclInt32, ncclFloat64};
 
+static int float_sum(mst_ep_reduce kind) { return kind == MST_EP_SUM_F32 || kind == MST_EP_SUM_F64; }
+
 static mst_status nccl_allreduce(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind) {
+    if (float_sum(kind)) return mst_nccl_sum_allreduce(ep, data, count, kind);
     nccl_state* ns = (nccl_state*)ep->comm;
     const ncclRedOp_t op = kind == MST_EP_MAX_I32 || kind == MST_EP_MAX_F64 ? ncclMax : ncclSum;
     ncclResult_t r = ncclAllReduce(data, data, (size_t)count, nccl_type[kind], op, ns->comm, mst_cuda(ep->ctx)->stream);
@@ -356,8 +334,9 @@ static mst_status nccl_allreduce(mst_ep_t* ep, void* data, int64_t count, mst_ep
     return MST_OK;
 }
 
-/* ncclReduceScatter in place: rank r's block r of data [W, count]. */
+/* ncclReduceScatter in place (the exact kinds): rank r's block r of data [W, count]. */
 static mst_status nccl_reduce_scatter(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind) {
+    if (float_sum(kind)) return mst_nccl_sum_reduce_scatter(ep, data, count, kind);
     nccl_state* ns = (nccl_state*)ep->comm;
     const ncclRedOp_t op = kind == MST_EP_MAX_I32 || kind == MST_EP_MAX_F64 ? ncclMax : ncclSum;
     char* mine = (char*)data + (size_t)ep->rank * (size_t)count * mst_ep_reduce_size(kind);
@@ -389,6 +368,7 @@ static void nccl_destroy(mst_ep_t* ep) {
 #endif
     if (ns->win) ncclCommWindowDeregister(ns->comm, ns->win);
     if (ns->win_base) ncclMemFree(ns->win_base);
+    mst_nccl_sum_free(ns);
     if (ns->owned && ns->comm) {
         if (ns->failed) ncclCommAbort(ns->comm);
         else ncclCommDestroy(ns->comm);

@@ -18,11 +18,9 @@
  * same order either way (each rank's body blocks, its experts, rank 0 the
  * tails; the [W, 4] table of pieces summed over the ranks with zeros
  * elsewhere, which is exact, then added in row order), and AdamW is
- * elementwise; so sharded and unsharded runs are bit-identical wherever the
- * reduce-scatter sums as the all-reduce does: on the CPU twin (rank order,
- * both), not promised over NCCL (its reduce-scatter and all-reduce may
- * pick other orders: the runs differ there by fp32 rounding of the
- * gradients).
+ * elementwise; and the reduce-scatter's block holds the all-reduce's bits
+ * (both sum in rank order on every transport: ep.h); so sharded and
+ * unsharded runs are bit-identical, on the CPU twin and over NCCL.
  */
 #include <stdlib.h>
 #include <string.h>
