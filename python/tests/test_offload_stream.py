@@ -29,7 +29,10 @@ whether it is a NaN. On CUDA also:
   wait for the current stream reads rows not yet produced).
 
 On the CPU there are no streams: the option changes nothing, and the same
-runs check that (graph and slow variants skip)."""
+runs check that (graph and slow variants skip); test_prefetch_bookkeeping
+runs the prefetch there with restores done at once (the record held
+before each backward's, its names restored early into poisoned buffers
+and taken by that backward, once each: keep's bits)."""
 import pytest
 import torch
 import torch.nn.functional as Fn
@@ -37,6 +40,7 @@ import torch.nn.functional as Fn
 import moestash.torch as mt
 from moestash import _lib
 from moestash.torch._core import context
+from moestash.torch.saver import _TORCH_DTYPE
 
 MIX = "fc1_input=offload,act_input=stash,fc2_input=recompute,probs=stash"
 POLICIES = {"offload": "offload", "mix": MIX}
@@ -106,11 +110,11 @@ class Run:
     """One model (policy, copy stream or not) trained STEPS steps as the
     example trains; what each step gives, for the comparison."""
 
-    def __init__(self, device, layers, policy, stream, slow="none"):
+    def __init__(self, device, layers, policy, stream, slow="none", manager=None):
         T, H, F, E, k = SHAPE[device.type]
         self.device, self.T, self.H = device, T, H
         self.name = f"{policy}{' +stream' if stream else ''}"
-        self.manager = None if policy == "keep" else mt.StashManager(offload_stream=stream)
+        self.manager = None if policy == "keep" else manager or mt.StashManager(offload_stream=stream)
         canon = context(device).device
         spin = _spinner(slow, self.manager, canon) if device.type == "cuda" else (lambda: None)
         g = torch.Generator().manual_seed(0)
@@ -276,3 +280,40 @@ def test_copy_stream_gives_keeps_bits(device, layers, policy, graphed, slow):
         what = f"{ref_policy}{' without the copy stream' if ref_policy != 'keep' else ''}"
         diff = first_difference(got, reference(device, layers, ref_policy, graphed), what)
         assert diff is None, f"{policy} with offload_stream ({mode}): {diff}"
+
+
+class AtOnce(mt.StashManager):
+    """offload_stream's prefetch on a device without streams: the restore
+    runs at once into a NaN-poisoned buffer; counts what was started and
+    what the backwards took."""
+
+    def __init__(self):
+        super().__init__(offload_stream=True)
+        self.started, self.taken = [], []
+
+    def prefetch(self, pool, handle, rows):
+        if not pool.host:  # only offload pools have a copy stream
+            return None
+        buf = torch.full((rows, pool.width), float("nan"), dtype=_TORCH_DTYPE[pool.dtype], device=pool.ctx.device)
+        self.restore(pool, handle, buf)
+        self.started.append(buf.data_ptr())
+        return buf, None
+
+    def prefetched(self, buf, done):
+        self.taken.append(buf.data_ptr())
+        super().prefetched(buf, done)
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("layers", [1, 3])
+def test_prefetch_bookkeeping(layers, policy):
+    cpu = torch.device("cpu")
+    manager = AtOnce()
+    got = Run(cpu, layers, policy, stream=True, manager=manager).train(graphed=False)
+    diff = first_difference(got, reference(cpu, layers, "keep", False), "keep")
+    assert diff is None, f"{policy}, prefetched at once, {layers} layer(s): {diff}"
+    names = 4 if policy == "offload" else 1  # offloaded names of a record
+    backwards = STEPS + manager.overflows  # the steps and their reruns
+    assert sorted(manager.started) == sorted(manager.taken), "a prefetched restore was not taken by its backward, or twice"
+    assert len(manager.taken) == (layers - 1) * names * backwards, \
+        f"{len(manager.taken)} restores prefetched: expected one per offloaded name of each layer but the last"

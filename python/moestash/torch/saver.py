@@ -206,10 +206,8 @@ class Saver:
             return
         pre = self.record.prefetched.pop(name, None)
         if pre is not None:  # started by the backward before this one, on the copy stream
-            buf, done = pre
-            main = torch.cuda.current_stream(self.device)
-            main.wait_event(done)
-            buf.record_stream(main)  # its memory goes back to the copy stream's pool after main read it
+            buf = pre[0]
+            self.manager.prefetched(*pre)
         else:
             buf = torch.empty((rows, pool.width), dtype=_TORCH_DTYPE[pool.dtype], device=self.device)
             self.manager.restore(pool, handle, buf)

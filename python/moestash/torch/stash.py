@@ -234,7 +234,7 @@ class StashManager:
         """Starts the restore of the handle's rows [rows, width] on the copy
         stream into a buffer allocated on it (so it waits for nothing of
         torch's current stream): (buffer, event of its end), or None without
-        a copy stream. Its reader waits for the event (Saver._fetch)."""
+        a copy stream. Its reader calls prefetched(buffer, event) first."""
         side = self.copy_stream(pool)
         if side is None:
             return None
@@ -244,12 +244,23 @@ class StashManager:
         pool.call_on(side, "mst_stash_restore", handle, ctypes.byref(t))
         return buf, side.record_event()
 
+    def prefetched(self, buf, done):
+        """Before the current stream reads buffer `buf` of prefetch(): it
+        waits for the restore's event `done` (None: nothing to wait for),
+        and buf's memory goes back to the copy stream's pool only after the
+        current stream read it."""
+        if done is None:
+            return
+        main = torch.cuda.current_stream(buf.device)
+        main.wait_event(done)
+        buf.record_stream(main)
+
     def prefetch_before(self, rid):
         """Starts, on the copy stream, the restores of the offloaded names of
         the record held just before forward `rid`'s (offload_stream): the
         backward that comes next in a model's reverse order."""
         earlier = [r for r in self.records if r < rid]
-        if self.streams and earlier:
+        if self.offload_stream and earlier:
             self.records[max(earlier)].prefetch(self)
 
     def give_back(self, pool, handle):
