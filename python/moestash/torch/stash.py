@@ -69,7 +69,7 @@ def join_copy_streams(device):
     StashManager: before memory that is not torch's (the expert-parallel
     window rows) is written again, which a save may still read (outside a
     capture; inside one, the eager copies were joined before it)."""
-    if capturing(device):
+    if device.type != "cuda" or capturing(device):
         return
     for manager in list(_with_streams):
         side = manager.streams.get(device)
