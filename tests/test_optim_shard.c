@@ -118,6 +118,16 @@ static void on_vs_off(int32_t W, int bf16) {
         CHECK(on[0].mem.run[MST_ROW_OPTIM] + saved <= off[0].mem.run[MST_ROW_OPTIM] + 64 * W,
               "%s: the memory table's optimizer row %zu bytes sharded, %zu unsharded, %zu saved", what,
               on[0].mem.run[MST_ROW_OPTIM], off[0].mem.run[MST_ROW_OPTIM], saved);
+        /* the trainer's refusal bound (train --gpus N) counts what ZeRO-1
+         * holds: on against off, the run's replicated state less its share */
+        double need[2], params[2];
+        CHECK_OK(mst_model_bytes_at_least(&c.model, bf16, 0, 1, W, &need[0], &params[0]));
+        CHECK_OK(mst_model_bytes_at_least(&c.model, bf16, 1, 1, W, &need[1], &params[1]));
+        const double want = (double)off[0].optim_rep_whole_bytes * (W - 1) / W;
+        CHECK(fabs((params[0] - params[1]) - want) <= 1e-9 * params[0] && need[0] - need[1] == params[0] - params[1],
+              "%s: the memory bound drops %.0f bytes sharded (parameters' part %.0f -> %.0f), the run's replicated "
+              "state %zu less its share is %.0f", what, need[0] - need[1], params[0], params[1],
+              off[0].optim_rep_whole_bytes, want);
     }
     free_ranks(off, W);
     free_ranks(on, W);

@@ -288,10 +288,10 @@ static int consistent(const train_cli* t) {
 
 /* Sizes that cannot fit the backend's memory are refused before any work,
  * naming the flags of the larger part of the estimate. 0: they may fit. */
-static int fits(mst_ctx_t* ctx, const mst_model_config* m, int32_t moments_bf16, int32_t pp, int32_t dp) {
+static int fits(mst_ctx_t* ctx, const mst_model_config* m, const mst_mem_config* mem, int32_t pp, int32_t dp) {
     double need = 0, params = 0;
     size_t have = 0;
-    if (mst_model_bytes_at_least(m, moments_bf16, pp, dp, &need, &params) != MST_OK || mst_ctx_capacity(ctx, &have) != MST_OK)
+    if (mst_model_bytes_at_least(m, mem->moments_bf16, mem->optimizer_shard, pp, dp, &need, &params) != MST_OK || mst_ctx_capacity(ctx, &have) != MST_OK)
         return 0;
     if (need <= (double)have) return 0;
     char v[96], why[160];
@@ -408,7 +408,7 @@ int mst_cmd_train(int argc, char** argv) {
         mst_ctx_destroy(ctx);
         return 2;
     }
-    if (fits(ctx, &t.cfg.model, t.cfg.mem.moments_bf16, t.cfg.pp, (int32_t)dp)) { /* a rank's: its stage, its experts */
+    if (fits(ctx, &t.cfg.model, &t.cfg.mem, t.cfg.pp, (int32_t)dp)) { /* a rank's: its stage, its experts */
         mst_ctx_destroy(ctx);
         return 2;
     }

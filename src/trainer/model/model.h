@@ -153,13 +153,14 @@ mst_status mst_model_ep_config(const mst_model_config* c, int32_t world, mst_ep_
 /* What a model of config c surely needs on a rank, before any
  * allocation: the parameters of the largest of pp stages (0 or 1: one),
  * its experts over dp ranks, with their gradients and AdamW state (18
- * bytes each, 14 with bf16 moments: moments_bf16), one
+ * bytes each, 14 with bf16 moments: moments_bf16; shard: the replicated
+ * tensors' master and moments over the dp ranks, as ZeRO-1 keeps them), one
  * layer's saved attention (MST_ATTN_CUBLAS: the probabilities; else qkv, the
  * output and the row logsumexp: AUTO's smaller case) and the head's logits
  * with the two loss gradients ([N, V] bf16 each); *params_bytes is the
  * parameters' part. */
-mst_status mst_model_bytes_at_least(const mst_model_config* c, int32_t moments_bf16, int32_t pp, int32_t dp,
-                                    double* total_bytes, double* params_bytes);
+mst_status mst_model_bytes_at_least(const mst_model_config* c, int32_t moments_bf16, int32_t shard, int32_t pp,
+                                    int32_t dp, double* total_bytes, double* params_bytes);
 
 /* Element offsets of one transformer layer's parameters in the flat buffers. */
 typedef struct mst_layer_params {

@@ -181,16 +181,21 @@ static mst_status stage_params(const mst_model_config* c, int32_t s, int32_t P, 
     return MST_OK;
 }
 
-mst_status mst_model_bytes_at_least(const mst_model_config* c, int32_t moments_bf16, int32_t pp, int32_t dp,
-                                    double* total_bytes, double* params_bytes) {
+mst_status mst_model_bytes_at_least(const mst_model_config* c, int32_t moments_bf16, int32_t shard, int32_t pp,
+                                    int32_t dp, double* total_bytes, double* params_bytes) {
     const int32_t P = pp > 1 ? pp : 1, ranks = dp > 1 && c->experts % dp == 0 ? dp : 1;
-    int64_t most = 0; /* the largest stage's (its experts over its data-parallel ranks) */
+    const double state = 4 + (moments_bf16 ? 2 * 2 : 2 * 4); /* master, m and v a parameter */
+    double most = 0; /* the largest stage's bytes (its experts over its data-parallel ranks) */
     for (int32_t s = 0; s < P; s++) {
-        int64_t n = 0;
+        int64_t n = 0, rep = 0; /* the stage's parameters, and those without its experts */
         MST_TRY(stage_params(c, s, P, c->experts / ranks, &n));
-        most = n > most ? n : most;
+        MST_TRY(stage_params(c, s, P, 0, &rep));
+        /* ZeRO-1 shards the replicated tensors' state over the dp ranks; an
+         * expert's stays whole on the one rank of its group that holds it */
+        const double b = (double)n * (2 + 4) + (double)(n - rep) * state + (double)rep * state / (shard && dp > 1 ? dp : 1);
+        most = b > most ? b : most;
     }
-    *params_bytes = (double)most * (2 + 4 + 4 + (moments_bf16 ? 2 * 2 : 2 * 4)); /* w, grad, master, m and v */
+    *params_bytes = most; /* w, grad, and master, m, v */
     const double N = (double)c->batch * (double)c->seq, rows = N * (double)c->n_head, D = (double)c->head_dim;
     const double Wq = ((double)c->n_head + 2.0 * (double)c->n_kv_head) * D;
     /* qkv (bf16), QK-norm's rstd (fp32) and the output (bf16) with the
