@@ -298,8 +298,9 @@ static int write_json(const char* path, const char* device, double dense, const 
 
 int mst_bench_train(int argc, char** argv) {
     const char *json = NULL, *preset = NULL, *policies = "keep,stash";
-    int64_t S = 20, layers = 0;
-    int ops = 0;
+    int64_t S = 20, layers = 0, micro = 0;
+    int ops = 0, moments = -1;
+    static const char* const dtypes[] = {"fp32", "bf16", NULL};
     mst_train_config base, pre;
     mst_train_defaults(&base, MST_BACKEND_CUDA);
     base.model.capacity_factor = (float)base.model.ep;
@@ -314,14 +315,19 @@ int mst_bench_train(int argc, char** argv) {
         else if (mst_args_is(&a, "--ops")) rc = mst_args_switch(&a, &ops);
         else if (mst_args_is(&a, "--steps")) rc = mst_args_int(&a, 5, 100000, &S);
         else if (mst_args_is(&a, "--layers")) rc = mst_args_int(&a, 1, 1024, &layers);
+        else if (mst_args_is(&a, "--microbatches")) rc = mst_args_int(&a, 1, 4096, &micro);
+        else if (mst_args_is(&a, "--adam-moments")) rc = mst_args_choice(&a, dtypes, &moments);
         else if (mst_args_is(&a, "--help") || mst_args_is(&a, "-h")) {
             printf("usage: moestash bench train [--steps S (5 .. 100000, 20)] [--preset h100|qwen3-30b-a3b] "
-                   "[--layers N (the preset's layers)] [--policies P,Q (keep,stash)] [--ops] [--json FILE]\n");
+                   "[--layers N (the preset's layers)] [--microbatches M (the preset's: its optimizer step once per M)] "
+                   "[--adam-moments fp32|bf16 (fp32)] [--policies P,Q (keep,stash)] [--ops] [--json FILE]\n");
             return 0;
         } else rc = mst_args_unknown(&a);
         if (rc) return rc;
     }
     if (layers) pre.model.layers = (int32_t)layers; /* a preset cut to what fits one GPU */
+    if (micro) pre.microbatches = base.microbatches = (int32_t)micro; /* tokens a step: the optimizer's share */
+    if (moments >= 0) pre.mem.moments_bf16 = base.mem.moments_bf16 = moments;
     pre.model.capacity_factor = (float)pre.model.ep;
     char buf[256];
     const char* pol[8];
