@@ -15,6 +15,11 @@
 #            optimizer bytes a rank, the backend peak; the losses and the
 #            weights hash bit-identical (a reduce-scatter's block holds the
 #            all-reduce's bits), or exit 1;
+#   overlap: --overlap on (the replicated gradients summed a layer at a
+#            time during the backward, on a stream of their own) against
+#            off on N GPUs, 30 steps, graphs on, at two sizes: median
+#            tokens/s of steps 11-30 and step time on/off; the losses and
+#            the weights hash bit-identical, or exit 1;
 #   torchrun: the same binary under torchrun --no-python (when installed);
 #   network: the loss run of N GPUs again with NCCL kept off NVLink and
 #            shared memory (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1: its
@@ -133,6 +138,31 @@ EOF
 }
 shard "CUDA default size (batch 16 per rank)"
 shard "H 1024, F 2048, T 1024, batch 8 per rank" --hidden 1024 --ffn 2048 --seq 1024 --batch 8
+
+# ---- overlap: the replicated gradients' sums during the backward against after it ----
+overlap() { # label, flags...
+  local label=$1
+  shift
+  for o in off on; do run "overlap_$o" --gpus "$n" --steps 30 --log-every 30 --overlap "$o" "$@"; done
+  [ -f "$tmp/overlap_off.json" ] && [ -f "$tmp/overlap_on.json" ] || return
+  python3 - "$tmp/overlap_off.json" "$tmp/overlap_on.json" "$n" "$label" <<'EOF'
+import json, statistics, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+ta, tb = (statistics.median(d["tokens_per_s"][10:]) for d in (a, b))
+same = a["loss"] == b["loss"] and a["weights_hash"] == b["weights_hash"]
+took = b["allreduce"].get("overlap"), a["allreduce"].get("overlap")
+print(f"overlap on {sys.argv[3]} GPUs, {sys.argv[4]}, graphs on, median of steps 11-30: off {ta:,.0f} tok/s, on {tb:,.0f} "
+      f"tok/s, step time on/off {ta / tb:.3f} (the replicated gradients' all-reduce alone: {a['allreduce']['ms']:.3f} ms, "
+      f"{a['allreduce']['bytes'] / 2**20:.1f} MiB); overlap flag on/off {took[0]}/{took[1]}; 30 steps' losses and weights "
+      f"hash {'bit-identical' if same else 'DIFFER'}")
+# the sums add in rank order whatever the buckets: on and off must give the same bits
+sys.exit(0 if same and took == (1, 0) else 1)
+EOF
+  [ $? = 0 ] || bad=1
+  rm -f "$tmp/overlap_off.json" "$tmp/overlap_on.json"
+}
+overlap "CUDA default size (batch 16 per rank)"
+overlap "H 1024, F 2048, T 1024, batch 8 per rank" --hidden 1024 --ffn 2048 --seq 1024 --batch 8
 
 # ---- torchrun ----
 if command -v torchrun >/dev/null; then

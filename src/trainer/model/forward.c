@@ -16,6 +16,7 @@
 
 #include "moe.h"
 #include "ops.h"
+#include "overlap.h"
 
 mst_status mst_model_stage(mst_model* m, int slot, const int32_t* host_tok, const float hyper[MST_N_HYPER]) {
     const mst_model_config* c = &m->cfg;
@@ -185,7 +186,9 @@ static mst_status rerun(mst_model* m, int32_t cs, int32_t last, int32_t mb) {
     return MST_OK;
 }
 
-static mst_status backward_chunk(mst_model* m, int32_t chunk, int32_t mb) {
+/* entry: the schedule entry (the chunk's last backward starts its layers'
+ * sums: overlap.c). */
+static mst_status backward_chunk(mst_model* m, int32_t chunk, int32_t mb, int32_t entry) {
     const int32_t L = m->cfg.layers, first = chunk * m->layers_per_chunk, top = first + m->layers_per_chunk - 1;
     mst_micro* u = &m->micro[mb];
     /* stage 0 of P > 1: the MTP module's d(e1) first, where one stage adds it */
@@ -203,6 +206,7 @@ static mst_status backward_chunk(mst_model* m, int32_t chunk, int32_t mb) {
             MST_TRY(mst_layer_backward(m, l, &u->acts[l], sv, u->dh));
             if (l == 0) MST_TRY(embed_bwd(m, u->tok, u->dh));
         }
+        MST_TRY(mst_overlap_layer_done(m, entry, chunk, l));
         /* the layer's share of the load-balancing loss, from its backward */
         MST_TRY(mst_copy_b2b(m->ctx, m->aux_sum + mb * (L + 1) + l, u->acts[l].aux, sizeof(float)));
     }
@@ -215,7 +219,7 @@ mst_status mst_model_step(mst_model* m, int measuring) {
     for (int32_t i = 0; i < m->n_sched; i++) {
         const mst_sched_entry e = m->sched[i];
         MST_TRY(mst_stage_before(m, i)); /* P > 1: what crosses stages (stage.c) */
-        MST_TRY(e.backward ? backward_chunk(m, e.chunk, e.microbatch) : forward_chunk(m, e.chunk, e.microbatch));
+        MST_TRY(e.backward ? backward_chunk(m, e.chunk, e.microbatch, i) : forward_chunk(m, e.chunk, e.microbatch));
         MST_TRY(mst_stage_after(m, i));
         if (m->after_entry) MST_TRY(m->after_entry(m, i, m->after_entry_user));
     }

@@ -9,6 +9,7 @@
 
 #include "lib/internal.h"
 #include "model.h"
+#include "overlap.h"
 
 #define BAD(...) mst_set_error(MST_ERR_INVALID, __VA_ARGS__)
 
@@ -530,6 +531,7 @@ mst_status mst_model_create_dist(mst_ctx_t* ctx, const mst_model_config* cfg, in
     }
     if (st == MST_OK) st = mst_model_set_max_rows(m, m->static_rows); /* the manager: the recompute plan */
     if (st == MST_OK) st = alloc_acts(m);
+    if (st == MST_OK) st = mst_overlap_create(m);
     if (st != MST_OK) {
         mst_model_destroy(m);
         return st;
@@ -541,6 +543,7 @@ mst_status mst_model_create_dist(mst_ctx_t* ctx, const mst_model_config* cfg, in
 void mst_model_destroy(mst_model* m) {
     if (!m) return;
     mst_step_drop_graph(m);
+    mst_overlap_destroy(m);
     for (int k = 0; k < 2; k++)
         if (m->staging[k]) m->ctx->be->host_free(m->ctx, m->staging[k]);
     if (m->mm != m->mm_static) mst_memmgr_destroy(m->mm);

@@ -121,6 +121,8 @@ typedef struct mst_mem_config {
                                        one rank: nothing to shard               */
     int32_t moments_bf16;           /* 1: AdamW's moments stored bf16 (rounded to
                                        nearest even; --adam-moments bf16)       */
+    int32_t overlap_off;            /* 1: --overlap off: the replicated gradients
+                                       summed after the backward (overlap.c)     */
     /* the memory-budget planner's recompute plan, over recompute: */
     const int32_t* chunk_start;     /* [L+1] recompute plan (mst_memmgr_set_recompute_plan)
                                        or NULL                                    */
@@ -320,6 +322,7 @@ typedef struct mst_model {
     int32_t opt_shard;       /* 1: the replicated runs sharded (W ranks)       */
     mst_optim_run rep[2];    /* W ranks: the replicated matrices [0, n_dense)
                                 and norm weights [n_decay, n_params)          */
+    struct mst_overlap* ov;  /* --overlap on: their sums' buckets (overlap.h) */
     float* gsumsq;           /* [1] sum of squared gradients                  */
     float* gpartial;         /* [MST_SUMSQ_PARTS] its chunk sums              */
     int32_t* peak;           /* [L+1, G] peak rows per group over the run     */
@@ -545,8 +548,9 @@ mst_status mst_step_eval(mst_model* m, int measuring);
 void mst_step_drop_graph(mst_model* m);
 /* W ranks: main_grad of the replicated parameters summed over the ranks, in
  * two buckets (the matrices [0, n_dense), then the norm weights), after the
- * whole backward, not overlapped with it; the experts' are this rank's own.
- * One rank: nothing. */
+ * whole backward (a step with --overlap on starts a bucket per layer during
+ * the backward instead: overlap.c; the same bits); the experts' are this
+ * rank's own. One rank: nothing. */
 mst_status mst_step_share_grads(mst_model* m);
 /* The fp32 elements mst_step_share_grads sums (both buckets). */
 int64_t mst_step_shared_grads(const mst_model* m);

@@ -6,11 +6,13 @@
  * eagerly on every backend; on a backend that captures (CUDA) a sized step
  * is captured once into a graph and replayed. Between two steps the host
  * only uploads the static inputs and reads the record. On W ranks the
- * step also all-reduces the replicated gradients, the flag word and the
- * record's loss sums (inside the graph: NCCL's all-reduce captures).
+ * step also all-reduces the replicated gradients (--overlap on: a bucket
+ * per layer during the backward, overlap.c), the flag word and the
+ * record's loss sums (inside the graph: the sums capture).
  */
 #include "model.h"
 #include "ops.h"
+#include "overlap.h"
 
 /* W ranks: the step's flag word, the max over the ranks, so that every rank
  * skips AdamW and reruns alike (max, not or: NCCL has no or; with both bits
@@ -44,9 +46,15 @@ static mst_status record(mst_model* m) {
     return mst_model_allreduce_world(m, &r->loss_main, 3, MST_EP_SUM_F64);
 }
 
+/* --overlap on (overlap.c): the passes start the layers' sums, finish
+ * sums the rest and joins them before the optimizer. */
 static mst_status whole_step(mst_model* m, const mst_optim_config* o, int measuring) {
-    MST_TRY(mst_model_step(m, measuring));
-    MST_TRY(mst_step_share_grads(m));
+    if (m->ov) m->ov->active = 1;
+    mst_status st = mst_model_step(m, measuring);
+    if (m->ov) m->ov->active = 0;
+    MST_TRY(st);
+    MST_TRY(mst_overlap_finish(m));
+    MST_TRY(mst_stage_share_tied(m));
     MST_TRY(share_flag(m));
     MST_TRY(mst_optim_step(m, o));
     return record(m);

@@ -116,6 +116,7 @@ mst_status mst_train_memory_table(mst_model* m, mst_train_result* res) {
     res->n_groups = G;
     res->world = m->dist.world;
     res->optim_shard = m->opt_shard;
+    res->grad_overlap = m->ov != NULL;
     mst_optim_replicated_bytes(m, &res->optim_rep_bytes, &res->optim_rep_whole_bytes);
     res->mem_max = *t;
     MST_TRY(mst_weights_hash(m, &res->weights_hash, &res->replicated_hash));
@@ -173,9 +174,9 @@ void mst_train_print_memory(FILE* f, const mst_train_result* r) {
                "%lld replays\n", mib(t->peak), (long long)r->reruns, (long long)r->over_budget,
             (long long)(r->reruns - r->over_budget), (long long)r->captures, (long long)r->replays);
     if (r->world <= 1) return;
-    fprintf(f, "  replicated gradients: %.2f MiB fp32 %s a step after the backward, %.3f ms alone "
+    fprintf(f, "  replicated gradients: %.2f MiB fp32 %s a step %s, %.3f ms alone "
                "(rank 0, timed after the run)\n", mib(r->allreduce_bytes), r->optim_shard ? "reduce-scattered" : "all-reduced",
-            r->allreduce_ms);
+            r->grad_overlap ? "a layer at a time during the backward (--overlap on)" : "after the backward", r->allreduce_ms);
     fprintf(f, "  optimizer state of the replicated parameters (master, m, v): %.2f MiB a rank, %s (%.2f MiB unsharded: "
                "%.3fx)\n", mib(r->optim_rep_bytes), r->optim_shard ? "sharded over the ranks" : "whole on every rank",
             mib(r->optim_rep_whole_bytes), r->optim_rep_whole_bytes ? (double)r->optim_rep_bytes / (double)r->optim_rep_whole_bytes : 0.0);

@@ -79,7 +79,8 @@ mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
     if (r->plan) mst_plan_json(f, r->plan, r, cfg);
     mst_train_json_stages(f, r);
     if (r->world > 1) /* the replicated gradients' all-reduce, timed alone */
-        fprintf(f, "  \"allreduce\": {\"bytes\": %zu, \"ms\": %.4f},\n", r->allreduce_bytes, r->allreduce_ms);
+        fprintf(f, "  \"allreduce\": {\"bytes\": %zu, \"ms\": %.4f, \"overlap\": %d},\n", r->allreduce_bytes,
+                r->allreduce_ms, r->grad_overlap);
     if (r->world > 1)
         fprintf(f, "  \"optimizer\": {\"shard\": %d, \"replicated_bytes\": %zu, \"replicated_whole_bytes\": %zu},\n",
                 r->optim_shard, r->optim_rep_bytes, r->optim_rep_whole_bytes);

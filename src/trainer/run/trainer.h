@@ -110,6 +110,8 @@ typedef struct mst_train_result {
                                  in flight at once                            */
     uint64_t* rank_peak;      /* [W] W ranks: each rank's backend peak, bytes (NULL: one rank) */
     int32_t optim_shard;      /* 1: the optimizer state sharded (ZeRO-1)       */
+    int32_t grad_overlap;     /* 1: the replicated gradients' sums started
+                                 during the backward (--overlap on took)      */
     size_t optim_rep_bytes;   /* W ranks: this rank's optimizer state of the
                                  replicated parameters (master, m, v), bytes    */
     size_t optim_rep_whole_bytes; /* the same unsharded                        */
