@@ -50,15 +50,6 @@ static double median(double* v, int64_t n) {
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-static double step_flops(const mst_train_config* t) {
-    const mst_model_config* c = &t->model;
-    const double H = (double)c->hidden, F = (double)c->ffn, E = c->experts, k = c->top_k, V = (double)c->vocab;
-    const double NH = (double)c->n_head, KV = (double)c->n_kv_head, D = (double)c->head_dim;
-    const double T = (double)c->seq, seqs = (double)(c->batch * t->microbatches), L1 = c->layers + 1;
-    const double attn_proj = (NH + 2 * KV) * D * H + H * NH * D;
-    const double active = L1 * (attn_proj + E * H + k * 3 * F * H) + 2 * H * H + 2 * H * V;
-    return 6 * active * T * seqs + 6 * T * T * NH * D * L1 * seqs;
-}
 
 /* Dense cuBLAS bf16 TFLOP/s: n^3 GEMMs (bf16 out), 20 timed after 3. */
 static mst_status dense_tflops(mst_ctx_t* ctx, double* out) {
@@ -252,7 +243,7 @@ static mst_status measure(mst_ctx_t* ctx, mst_train_config cfg, int64_t S, train
     mst_status st = mst_train_run(ctx, &cfg, NULL, &r);
     if (st == MST_OK) {
         f->tokens = (double)(cfg.model.batch * cfg.model.seq * cfg.microbatches);
-        f->flops = step_flops(&cfg);
+        f->flops = mst_model_flops_per_token(&cfg.model) * f->tokens;
         f->eager_tok_s = median(r.tok_per_s + 2, S - 2);
         f->graph_tok_s = median(r.tok_per_s + S + 2, S - 2);
         f->peak = r.mem.peak;

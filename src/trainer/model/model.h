@@ -164,6 +164,14 @@ mst_status mst_model_ep_config(const mst_model_config* c, int32_t world, mst_ep_
 mst_status mst_model_bytes_at_least(const mst_model_config* c, int32_t moments_bf16, int32_t shard, int32_t pp,
                                     int32_t dp, double* total_bytes, double* params_bytes);
 
+/* The model FLOPs of one token's training step (forward and backward), as
+ * MFU counts them: 6 x the active parameters a token (per layer, the MTP
+ * layer too: (NH + 2 KV) D H + H NH D + E H + 3 k F H; the MTP projection
+ * 2 H^2; the heads 2 H V, tied or not) + 6 T NH D a layer (causal attention:
+ * QK^T and PV of every query head over the causal half, grouping saves
+ * none). Norms, rotary, softmax and SwiGLU's elementwise work not counted. */
+double mst_model_flops_per_token(const mst_model_config* c);
+
 /* Element offsets of one transformer layer's parameters in the flat buffers. */
 typedef struct mst_layer_params {
     int64_t ln1;   /* [H] input_layernorm                                    */

@@ -205,3 +205,14 @@ mst_status mst_model_bytes_at_least(const mst_model_config* c, int32_t moments_b
     *total_bytes = *params_bytes + attn + 6.0 * N * (double)c->vocab;
     return MST_OK;
 }
+
+/* ---- model FLOPs --------------------------------------------------------------- */
+
+double mst_model_flops_per_token(const mst_model_config* c) {
+    const double H = (double)c->hidden, F = (double)c->ffn, E = c->experts, k = c->top_k, V = (double)c->vocab;
+    const double NH = (double)c->n_head, KV = (double)c->n_kv_head, D = (double)c->head_dim;
+    const double T = (double)c->seq, L1 = c->layers + 1;
+    const double attn_proj = (NH + 2 * KV) * D * H + H * NH * D;
+    const double active = L1 * (attn_proj + E * H + k * 3 * F * H) + 2 * H * H + 2 * H * V;
+    return 6 * active + 6 * T * NH * D * L1; /* causal attention: 6 T^2 NH D a layer and sequence, over T tokens */
+}

@@ -56,6 +56,7 @@ mst_status mst_train_write_json(const char* path, const mst_train_config* cfg,
     else fprintf(f, "\"synthetic\"");
     fprintf(f, "},\n");
     fprintf(f, "  \"first_step\": %lld,\n  \"ranks\": %d,\n", (long long)r->first_step, r->world > 1 ? (int)r->world : 1);
+    fprintf(f, "  \"model_flops_per_token\": %.6g,\n", mst_model_flops_per_token(c)); /* MFU's numerator a token */
     mst_train_json_array(f, "loss", r->loss, r->first_step, r->steps);
     mst_train_json_array(f, "mtp_loss", r->mtp_loss, r->first_step, r->steps);
     mst_train_json_array(f, "aux_loss", r->aux_loss, r->first_step, r->steps);
