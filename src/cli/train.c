@@ -321,16 +321,18 @@ static mst_status train_ranks(const train_cli* t, mst_train_result* res) {
 /* A launched rank of several (one process per GPU): its communicator for
  * the model (rendezvous, NCCL) into *ep and the run's dist; 0, or 1 after
  * the line. Not launched, or alone: *ep NULL. --pp P > 1: *pipe the grid's
- * (bare, from the shared id), *ep its split of the rank's stage (D > 1). */
+ * (bare, from the shared id), *ep its split of the rank's stage
+ * (mst_model_stage_comm: D > 1). */
 static int rank_comm(train_cli* t, mst_ctx_t* ctx, mst_ep_t** ep, mst_ep_t** pipe) {
     *ep = *pipe = NULL;
     if (!t->l.launched || t->l.world == 1) return 0;
     const int32_t P = t->cfg.pp > 1 ? t->cfg.pp : 1, D = t->l.world / P, s = t->l.rank / D, d = t->l.rank % D;
     mst_ep_config ec; /* the stage's communicator (none for one rank a stage: its --ep groups are local) */
-    mst_status st = D > 1 || P == 1 ? mst_model_ep_config(&t->cfg.model, D, &ec) : MST_OK;
+    const int own = mst_model_stage_comm(P, t->l.world); /* the stage's ranks have a communicator */
+    mst_status st = own ? mst_model_ep_config(&t->cfg.model, D, &ec) : MST_OK;
     if (st == MST_OK && P == 1) st = mst_launch_ep(&t->l, ctx, &ec, ep);
     if (st == MST_OK && P > 1) st = mst_launch_ep(&t->l, ctx, NULL, pipe);
-    if (st == MST_OK && P > 1 && D > 1) st = mst_ep_create_split(ctx, &ec, *pipe, s, d, ep);
+    if (st == MST_OK && P > 1 && own) st = mst_ep_create_split(ctx, &ec, *pipe, s, d, ep);
     if (st != MST_OK) {
         fprintf(stderr, "%s: the ranks' communicator: %s\n", t->l.who, mst_last_error());
         return 1;

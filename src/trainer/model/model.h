@@ -87,6 +87,11 @@ typedef struct mst_dist {
  * stage divide --experts; each refusal names --pp and its value. */
 mst_status mst_model_grid_check(const mst_model_config* c, int32_t pp, int32_t world, mst_schedule_kind schedule,
                                 int32_t virtual_stages);
+/* 1: the data-parallel ranks of each stage of that grid (D = world / pp;
+ * pp 0 or 1: one stage) get a communicator of their own (dist.ep): D > 1,
+ * or one stage (its ranks, even one); 0: one rank a stage of several, no
+ * communicator, its --ep groups kept on the rank as one GPU keeps them. */
+int mst_model_stage_comm(int32_t pp, int32_t world);
 
 /* The policy of each saved grouped-MLP activation (layer, name) of the L+1
  * layers: per_layer's when set (the memory-budget planner's plan), else

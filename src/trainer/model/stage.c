@@ -55,6 +55,11 @@ mst_status mst_model_grid_check(const mst_model_config* c, int32_t pp, int32_t w
     return MST_OK;
 }
 
+int mst_model_stage_comm(int32_t pp, int32_t world) {
+    const int32_t P = pp > 1 ? pp : 1;
+    return world / P > 1 || P == 1;
+}
+
 void mst_model_set_stage(mst_model* m, int32_t stage, int32_t stages) {
     const int32_t L = m->cfg.layers, P = stages > 1 ? stages : 1, s = stages > 1 ? stage : 0;
     const int32_t V = m->mem_cfg.virtual_stages > 1 ? m->mem_cfg.virtual_stages : 1;

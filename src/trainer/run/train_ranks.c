@@ -32,7 +32,7 @@ typedef struct rank_job {
 
 static int32_t stages_of(const mst_train_config* cfg) { return cfg->pp > 1 ? cfg->pp : 1; }
 
-/* This rank's communicators: the stage's (*ep: D > 1, or one stage) and
+/* This rank's communicators: the stage's (*ep: mst_model_stage_comm) and
  * the grid's (*pipe, P > 1). */
 static mst_status comms(rank_job* j, mst_ctx_t* ctx, const mst_ep_config* ec, mst_ep_t** ep, mst_ep_t** pipe) {
     const int32_t P = j->stages, D = j->world / P, s = j->rank / D, d = j->rank % D;
@@ -43,14 +43,14 @@ static mst_status comms(rank_job* j, mst_ctx_t* ctx, const mst_ep_config* ec, ms
     if (P == 1) return mst_ep_create(ctx, ec, j->id, j->rank, j->world, ep);
     /* P > 1: the grid's from the one id, the stage's split from it */
     MST_TRY(mst_ep_create(ctx, NULL, j->id, j->rank, j->world, pipe));
-    return D > 1 ? mst_ep_create_split(ctx, ec, *pipe, s, d, ep) : MST_OK;
+    return mst_model_stage_comm(P, j->world) ? mst_ep_create_split(ctx, ec, *pipe, s, d, ep) : MST_OK;
 }
 
 static mst_status rank_run(rank_job* j, mst_ctx_t** ctx, mst_ep_t** ep, mst_ep_t** pipe) {
     mst_train_config cfg = *j->cfg;
     const int32_t P = j->stages, D = j->world / P;
     mst_ep_config ec; /* the stage's communicator (none for one rank a stage) */
-    if (D > 1 || P == 1) MST_TRY(mst_model_ep_config(&cfg.model, D, &ec));
+    if (mst_model_stage_comm(P, j->world)) MST_TRY(mst_model_ep_config(&cfg.model, D, &ec));
     MST_TRY(mst_ctx_create(j->kind, j->kind == MST_BACKEND_CPU ? 0 : j->rank, ctx));
     MST_TRY(comms(j, *ctx, &ec, ep, pipe));
     cfg.dist = (mst_dist){j->rank % D, D, *ep, j->rank / D, P, *pipe};
@@ -87,10 +87,10 @@ static void leave(const mst_train_config* cfg, mst_ep_group_t* g, mst_ep_group_t
     mst_ctx_destroy(ctx);
 }
 
-/* CPU: the stages' groups [P] (D > 1, or one stage: as many as it has)
+/* CPU: the stages' groups [P] (where mst_model_stage_comm gives them one)
  * and the grid's (P > 1). */
 static mst_status groups(int32_t P, int32_t D, mst_ep_group_t** g, mst_ep_group_t** pipe) {
-    for (int32_t s = 0; (D > 1 || P == 1) && s < P; s++) MST_TRY(mst_ep_group_create(D, &g[s]));
+    for (int32_t s = 0; mst_model_stage_comm(P, P * D) && s < P; s++) MST_TRY(mst_ep_group_create(D, &g[s]));
     return P > 1 ? mst_ep_group_create(P * D, pipe) : MST_OK;
 }
 
