@@ -98,6 +98,29 @@ static void all_recomputed(mst_rng* r) {
     mst_budget_plan_free(&p);
 }
 
+/* A pipeline stage before the last (no_mtp_layer): its 4 layers all main
+ * layers, so recomputed whole each keeps its output (the top one too: the
+ * next stage's input), no MTP module nor its rerun; mtp_input (the
+ * next-token embedding passed on) still one a set. */
+static void stage_before_last(mst_rng* r) {
+    fixture x;
+    make(&x, r, 4, 3, MST_SCHEDULE_PLAIN);
+    mst_budget_model* b = &x.bm;
+    b->no_mtp_layer = 1;
+    b->mtp_module = 0;
+    mst_budget_plan p;
+    CHECK_OK(mst_budget_plan_alloc(4, &p));
+    for (int32_t l = 0; l < 4; l++) p.chunk_start[l] = l;
+    CHECK_OK(mst_budget_eval(b, &p));
+    const size_t want = b->fixed + 3 * (4 * b->layer_out + b->mtp_input) + b->layer_acts + 2 * R * all_rows();
+    CHECK(p.peak == want, "stage before the last, recomputed: peak %zu, expected %zu", p.peak, want);
+    near(p.step_s, b->t_step + 12 * b->t_layer, "stage before the last, recomputed step (no MTP module rerun)");
+    b->no_mtp_layer = 2;
+    CHECK_STATUS(mst_budget_eval(b, &p), MST_ERR_INVALID);
+    CHECK(strstr(mst_last_error(), "no_mtp_layer = 2"), "message: %s", mst_last_error());
+    mst_budget_plan_free(&p);
+}
+
 /* Every tensor stashed, plain schedule, nothing read in place: the last
  * layer of the last microbatch stays in the compute buffers (its backward
  * follows); every other (layer, mb) is alive at the end of the forwards. */
@@ -268,6 +291,7 @@ static void run(mst_ctx_t* ctx) {
     mst_rng r = {0xB0D9E7};
     keep_plan(&r);
     all_recomputed(&r);
+    stage_before_last(&r);
     all_stashed(&r);
     all_offloaded(&r);
     search(&r);

@@ -268,8 +268,6 @@ static int consistent(const train_cli* t) {
     if (c->eval_fraction > 0 && !c->data_path) return mst_cli_bad("moestash train", "--eval-fraction", "", "needs --data FILE");
     if (t->cfg.graph_from && t->kind != MST_BACKEND_CUDA)
         return mst_cli_bad("moestash train", "--graph", t->graph, "step capture needs --backend cuda");
-    if (c->memory_budget && c->pp > 1)
-        return mst_cli_bad("moestash train", "--memory-budget", t->budget, "not with --pp yet (the planner plans one stage)");
     if (c->memory_budget && (t->policy || t->recompute || t->check_policies || c->mem.recompute_mtp))
         return mst_cli_bad("moestash train", "--memory-budget", t->budget,
                            t->check_policies ? "contradicts --check-policies"

@@ -74,7 +74,6 @@ bad "--pp 4: must divide --gpus 2" train --backend cpu --pp 4 --gpus 2 --layers 
 bad "--pp 2: the 3 data-parallel ranks of a stage" train --backend cpu --pp 2 --gpus 6
 bad "--pp 2: with --schedule interleaved (2 chunks a stage) P x 2 must divide --layers + 1 = 5" train --backend cpu --pp 2 --gpus 2 --schedule interleaved --layers 4
 bad "--pp '0'" train --backend cpu --pp 0
-bad "--memory-budget '1GiB': not with --pp" train --backend cpu --pp 2 --gpus 2 --memory-budget 1GiB
 bad "--attention 'fast'" train --attention fast
 bad "--attention cudnn: backend cpu has no cuDNN attention" train --backend cpu --attention cudnn
 bad "--kv-heads 3: must divide --heads 4" train --kv-heads 3
@@ -158,6 +157,37 @@ assert any(x != "keep" for n in p["policy"].values() for x in n), p  # the budge
 assert d["loss"] == k["loss"] and d["mtp_loss"] == k["mtp_loss"] and d["weights_hash"] == k["weights_hash"], (d["loss"], k["loss"])
 PY
 then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL: --gpus 2 --memory-budget: see above"; head -5 "$tmp/plan2.out" 2>/dev/null; fi
+# train --memory-budget on a pipeline (--pp 2 --gpus 2): each stage plans its
+# own layers. A budget no plan of stage 0 fits: exit 2, one line naming the
+# budget, the stage and the smallest peak, on every rank alike. A budget
+# between the stages' KEEP peaks (as the planner predicts them at a budget
+# nothing binds): stage 1 all KEEP, stage 0 not; every rank's peak within it,
+# the losses and weights those of the run without a budget; the table shows
+# the stage of each layer.
+pp2="--backend cpu --pp 2 --gpus 2 --quiet --steps 3 --seq 64 --batch 8 --layers 6 --hidden 32 --heads 2 --ffn 128
+  --experts 4 --microbatches 4 --pool-factor 1.5"
+# shellcheck disable=SC2086
+bad "rank 0: --memory-budget 1024 (0.00 MiB): no plan fits pipeline stage 0 of 2; the smallest peak that would is" train $pp2 --memory-budget 1KiB
+# shellcheck disable=SC2086
+if timeout 60 "$bin" train $pp2 --json "$tmp/ppkeep.json" >/dev/null 2>&1 &&
+  timeout 60 "$bin" train $pp2 --memory-budget 1TiB --json "$tmp/ppbig.json" >/dev/null 2>&1 &&
+  budget=$(python3 -c "import json,sys; s=json.load(open(sys.argv[1]))['stages']; k=[x['plan']['keep_peak'] for x in s]; assert k[0] > k[1], k; print((k[0] + k[1]) // 2)" "$tmp/ppbig.json") &&
+  timeout 60 "$bin" train ${pp2/--quiet/} --memory-budget "$budget" --json "$tmp/pp.json" >"$tmp/pp.out" 2>&1 &&
+  grep -q "each of the 2 pipeline stages planned its own layers" "$tmp/pp.out" && grep -qE "^  stage +0 +0 +0 +1 +1 +1 +1$" "$tmp/pp.out" &&
+  python3 - "$tmp/ppkeep.json" "$tmp/pp.json" "$budget" <<'PY'
+import json, sys
+k, d, budget = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), int(sys.argv[3])
+s = d["stages"]
+assert d["config"]["policy"] == "planned" and d["plan"]["budget"] == budget and d["reruns"] == 0, d["plan"]
+assert [x["plan"]["layers"] for x in s] == [[0, 1, 2], [3, 4, 5, 6]], s
+kept = [all(v == "keep" for n in x["plan"]["policy"].values() for v in n) for x in s]
+assert kept == [False, True], kept
+for x in s:
+    assert 0 < x["backend_peak_max"] <= budget, x
+    assert abs(x["plan"]["predicted_peak"] - x["backend_peak_max"]) <= 0.05 * x["backend_peak_max"], x
+assert d["loss"] == k["loss"] and d["mtp_loss"] == k["mtp_loss"] and d["weights_hash"] == k["weights_hash"], (d["loss"], k["loss"])
+PY
+then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL: --pp 2 --gpus 2 --memory-budget: see above"; head -5 "$tmp/pp.out" 2>/dev/null; fi
 if timeout 300 "$bin" train --check-policies --steps 2 --json "$tmp/cp.json" >/dev/null 2>&1 &&
   python3 -c "import json,sys; d=json.load(open('$tmp/cp.json')); r=d['check_policies']; sys.exit(0 if len(r)==7 and d['all_bit_identical'] and all(x['verdict'] in ('reference','bit-identical') and len(x['loss'])==2 for x in r) else 1)"; then
   passed=$((passed + 1))

@@ -205,9 +205,9 @@ static mst_status alloc_micro(mst_model* m, mst_micro* u) {
     }
     const int S = MST_MEM_SAVED_HEAD, first = m->stage == 0, last = m->stage == m->stages - 1;
     for (int32_t c = 0; c < m->mem_cfg.virtual_stages; c++) { /* each chunk's input from another stage (received) */
-        const int32_t f = mst_model_global(m, c * m->layers_per_chunk);
-        if (f == 0 || mst_model_here(m, f - 1)) continue;
-        BUF(MST_MEM_SAVED_NORM, u->acts[f - 1].out, N * H);
+        const int32_t r = mst_stage_received(m, c);
+        if (r < 0) continue;
+        BUF(MST_MEM_SAVED_NORM, u->acts[r].out, N * H);
         m->mem_keep[MST_MEM_SAVED_NORM] += sizeof(uint16_t) * (size_t)(N * H);
     }
     if (first) BUF(S, u->x0, N * H);
@@ -292,6 +292,7 @@ static mst_status alloc_acts(mst_model* m) {
     MST_TRY(mst_fill(m->ctx, m->peak, 0, sizeof(int32_t) * (size_t)((c->layers + 1) * c->ep)));
     if (m->dist.ep) {
         BUF(C, m->peak_local, 1);
+        BUF(C, m->needs, MST_MODEL_NEEDS);
         BUF(C, m->gnorm_rows, m->dist.world * MST_GNORM_COLS);
     }
     if (m->stage == m->stages - 1) BUF(C, m->logits, N * V);
@@ -397,6 +398,17 @@ static mst_status set_plan(mst_model* m, mst_memmgr_t* mm) {
     return st;
 }
 
+/* The memory-budget planner's recompute plan (over the L+1 layers): the
+ * stage's part of it. */
+static mst_status set_budget_plan(mst_model* m, mst_memmgr_t* mm) {
+    int32_t* plan = (int32_t*)malloc(sizeof(int32_t) * (size_t)m->n_here);
+    if (!plan) return mst_set_error(MST_ERR_OOM, "recompute plan");
+    mst_status st = mst_stage_local_plan(m, m->mem_cfg.chunk_start, plan);
+    if (st == MST_OK) st = mst_memmgr_set_recompute_plan(mm, plan);
+    free(plan);
+    return st;
+}
+
 /* The policy of every (layer, name), from the run's typed policies. */
 static mst_status set_policies(mst_model* m, mst_memmgr_t* mm) {
     for (int32_t i = 0; i < m->n_here; i++)
@@ -411,10 +423,12 @@ static mst_status set_policies(mst_model* m, mst_memmgr_t* mm) {
  * step; its own peak alone left each rank to overflow in its turn). */
 static mst_status share_needs(void* user, int64_t* needs, int32_t n) {
     mst_model* m = (mst_model*)user;
-    double v[64];
-    MST_ASSERT(n <= 64);
+    double v[MST_MODEL_NEEDS];
+    MST_ASSERT(n <= MST_MODEL_NEEDS && m->needs);
     for (int32_t i = 0; i < n; i++) v[i] = (double)needs[i];
-    MST_TRY(mst_model_max_over_ranks(m, v, n));
+    MST_TRY(mst_copy_h2b(m->ctx, m->needs, v, sizeof(double) * (size_t)n)); /* m->needs: no allocation mid-step */
+    MST_TRY(mst_model_allreduce(m, m->needs, n, MST_EP_MAX_F64));
+    MST_TRY(mst_copy_b2h(m->ctx, v, m->needs, sizeof(double) * (size_t)n));
     for (int32_t i = 0; i < n; i++) needs[i] = (int64_t)v[i];
     return MST_OK;
 }
@@ -427,7 +441,8 @@ static mst_status make_memmgr(mst_model* m, int64_t R, mst_memmgr_t** out) {
                             .hidden = c->hidden, .ffn = c->ffn, .schedule = m->sched,
                             .n_schedule = m->n_sched, .page_rows = 64,
                             .dev_factor = m->mem_cfg.pool_factor, .host_factor = 0.0,
-                            .share_needs = m->dist.ep ? share_needs : NULL, .share_user = m};
+                            .share_needs = m->dist.ep && !m->mem_cfg.own_needs ? share_needs : NULL,
+                            .share_user = m};
     MST_TRY(mst_memmgr_create(m->ctx, &mc, out));
     const mst_recompute_config* rc = &m->mem_cfg.recompute;
     char where[64] = "policy"; /* what an error comes from */
@@ -440,7 +455,7 @@ static mst_status make_memmgr(mst_model* m, int64_t R, mst_memmgr_t** out) {
     }
     if (st == MST_OK && m->mem_cfg.chunk_start) {
         snprintf(where, sizeof where, "--memory-budget's recompute plan");
-        st = mst_memmgr_set_recompute_plan(*out, m->mem_cfg.chunk_start);
+        st = set_budget_plan(m, *out);
     }
     if (st != MST_OK) {
         char why[512];
@@ -514,10 +529,6 @@ mst_status mst_model_create_dist(mst_ctx_t* ctx, const mst_model_config* cfg, in
     if (m->mem_cfg.recompute_mtp && !(cfg->mtp_weight > 0.0f)) {
         free(m);
         return BAD("--recompute-mtp: the model has no MTP module (--mtp-weight %g)", (double)cfg->mtp_weight);
-    }
-    if (d.stages > 1 && m->mem_cfg.chunk_start) {
-        free(m);
-        return BAD("--pp %d: --memory-budget's plan of every layer on one stage does not apply per stage yet", d.stages);
     }
     m->static_rows = mst_model_max_rows(cfg, d.world);
     m->lp = (mst_layer_params*)calloc((size_t)cfg->layers + 1, sizeof *m->lp);

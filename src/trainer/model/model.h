@@ -128,9 +128,14 @@ typedef struct mst_mem_config {
                                        nearest even; --adam-moments bf16)       */
     int32_t overlap_off;            /* 1: --overlap off: the replicated gradients
                                        summed after the backward (overlap.c)     */
+    int32_t own_needs;              /* W ranks: 1: each rank sizes its stash pools
+                                       for its own rows (the planner's probe,
+                                       whose steps route alike); 0: for the
+                                       largest need of any rank (share_needs)   */
     /* the memory-budget planner's recompute plan, over recompute: */
-    const int32_t* chunk_start;     /* [L+1] recompute plan (mst_memmgr_set_recompute_plan)
-                                       or NULL                                    */
+    const int32_t* chunk_start;     /* [L+1] recompute plan over every layer (a stage
+                                       gives its manager its layers' part:
+                                       mst_stage_local_plan) or NULL              */
 } mst_mem_config;
 
 /* keep, plain schedule, no layer recompute (granularity full when one is
@@ -279,6 +284,7 @@ typedef struct mst_optim_part {
     int32_t decay;
 } mst_optim_part;
 enum { MST_OPTIM_MAX_PARTS = 6, MST_GNORM_COLS = 4 }; /* parts: a tied table (P stages), 2 per run, the experts */
+enum { MST_MODEL_NEEDS = 64 }; /* the most needs a memory manager shares over the ranks */
 
 typedef struct mst_model {
     mst_ctx_t* ctx;
@@ -340,6 +346,9 @@ typedef struct mst_model {
     float* gpartial;         /* [MST_SUMSQ_PARTS] its chunk sums              */
     int32_t* peak;           /* [L+1, G] peak rows per group over the run     */
     int32_t* peak_local;     /* [1] W ranks: route_forward's peak (unused)    */
+    double* needs;           /* [MST_MODEL_NEEDS] W ranks: the memory manager's
+                                needs while they are shared (share_needs): kept,
+                                so that no step allocates                      */
     float* gnorm_rows;       /* [W, MST_GNORM_COLS] W ranks: each rank's shares
                                 of the squared gradient norm (shard.c)         */
     /* the step's static inputs: what changes between two steps, copied in
@@ -405,6 +414,14 @@ int mst_model_here(const mst_model* m, int32_t l);
  * manager's), and back. */
 int32_t mst_model_local(const mst_model* m, int32_t l);
 int32_t mst_model_global(const mst_model* m, int32_t i);
+/* Chunk c's input when another stage sends it: the layer before the
+ * chunk's first, whose output acts[l].out ([N, H] a set, saved norm bytes)
+ * receives it; -1 when that layer is here or the chunk starts at layer 0. */
+int32_t mst_stage_received(const mst_model* m, int32_t c);
+/* A recompute plan over the L+1 layers (chunk_start [L+1], each -1 or the
+ * first layer of l's chunk) as the stage's manager takes it: local [n_here]
+ * of local indices. A chunk that starts on another stage is refused. */
+mst_status mst_stage_local_plan(const mst_model* m, const int32_t* chunk_start, int32_t* local);
 /* This rank in the grid (stage W + rank) and the grid's ranks (P W). */
 int32_t mst_model_grid_rank(const mst_model* m);
 int32_t mst_model_grid_size(const mst_model* m);

@@ -85,6 +85,21 @@ int32_t mst_model_global(const mst_model* m, int32_t i) {
     return i == m->l_end - m->l_first ? m->cfg.layers : m->l_first + i;
 }
 
+int32_t mst_stage_received(const mst_model* m, int32_t c) {
+    const int32_t f = mst_model_global(m, c * m->layers_per_chunk);
+    return f == 0 || mst_model_here(m, f - 1) ? -1 : f - 1;
+}
+
+mst_status mst_stage_local_plan(const mst_model* m, const int32_t* chunk_start, int32_t* local) {
+    for (int32_t i = 0; i < m->n_here; i++) {
+        const int32_t l = mst_model_global(m, i), cs = chunk_start[l];
+        if (cs >= 0 && (cs > l || !mst_model_here(m, cs)))
+            return BAD("layer %d's recompute chunk starts at layer %d, not on stage %d before it", l, cs, m->stage);
+        local[i] = cs < 0 ? -1 : mst_model_local(m, cs);
+    }
+    return MST_OK;
+}
+
 int32_t mst_model_grid_rank(const mst_model* m) { return m->stage * m->dist.world + m->dist.rank; }
 int32_t mst_model_grid_size(const mst_model* m) { return m->stages * m->dist.world; }
 

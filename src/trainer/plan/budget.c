@@ -6,7 +6,8 @@
  * Peak. Every buffer of the run is static, so the peak is a sum:
  *   common    fixed + the layers' own activations per activation set (a
  *             microbatch in flight holds one; a layer recomputed whole
- *             keeps only its output, the MTP layer not even that; one shared
+ *             keeps only its output, the MTP layer not even that (a pipeline
+ *             stage before the last has none: no_mtp_layer); one shared
  *             slot of a layer's activations, and of the MTP module when it
  *             is recomputed) + KEEP buffers [R, cols] per (layer, set, name) +
  *             one compute buffer per name that some layer does not keep (or
@@ -106,6 +107,8 @@ mst_status mst_budget_model_check(const mst_budget_model* bm) {
         return mst_set_error(MST_ERR_INVALID, "schedule of %d entries, %d layers per chunk for %d layers",
                              bm->sched ? bm->n_sched : 0, bm->layers_per_chunk, bm->n_layers);
     if (!bm->rows) return mst_set_error(MST_ERR_INVALID, "rows is NULL");
+    if (bm->no_mtp_layer != 0 && bm->no_mtp_layer != 1)
+        return mst_set_error(MST_ERR_INVALID, "no_mtp_layer = %d, expected 0 or 1", bm->no_mtp_layer);
     if (bm->max_rows < 1 || bm->hidden < 1 || bm->ffn < 1 || bm->page_rows < 1 || !(bm->pool_factor > 0))
         return mst_set_error(MST_ERR_INVALID, "max_rows = %lld, hidden = %lld, ffn = %lld, page_rows = %d, "
                              "pool_factor = %g: all must be positive", (long long)bm->max_rows, (long long)bm->hidden,
@@ -219,14 +222,14 @@ static void walk_schedule(const mst_budget_model* bm, const mst_budget_plan* p, 
 
 /* The layers' own activations and the recompute slots. */
 static size_t model_acts(const mst_budget_model* bm, const mst_budget_plan* p) {
-    const int32_t L1 = bm->n_layers, top = L1 - 1;
+    const int32_t L1 = bm->n_layers, top = bm->no_mtp_layer ? L1 : L1 - 1; /* the MTP layer, if here */
     size_t per_set = bm->mtp_input, shared = 0;
     int any = 0;
     for (int32_t l = 0; l < L1; l++) {
         any |= rec(p, l);
         per_set += rec(p, l) && p->full ? (l < top ? bm->layer_out : 0) : bm->layer_acts;
     }
-    if (rec(p, top) && p->full) shared += bm->mtp_module;
+    if (top < L1 && rec(p, top) && p->full) shared += bm->mtp_module;
     else per_set += bm->mtp_module;
     if (any && p->full) shared += bm->layer_acts;
     return per_set * (size_t)bm->n_sets + shared;
@@ -267,7 +270,7 @@ static double copy_s(const mst_budget_model* bm, int64_t rows, int n, double bw)
 
 /* Time one (layer, mb) adds to the KEEP step. */
 static double layer_cost(const mst_budget_model* bm, const mst_budget_plan* p, int32_t l, int64_t rows, int in_compute) {
-    if (rec(p, l)) return bm->t_layer + (l == bm->n_layers - 1 && p->full ? bm->t_mtp : 0.0);
+    if (rec(p, l)) return bm->t_layer + (l == bm->n_layers - 1 && !bm->no_mtp_layer && p->full ? bm->t_mtp : 0.0);
     double t = 0;
     for (int n = 0; n < MST_N_SAVED; n++) {
         const mst_policy q = pol(p, l, n);

@@ -14,7 +14,9 @@
  * pages, restore buffers of the largest rows saved, handles).
  *
  * Shapes: L1 layers of the manager (the trainer's L main layers and the MTP
- * layer last), M microbatches, R = max_rows of the grouped rows (all groups).
+ * layer last; a pipeline stage's: its own layers, the MTP layer last on the
+ * last stage, none before it), M microbatches, R = max_rows of the grouped
+ * rows (all groups).
  */
 #ifndef MST_PLAN_BUDGET_H
 #define MST_PLAN_BUDGET_H
@@ -45,6 +47,11 @@ typedef struct mst_budget_model {
     size_t layer_out;            /* of which its output [N, H]                           */
     size_t mtp_input;            /* the MTP module's kept input (next tokens' embedding) */
     size_t mtp_module;           /* the rest of the MTP module's activations             */
+    int32_t no_mtp_layer;        /* 1: a pipeline stage before the last: every layer a
+                                    main layer (recomputed whole, it keeps its output:
+                                    the next stage's input), mtp_input the next-token
+                                    embedding passed on, mtp_module 0. 0: layer L1-1
+                                    is the MTP layer                                    */
     /* costs */
     double t_step;               /* the step with every tensor kept (KEEP), seconds      */
     double t_layer;              /* one layer's forward for one microbatch (a rerun)     */

@@ -20,6 +20,8 @@ mst_status mst_train_timeline(mst_model* m, const mst_train_config* cfg, const m
  * summary; the JSON "stages" array. */
 mst_status mst_train_stage_tables(mst_model* m, mst_train_result* res);
 void mst_train_json_stages(FILE* f, const mst_train_result* r);
+/* P > 1: stage s's backend peak, the max over its ranks (res->grid_peak). */
+size_t mst_train_stage_peak(const mst_train_result* r, int32_t s);
 /* "  \"name\": [v...],\n" of the steps [first, n] (1-based); null where not finite. */
 void mst_train_json_array(FILE* f, const char* name, const double* v, int64_t first, int64_t n);
 

@@ -370,6 +370,7 @@ void mst_train_result_free(mst_train_result* res) {
     free(res->rank_peak);
     free(res->stage_mem);
     free(res->stage_sets);
+    free(res->grid_peak);
     mst_plan_report_free(res->plan);
     free(res->plan);
     memset(res, 0, sizeof *res);

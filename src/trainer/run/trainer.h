@@ -108,6 +108,8 @@ typedef struct mst_train_result {
                                  rank 0's), on every rank; NULL otherwise      */
     int32_t* stage_sets;      /* [P] each stage's activation sets: microbatches
                                  in flight at once                            */
+    uint64_t* grid_peak;      /* [P W] P > 1: each grid rank's backend peak
+                                 (rank s W + d), bytes, on every rank          */
     uint64_t* rank_peak;      /* [W] W ranks: each rank's backend peak, bytes (NULL: one rank) */
     int32_t optim_shard;      /* 1: the optimizer state sharded (ZeRO-1)       */
     int32_t grad_overlap;     /* 1: the replicated gradients' sums started
