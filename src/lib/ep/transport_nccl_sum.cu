@@ -12,7 +12,8 @@
  *   all-reduce of data [count]: buckets of m <= W c elements, each cut into
  *     W slices of ceil(m / W) (the last ones shorter or empty) reduce-
  *     scattered as above, then every rank's summed slice goes to every peer
- *     (a second group: copies, bit-exact on any transport).
+ *     (ncclAllGather in place when the W slices are equal, else a second
+ *     group: copies, bit-exact on any transport).
  * Bytes per rank: (W - 1) / W of the data each way per phase (a ring's).
  * The staging [W, c] is cudaMalloc'd outside a capture, at the first float
  * sum of the communicator and again when a later sum outside a capture
@@ -104,9 +105,22 @@ static mst_status scatter_sum(mst_ep_t* ep, const bucket& b, size_t es, mst_ep_r
     return MST_OK;
 }
 
-/* This rank's block of b to every peer, every peer's into its place. */
+/* This rank's block of b to every peer, every peer's into its place: a
+ * bucket of W full blocks (contiguous: stride c) by ncclAllGather in place,
+ * else one group. Copies either way. */
 static mst_status gather(mst_ep_t* ep, const bucket& b, size_t es) {
     const int me = ep->rank;
+    if (b.m == (int64_t)ep->world * b.c) {
+        nccl_state* ns = (nccl_state*)ep->comm;
+        const size_t n = (size_t)b.c * es;
+        MST_ASSERT(b.stride == n);
+        ncclResult_t r = ncclAllGather(b.base + (size_t)me * n, b.base, n, ncclChar, ns->comm, mst_cuda(ep->ctx)->stream);
+        if (r != ncclSuccess) {
+            ns->failed = 1;
+            return nccl_error(r, "mst_ep_allreduce (ncclAllGather)", ns->comm);
+        }
+        return MST_OK;
+    }
     return group(ep, "mst_ep_allreduce (ncclSend/ncclRecv group: all-gather)",
                  [&](int d, const void** sp, size_t* sn, void** rp, size_t* rn) {
                      *sp = b.base + (size_t)me * b.stride, *sn = (size_t)block_len(b, me) * es;
