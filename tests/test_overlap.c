@@ -11,11 +11,12 @@
  *
  * Cases: W 2, plain schedule, 2 microbatches; W 4, 1F1B, 4 microbatches;
  * --pp 2 x 2, interleaved (7 layers, 2 chunks a stage), tied embeddings;
- * W 2 with --optimizer-shard on (overlap does not take there: the flag on
- * and off the same run). Each: 6 steps clipped every step (the norm's bits
- * reach every update), on against off: every loss (main, MTP,
- * load-balancing) and every rank's weights hash bit-identical, the result's
- * overlap flag 1 (on) and 0 (off), the loss falling.
+ * W 2 and --pp 2 x 2 with --optimizer-shard on (a layer's part of a run's
+ * body reduce-scattered as a window, its part of the tail all-reduced; on
+ * also against unsharded). Each: 6 steps clipped every step (the norm's
+ * bits reach every update), on against off: every loss (main, MTP,
+ * load-balancing) and every rank's weights hash bit-identical, the
+ * result's overlap flag 1 (on) and 0 (off), the loss falling.
  */
 #include <string.h>
 
@@ -43,55 +44,72 @@ static mst_train_config small(int32_t D, int32_t L, int32_t M, mst_schedule_kind
     return t;
 }
 
-static void free_all(mst_train_result* res, int32_t n) {
-    for (int32_t r = 0; r < n; r++) mst_train_result_free(&res[r]);
+/* Every rank's losses (main, MTP, load-balancing) and weights hash equal. */
+static int same_runs(const mst_train_result* a, const mst_train_result* b, int32_t world, int64_t steps) {
+    const size_t n = sizeof(double) * (size_t)steps;
+    int same = 1;
+    for (int32_t r = 0; r < world; r++)
+        same &= !memcmp(a[r].loss, b[r].loss, n) && !memcmp(a[r].mtp_loss, b[r].mtp_loss, n) &&
+                !memcmp(a[r].aux_loss, b[r].aux_loss, n) && a[r].weights_hash == b[r].weights_hash;
+    return same;
 }
 
-/* cfg on `world` ranks (pp stages) with --overlap on and off. want_on: the
- * flag takes effect. */
-static void on_vs_off(mst_train_config cfg, int32_t world, int want_on, const char* what) {
-    mst_train_result on[4], off[4];
+/* cfg on `world` ranks (pp stages) with --overlap on and off; sharded
+ * (cfg.mem.optimizer_shard), also against the unsharded run with
+ * --overlap on. */
+static void on_vs_off(mst_train_config cfg, int32_t world, const char* what) {
+    mst_train_result on[4], off[4], plain[4];
     memset(on, 0, sizeof on);
     memset(off, 0, sizeof off);
+    memset(plain, 0, sizeof plain);
     cfg.mem.overlap_off = 0;
     CHECK_OK(mst_train_ranks(kind, &cfg, world, 0, NULL, NULL, on));
     cfg.mem.overlap_off = 1;
     CHECK_OK(mst_train_ranks(kind, &cfg, world, 0, NULL, NULL, off));
-    if (on[0].loss && off[0].loss) {
-        const size_t n = sizeof(double) * (size_t)cfg.steps;
-        int same = 1;
-        for (int32_t r = 0; r < world; r++)
-            same &= !memcmp(on[r].loss, off[r].loss, n) && !memcmp(on[r].mtp_loss, off[r].mtp_loss, n) &&
-                    !memcmp(on[r].aux_loss, off[r].aux_loss, n) && on[r].weights_hash == off[r].weights_hash;
-        CHECK(same, "%s: --overlap on and off differ (last loss %.17g vs %.17g, rank 0 hash %016llx vs %016llx)", what,
-              on[0].loss[cfg.steps - 1], off[0].loss[cfg.steps - 1], (unsigned long long)on[0].weights_hash,
-              (unsigned long long)off[0].weights_hash);
-        CHECK(on[0].grad_overlap == want_on && off[0].grad_overlap == 0, "%s: overlap flags on %d off %d (want %d, 0)",
-              what, on[0].grad_overlap, off[0].grad_overlap, want_on);
-        CHECK(on[0].loss[cfg.steps - 1] < on[0].loss[0], "%s: the loss did not fall (%.4f -> %.4f)", what, on[0].loss[0],
-              on[0].loss[cfg.steps - 1]);
-        printf("  %-48s %d ranks: 6 steps and every rank's hash bit-identical on and off (overlap %s)\n", what, world,
-               on[0].grad_overlap ? "took" : "not taken");
+    const int shard = cfg.mem.optimizer_shard;
+    if (shard) {
+        cfg.mem.optimizer_shard = 0, cfg.mem.overlap_off = 0;
+        CHECK_OK(mst_train_ranks(kind, &cfg, world, 0, NULL, NULL, plain));
     }
-    free_all(on, world);
-    free_all(off, world);
+    if (on[0].loss && off[0].loss) {
+        const int64_t T = cfg.steps;
+        CHECK(same_runs(on, off, world, T), "%s: --overlap on and off differ (last loss %.17g vs %.17g, rank 0 hash "
+              "%016llx vs %016llx)", what, on[0].loss[T - 1], off[0].loss[T - 1], (unsigned long long)on[0].weights_hash,
+              (unsigned long long)off[0].weights_hash);
+        CHECK(on[0].grad_overlap == 1 && off[0].grad_overlap == 0 && on[0].optim_shard == shard,
+              "%s: overlap flags on %d off %d, shard %d", what, on[0].grad_overlap, off[0].grad_overlap, on[0].optim_shard);
+        CHECK(on[0].loss[T - 1] < on[0].loss[0], "%s: the loss did not fall (%.4f -> %.4f)", what, on[0].loss[0],
+              on[0].loss[T - 1]);
+        if (shard && plain[0].loss)
+            CHECK(same_runs(on, plain, world, T), "%s: sharded with --overlap on differs from unsharded (last loss "
+                  "%.17g vs %.17g)", what, on[0].loss[T - 1], plain[0].loss[T - 1]);
+        printf("  %-48s %d ranks: 6 steps and every rank's hash bit-identical on and off%s\n", what, world,
+               shard ? " and unsharded" : "");
+    }
+    for (int32_t r = 0; r < world; r++) {
+        mst_train_result_free(&on[r]);
+        mst_train_result_free(&off[r]);
+        if (shard) mst_train_result_free(&plain[r]);
+    }
 }
 
 int main(int argc, char** argv) {
     kind = mst_test_backend_arg(argc, argv);
     const int n_dev = mst_test_devices(kind, 4);
     if (n_dev < 2) return mst_test_skip_devices(argv[0], n_dev, "data parallelism needs 2");
-    on_vs_off(small(2, 2, 2, MST_SCHEDULE_PLAIN), 2, 1, "W 2, plain, M 2");
+    on_vs_off(small(2, 2, 2, MST_SCHEDULE_PLAIN), 2, "W 2, plain, M 2");
     mst_train_config shard = small(2, 2, 2, MST_SCHEDULE_PLAIN);
     shard.mem.optimizer_shard = 1;
-    on_vs_off(shard, 2, 0, "W 2, --optimizer-shard on");
+    on_vs_off(shard, 2, "W 2, --optimizer-shard on");
     if (n_dev >= 4) {
-        on_vs_off(small(4, 3, 4, MST_SCHEDULE_1F1B), 4, 1, "W 4, 1F1B, M 4, 3 layers");
+        on_vs_off(small(4, 3, 4, MST_SCHEDULE_1F1B), 4, "W 4, 1F1B, M 4, 3 layers");
         mst_train_config pp = small(2, 7, 4, MST_SCHEDULE_INTERLEAVED);
         pp.pp = 2;
         pp.mem.virtual_stages = 2;
         pp.model.tie_embeddings = 1;
-        on_vs_off(pp, 4, 1, "--pp 2 x 2, interleaved, tied");
+        on_vs_off(pp, 4, "--pp 2 x 2, interleaved, tied");
+        pp.mem.optimizer_shard = 1;
+        on_vs_off(pp, 4, "--pp 2 x 2, interleaved, tied, sharded");
     } else {
         printf("  4-rank cases skipped: %d devices\n", n_dev);
     }

@@ -1,7 +1,8 @@
 /*
  * collectives.c — the data-parallel collectives (ep.h): all-reduce,
- * reduce-scatter and all-gather over the communicator's ranks, in place,
- * argument checks before the transport's.
+ * reduce-scatter (of all of the blocks or a window of them) and all-gather
+ * over the communicator's ranks, in place, argument checks before the
+ * transport's.
  */
 #include "ep.h"
 
@@ -28,12 +29,25 @@ mst_status mst_ep_allreduce(mst_ep_t* ep, void* data, int64_t count, mst_ep_redu
     return ep->tr->allreduce(ep, data, count, kind);
 }
 
-mst_status mst_ep_reduce_scatter(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind) {
-    mst_status st = reduce_args(ep, data, count, kind);
-    if (st != MST_OK || count == 0) return st;
+mst_status mst_ep_reduce_scatter_window(mst_ep_t* ep, void* data, int64_t q, int64_t lo, int64_t hi,
+                                        mst_ep_reduce kind) {
+    mst_status st = reduce_args(ep, data, q, kind);
+    if (st != MST_OK || q == 0) return st;
+    const int64_t n = (int64_t)ep->world * q;
+    if (lo < 0 || lo > hi || hi > n)
+        return mst_set_error(MST_ERR_INVALID, "window [%lld, %lld): must lie in [0, %lld] (W %d x q %lld), lo <= hi",
+                             (long long)lo, (long long)hi, (long long)n, ep->world, (long long)q);
+    if ((lo > 0 || hi < n) && kind != MST_EP_SUM_F32 && kind != MST_EP_SUM_F64)
+        return mst_set_error(MST_ERR_UNSUPPORTED, "mst_ep_reduce_scatter_window: kind %d over a part [%lld, %lld) of "
+                             "[0, %lld): float sums only", (int)kind, (long long)lo, (long long)hi, (long long)n);
     if (!ep->tr || !ep->tr->reduce_scatter)
         return mst_set_error(MST_ERR_UNSUPPORTED, "mst_ep_reduce_scatter: the %s transport has none", mst_ep_path(ep));
-    return ep->tr->reduce_scatter(ep, data, count, kind);
+    return ep->tr->reduce_scatter(ep, data, q, lo, hi, kind);
+}
+
+mst_status mst_ep_reduce_scatter(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind) {
+    if (!ep) return mst_set_error(MST_ERR_INVALID, "ep is NULL");
+    return mst_ep_reduce_scatter_window(ep, data, count, 0, (int64_t)ep->world * count, kind);
 }
 
 mst_status mst_ep_allgather(mst_ep_t* ep, void* data, size_t block_bytes) {

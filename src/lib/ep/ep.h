@@ -66,8 +66,10 @@ typedef struct mst_ep_transport {
     int gathers; /* 1: takes planes with src != BLOCKS (no pack before it) */
     /* in place over count elements (mst_ep_allreduce); ordered like exchange */
     mst_status (*allreduce)(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind);
-    /* in place over [W, count] elements (mst_ep_reduce_scatter); ordered like exchange */
-    mst_status (*reduce_scatter)(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind);
+    /* in place over the window [lo, hi) of [W, q] elements
+     * (mst_ep_reduce_scatter_window; a kind other than a float sum: the
+     * whole of them); ordered like exchange */
+    mst_status (*reduce_scatter)(mst_ep_t* ep, void* data, int64_t q, int64_t lo, int64_t hi, mst_ep_reduce kind);
     /* in place over [W, block_bytes] (mst_ep_allgather); ordered like exchange */
     mst_status (*allgather)(mst_ep_t* ep, void* data, size_t block_bytes);
     /* (optional) dispatch's exchange on the direct path, ordered like
@@ -117,6 +119,17 @@ size_t mst_ep_reduce_size(mst_ep_reduce k);
  * reduce-scatter holds the bits mst_ep_allreduce gives for those elements.
  * The int32 sums and the maxima are exact (NCCL's own there). */
 mst_status mst_ep_reduce_scatter(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind);
+/* Reduce-scatter of a window, in place: data [W, q] elements (block d at
+ * data + d q), of which only the flat elements [lo, hi) (0 <= lo <= hi <=
+ * W q) take part: rank r ends with the window's part of its block r,
+ * [max(lo, r q), min(hi, (r + 1) q)), summed over the ranks with the bits
+ * mst_ep_allreduce gives for those elements; the rest of data undefined.
+ * A float sum only (MST_ERR_UNSUPPORTED for the other kinds unless the
+ * window is all of data). mst_ep_reduce_scatter is the window [0, W q).
+ * The trainer's ZeRO-1 sums a layer's part of a replicated run this way
+ * (--overlap on). */
+mst_status mst_ep_reduce_scatter_window(mst_ep_t* ep, void* data, int64_t q, int64_t lo, int64_t hi,
+                                        mst_ep_reduce kind);
 /* All-gather, in place: data [W, block_bytes]; every rank ends with block j
  * the bytes rank j had in its block j. */
 mst_status mst_ep_allgather(mst_ep_t* ep, void* data, size_t block_bytes);

@@ -164,54 +164,64 @@ static void reduce_into(void* acc, const void* src, int64_t count, mst_ep_reduce
 /* The collectives' tags in n_planes (an exchange's is its plane count >= 0). */
 enum { TAG_ALLREDUCE = -1, TAG_REDUCE_SCATTER = -16, TAG_ALLGATHER = -32 };
 
-/* A collective over `data` (block_bytes a rank's block) of tag: published,
- * every rank waited for, checked alike (MST_ERR_STATE naming `what` when
- * the ranks passed different sizes or kinds, after the second wait). */
+/* A collective over `data` (block_bytes its bytes on a rank; a window's
+ * lo and hi in row_bytes and valid_stride) of tag: published, every rank
+ * waited for, checked alike (MST_ERR_STATE naming `what` when the ranks
+ * passed different sizes, windows or kinds, after the second wait). */
 static mst_status publish(mst_ep_t* ep, mst_ep_plane* me, int tag, int* same) {
     mst_ep_group_t* g = ((local_comm*)ep->comm)->group;
     g->planes[ep->rank] = me;
     g->n_planes[ep->rank] = tag;
     MST_TRY(group_wait(g, ep->rank));
-    for (int j = 0; j < g->world; j++) *same &= g->n_planes[j] == tag && g->planes[j]->block_bytes == me->block_bytes;
+    for (int j = 0; j < g->world; j++)
+        *same &= g->n_planes[j] == tag && g->planes[j]->block_bytes == me->block_bytes &&
+                 g->planes[j]->row_bytes == me->row_bytes && g->planes[j]->valid_stride == me->valid_stride;
     return MST_OK;
 }
 
 static mst_status finish(mst_ep_t* ep, int same, int oom, const char* what) {
     return same ? MST_OK
                 : mst_set_error(oom ? MST_ERR_OOM : MST_ERR_STATE, "%s (rank %d): %s", what, ep->rank,
-                                oom ? "out of host memory" : "the ranks passed different counts or kinds");
+                                oom ? "out of host memory" : "the ranks passed different counts, windows or kinds");
 }
 
-/* Every rank reduces the ranks' blocks `block` (0 for an all-reduce's one
- * block; its own for a reduce-scatter's) in rank order into its scratch
+/* Every rank reduces elements [at, at + len) of the ranks' data (n elements
+ * each; all of them for an all-reduce, its part of the window for a
+ * reduce-scatter: `me` the published plane) in rank order into its scratch
  * (the same bits everywhere), then, once every rank has read every buffer,
- * copies it into its own block. */
-static mst_status reduce_blocks(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind, int scatter) {
+ * copies it into its own data. */
+static mst_status reduce_part(mst_ep_t* ep, mst_ep_plane* me, int64_t at, int64_t len, mst_ep_reduce kind, int tag,
+                              const char* what) {
     mst_ep_group_t* g = ((local_comm*)ep->comm)->group;
-    const size_t n_bytes = (size_t)count * mst_ep_reduce_size(kind), at = scatter ? (size_t)ep->rank * n_bytes : 0;
-    void* acc = malloc(n_bytes);
+    const size_t es = mst_ep_reduce_size(kind), off = (size_t)at * es;
+    void* acc = malloc((size_t)len * es + 1);
     int same = acc != NULL;
     const int oom = !same;
-    mst_ep_plane me = {.send = data, .recv = acc, .block_bytes = n_bytes};
-    mst_status st = publish(ep, &me, (scatter ? TAG_REDUCE_SCATTER : TAG_ALLREDUCE) - (int)kind, &same);
+    mst_status st = publish(ep, me, tag - (int)kind, &same);
     if (st != MST_OK) {
         free(acc);
         return st;
     }
-    for (int j = 0; same && j < g->world; j++) reduce_into(acc, (const char*)g->planes[j]->send + at, count, kind, j);
+    for (int j = 0; same && j < g->world; j++) reduce_into(acc, (const char*)g->planes[j]->send + off, len, kind, j);
     st = group_wait(g, ep->rank);
-    if (same && st == MST_OK) memcpy((char*)data + at, acc, n_bytes);
+    if (same && st == MST_OK) memcpy((char*)me->send + off, acc, (size_t)len * es);
     free(acc);
     if (st != MST_OK) return st;
-    return finish(ep, same, oom, scatter ? "mst_ep_reduce_scatter" : "mst_ep_allreduce");
+    return finish(ep, same, oom, what);
 }
 
 static mst_status local_allreduce(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind) {
-    return reduce_blocks(ep, data, count, kind, 0);
+    mst_ep_plane me = {.send = data, .block_bytes = (size_t)count * mst_ep_reduce_size(kind)};
+    return reduce_part(ep, &me, 0, count, kind, TAG_ALLREDUCE, "mst_ep_allreduce");
 }
 
-static mst_status local_reduce_scatter(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind) {
-    return reduce_blocks(ep, data, count, kind, 1);
+/* This rank's part of the window: [max(lo, r q), min(hi, (r + 1) q)). */
+static mst_status local_reduce_scatter(mst_ep_t* ep, void* data, int64_t q, int64_t lo, int64_t hi, mst_ep_reduce kind) {
+    const int64_t a = (int64_t)ep->rank * q > lo ? (int64_t)ep->rank * q : lo;
+    const int64_t e = (int64_t)(ep->rank + 1) * q < hi ? (int64_t)(ep->rank + 1) * q : hi;
+    mst_ep_plane me = {.send = (void*)data, .block_bytes = (size_t)(ep->world * q) * mst_ep_reduce_size(kind),
+                       .row_bytes = (size_t)lo, .valid_stride = hi};
+    return reduce_part(ep, &me, a, e > a ? e - a : 0, kind, TAG_REDUCE_SCATTER, "mst_ep_reduce_scatter");
 }
 
 /* Each rank copies block j of rank j's buffer into its own block j; rank j

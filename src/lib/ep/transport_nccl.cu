@@ -334,9 +334,12 @@ static mst_status nccl_allreduce(mst_ep_t* ep, void* data, int64_t count, mst_ep
     return MST_OK;
 }
 
-/* ncclReduceScatter in place (the exact kinds): rank r's block r of data [W, count]. */
-static mst_status nccl_reduce_scatter(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind) {
-    if (float_sum(kind)) return mst_nccl_sum_reduce_scatter(ep, data, count, kind);
+/* ncclReduceScatter in place (the exact kinds, the whole of data [W, q]:
+ * collectives.c): rank r's block r. */
+static mst_status nccl_reduce_scatter(mst_ep_t* ep, void* data, int64_t q, int64_t lo, int64_t hi, mst_ep_reduce kind) {
+    if (float_sum(kind)) return mst_nccl_sum_reduce_scatter(ep, data, q, lo, hi, kind);
+    const int64_t count = q;
+    (void)lo, (void)hi;
     nccl_state* ns = (nccl_state*)ep->comm;
     const ncclRedOp_t op = kind == MST_EP_MAX_I32 || kind == MST_EP_MAX_F64 ? ncclMax : ncclSum;
     char* mine = (char*)data + (size_t)ep->rank * (size_t)count * mst_ep_reduce_size(kind);

@@ -52,7 +52,7 @@ static inline mst_status nccl_error(ncclResult_t r, const char* what, ncclComm_t
  * ranks' values in sum_order.h's order; the contracts of mst_ep_allreduce
  * and mst_ep_reduce_scatter (ep.h), the CPU twin's bits. ---- */
 mst_status mst_nccl_sum_allreduce(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind);
-mst_status mst_nccl_sum_reduce_scatter(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind);
+mst_status mst_nccl_sum_reduce_scatter(mst_ep_t* ep, void* data, int64_t q, int64_t lo, int64_t hi, mst_ep_reduce kind);
 /* Frees the staging (destroy). */
 void mst_nccl_sum_free(nccl_state* ns);
 

@@ -4,11 +4,12 @@
  * NCCL moving bytes only. NCCL's own reductions add in an order that
  * depends on its algorithm, channels and chunking, so on the transport: the
  * NVLink and the network runs of one grid drift apart (DESIGN 12.1). Here:
- *   reduce-scatter of data [W, count]: in buckets of c columns, block d's
- *     columns go to rank d (one group of ncclSend / ncclRecv), which takes
- *     the W - 1 others' into its staging [W, c] and adds the W values of
- *     each element in rank order (sum_order.h; its own from its block) into
- *     its block;
+ *   reduce-scatter of data [W, q] over a window [lo, hi) of its flat
+ *     elements (all of them: mst_ep_reduce_scatter): in buckets of c
+ *     columns, the window's part of block d goes to rank d (one group of
+ *     ncclSend / ncclRecv), which takes the W - 1 others' into its staging
+ *     [W, c] and adds the W values of each element in rank order
+ *     (sum_order.h; its own from its block) into its block;
  *   all-reduce of data [count]: buckets of m <= W c elements, each cut into
  *     W slices of ceil(m / W) (the last ones shorter or empty) reduce-
  *     scattered as above, then every rank's summed slice goes to every peer
@@ -42,17 +43,21 @@ __global__ void sum_ranks_kernel(T* mine, const T* stage, int64_t c, int64_t n, 
     }
 }
 
-/* A bucket: W blocks, block d at base + d stride (bytes) holding
- * block_len(d) = clamp(m - d c, 0, c) elements. */
+/* A bucket of a window: data [W, q] elements at base (block d at base +
+ * d q), the flat elements [lo, hi), columns [c0, c0 + cols) of each block:
+ * block d's part is [max(lo, d q + c0), min(hi, d q + min(c0 + cols, q)))
+ * (part() gives offset and length; empty: length 0). The staging holds the
+ * ranks' parts `rank` at row stride cols. */
 typedef struct bucket {
     char* base;
-    size_t stride;
-    int64_t c, m;
+    int64_t q, lo, hi, c0, cols;
 } bucket;
 
-static int64_t block_len(const bucket& b, int d) {
-    const int64_t l = b.m - (int64_t)d * b.c;
-    return l < 0 ? 0 : l < b.c ? l : b.c;
+static void part(const bucket& b, int d, int64_t* off, int64_t* len) {
+    const int64_t at = (int64_t)d * b.q, a = at + b.c0, e = at + (b.c0 + b.cols < b.q ? b.c0 + b.cols : b.q);
+    *off = a > b.lo ? a : b.lo;
+    const int64_t end = e < b.hi ? e : b.hi;
+    *len = end > *off ? end - *off : 0;
 }
 
 /* One group: with every peer d, a send of sn bytes from sp and a receive of
@@ -82,38 +87,40 @@ static mst_status group(mst_ep_t* ep, const char* what, F peer) {
     return MST_OK;
 }
 
-/* Block `rank` of b summed over the ranks in rank order, in place: every
- * peer's block `rank` into the staging, then the kernel. */
+/* This rank's part of b summed over the ranks in rank order, in place:
+ * every peer's part `rank` into the staging, then the kernel. */
 static mst_status scatter_sum(mst_ep_t* ep, const bucket& b, size_t es, mst_ep_reduce kind, const char* what) {
     nccl_state* ns = (nccl_state*)ep->comm;
     const int me = ep->rank;
-    const int64_t n = block_len(b, me);
+    int64_t at, n;
+    part(b, me, &at, &n);
     MST_TRY(group(ep, what, [&](int d, const void** sp, size_t* sn, void** rp, size_t* rn) {
-        *sp = b.base + (size_t)d * b.stride, *sn = (size_t)block_len(b, d) * es;
-        *rp = (char*)ns->stage + (size_t)d * (size_t)b.c * es, *rn = (size_t)n * es;
+        int64_t off, len;
+        part(b, d, &off, &len);
+        *sp = b.base + (size_t)off * es, *sn = (size_t)len * es;
+        *rp = (char*)ns->stage + (size_t)d * (size_t)b.cols * es, *rn = (size_t)n * es;
     }));
     if (n == 0) return MST_OK;
     const int64_t ctas = (n + SUM_THREADS - 1) / SUM_THREADS;
     const unsigned grid = (unsigned)(ctas < (int64_t)SUM_MAX_CTAS ? ctas : (int64_t)SUM_MAX_CTAS);
     cudaStream_t s = mst_cuda(ep->ctx)->stream;
-    char* mine = b.base + (size_t)me * b.stride;
+    char* mine = b.base + (size_t)at * es;
     if (kind == MST_EP_SUM_F32)
-        sum_ranks_kernel<float><<<grid, SUM_THREADS, 0, s>>>((float*)mine, (const float*)ns->stage, b.c, n, ep->world, me);
+        sum_ranks_kernel<float><<<grid, SUM_THREADS, 0, s>>>((float*)mine, (const float*)ns->stage, b.cols, n, ep->world, me);
     else
-        sum_ranks_kernel<double><<<grid, SUM_THREADS, 0, s>>>((double*)mine, (const double*)ns->stage, b.c, n, ep->world, me);
+        sum_ranks_kernel<double><<<grid, SUM_THREADS, 0, s>>>((double*)mine, (const double*)ns->stage, b.cols, n, ep->world, me);
     MST_CUDA_LAUNCHED();
     return MST_OK;
 }
 
-/* This rank's block of b to every peer, every peer's into its place: a
- * bucket of W full blocks (contiguous: stride c) by ncclAllGather in place,
- * else one group. Copies either way. */
+/* This rank's part of b to every peer, every peer's into its place: a
+ * bucket of W whole blocks (the window all of [W, q], one column bucket)
+ * by ncclAllGather in place, else one group. Copies either way. */
 static mst_status gather(mst_ep_t* ep, const bucket& b, size_t es) {
     const int me = ep->rank;
-    if (b.m == (int64_t)ep->world * b.c) {
+    if (b.lo == 0 && b.hi == (int64_t)ep->world * b.q && b.c0 == 0 && b.cols == b.q) {
         nccl_state* ns = (nccl_state*)ep->comm;
-        const size_t n = (size_t)b.c * es;
-        MST_ASSERT(b.stride == n);
+        const size_t n = (size_t)b.q * es;
         ncclResult_t r = ncclAllGather(b.base + (size_t)me * n, b.base, n, ncclChar, ns->comm, mst_cuda(ep->ctx)->stream);
         if (r != ncclSuccess) {
             ns->failed = 1;
@@ -123,8 +130,11 @@ static mst_status gather(mst_ep_t* ep, const bucket& b, size_t es) {
     }
     return group(ep, "mst_ep_allreduce (ncclSend/ncclRecv group: all-gather)",
                  [&](int d, const void** sp, size_t* sn, void** rp, size_t* rn) {
-                     *sp = b.base + (size_t)me * b.stride, *sn = (size_t)block_len(b, me) * es;
-                     *rp = b.base + (size_t)d * b.stride, *rn = (size_t)block_len(b, d) * es;
+                     int64_t at, n, off, len;
+                     part(b, me, &at, &n);
+                     part(b, d, &off, &len);
+                     *sp = b.base + (size_t)at * es, *sn = (size_t)n * es;
+                     *rp = b.base + (size_t)off * es, *rn = (size_t)len * es;
                  });
 }
 
@@ -159,16 +169,25 @@ static mst_status stage_cols(mst_ep_t* ep, int64_t want, size_t es, const char* 
     return MST_OK;
 }
 
-mst_status mst_nccl_sum_reduce_scatter(mst_ep_t* ep, void* data, int64_t count, mst_ep_reduce kind) {
-    if (ep->world == 1) return MST_OK; /* block 0 is the sum */
+/* 1 when some rank's part of b is not empty (the same answer on every rank). */
+static int any_part(const bucket& b, int W) {
+    for (int d = 0; d < W; d++) {
+        int64_t off, len;
+        part(b, d, &off, &len);
+        if (len > 0) return 1;
+    }
+    return 0;
+}
+
+mst_status mst_nccl_sum_reduce_scatter(mst_ep_t* ep, void* data, int64_t q, int64_t lo, int64_t hi, mst_ep_reduce kind) {
+    if (ep->world == 1 || hi <= lo) return MST_OK; /* one rank: its block is the sum */
     const char* what = "mst_ep_reduce_scatter (ncclSend/ncclRecv group)";
     const size_t es = mst_ep_reduce_size(kind);
     int64_t cols;
-    MST_TRY(stage_cols(ep, count, es, what, &cols));
-    for (int64_t o = 0; o < count; o += cols) {
-        const int64_t c = count - o < cols ? count - o : cols;
-        const bucket b = {(char*)data + (size_t)o * es, (size_t)count * es, c, (int64_t)ep->world * c};
-        MST_TRY(scatter_sum(ep, b, es, kind, what));
+    MST_TRY(stage_cols(ep, hi - lo < q ? hi - lo : q, es, what, &cols));
+    for (int64_t c0 = 0; c0 < q; c0 += cols) {
+        const bucket b = {(char*)data, q, lo, hi, c0, q - c0 < cols ? q - c0 : cols};
+        if (any_part(b, ep->world)) MST_TRY(scatter_sum(ep, b, es, kind, what));
     }
     return MST_OK;
 }
@@ -180,9 +199,9 @@ mst_status mst_nccl_sum_allreduce(mst_ep_t* ep, void* data, int64_t count, mst_e
     const int64_t W = ep->world;
     int64_t cols;
     MST_TRY(stage_cols(ep, (count + W - 1) / W, es, what, &cols));
-    for (int64_t o = 0; o < count; o += W * cols) {
+    for (int64_t o = 0; o < count; o += W * cols) { /* [o, o + m) as [W, c] slices, the last shorter or empty */
         const int64_t m = count - o < W * cols ? count - o : W * cols, c = (m + W - 1) / W;
-        const bucket b = {(char*)data + (size_t)o * es, (size_t)c * es, c, m};
+        const bucket b = {(char*)data + (size_t)o * es, c, 0, m, 0, c};
         MST_TRY(scatter_sum(ep, b, es, kind, what));
         MST_TRY(gather(ep, b, es));
     }

@@ -9,10 +9,13 @@
  * (the last backward entry of the chunk holding l: under --pp each stage's
  * own); at the end the rest of the two replicated runs (before the first
  * layer's matrices: embedding, head, MTP projection; after the last
- * layer's norms: the final norms) and the join. Every float sum adds the
- * ranks in rank order, element by element (ep.h), so the bits do not
- * depend on how the runs are cut or when a bucket runs: --overlap on and
- * off give the same bits.
+ * layer's norms: the final norms) and the join. Sharded (ZeRO-1) a
+ * bucket's part in a run's body is reduce-scattered as a window of the
+ * body (mst_ep_reduce_scatter_window: this rank's block gets the sums), its
+ * part in the run's tail all-reduced. Every float sum adds the ranks in
+ * rank order, element by element (ep.h), so the bits do not depend on how
+ * the runs are cut or when a bucket runs: --overlap on and off give the
+ * same bits, sharded or not.
  *
  * CUDA: a bucket's sums are enqueued on the stream of a communication
  * context after an event of the compute stream (fork) and run under the
@@ -28,11 +31,24 @@
 
 #include "overlap.h"
 
-/* [lo, hi) of main_grad summed over the ranks (on the communication
- * stream, CUDA). */
+/* [lo, hi) of main_grad (inside the replicated runs) summed over the ranks
+ * (on the communication stream, CUDA): all-reduced; sharded (ZeRO-1), its
+ * part in a run's body reduce-scattered as a window of the body (this
+ * rank's block gets the sums there, as mst_optim_share_grads'
+ * reduce-scatter gives them) and its part in the run's tail all-reduced. */
 static mst_status sum_range(mst_model* m, int64_t lo, int64_t hi) {
+    mst_ep_t* ep = m->ov->ep;
     if (hi <= lo) return MST_OK;
-    return mst_ep_allreduce(m->ov->ep, m->grad + lo, hi - lo, MST_EP_SUM_F32);
+    if (!m->opt_shard) return mst_ep_allreduce(ep, m->grad + lo, hi - lo, MST_EP_SUM_F32);
+    for (int u = 0; u < 2; u++) {
+        const mst_optim_run* x = &m->rep[u];
+        const int64_t body = x->lo + (int64_t)m->dist.world * x->q, end = x->lo + x->n;
+        const int64_t a = lo > x->lo ? lo : x->lo, b = hi < body ? hi : body;
+        if (b > a) MST_TRY(mst_ep_reduce_scatter_window(ep, m->grad + x->lo, x->q, a - x->lo, b - x->lo, MST_EP_SUM_F32));
+        const int64_t c = lo > body ? lo : body, d = hi < end ? hi : end;
+        if (d > c) MST_TRY(mst_ep_allreduce(ep, m->grad + c, d - c, MST_EP_SUM_F32));
+    }
+    return MST_OK;
 }
 
 /* The communication stream waits for the compute stream's work so far. */
@@ -120,7 +136,7 @@ mst_status mst_overlap_create(mst_model* m) {
     int32_t r, W;
     mst_ep_t* dp = mst_model_dp(m, &r, &W);
     m->ov = NULL;
-    if (!dp || W < 2 || m->opt_shard || m->mem_cfg.overlap_off) return MST_OK;
+    if (!dp || W < 2 || m->mem_cfg.overlap_off) return MST_OK;
     MST_TRY(check_tiling(m));
     m->ov = (mst_overlap*)calloc(1, sizeof *m->ov);
     if (!m->ov) return mst_set_error(MST_ERR_OOM, "--overlap state");

@@ -26,9 +26,10 @@ typedef struct mst_overlap {
                             the last join                                    */
 } mst_overlap;
 
-/* Sets m->ov for a model on W > 1 data-parallel ranks, unsharded, with
- * mem_cfg.overlap_off 0 (after the layout and the schedule); else leaves it
- * NULL. CUDA: collective over dist.ep (ncclCommSplit). */
+/* Sets m->ov for a model on W > 1 data-parallel ranks with
+ * mem_cfg.overlap_off 0 (after the layout, the optimizer's and the
+ * schedule); else leaves it NULL. CUDA: collective over dist.ep
+ * (ncclCommSplit). */
 mst_status mst_overlap_create(mst_model* m);
 void mst_overlap_destroy(mst_model* m);
 
@@ -40,7 +41,7 @@ mst_status mst_overlap_layer_done(mst_model* m, int32_t entry, int32_t chunk, in
 /* The step's replicated gradients summed (mst_step_share_grads' first
  * half): --overlap on, the rest of the runs (embedding, head, projection,
  * final norms) and the join of the communication stream; off, or one
- * rank, or sharded: mst_optim_share_grads. */
+ * rank: mst_optim_share_grads. */
 mst_status mst_overlap_finish(mst_model* m);
 
 #endif
