@@ -17,7 +17,15 @@
 #            bubble (P - 1) / (M + P - 1) on top of a stage's compute
 #            (target: within 10 %). The one-stage run also does the
 #            embedding, the head and the MTP module: an upper bound of a
-#            stage's compute, so the measured bubble is a lower bound.
+#            stage's compute, so the measured bubble is a lower bound;
+#   budget:  --memory-budget at --pp P, M 8, each stage planning its own
+#            layers and schedule: a budget halfway between the largest KEEP
+#            peak of the later stages and stage 0's (the planner's own
+#            predictions at a budget nothing binds, 1 TiB), so stage 0 (P
+#            microbatches in flight) should pick stash/offload/recompute and
+#            the last stage keep; each stage's plan, predicted and measured
+#            peak (max over its ranks) against the budget, the step time and
+#            losses against KEEP's.
 # usage: scripts/pp-train-check.sh MOESTASH
 set -uo pipefail
 bin=$1
@@ -73,5 +81,30 @@ ratio, ideal = ta / tb, (M + P - 1) / M
 print(f"bubble at --pp {P}, M {M}: step {ratio:.3f}x one stage's work alone (ideal 1F1B {ideal:.3f}x: bubble "
       f"{(P - 1) / (M + P - 1):.3f} of the step); measured/ideal {ratio / ideal:.3f} (target <= 1.10)")
 PY
+fi
+# ---- budget: --memory-budget at --pp P, each stage its own plan ----
+if [ -s "$tmp/keep.json" ] && run big --pp "$P" --gpus "$P" --microbatches 8 --steps 3 --log-every 3 --memory-budget 1TiB "${size[@]}"; then
+  budget=$(python3 -c "import json,sys; k=[x['plan']['keep_peak'] for x in json.load(open(sys.argv[1]))['stages']]; r=max(k[1:]); print((k[0] + r) // 2 if k[0] > r else 0)" "$tmp/big.json")
+  if [ "${budget:-0}" -le 0 ]; then
+    echo "budget at --pp $P: stage 0's KEEP peak is not the largest (no budget between the stages): skipped"
+  elif run budget --pp "$P" --gpus "$P" --microbatches 8 --steps 30 --log-every 30 --memory-budget "$budget" "${size[@]}"; then
+    python3 - "$tmp/keep.json" "$tmp/budget.json" "$P" <<'PY'
+import collections, json, statistics, sys
+k, d = (json.load(open(p)) for p in sys.argv[1:3])
+b = d["plan"]["budget"]
+tk, td = (statistics.median(x["tokens_per_s"][10:]) for x in (k, d))
+print(f"budget at --pp {sys.argv[3]}, M 8: --memory-budget {b / 2**30:.3f} GiB a rank; step time planned/KEEP {tk / td:.3f}; "
+      f"losses {'bit-identical to' if d['loss'] == k['loss'] else 'DIFFER from'} KEEP's; reruns {d['reruns']}")
+for t in d["stages"]:
+    p = t["plan"]
+    c = collections.Counter(v for n in p["policy"].values() for v in n)
+    within = "within" if t["backend_peak_max"] <= b else "OVER"
+    print(f"  stage {t['stage']} ({t['sets']} in flight, layers {p['layers'][0]}-{p['layers'][-1]}): "
+          + ", ".join(f"{v} {n}" for v, n in sorted(c.items())) + f" (granularity {p['granularity']}); peak predicted "
+          f"{p['predicted_peak'] / 2**30:.3f} GiB, measured {t['backend_peak_max'] / 2**30:.3f} GiB "
+          f"({100 * (p['predicted_peak'] - t['backend_peak_max']) / t['backend_peak_max']:+.1f} %), {within} the budget; "
+          f"KEEP predicted {p['keep_peak'] / 2**30:.3f} GiB")
+PY
+  fi
 fi
 exit $bad
