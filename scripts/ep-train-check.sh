@@ -88,7 +88,8 @@ print(f"policy on {sys.argv[3]} GPUs, {sys.argv[4]}, graphs on, median of steps 
       f"reruns {k['reruns']}/{s['reruns']}")
 c, a = k["config"], k["allreduce"]
 step_ms = 1e3 * c["batch"] * c["seq"] * c["microbatches"] * k["ranks"] / tk
-print(f"  all-reduce of the replicated gradients ({a['bytes'] / 2**20:.1f} MiB fp32, not overlapped): {a['ms']:.3f} ms "
+print(f"  all-reduce of the replicated gradients ({a['bytes'] / 2**20:.1f} MiB fp32, "
+      f"{'a layer at a time during the backward' if a.get('overlap') else 'after the backward'}): {a['ms']:.3f} ms "
       f"alone, {100 * a['ms'] / step_ms:.1f} % of a KEEP step ({step_ms:.2f} ms)")
 EOF
   rm -f "$tmp/keep.json" "$tmp/stash.json"
