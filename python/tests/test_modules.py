@@ -181,3 +181,53 @@ def test_forward_without_backward(device):
     manager.step_begin()
     with pytest.raises(RuntimeError, match="step_begin"):
         y.float().sum().backward()
+
+
+@pytest.mark.parametrize("policy", ["stash", "fc1_input=offload,act_input=stash:fp8,fc2_input=recompute,probs=stash"])
+def test_pools_sized_in_one_rerun(device, policy):
+    """A stack of layers sharing one manager: the first step overflows the
+    pools made for one layer's save, they grow to the step's need at once
+    (every save fills its max_rows here: the need is exact, no margin), the
+    rerun passes, later steps keep the same pools, and the bits are keep's."""
+    n_layers, page_rows = 5, 32  # R = 48 rows: 2 pages a save, 16 rows of the second unused
+    counts = torch.tensor([20, 0, 13, 15], dtype=torch.int32, device=device)  # sum R: every row a save's
+    x, _, p = inputs(device, 10)
+
+    def stack(policy, manager):
+        torch.manual_seed(0)
+        return [mt.GroupedMLP(E, H, H // 2, policy=policy, stash_manager=manager, device=device)
+                for _ in range(n_layers)]
+
+    def step(layers, manager):
+        xx = x.clone().requires_grad_()
+        for attempt in range(1, 4):
+            for m in layers:
+                m.zero_grad(set_to_none=True)
+            xx.grad = None
+            if manager:
+                manager.step_begin()
+            y = xx
+            for m in layers:
+                y = m(y, counts, p)
+            y.float().square().sum().backward()
+            if manager is None or manager.step_check():
+                return attempt, [y, xx.grad] + [q.grad for m in layers for q in m.parameters()]
+        raise AssertionError("three attempts and the pools still overflow")
+
+    _, want = step(stack("keep", None), None)
+    manager = mt.StashManager(page_rows=page_rows)
+    layers = stack(policy, manager)
+    attempts, got = step(layers, manager)
+    assert attempts == 2 and manager.overflows == 1
+    need = n_layers * -(-R // page_rows)
+    pools = dict(manager.pools)
+    assert pools and all(r["pages"] == need == r["peak_pages"] for r in manager.report()), manager.report()
+    for _ in range(2):
+        attempts, again = step(layers, manager)
+        assert attempts == 1 and manager.pools == pools and all(a is b for a, b in zip(manager.pools.values(),
+                                                                                        pools.values()))
+        for a, b in zip(got, again):
+            assert torch.equal(a, b)
+    if ":fp8" not in policy:
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), "a paged policy changed the bits of keep"

@@ -15,9 +15,15 @@ and the backward reads zeros. The training loop checks once per step:
             break                       # the step is good
         zero the gradients              # the pools overflowed and were grown: rerun the step
 
-On overflow the pools double; after a step that follows a growth the pools
-are sized to ceil(peak pages * factor) (as the C memory manager sizes them
-from its measuring step). A growth replaces the pools: a CUDA graph captured
+On overflow a pool grows to the pages its saves of that step could need at
+most (the manager counts, on the host, ceil(max_rows / page_rows) for every
+handle taken and not yet given back, and keeps the step's largest sum: the
+exact need when every save fills its max_rows, as a non-expert-parallel
+layer's does), so one rerun suffices; where that bound is not above the
+pool's pages (saves it did not see: a captured graph's), it doubles. After
+a step that follows a growth the pools are sized to ceil(peak pages *
+factor), at most that bound (as the C memory manager sizes them from its
+measuring step). A pool is made again only when its size changes. A growth replaces the pools: a CUDA graph captured
 with the old ones must be captured again (rerun the step eagerly first).
 
 Partial graphs (torch.cuda.make_graphed_callables over MoE blocks, the rest
@@ -90,6 +96,8 @@ class Pool:
         self.free = {}  # max_rows -> [handle]
         self.handles = []
         self.max_rows = 0  # the largest save asked for
+        self.live = 0  # pages the handles taken and not given back may hold: sum ceil(max_rows / page_rows)
+        self.demand = 0  # the largest live since the last step_begin (host-side bound of the step's peak)
         self.in_graph = False  # a capture used it: its copies stay on the current stream (its rings)
 
     @contextlib.contextmanager
@@ -118,6 +126,8 @@ class Pool:
             return _lib.lib.mst_pool_poll(self.ptr)
 
     def take(self, max_rows):
+        self.live += -(-max_rows // self.page_rows)
+        self.demand = max(self.demand, self.live)
         free = self.free.setdefault(max_rows, [])
         if free:
             return free.pop()
@@ -131,6 +141,7 @@ class Pool:
         return h
 
     def put(self, max_rows, handle):
+        self.live -= -(-max_rows // self.page_rows)
         self.free.setdefault(max_rows, []).append(handle)
 
     def stats(self):
@@ -292,6 +303,8 @@ class StashManager:
             for pool, handle, max_rows in record.handles.values():
                 pool.put(max_rows, handle)
         self.records.clear()
+        for pool in self.pools.values():
+            pool.demand = pool.live  # a captured graph's handles stay out: its replays save into them
 
     def overflowed(self, device):
         """int32 [n_pools] on `device`, nonzero where a pool overflowed this
@@ -308,7 +321,8 @@ class StashManager:
 
     def step_check(self):
         """Host: True when no pool overflowed this step. On overflow every
-        overflowed pool doubles (the step must be rerun: False)."""
+        overflowed pool grows to the step's bound of its pages, or doubles
+        where that bound is not larger (the step must be rerun: False)."""
         over = []
         self._join()
         for key, pool in self.pools.items():
@@ -319,24 +333,27 @@ class StashManager:
                 _lib.check(st, "mst_pool_poll")
         if over:
             self.overflows += 1
-            for key in over:  # at least one more largest save
+            for key in over:
                 pool = self.pools[key]
-                self._recreate(key, 2 * pool.pages + math.ceil(pool.max_rows / pool.page_rows))
+                grown = 2 * pool.pages + math.ceil(pool.max_rows / pool.page_rows)  # one more largest save
+                self._recreate(key, pool.demand if pool.demand > pool.pages else grown)
             self.resize = True
             return False
         if self.resize:
             for key, pool in list(self.pools.items()):
                 peak = pool.stats().total_peak
                 if peak > 0:  # a pool this step did not use keeps its size
-                    self._recreate(key, math.ceil(peak * self.factor))
+                    self._recreate(key, min(math.ceil(peak * self.factor), max(peak, pool.demand)))
             self.resize = False
         return True
 
     def _recreate(self, key, pages):
         old = self.pools[key]
+        if pages == old.pages:
+            return
         old.close()
         new = self.pools[key] = Pool(old.ctx, old.dtype, old.width, pages, old.page_rows, old.host)
-        new.max_rows = old.max_rows
+        new.max_rows, new.demand = old.max_rows, old.demand
 
     def report(self):
         """Per pool: name, policy, width, pages, pages in use at peak, bytes per page."""
