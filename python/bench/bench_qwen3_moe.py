@@ -8,23 +8,35 @@ run on one device.
 Variants: every experts implementation the installed transformers offers
 ("eager" and the keys of transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS:
 grouped_mm, batched_mm, ...; one that fails, e.g. out of memory or a
-kernel package missing, is listed with its error); moestash keep (every
-saved tensor kept); moestash stash (every saved tensor in device pages);
-moestash mix (fc1_input offloaded to pinned host pages, act_input and probs
-stashed in device pages, fc2_input recomputed: the memory saving mix of
-examples/torch_moe_layer.py).
+kernel package missing, is listed with its error; eager is skipped with
+--no-eager and --large); the model patched onto moestash under each policy
+of POLICIES: keep (every saved tensor kept), recompute (fc2_input
+recomputed), stash (every saved tensor in device pages: the same bytes as
+keep, in the library's pools), stash:fp8 (e4m3 pages), fp8+recompute, mix
+(fc1_input offloaded to pinned host pages, act_input and probs stashed,
+fc2_input recomputed: the mix of examples/torch_moe_layer.py) and offload
+(fc1_input and act_input offloaded, fc2_input recomputed: the least device
+memory). --variants picks some.
 
 Each variant: bf16 parameters, AdamW (lr 1e-4), --steps steps on the same
 random token batches (labels = inputs, the model shifts them), the
 load-balancing loss on (output_router_logits, router_aux_loss_coef 1e-3).
 Printed: mean step time over steps 2..N (each step synced), the speedup
 over transformers' fastest implementation that ran, the peak memory
-(torch.cuda.max_memory_allocated plus the library's own device memory) and
-its ratio to that implementation's, and the losses: first, last and the
+(torch.cuda.max_memory_allocated plus the library's own peak: an upper
+bound of their sum, the library's memory being pools and workspaces made in
+the first step and kept) and its ratio to that implementation's, and the losses: first, last and the
 largest relative difference from grouped_mm's over the steps (bf16 drift:
 both sides round differently and AdamW turns that into different updates).
 Targets (issue 30): step >= 1.3x faster than the fastest transformers
-implementation, peak memory with stash <= 0.8x.
+implementation, peak memory with stash <= 0.8x. Then (CUDA) the memory
+table: each variant's peak, the static part (weights + grads + AdamW state,
+allocated after step 1), the peak of each phase (forward, backward,
+optimizer), the bytes autograd saves for a backward (distinct device
+storages, parameters excluded: one extra step, untimed), the library's
+pool bytes (device | pinned host) and its peak, the attempts (steps +
+reruns); and what share of the fastest implementation's peak the experts'
+saved activations are (from the shapes), beside what 0.8x of it asks for.
 
 Under torchrun (WORLD_SIZE > 1, one GPU a rank, NCCL): expert parallelism.
 Rank 0 first trains the moestash model alone (--ep-policy, the same tokens
@@ -46,9 +58,12 @@ when $OUT is set). Offline: the model is made from a config in code
 
 The default model is about 1.4 B parameters (8 layers, hidden 2048, 32
 experts top-4 of width 768, GQA 16 / 4 heads of 128, vocabulary 32000) at
-8 x 1024 tokens a step; --small (or no CUDA device): a tiny one on the CPU.
+8 x 1024 tokens a step, 50 steps; --large: 16 x 2048 tokens a step, 30
+steps, no eager (about 3 min on an H200); --small (or no CUDA device): a
+tiny one on the CPU.
 
-usage: python3 python/bench/bench_qwen3_moe.py [--steps 50] [--small] [--json FILE]
+usage: python3 python/bench/bench_qwen3_moe.py [--steps 50] [--large | --small] [--variants a,b] [--no-eager]
+                                               [--json FILE]
        torchrun --standalone --nproc-per-node 4 python/bench/bench_qwen3_moe.py [--steps 20]
 """
 import argparse
@@ -66,7 +81,17 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 import moestash.torch as mt  # noqa: E402
 
 MIX = "fc1_input=offload,act_input=stash,fc2_input=recompute,probs=stash"
-POLICIES = {"keep": "keep", "stash": "stash", "mix": MIX}
+POLICIES = {  # name -> the policy of every block (moestash.torch.saver.parse_policy)
+    "keep": "keep",  # autograd keeps every saved tensor (the transformers implementations' way)
+    "recompute": "fc2_input=recompute",  # fc2_input recomputed from act_input in backward
+    "stash": "stash",  # every saved tensor in device pages: the same bytes as keep, in the library's pools
+    "stash:fp8": "stash:fp8",  # e4m3 pages with a scale per 128 values (probs: fp32 pages)
+    "fp8+recompute": "fc1_input=stash:fp8,act_input=stash:fp8,fc2_input=recompute,probs=stash",
+    "mix": MIX,
+    "offload": "fc1_input=offload,act_input=offload,fc2_input=recompute,probs=stash",  # the least device memory
+}
+PRESETS = {"default": {"batch": 8, "seq": 1024, "steps": 50},
+           "large": {"batch": 16, "seq": 2048, "steps": 30}}  # --large: 4x the default's tokens a step
 
 
 def implementations():
@@ -127,28 +152,101 @@ def replicated_grads_sum(model, group):
         at += g.numel()
 
 
+class Memory:
+    """torch's allocated bytes by phase of a step (forward, backward,
+    optimizer): the peak of each, through reset_peak_memory_stats between
+    them (the allocator's host-side counters: no sync, no effect on the
+    timing); nothing off CUDA."""
+
+    PHASES = ("forward", "backward", "optimizer")
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.peaks = dict.fromkeys(self.PHASES, 0)
+        self.static = 0  # bytes allocated after the first step: weights + grads + optimizer state
+
+    def start(self):
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def end(self, phase):
+        if self.cuda:
+            self.peaks[phase] = max(self.peaks[phase], torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak(self):
+        return max(self.peaks.values())
+
+
+def saved_bytes(model, ids, stash, device):
+    """Bytes of the distinct device storages autograd saves for the backward
+    of one step (the parameters excluded): a forward and backward under a
+    saved_tensors_hooks that counts them, outside the timed steps."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if t.device == device and st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    while True:
+        model.zero_grad(set_to_none=True)
+        if stash:
+            stash.step_begin()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if stash is None or stash.step_check():
+            break
+        seen.clear()
+    model.zero_grad(set_to_none=True)
+    return sum(seen.values())
+
+
+def pool_bytes(stash):
+    """(device, pinned host) bytes of the StashManager's pools: the saved
+    activations that live in the library's pages."""
+    dev = host = 0
+    for r in stash.report() if stash else ():
+        if r["policy"].startswith("offload"):
+            host += r["pages"] * r["page_bytes"]
+        else:
+            dev += r["pages"] * r["page_bytes"]
+    return dev, host
+
+
 def train(args, device, variant, data, ep=None):
-    """Losses per step, mean step ms over steps 2..N, peak bytes (torch's
-    and the library's, from a reset at the start). ep: expert-parallel
-    (each rank's loss / W, the replicated gradients summed; the mean loss
-    over the ranks is returned)."""
+    """The run of `variant`: losses per step, mean step ms over steps 2..N,
+    peak bytes (torch's max allocated plus the library's own peak, from a
+    reset at the start: an upper bound of their sum, the library's memory
+    being its pools and workspaces, made in the first step and kept) and the
+    memory breakdown (see Memory, saved_bytes, pool_bytes). ep:
+    expert-parallel (each rank's loss / W, the replicated gradients summed;
+    the mean loss over the ranks is returned)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         mt.reset_library_peak(device)
+    mem = Memory(device)
     model, stash = build(args, device, variant, ep, ep is not None and args.window)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     world = ep.world if ep else 1
-    losses, times = [], []
+    losses, times, attempts = [], [], 0
     for ids in data:
         sync(device)
         t0 = time.perf_counter()
         while True:  # a stash step whose pools overflowed is rerun (the pools grew)
+            attempts += 1
             opt.zero_grad(set_to_none=True)
             if stash:
                 stash.step_begin()
+            mem.start()
             loss = model(input_ids=ids, labels=ids).loss
+            mem.end("forward")
             (loss / world).backward()
+            mem.end("backward")
             if stash is None or stash.step_check():
                 break
         if ep:
@@ -160,21 +258,32 @@ def train(args, device, variant, data, ep=None):
             ep.group.allreduce([loss]).wait()
             loss /= world
         opt.step()
+        mem.end("optimizer")
         sync(device)
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
-    peak = 0
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() + mt.library_memory(device)[1]
+        if len(times) == 1 and mem.cuda:
+            mem.static = torch.cuda.memory_allocated()
+    out = {"losses": losses, "step_ms": 1e3 * sum(times[1:]) / max(len(times) - 1, 1), "peak_bytes": 0,
+           "attempts": attempts}
+    if mem.cuda:
+        lib_in_use, lib_peak = mt.library_memory(device)
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        out.update(peak_bytes=mem.peak() + lib_peak, torch_peak_bytes=mem.peak(), library_peak_bytes=lib_peak,
+                   library_bytes=lib_in_use, phase_peak_bytes=dict(mem.peaks), weights_bytes=params,
+                   grads_bytes=params, optimizer_bytes=mem.static - 2 * params, static_bytes=mem.static)
+    if not ep:
+        dev, host = pool_bytes(stash)
+        out.update(pool_bytes=dev, pool_host_bytes=host, saved_bytes=saved_bytes(model, data[0], stash, device))
     del model, opt, stash
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return losses, 1e3 * sum(times[1:]) / max(len(times) - 1, 1), peak
+    return out
 
 
 def parse():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--steps", type=int, default=None, help="training steps (default 50; --large: 30)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--moe-ffn", type=int, default=768)
@@ -184,8 +293,8 @@ def parse():
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=None, help="sequences a step (default 8; --large: 16)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens a sequence (default 1024; --large: 2048)")
     ap.add_argument("--ep-policy", default="keep", choices=sorted(POLICIES),
                     help="the moestash policy of the torchrun (expert-parallel) run")
     ap.add_argument("--capacity", type=float, default=2.0,
@@ -193,8 +302,24 @@ def parse():
     ap.add_argument("--window", action="store_true",
                     help="expert-parallel dispatch into the communicator's window rows (--ep-policy stash or mix)")
     ap.add_argument("--small", action="store_true", help="a tiny model on the CPU")
+    ap.add_argument("--large", action="store_true",
+                    help="16 x 2048 tokens a step (4x the default's: MoE activations and compute weigh more), "
+                         "30 steps, eager skipped; explicit --batch / --seq / --steps win")
+    ap.add_argument("--variants", help="comma-separated variants to run (default: all): transformers "
+                    f"implementations (eager, grouped_mm, ...) and moestash policies ({', '.join(POLICIES)})")
+    ap.add_argument("--no-eager", action="store_true",
+                    help="skip transformers' eager experts (about 4x slower than grouped_mm; off with --large)")
     ap.add_argument("--json", help="write the results here (default: under $OUT when it is set)")
     args = ap.parse_args()
+    for k, v in PRESETS["large" if args.large else "default"].items():
+        if getattr(args, k) is None:  # a flag given wins over the preset
+            setattr(args, k, v)
+    args.no_eager = args.no_eager or args.large
+    if args.variants:
+        unknown = set(args.variants.split(",")) - set(implementations()) - set(POLICIES)
+        if unknown:
+            ap.error(f"--variants: unknown {', '.join(sorted(unknown))} (transformers: {', '.join(implementations())};"
+                     f" moestash: {', '.join(POLICIES)})")
     if args.small or not torch.cuda.is_available():
         args.steps = min(args.steps, 5)
         args.layers, args.hidden, args.moe_ffn, args.experts, args.topk = 2, 64, 32, 8, 2
@@ -219,16 +344,68 @@ def write_json(args, name, payload):
         print(f"wrote {path}")
 
 
+def variants(args):
+    """The variants to run, in order: "hf:<implementation>", "moestash:<policy name>"."""
+    chosen = args.variants.split(",") if args.variants else None
+    hf = [i for i in implementations() if (chosen is None or i in chosen) and not (i == "eager" and args.no_eager
+                                                                                   and chosen is None)]
+    ours = [p for p in POLICIES if chosen is None or p in chosen]
+    return [f"hf:{i}" for i in hf] + [f"moestash:{p}" for p in ours]
+
+
+def experts_saved_bytes(args):
+    """What every layer's experts save under keep, from the shapes: fc1_input
+    [T k, H], act_input [T k, 2F], fc2_input [T k, F] bf16 and probs [T k]
+    fp32 (routing indices and the router's own tensors not counted)."""
+    rows = args.batch * args.seq * args.topk
+    return args.layers * rows * (2 * (args.hidden + 3 * args.moe_ffn) + 4)
+
+
+def gib(n):
+    return f"{n / 2 ** 30:.2f}"
+
+
+def print_memory(args, results, best):
+    """The peak's breakdown per variant, and what the 0.8x target asks for."""
+    print(f"\nmemory (GiB): peak = torch's max allocated + the library's peak (pools + workspaces, kept from the "
+          f"first step); static = weights + grads + optimizer state, allocated after step 1; saved = what autograd "
+          f"keeps for the backward (distinct device storages, parameters excluded); pages = the library's pools "
+          f"(device | pinned host); grads are freed before each forward (zero_grad set_to_none)")
+    print(f"{'variant':>22} | {'peak':>6} | {'static':>6} | {'peak-st':>7} | {'fwd pk':>6} | {'bwd pk':>6} | "
+          f"{'opt pk':>6} | {'saved':>6} | {'pages':>13} | {'lib':>5} | attempts")
+    for variant, r in results.items():
+        if "error" in r or "static_bytes" not in r:
+            continue
+        ph = r["phase_peak_bytes"]
+        print(f"{name_of(variant):>22} | {gib(r['peak_bytes']):>6} | {gib(r['static_bytes']):>6} | "
+              f"{gib(r['peak_bytes'] - r['static_bytes']):>7} | {gib(ph['forward']):>6} | {gib(ph['backward']):>6} | "
+              f"{gib(ph['optimizer']):>6} | {gib(r['saved_bytes']):>6} | "
+              f"{gib(r['pool_bytes']):>5} | {gib(r['pool_host_bytes']):>5} | {gib(r['library_peak_bytes']):>5} | "
+              f"{r['attempts']}")
+    b = results[best]
+    if "static_bytes" not in b:
+        return
+    moe = experts_saved_bytes(args)
+    print(f"{name_of(best)}: weights {gib(b['weights_bytes'])} + grads {gib(b['grads_bytes'])} + optimizer "
+          f"{gib(b['optimizer_bytes'])} = {gib(b['static_bytes'])} GiB static, {gib(b['peak_bytes'] - b['static_bytes'])}"
+          f" GiB above it at the peak; the experts' saved activations (keep, from the shapes): {gib(moe)} GiB = "
+          f"{100 * moe / b['peak_bytes']:.0f} % of its peak. 0.8x its peak is {gib(0.8 * b['peak_bytes'])} GiB: "
+          f"{gib(0.2 * b['peak_bytes'])} GiB less, {0.2 * b['peak_bytes'] / moe:.2f}x the experts' saved activations")
+
+
+def name_of(variant):
+    kind, what = variant.split(":", 1)
+    return what if kind == "hf" else "moestash " + what
+
+
 def one_device(args):
     device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
     data = batches(args, device)
     print(describe(args, device))
     results = {}
-    variants = [f"hf:{i}" for i in implementations()] + [f"moestash:{p}" for p in POLICIES]
-    for variant in variants:
+    for variant in variants(args):
         try:
-            losses, ms, peak = train(args, device, variant, data)
-            results[variant] = {"losses": losses, "step_ms": ms, "peak_bytes": peak}
+            results[variant] = train(args, device, variant, data)
         except Exception as e:  # noqa: BLE001 (out of memory, a kernel package missing: listed, the rest run)
             results[variant] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}
             if device.type == "cuda":
@@ -240,12 +417,12 @@ def one_device(args):
     best = min(ran, key=lambda v: ran[v]["step_ms"])
     base = results.get("hf:grouped_mm", ran[best])
     base = base if "error" not in base else ran[best]
-    print(f"{'variant':>16} | {'step ms':>8} | {'vs best':>7} | {'peak GiB':>8} | {'vs best':>7} | "
+    print(f"{'variant':>22} | {'step ms':>8} | {'vs best':>7} | {'peak GiB':>8} | {'vs best':>7} | "
           f"loss first -> last | max rel. diff vs grouped_mm")
     for variant, r in results.items():
-        name = variant.split(":")[1] if variant.startswith("hf:") else "moestash " + variant.split(":")[1]
+        name = name_of(variant)
         if "error" in r:
-            print(f"{name:>16} | failed: {r['error']}")
+            print(f"{name:>22} | failed: {r['error']}")
             continue
         diffs = [abs(a - b) / abs(b) for a, b in zip(r["losses"], base["losses"])]
         r["speedup_vs_best"] = ran[best]["step_ms"] / r["step_ms"]
@@ -253,10 +430,16 @@ def one_device(args):
         r["max_rel_loss_diff"] = max(diffs)
         peak = f"{r['peak_bytes'] / 2 ** 30:>8.2f} | {r['peak_vs_best']:>6.2f}x" if r["peak_vs_best"] else \
             f"{'-':>8} | {'-':>7}"
-        print(f"{name:>16} | {r['step_ms']:>8.1f} | {r['speedup_vs_best']:>6.2f}x | {peak} | "
+        print(f"{name:>22} | {r['step_ms']:>8.1f} | {r['speedup_vs_best']:>6.2f}x | {peak} | "
               f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} | {max(diffs):.2e}")
     print(f"best transformers implementation: {best.split(':')[1]}; targets: moestash >= 1.3x its step time, "
           "peak with stash <= 0.8x its peak")
+    if device.type == "cuda":
+        print_memory(args, results, best)
+    else:
+        print("saved bytes (autograd | pages device | host), CPU: " + "; ".join(
+            f"{name_of(v)} {r['saved_bytes']} | {r['pool_bytes']} | {r['pool_host_bytes']}"
+            for v, r in results.items() if "error" not in r))
     write_json(args, "bench_qwen3_moe.json",
                {"device": str(device), "shape": vars(args), "best": best, "results": results})
     return 0
@@ -277,14 +460,15 @@ def expert_parallel(args):
         print(describe(args, device, world))
     single = None
     if rank == 0:  # the same-run baseline: one GPU, the same tokens a step as each rank below
-        losses, ms, peak = train(args, device, variant, batches(args, device))
-        single = {"losses": losses, "step_ms": ms, "peak_bytes": peak, "tokens_per_s": tokens / ms * 1e3}
+        single = train(args, device, variant, batches(args, device))
+        single["tokens_per_s"] = tokens / single["step_ms"] * 1e3
     dist.barrier()
     rows = args.capacity * tokens * args.topk
     ep = mt.ExpertParallel(args.experts, args.topk, args.hidden, max_tokens=tokens, max_rows=int(rows),
                            pair_rows=int(rows / world) + 1, window_rows=int(rows) if args.window else 0,
                            device=device, group=group)
-    losses, ms, peak = train(args, device, variant, batches(args, device, seed=1 + rank), ep)
+    r = train(args, device, variant, batches(args, device, seed=1 + rank), ep)
+    losses, ms, peak = r["losses"], r["step_ms"], r["peak_bytes"]
     peaks = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world)]
     dist.all_gather(peaks, torch.tensor([float(peak)], dtype=torch.float64, device=device))
     steps = torch.tensor([ms], dtype=torch.float64, device=device)
