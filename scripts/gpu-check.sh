@@ -5,6 +5,8 @@
 # gpu-check-<what>.tar.gz when $OUT is set (the device tool returns at most 8
 # files); a short table is printed last.
 # usage: scripts/gpu-check.sh [tests|bench|python|all|ep] [bench names...]   (default: all)
+#        scripts/gpu-check.sh run COMMAND...   the build and environment above, then COMMAND
+#   (its output in run.log too), e.g. the multi-GPU scripts one at a time
 #   ep: expert parallelism on this machine's GPUs (needs >= 2): the EP tests
 #   over NCCL, the trainer on all GPUs (scripts/ep-train-check.sh), the
 #   pipeline grid (scripts/pp-train-check.sh) and
@@ -161,6 +163,11 @@ if [ "$what" = ep ]; then
   fi
 fi
 # ---- end of the expert parallelism section ---------------------------------
+
+if [ "$what" = run ]; then
+  "$@" 2>&1 | tee "$out/run.log"
+  summary+=("run $*: exit ${PIPESTATUS[0]}")
+fi
 
 echo "== summary"
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
