@@ -178,6 +178,77 @@ class Memory:
         return max(self.peaks.values())
 
 
+def forward_backward(model, stash, opt, ids, world=1, mem=None):
+    """One step's forward and backward (the loss / world's gradients), rerun
+    while the stash pools overflow (they grew): (loss, attempts)."""
+    mem = mem or Memory(torch.device("cpu"))
+    attempts = 0
+    while True:
+        attempts += 1
+        opt.zero_grad(set_to_none=True)
+        if stash:
+            stash.step_begin()
+        mem.start()
+        loss = model(input_ids=ids, labels=ids).loss
+        mem.end("forward")
+        (loss / world).backward()
+        mem.end("backward")
+        if stash is None or stash.step_check():
+            return loss, attempts
+
+
+_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def profile_steps(model, stash, opt, data, device):
+    """Whole training steps under torch.profiler (after the timed ones): per
+    step, the kernels launched and their GPU time, the host syncs (CUDA
+    runtime calls that wait: stream / device / event synchronize, blocking
+    cudaMemcpy), the .item() reads, the aten ops (nested ones counted), and
+    the ten kernels (CPU: aten ops) that took the most time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for ids in data:
+            forward_backward(model, stash, opt, ids)
+            opt.step()
+            sync(device)
+    n = len(data)
+    ev = prof.key_averages()
+
+    def own_us(e):  # the event's own time on its device (names differ across torch versions)
+        for a in (("self_device_time_total", "self_cuda_time_total") if cuda else ("self_cpu_time_total",)):
+            if getattr(e, a, None) is not None:
+                return getattr(e, a)
+        return 0
+
+    timed = [e for e in ev if e.device_type == DeviceType.CUDA] if cuda else \
+        [e for e in ev if e.key.startswith("aten::")]
+    top = sorted(timed, key=own_us, reverse=True)[:10]
+    return {"steps": n,
+            "kernels_per_step": sum(e.count for e in timed) / n if cuda else None,
+            "gpu_ms_per_step": sum(own_us(e) for e in timed) / n / 1e3 if cuda else None,
+            "host_syncs_per_step": sum(e.count for e in ev if e.key in _SYNCS) / n,
+            "items_per_step": sum(e.count for e in ev if e.key == "aten::item") / n,
+            "aten_ops_per_step": sum(e.count for e in ev if e.key.startswith("aten::")) / n,
+            "top": [(e.key[:90], own_us(e) / n / 1e3, e.count / n) for e in top]}
+
+
+def print_profiles(results):
+    for variant, r in results.items():
+        p = r.get("profile")
+        if not p:
+            continue
+        k = f"{p['kernels_per_step']:.0f} kernels, {p['gpu_ms_per_step']:.1f} ms of GPU time, " \
+            if p["kernels_per_step"] is not None else ""
+        print(f"\nprofile of {name_of(variant)} ({p['steps']} steps), per step: {k}{p['host_syncs_per_step']:.0f} host "
+              f"syncs, {p['items_per_step']:.0f} .item(), {p['aten_ops_per_step']:.0f} aten ops; the most time:")
+        for name, ms, count in p["top"]:
+            print(f"  {ms:>8.2f} ms {count:>6.0f}x  {name}")
+
+
 def saved_bytes(model, ids, stash, device):
     """Bytes of the distinct device storages autograd saves for the backward
     of one step (the parameters excluded): a forward and backward under a
@@ -237,18 +308,8 @@ def train(args, device, variant, data, ep=None):
     for ids in data:
         sync(device)
         t0 = time.perf_counter()
-        while True:  # a stash step whose pools overflowed is rerun (the pools grew)
-            attempts += 1
-            opt.zero_grad(set_to_none=True)
-            if stash:
-                stash.step_begin()
-            mem.start()
-            loss = model(input_ids=ids, labels=ids).loss
-            mem.end("forward")
-            (loss / world).backward()
-            mem.end("backward")
-            if stash is None or stash.step_check():
-                break
+        loss, n = forward_backward(model, stash, opt, ids, world, mem)
+        attempts += n
         if ep:
             if not ep.check():
                 raise SystemExit(f"bench: an expert-parallel budget was passed (rank {ep.rank}): rerun with a "
@@ -275,6 +336,8 @@ def train(args, device, variant, data, ep=None):
     if not ep:
         dev, host = pool_bytes(stash)
         out.update(pool_bytes=dev, pool_host_bytes=host, saved_bytes=saved_bytes(model, data[0], stash, device))
+    if variant.split(":", 1)[1] in args.profile:
+        out["profile"] = profile_steps(model, stash, opt, data[-3:], device)
     del model, opt, stash
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -307,6 +370,9 @@ def parse():
                          "30 steps, eager skipped; explicit --batch / --seq / --steps win")
     ap.add_argument("--variants", help="comma-separated variants to run (default: all): transformers "
                     f"implementations (eager, grouped_mm, ...) and moestash policies ({', '.join(POLICIES)})")
+    ap.add_argument("--profile", default="",
+                    help="comma-separated variants to profile: 3 more steps each under torch.profiler (kernels, "
+                         "GPU time, host syncs, .item(), top kernels per step), after the timed ones")
     ap.add_argument("--no-eager", action="store_true",
                     help="skip transformers' eager experts (about 4x slower than grouped_mm; off with --large)")
     ap.add_argument("--json", help="write the results here (default: under $OUT when it is set)")
@@ -315,6 +381,7 @@ def parse():
         if getattr(args, k) is None:  # a flag given wins over the preset
             setattr(args, k, v)
     args.no_eager = args.no_eager or args.large
+    args.profile = [v for v in args.profile.split(",") if v]
     if args.variants:
         unknown = set(args.variants.split(",")) - set(implementations()) - set(POLICIES)
         if unknown:
@@ -440,6 +507,7 @@ def one_device(args):
         print("saved bytes (autograd | pages device | host), CPU: " + "; ".join(
             f"{name_of(v)} {r['saved_bytes']} | {r['pool_bytes']} | {r['pool_host_bytes']}"
             for v, r in results.items() if "error" not in r))
+    print_profiles(results)
     write_json(args, "bench_qwen3_moe.json",
                {"device": str(device), "shape": vars(args), "best": best, "results": results})
     return 0
