@@ -338,6 +338,8 @@ def train(args, device, variant, data, ep=None):
         out.update(pool_bytes=dev, pool_host_bytes=host, saved_bytes=saved_bytes(model, data[0], stash, device))
     if variant.split(":", 1)[1] in args.profile:
         out["profile"] = profile_steps(model, stash, opt, data[-3:], device)
+    if stash:  # its pools are the library's memory, kept while the manager lives (Binding.registry holds it)
+        stash.close()
     del model, opt, stash
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -411,6 +413,20 @@ def write_json(args, name, payload):
         print(f"wrote {path}")
 
 
+def fresh_context(device):
+    """Closes the library's shared context of `device` (made again on first
+    use): the MLP workspaces an earlier variant sized (a recompute's z among
+    them) are not counted in the next one's library memory. The earlier
+    variant's model and StashManager are gone by then."""
+    from moestash.torch import _core
+    if device.type == "cuda":
+        ctx = _core._contexts.pop(_core._canonical(device), None)
+    else:
+        ctx, _core._cpu.ctx = getattr(_core._cpu, "ctx", None), None
+    if ctx is not None:
+        ctx.close()
+
+
 def variants(args):
     """The variants to run, in order: "hf:<implementation>", "moestash:<policy name>"."""
     chosen = args.variants.split(",") if args.variants else None
@@ -471,6 +487,7 @@ def one_device(args):
     print(describe(args, device))
     results = {}
     for variant in variants(args):
+        fresh_context(device)
         try:
             results[variant] = train(args, device, variant, data)
         except Exception as e:  # noqa: BLE001 (out of memory, a kernel package missing: listed, the rest run)

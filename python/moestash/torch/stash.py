@@ -161,7 +161,10 @@ class Pool:
 class StashManager:
     """The pools of the stash / offload policies (see the module doc).
     initial_rows: rows each pool holds before the first growth (default:
-    the max_rows of the first save); factor: pages over the measured peak."""
+    the max_rows of the first save); factor: pages over the measured peak.
+    close() frees the pools (device and pinned host pages): dropping the
+    manager does not, the Bindings that name it keep it alive
+    (Binding.registry)."""
 
     def __init__(self, page_rows=64, factor=1.10, initial_rows=None, offload_stream=False):
         self.page_rows, self.factor, self.initial_rows = page_rows, factor, initial_rows
