@@ -10,13 +10,15 @@ Variants: every experts implementation the installed transformers offers
 grouped_mm, batched_mm, ...; one that fails, e.g. out of memory or a
 kernel package missing, is listed with its error; eager is skipped with
 --no-eager and --large); the model patched onto moestash under each policy
-of POLICIES: keep (every saved tensor kept), recompute (fc2_input
-recomputed), stash (every saved tensor in device pages: the same bytes as
-keep, in the library's pools), stash:fp8 (e4m3 pages), fp8+recompute, mix
-(fc1_input offloaded to pinned host pages, act_input and probs stashed,
-fc2_input recomputed: the mix of examples/torch_moe_layer.py) and offload
-(fc1_input and act_input offloaded, fc2_input recomputed: the least device
-memory). --variants picks some.
+of POLICIES: keep (every saved tensor kept), stash (every saved tensor in
+device pages: the same bytes as keep, in the library's pools), stash:fp8
+(e4m3 pages), fp8+recompute (fc2_input recomputed), mix (fc1_input
+offloaded to pinned host pages, act_input and probs stashed, fc2_input
+recomputed: the mix of examples/torch_moe_layer.py), offload (fc1_input and
+act_input offloaded), and with fc1_input regathered (not saved: gathered
+again from the block's input in the backward, patch_qwen3_moe(regather=True))
+regather (the rest kept), regather+fp8 and regather+offload (act_input fp8
+pages or offloaded, fc2_input recomputed). --variants picks some.
 
 Each variant: bf16 parameters, AdamW (lr 1e-4), --steps steps on the same
 random token batches (labels = inputs, the model shifts them), the
@@ -58,8 +60,8 @@ when $OUT is set). Offline: the model is made from a config in code
 
 The default model is about 1.4 B parameters (8 layers, hidden 2048, 32
 experts top-4 of width 768, GQA 16 / 4 heads of 128, vocabulary 32000) at
-8 x 1024 tokens a step, 50 steps; --large: 16 x 2048 tokens a step, 30
-steps, no eager (about 3 min on an H200); --small (or no CUDA device): a
+8 x 1024 tokens a step, 50 steps; --large: 16 x 2048 tokens a step, 25
+steps, no eager (about 3 min on an H200, estimated); --small (or no CUDA device): a
 tiny one on the CPU.
 
 usage: python3 python/bench/bench_qwen3_moe.py [--steps 50] [--large | --small] [--variants a,b] [--no-eager]
@@ -83,15 +85,19 @@ import moestash.torch as mt  # noqa: E402
 MIX = "fc1_input=offload,act_input=stash,fc2_input=recompute,probs=stash"
 POLICIES = {  # name -> the policy of every block (moestash.torch.saver.parse_policy)
     "keep": "keep",  # autograd keeps every saved tensor (the transformers implementations' way)
-    "recompute": "fc2_input=recompute",  # fc2_input recomputed from act_input in backward
     "stash": "stash",  # every saved tensor in device pages: the same bytes as keep, in the library's pools
     "stash:fp8": "stash:fp8",  # e4m3 pages with a scale per 128 values (probs: fp32 pages)
     "fp8+recompute": "fc1_input=stash:fp8,act_input=stash:fp8,fc2_input=recompute,probs=stash",
     "mix": MIX,
-    "offload": "fc1_input=offload,act_input=offload,fc2_input=recompute,probs=stash",  # the least device memory
+    "offload": "fc1_input=offload,act_input=offload,fc2_input=recompute,probs=stash",
+    # fc1_input kept but regathered (patch_qwen3_moe(regather=True)): not saved, gathered again in backward
+    "regather": "keep",
+    "regather+fp8": "act_input=stash:fp8,fc2_input=recompute,probs=stash",
+    "regather+offload": "act_input=offload,fc2_input=recompute,probs=stash",  # the least device memory
 }
+REGATHER = {"regather", "regather+fp8", "regather+offload"}
 PRESETS = {"default": {"batch": 8, "seq": 1024, "steps": 50},
-           "large": {"batch": 16, "seq": 2048, "steps": 30}}  # --large: 4x the default's tokens a step
+           "large": {"batch": 16, "seq": 2048, "steps": 25}}  # --large: 4x the default's tokens a step
 
 
 def implementations():
@@ -124,9 +130,9 @@ def build(args, device, variant, ep=None, window=False):
     if kind == "hf":
         model.set_experts_implementation(what)
     else:
-        what = POLICIES.get(what, what)
+        regather, what = what in REGATHER, POLICIES.get(what, what)
         stash = mt.StashManager() if what != "keep" else None
-        mt.patch_qwen3_moe(model, policy=what, stash=stash, ep=ep, window=window)
+        mt.patch_qwen3_moe(model, policy=what, stash=stash, ep=ep, window=window, regather=regather)
     return model, stash
 
 
@@ -352,7 +358,7 @@ def train(args, device, variant, data, ep=None):
 
 def parse():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=None, help="training steps (default 50; --large: 30)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps (default 50; --large: 25)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--moe-ffn", type=int, default=768)
@@ -364,7 +370,7 @@ def parse():
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--batch", type=int, default=None, help="sequences a step (default 8; --large: 16)")
     ap.add_argument("--seq", type=int, default=None, help="tokens a sequence (default 1024; --large: 2048)")
-    ap.add_argument("--ep-policy", default="keep", choices=sorted(POLICIES),
+    ap.add_argument("--ep-policy", default="keep", choices=sorted(set(POLICIES) - REGATHER),
                     help="the moestash policy of the torchrun (expert-parallel) run")
     ap.add_argument("--capacity", type=float, default=2.0,
                     help="expert-parallel budgets over the mean rows a rank receives / sends a rank")
@@ -373,7 +379,7 @@ def parse():
     ap.add_argument("--small", action="store_true", help="a tiny model on the CPU")
     ap.add_argument("--large", action="store_true",
                     help="16 x 2048 tokens a step (4x the default's: MoE activations and compute weigh more), "
-                         "30 steps, eager skipped; explicit --batch / --seq / --steps win")
+                         "25 steps, eager skipped; explicit --batch / --seq / --steps win")
     ap.add_argument("--variants", help="comma-separated variants to run (default: all): transformers "
                     f"implementations (eager, grouped_mm, ...) and moestash policies ({', '.join(POLICIES)})")
     ap.add_argument("--profile", default="",
@@ -458,13 +464,13 @@ def print_memory(args, results, best):
           f"first step); static = weights + grads + optimizer state, allocated after step 1; saved = what autograd "
           f"keeps for the backward (distinct device storages, parameters excluded); pages = the library's pools "
           f"(device | pinned host); grads are freed before each forward (zero_grad set_to_none)")
-    print(f"{'variant':>22} | {'peak':>6} | {'static':>6} | {'peak-st':>7} | {'fwd pk':>6} | {'bwd pk':>6} | "
+    print(f"{'variant':>26} | {'peak':>6} | {'static':>6} | {'peak-st':>7} | {'fwd pk':>6} | {'bwd pk':>6} | "
           f"{'opt pk':>6} | {'saved':>6} | {'pages':>13} | {'lib':>5} | attempts")
     for variant, r in results.items():
         if "error" in r or "static_bytes" not in r:
             continue
         ph = r["phase_peak_bytes"]
-        print(f"{name_of(variant):>22} | {gib(r['peak_bytes']):>6} | {gib(r['static_bytes']):>6} | "
+        print(f"{name_of(variant):>26} | {gib(r['peak_bytes']):>6} | {gib(r['static_bytes']):>6} | "
               f"{gib(r['peak_bytes'] - r['static_bytes']):>7} | {gib(ph['forward']):>6} | {gib(ph['backward']):>6} | "
               f"{gib(ph['optimizer']):>6} | {gib(r['saved_bytes']):>6} | "
               f"{gib(r['pool_bytes']):>5} | {gib(r['pool_host_bytes']):>5} | {gib(r['library_peak_bytes']):>5} | "
@@ -475,7 +481,8 @@ def print_memory(args, results, best):
     moe = experts_saved_bytes(args)
     above = b["peak_bytes"] - b["static_bytes"]
     print(f"{name_of(best)}: weights {gib(b['weights_bytes'])} + grads {gib(b['grads_bytes'])} + optimizer "
-          f"{gib(b['optimizer_bytes'])} = {gib(b['static_bytes'])} GiB static, {gib(above)} GiB above it at the peak; the experts' saved activations (keep, from the shapes): {gib(moe)} GiB = "
+          f"{gib(b['optimizer_bytes'])} = {gib(b['static_bytes'])} GiB static, {gib(above)} GiB above it at the peak; "
+          f"the experts' saved activations (keep, from the shapes): {gib(moe)} GiB = "
           f"{100 * moe / b['peak_bytes']:.0f} % of its peak. 0.8x its peak is {gib(0.8 * b['peak_bytes'])} GiB: "
           f"{gib(0.2 * b['peak_bytes'])} GiB less, {0.2 * b['peak_bytes'] / moe:.2f}x the experts' saved activations")
 
@@ -505,12 +512,12 @@ def one_device(args):
     best = min(ran, key=lambda v: ran[v]["step_ms"])
     base = results.get("hf:grouped_mm", ran[best])
     base = base if "error" not in base else ran[best]
-    print(f"{'variant':>22} | {'step ms':>8} | {'vs best':>7} | {'peak GiB':>8} | {'vs best':>7} | "
+    print(f"{'variant':>26} | {'step ms':>8} | {'vs best':>7} | {'peak GiB':>8} | {'vs best':>7} | "
           f"loss first -> last | max rel. diff vs grouped_mm")
     for variant, r in results.items():
         name = name_of(variant)
         if "error" in r:
-            print(f"{name:>22} | failed: {r['error']}")
+            print(f"{name:>26} | failed: {r['error']}")
             continue
         diffs = [abs(a - b) / abs(b) for a, b in zip(r["losses"], base["losses"])]
         r["speedup_vs_best"] = ran[best]["step_ms"] / r["step_ms"]
@@ -518,7 +525,7 @@ def one_device(args):
         r["max_rel_loss_diff"] = max(diffs)
         peak = f"{r['peak_bytes'] / 2 ** 30:>8.2f} | {r['peak_vs_best']:>6.2f}x" if r["peak_vs_best"] else \
             f"{'-':>8} | {'-':>7}"
-        print(f"{name:>22} | {r['step_ms']:>8.1f} | {r['speedup_vs_best']:>6.2f}x | {peak} | "
+        print(f"{name:>26} | {r['step_ms']:>8.1f} | {r['speedup_vs_best']:>6.2f}x | {peak} | "
               f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} | {max(diffs):.2e}")
     print(f"best transformers implementation: {best.split(':')[1]}; targets: moestash >= 1.3x its step time, "
           "peak with stash <= 0.8x its peak")

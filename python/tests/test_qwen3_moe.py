@@ -164,6 +164,53 @@ def test_policies_change_no_bit(device, policy, paged):
     assert {r["name"] for r in stash.report()} == paged
 
 
+def _saved_storages(model, ids, mask):
+    """{storage address: bytes} of what autograd saves in one step, the
+    parameters excluded; and the step's outputs and gradients."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run(model, ids, mask)
+    return seen, out
+
+
+@pytest.mark.parametrize("policy", ["keep", "act_input=stash:fp8,fc2_input=recompute,probs=stash"])
+def test_regather_changes_no_bit_and_saves_no_rows(device, policy):
+    """regather=True: the kept fc1_input rows (T k x H a layer) are not
+    saved, the backward gathers them again: the bits of keep's step, and
+    autograd holds exactly those rows' bytes less."""
+    base = make_model(torch.bfloat16, True, device)
+    model = copy.deepcopy(base)
+    stash = mt.StashManager(page_rows=16)
+    mt.patch_qwen3_moe(base, policy=policy, stash=stash)
+    mt.patch_qwen3_moe(model, policy=policy, stash=stash, regather=True)
+    ids, mask = batch(0, device)
+    for _ in range(3):  # the first steps grow the pools: rerun
+        stash.step_begin()
+        (want, wg), (got, gg) = run(base, ids, mask), run(model, ids, mask)
+        if stash.step_check():
+            break
+    saved = []
+    for m in (base, model):
+        stash.step_begin()
+        saved.append(_saved_storages(m, ids, mask)[0])
+        assert stash.step_check()
+    assert torch.equal(got.logits, want.logits) and torch.equal(got.loss, want.loss)
+    for n, g in wg.items():
+        assert torch.equal(gg[n], g), n
+    rows = 2 * ids.numel() * K * 64 * 2  # two MoE layers of T k rows of H bf16
+    assert sum(saved[0].values()) - sum(saved[1].values()) == rows
+    with pytest.raises(ValueError, match="fc1_input kept"):
+        mt.patch_qwen3_moe(make_model(torch.bfloat16, True, device), policy="stash", stash=stash,
+                           regather=True)[0](torch.randn(1, 4, 64, device=device, dtype=torch.bfloat16))
+
+
 def test_router_logits_recorded_when_patched_after_first_use():
     """transformers installs its output recorders on the first forward that
     asks for them: a model patched after that keeps recording its router

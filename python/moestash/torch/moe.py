@@ -27,7 +27,16 @@ window=True dispatches into the communicator's window rows, valid until its
 next dispatch: the binding must then stash or offload fc1_input (the pages
 copy the rows for the backward; keep would hold the window), and the row
 weights are copied (R fp32) for the same reason.
+
+regather=True (one device, fc1_input kept): the grouped MLP's fc1_input,
+the T k expert-major rows gathered from x, is not saved for the backward;
+the backward gathers them again from x (which the router's linear saves
+anyway) and the row indices (which the gather's backward saves): T k x H
+bf16 less a layer until its backward (k x the layer's input), one gather
+more in the backward, the same bits (a gather is exact).
 """
+import contextlib
+
 import torch
 
 from .ops import DEFAULT, grouped_mlp
@@ -45,19 +54,62 @@ def expert_order(top_k_index, num_experts):
 
 
 def routed_experts(x, top_k_index, top_k_weights, w1, w2, binding=None, activation="swiglu", ep=None,
-                   window=False):
+                   window=False, regather=False):
     """The combined experts' output [T, H] in x's dtype (see the module doc)."""
+    if regather and (ep is not None or not (binding or DEFAULT).saver.kept(FC1_INPUT)):
+        raise ValueError("routed_experts: regather=True needs one device (ep None) and fc1_input kept (it "
+                         "gathers the kept rows again in the backward instead of saving them)")
     if ep is not None:
         return _routed_experts_ep(x, top_k_index, top_k_weights, w1, w2, binding, activation, ep, window)
     T, H = x.shape
     k = top_k_index.shape[-1]
     order, counts = expert_order(top_k_index, w1.shape[0])
     bf = torch.bfloat16
-    rows = x.to(bf)[order // k]  # [T k, H] expert-major
+    src, index = x.to(bf), order // k  # [T, H], int64 [T k]: the token of each expert-major row
+    rows = src[index]  # [T k, H] expert-major
     probs = top_k_weights.reshape(-1)[order].float()  # [T k] fp32
-    y = grouped_mlp(rows, w1.to(bf), w2.to(bf), counts, probs, activation, binding=binding)  # [T k, H]
+    with _regathered(rows, src, index) if regather else contextlib.nullcontext():
+        y = grouped_mlp(rows, w1.to(bf), w2.to(bf), counts, probs, activation, binding=binding)  # [T k, H]
     slots = y.new_empty(y.shape).index_copy(0, order, y)  # [T k, H] in (token, choice) order
     return slots.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+class _Gather:
+    """What autograd holds instead of the rows src[index]: the gather's inputs."""
+
+    def __init__(self, src, index):
+        self.src, self.index = src, index  # [T, H] bf16, int64 [T k]
+
+
+class _Outer:
+    """A tensor packed by the saved-tensor hooks that were on before ours."""
+
+    def __init__(self, packed):
+        self.packed = packed
+
+
+def _regathered(rows, src, index):
+    """Saved-tensor hooks under which a save of `rows` (src[index]) holds
+    the gather's inputs instead, and its unpack gathers again; every other
+    saved tensor goes to the hooks that were on before (a caller's
+    torch.autograd.graph.saved_tensors_hooks: save_on_cpu, a checkpoint, a
+    counter), as without ours. The pack hook knows rows by its address and
+    shape only (holding rows would keep it)."""
+    ptr, shape = rows.data_ptr(), rows.shape
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    outer = top(False) if top is not None else None  # (pack, unpack) or None
+
+    def pack(t):
+        if t.data_ptr() == ptr and t.shape == shape:
+            return _Gather(src, index)
+        return _Outer(outer[0](t)) if outer else t
+
+    def unpack(saved):
+        if isinstance(saved, _Gather):
+            return saved.src[saved.index]
+        return outer[1](saved.packed) if isinstance(saved, _Outer) else saved
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def _routed_experts_ep(x, top_k_index, top_k_weights, w1, w2, binding, activation, ep, window):

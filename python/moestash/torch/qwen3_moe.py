@@ -39,12 +39,12 @@ class Qwen3MoeBlock(torch.nn.Module):
     """Qwen3MoeSparseMoeBlock's forward on moestash, over that block's own
     router and experts (see the module doc)."""
 
-    def __init__(self, block, policy="keep", stash=None, ep=None, window=False):
+    def __init__(self, block, policy="keep", stash=None, ep=None, window=False, regather=False):
         super().__init__()
         _check_experts(block.experts)
         self.gate, self.experts = block.gate, block.experts
         self.binding = Binding(policy, stash)
-        self.ep, self.window = ep, window
+        self.ep, self.window, self.regather = ep, window, regather
         if ep is not None:
             _shard_experts(self.experts, ep)
 
@@ -54,7 +54,7 @@ class Qwen3MoeBlock(torch.nn.Module):
         x = hidden_states.reshape(-1, shape[-1])  # [T, H]
         _, weights, index = self.gate(x)  # [T, k] each, transformers' routing
         y = routed_experts(x, index, weights, self.experts.gate_up_proj, self.experts.down_proj, self.binding,
-                           ep=self.ep, window=self.window)
+                           ep=self.ep, window=self.window, regather=self.regather)
         return y.view(shape)
 
 
@@ -87,12 +87,14 @@ def _shard_experts(experts, ep):
     experts.num_experts = ep.n_local
 
 
-def patch_qwen3_moe(model, policy="keep", stash=None, ep=None, window=False):
+def patch_qwen3_moe(model, policy="keep", stash=None, ep=None, window=False, regather=False):
     """Replaces every Qwen3MoeSparseMoeBlock under `model` (a
     Qwen3MoeForCausalLM, Qwen3MoeModel, ...) by a Qwen3MoeBlock on the same
     parameters; policy and stash as moestash.torch.GroupedMLP's (policy,
     stash_manager), one Binding per block; ep, window: expert-parallel over
-    that communicator (see the module doc). Returns the new blocks, in the
+    that communicator (see the module doc); regather: a kept fc1_input is
+    gathered again from the block's input in the backward instead of saved
+    (moestash.torch.moe.routed_experts). Returns the new blocks, in the
     model's order; raises ValueError when there is none to replace."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
@@ -103,7 +105,7 @@ def patch_qwen3_moe(model, policy="keep", stash=None, ep=None, window=False):
                          "(already patched, or not a Qwen3-MoE model)")
     blocks = []
     for parent, name, child in targets:
-        block = Qwen3MoeBlock(child, policy, stash, ep, window)
+        block = Qwen3MoeBlock(child, policy, stash, ep, window, regather)
         setattr(parent, name, block)
         blocks.append(block)
     return blocks
