@@ -60,7 +60,7 @@ when $OUT is set). Offline: the model is made from a config in code
 
 The default model is about 1.4 B parameters (8 layers, hidden 2048, 32
 experts top-4 of width 768, GQA 16 / 4 heads of 128, vocabulary 32000) at
-8 x 1024 tokens a step, 50 steps; --large: 16 x 2048 tokens a step, 25
+8 x 1024 tokens a step, 50 steps; --large: 16 x 2048 tokens a step, 20
 steps, no eager (about 3 min on an H200, estimated); --small (or no CUDA device): a
 tiny one on the CPU.
 
@@ -97,7 +97,7 @@ POLICIES = {  # name -> the policy of every block (moestash.torch.saver.parse_po
 }
 REGATHER = {"regather", "regather+fp8", "regather+offload"}
 PRESETS = {"default": {"batch": 8, "seq": 1024, "steps": 50},
-           "large": {"batch": 16, "seq": 2048, "steps": 25}}  # --large: 4x the default's tokens a step
+           "large": {"batch": 16, "seq": 2048, "steps": 20}}  # --large: 4x the default's tokens a step
 
 
 def implementations():
@@ -339,7 +339,7 @@ def train(args, device, variant, data, ep=None):
         out.update(peak_bytes=mem.peak() + lib_peak, torch_peak_bytes=mem.peak(), library_peak_bytes=lib_peak,
                    library_bytes=lib_in_use, phase_peak_bytes=dict(mem.peaks), weights_bytes=params,
                    grads_bytes=params, optimizer_bytes=mem.static - 2 * params, static_bytes=mem.static)
-    if not ep:
+    if ep is None:
         dev, host = pool_bytes(stash)
         out.update(pool_bytes=dev, pool_host_bytes=host, saved_bytes=saved_bytes(model, data[0], stash, device))
     if variant.split(":", 1)[1] in args.profile:
@@ -358,7 +358,7 @@ def train(args, device, variant, data, ep=None):
 
 def parse():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=None, help="training steps (default 50; --large: 25)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps (default 50; --large: 20)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--moe-ffn", type=int, default=768)
@@ -379,7 +379,7 @@ def parse():
     ap.add_argument("--small", action="store_true", help="a tiny model on the CPU")
     ap.add_argument("--large", action="store_true",
                     help="16 x 2048 tokens a step (4x the default's: MoE activations and compute weigh more), "
-                         "25 steps, eager skipped; explicit --batch / --seq / --steps win")
+                         "20 steps, eager skipped; explicit --batch / --seq / --steps win")
     ap.add_argument("--variants", help="comma-separated variants to run (default: all): transformers "
                     f"implementations (eager, grouped_mm, ...) and moestash policies ({', '.join(POLICIES)})")
     ap.add_argument("--profile", default="",
@@ -495,12 +495,15 @@ def name_of(variant):
 def one_device(args):
     device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
     data = batches(args, device)
-    print(describe(args, device))
+    print(describe(args, device), flush=True)
     results = {}
     for variant in variants(args):
         fresh_context(device)
+        t0 = time.perf_counter()
         try:
-            results[variant] = train(args, device, variant, data)
+            r = results[variant] = train(args, device, variant, data)
+            print(f"  {name_of(variant)}: {r['step_ms']:.1f} ms a step, peak {gib(r['peak_bytes'])} GiB, "
+                  f"{r['attempts']} attempts ({time.perf_counter() - t0:.0f} s)", flush=True)
         except Exception as e:  # noqa: BLE001 (out of memory, a kernel package missing: listed, the rest run)
             results[variant] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}
             if device.type == "cuda":
