@@ -33,7 +33,9 @@ the T k expert-major rows gathered from x, is not saved for the backward;
 the backward gathers them again from x (which the router's linear saves
 anyway) and the row indices (which the gather's backward saves): T k x H
 bf16 less a layer until its backward (k x the layer's input), one gather
-more in the backward, the same bits (a gather is exact).
+more in the backward, the same bits (a gather is exact). It works through
+saved-tensor hooks (Python): tested eager; not for a fullgraph
+torch.compile.
 """
 import contextlib
 

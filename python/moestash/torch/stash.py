@@ -126,18 +126,19 @@ class Pool:
             return _lib.lib.mst_pool_poll(self.ptr)
 
     def take(self, max_rows):
-        self.live += -(-max_rows // self.page_rows)
-        self.demand = max(self.demand, self.live)
         free = self.free.setdefault(max_rows, [])
         if free:
-            return free.pop()
-        if capturing(self.ctx.device):  # making one allocates: not inside a capture
+            h = free.pop()
+        elif capturing(self.ctx.device):  # making one allocates: not inside a capture
             raise RuntimeError(f"moestash: a stash handle of {max_rows} rows is needed inside a CUDA graph capture "
                                "and none is free: run the captured part eagerly once, within a whole step, "
                                "before capturing it (handles are made outside captures)")
-        h = ctypes.c_void_p()
-        self.call("mst_stash_handle_create", max_rows, ctypes.byref(h))
-        self.handles.append(h)
+        else:
+            h = ctypes.c_void_p()
+            self.call("mst_stash_handle_create", max_rows, ctypes.byref(h))
+            self.handles.append(h)
+        self.live += -(-max_rows // self.page_rows)
+        self.demand = max(self.demand, self.live)
         return h
 
     def put(self, max_rows, handle):
