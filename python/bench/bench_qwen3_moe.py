@@ -210,17 +210,25 @@ def profile_steps(model, stash, opt, data, device):
     """Whole training steps under torch.profiler (after the timed ones): per
     step, the kernels launched and their GPU time, the host syncs (CUDA
     runtime calls that wait: stream / device / event synchronize, blocking
-    cudaMemcpy), the .item() reads, the aten ops (nested ones counted), and
-    the ten kernels (CPU: aten ops) that took the most time."""
+    cudaMemcpy), the .item() reads, the aten ops (nested ones counted), the
+    ten kernels (CPU: aten ops) that took the most time, and the MoE blocks'
+    share: the time (GPU and host) inside their forwards and backwards, each
+    block's call wrapped in a profiler range by module hooks (the backward's
+    through full backward hooks, in these steps only)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     cuda = device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
-        for ids in data:
-            forward_backward(model, stash, opt, ids)
-            opt.step()
-            sync(device)
+    hooks = block_ranges(model)
+    try:
+        with profile(activities=acts) as prof:
+            for ids in data:
+                forward_backward(model, stash, opt, ids)
+                opt.step()
+                sync(device)
+    finally:
+        for h in hooks:
+            h.remove()
     n = len(data)
     ev = prof.key_averages()
 
@@ -239,7 +247,45 @@ def profile_steps(model, stash, opt, data, device):
             "host_syncs_per_step": sum(e.count for e in ev if e.key in _SYNCS) / n,
             "items_per_step": sum(e.count for e in ev if e.key == "aten::item") / n,
             "aten_ops_per_step": sum(e.count for e in ev if e.key.startswith("aten::")) / n,
-            "top": [(e.key[:90], own_us(e) / n / 1e3, e.count / n) for e in top]}
+            "top": [(e.key[:90], own_us(e) / n / 1e3, e.count / n) for e in top],
+            "moe": {k: {"gpu_ms_per_step": sum(_device_us(e) for e in ev if e.key == k) / n / 1e3 if cuda else None,
+                        "host_ms_per_step": sum(e.cpu_time_total for e in ev if e.key == k) / n / 1e3}
+                    for k in ("moe_forward", "moe_backward")}}
+
+
+def _device_us(e):
+    """An event's device time with its children's (names differ across torch versions)."""
+    for a in ("device_time_total", "cuda_time_total"):
+        if getattr(e, a, None) is not None:
+            return getattr(e, a)
+    return 0
+
+
+def block_ranges(model):
+    """Profiler ranges "moe_forward" / "moe_backward" around every MoE
+    block's forward and backward (transformers' or ours); returns the hook
+    handles to remove."""
+    from torch.profiler import record_function
+    handles = []
+    for m in model.modules():
+        if type(m).__name__ not in ("Qwen3MoeSparseMoeBlock", "Qwen3MoeBlock"):
+            continue
+
+        def enter(name, mod):
+            mod._bench_range = record_function(name)
+            mod._bench_range.__enter__()
+
+        def leave(mod):
+            r = getattr(mod, "_bench_range", None)
+            if r is not None:
+                mod._bench_range = None
+                r.__exit__(None, None, None)
+
+        handles += [m.register_forward_pre_hook(lambda mod, args, e=enter: e("moe_forward", mod)),
+                    m.register_forward_hook(lambda mod, args, out, lv=leave: lv(mod)),
+                    m.register_full_backward_pre_hook(lambda mod, go, e=enter: e("moe_backward", mod)),
+                    m.register_full_backward_hook(lambda mod, gi, go, lv=leave: lv(mod))]
+    return handles
 
 
 def print_profiles(results):
@@ -251,6 +297,10 @@ def print_profiles(results):
             if p["kernels_per_step"] is not None else ""
         print(f"\nprofile of {name_of(variant)} ({p['steps']} steps), per step: {k}{p['host_syncs_per_step']:.0f} host "
               f"syncs, {p['items_per_step']:.0f} .item(), {p['aten_ops_per_step']:.0f} aten ops; the most time:")
+        moe = " | ".join(f"{k.split('_')[1]}: " + (f"{v['gpu_ms_per_step']:.1f} ms GPU, " if v["gpu_ms_per_step"]
+                                                      is not None else "") + f"{v['host_ms_per_step']:.1f} ms host"
+                         for k, v in p["moe"].items())
+        print(f"  in the MoE blocks, per step: {moe}")
         for name, ms, count in p["top"]:
             print(f"  {ms:>8.2f} ms {count:>6.0f}x  {name}")
 
