@@ -314,7 +314,7 @@ def saved_bytes(model, ids, stash, device):
 
     def pack(t):
         st = t.untyped_storage()
-        if t.device == device and st.data_ptr() not in params:
+        if t.device.type == device.type and st.data_ptr() not in params:  # "cuda" is not "cuda:0"
             seen[st.data_ptr()] = st.nbytes()
         return t
 
