@@ -241,6 +241,9 @@ def profile_steps(model, stash, opt, data, device):
     timed = [e for e in ev if e.device_type == DeviceType.CUDA] if cuda else \
         [e for e in ev if e.key.startswith("aten::")]
     top = sorted(timed, key=own_us, reverse=True)[:10]
+    # the ranges' host-side events (on CUDA the profiler also lists them on the GPU's timeline: not those)
+    ranges = {k: [e for e in ev if e.key == k and e.device_type == DeviceType.CPU] for k in ("moe_forward",
+                                                                                            "moe_backward")}
     return {"steps": n,
             "kernels_per_step": sum(e.count for e in timed) / n if cuda else None,
             "gpu_ms_per_step": sum(own_us(e) for e in timed) / n / 1e3 if cuda else None,
@@ -248,9 +251,9 @@ def profile_steps(model, stash, opt, data, device):
             "items_per_step": sum(e.count for e in ev if e.key == "aten::item") / n,
             "aten_ops_per_step": sum(e.count for e in ev if e.key.startswith("aten::")) / n,
             "top": [(e.key[:90], own_us(e) / n / 1e3, e.count / n) for e in top],
-            "moe": {k: {"gpu_ms_per_step": sum(_device_us(e) for e in ev if e.key == k) / n / 1e3 if cuda else None,
-                        "host_ms_per_step": sum(e.cpu_time_total for e in ev if e.key == k) / n / 1e3}
-                    for k in ("moe_forward", "moe_backward")}}
+            "moe": {k: {"gpu_ms_per_step": sum(_device_us(e) for e in ranges[k]) / n / 1e3 if cuda else None,
+                        "host_ms_per_step": sum(e.cpu_time_total for e in ranges[k]) / n / 1e3}
+                    for k in ranges}}
 
 
 def _device_us(e):
