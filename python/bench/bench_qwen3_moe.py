@@ -242,8 +242,9 @@ def profile_steps(model, stash, opt, data, device):
         [e for e in ev if e.key.startswith("aten::")]
     top = sorted(timed, key=own_us, reverse=True)[:10]
     # the ranges' host-side events (on CUDA the profiler also lists them on the GPU's timeline: not those)
-    ranges = {k: [e for e in ev if e.key == k and e.device_type == DeviceType.CPU] for k in ("moe_forward",
-                                                                                            "moe_backward")}
+    raw = prof.events()
+    ranges = {k: [e for e in raw if e.name == k and e.device_type == DeviceType.CPU] for k in ("moe_forward",
+                                                                                              "moe_backward")}
     return {"steps": n,
             "kernels_per_step": sum(e.count for e in timed) / n if cuda else None,
             "gpu_ms_per_step": sum(own_us(e) for e in timed) / n / 1e3 if cuda else None,
