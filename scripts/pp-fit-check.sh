@@ -21,18 +21,19 @@ run_timeout=600
 . "$(dirname "$0")/lib/train-runs.sh"
 [ "$n" -ge 4 ] || { echo "skipped: $n GPUs (needs 4)"; exit 77; }
 shape=(--preset h100 --hidden 6144 --heads 48 --kv-heads 8 --head-dim 128 --ffn 1024 --experts 8 --top-k 2
-       --seq 1024 --microbatches 8 --steps 20 --log-every 20)
-# --batch is a rank's: 4 / DP keeps the step's sequences (and so its losses) the same on every grid
+       --batch 1 --seq 1024 --steps 20 --log-every 20)
+# the same GEMM shapes on every grid (--batch 1 a rank: cuBLAS picks by shape)
+# and the same sequences a step: --microbatches 8 x 4 / DP
 mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 # A first guess of the layers whose parameters, gradients and AdamW state
 # (18 bytes each) outgrow a card at DP 4, EP 4: a layer's replicated
 # attention and router (88.3 M) plus a quarter of its 8 experts (37.7 M),
 # and the MTP layer; the trainer's refusal is the verdict, not this guess.
-L=$(python3 -c "import math; print(math.ceil($mib * 2**20 / (18 * 126.0e6)))")
+L=$(python3 -c "import math; print(4 * math.ceil($mib * 2**20 / (18 * 126.0e6) / 4))")  # P divides L
 for try in 1 2 3; do
-  if timeout 300 "$bin" train --backend cuda --gpus 4 "${shape[@]}" --batch 1 --layers "$L" >"$tmp/dp.out" 2>"$tmp/dp.err"; then
+  if timeout 300 "$bin" train --backend cuda --gpus 4 "${shape[@]}" --microbatches 8 --layers "$L" >"$tmp/dp.out" 2>"$tmp/dp.err"; then
     echo "refused: no: --gpus 4 --layers $L trained; trying more layers"
-    L=$((L + 8))
+    L=$((L + 4))
     continue
   fi
   rc=$?
@@ -40,14 +41,15 @@ for try in 1 2 3; do
   [ "$rc" -eq 2 ] || bad=1
   break
 done
-for g in "pp2 --pp 2 --batch 2 --optimizer-shard on" "pp4 --pp 4 --batch 4"; do
+for g in "pp2 --pp 2 --microbatches 16 --optimizer-shard on"; do
   set -- $g
   name=$1
   shift
   run "$name" --gpus 4 "$@" "${shape[@]}" --layers "$L"
 done
 small=("${shape[@]}" --layers 8)
-run dp4 --gpus 4 --batch 1 "${small[@]}" && run pp2s --gpus 4 --pp 2 --batch 2 --optimizer-shard on "${small[@]}"
+run dp4 --gpus 4 --microbatches 8 "${small[@]}" && run pp2s --gpus 4 --pp 2 --microbatches 16 --optimizer-shard on "${small[@]}"
+run pp4 --gpus 4 --pp 4 --microbatches 32 "${shape[@]}" --layers "$L"
 python3 - "$tmp" "$L" <<'PY'
 import json, os, statistics, sys
 tmp, L = sys.argv[1], sys.argv[2]
