@@ -31,12 +31,13 @@ mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -
 # and the MTP layer; the trainer's refusal is the verdict, not this guess.
 L=$(python3 -c "import math; print(4 * math.ceil($mib * 2**20 / (18 * 126.0e6) / 4))")  # P divides L
 for try in 1 2 3; do
-  if timeout 300 "$bin" train --backend cuda --gpus 4 "${shape[@]}" --microbatches 8 --layers "$L" >"$tmp/dp.out" 2>"$tmp/dp.err"; then
+  timeout 300 "$bin" train --backend cuda --gpus 4 "${shape[@]}" --microbatches 8 --layers "$L" >"$tmp/dp.out" 2>"$tmp/dp.err"
+  rc=$?
+  if [ "$rc" -eq 0 ]; then
     echo "refused: no: --gpus 4 --layers $L trained; trying more layers"
     L=$((L + 4))
     continue
   fi
-  rc=$?
   echo "refused: train --gpus 4 (DP 4, EP 4) --layers $L on $mib MiB cards: exit $rc: $(grep -m1 'needs at least' "$tmp/dp.err" || tail -1 "$tmp/dp.err")"
   [ "$rc" -eq 2 ] || bad=1
   break
