@@ -62,13 +62,13 @@ static void on_vs_off(mst_train_config cfg, int32_t world, const char* what) {
     memset(on, 0, sizeof on);
     memset(off, 0, sizeof off);
     memset(plain, 0, sizeof plain);
-    cfg.mem.overlap_off = 0;
+    cfg.mem.overlap = 1;
     CHECK_OK(mst_train_ranks(kind, &cfg, world, 0, NULL, NULL, on));
-    cfg.mem.overlap_off = 1;
+    cfg.mem.overlap = 0;
     CHECK_OK(mst_train_ranks(kind, &cfg, world, 0, NULL, NULL, off));
     const int shard = cfg.mem.optimizer_shard;
     if (shard) {
-        cfg.mem.optimizer_shard = 0, cfg.mem.overlap_off = 0;
+        cfg.mem.optimizer_shard = 0, cfg.mem.overlap = 1;
         CHECK_OK(mst_train_ranks(kind, &cfg, world, 0, NULL, NULL, plain));
     }
     if (on[0].loss && off[0].loss) {

@@ -119,7 +119,7 @@ static int parse_flag(train_cli* t, mst_args* a) {
         return (rc = mst_args_choice(a, moments, &i)) ? rc : (t->cfg.mem.moments_bf16 = i, 0);
     if (mst_args_is(a, "--optimizer-shard"))
         return (rc = mst_args_choice(a, on_off, &i)) ? rc : (t->cfg.mem.optimizer_shard = i, 0);
-    if (mst_args_is(a, "--overlap")) return (rc = mst_args_choice(a, on_off, &i)) ? rc : (t->cfg.mem.overlap_off = !i, 0);
+    if (mst_args_is(a, "--overlap")) return (rc = mst_args_choice(a, on_off, &i)) ? rc : (t->cfg.mem.overlap = i, 0);
     if (mst_args_is(a, "--attention")) return (rc = mst_args_choice(a, attention, &i)) ? rc : (m->attention = i, 0);
     if (mst_args_is(a, "--recompute-granularity"))
         return (rc = mst_args_choice(a, granularity, &i)) ? rc : (t->cfg.mem.recompute_full = i, 0);
@@ -194,7 +194,7 @@ static int resumed(int argc, char** argv, train_cli* t, mst_ckpt_meta* meta) {
     c.resume_dir = t->cfg.resume_dir, c.save_dir = t->cfg.save_dir, c.save_every = t->cfg.save_every;
     c.plot_path = t->cfg.plot_path, c.log_every = t->cfg.log_every, c.timeline_path = t->cfg.timeline_path;
     c.mem.optimizer_shard = t->cfg.mem.optimizer_shard; /* the checkpoint holds the state whole: either way */
-    c.mem.overlap_off = t->cfg.mem.overlap_off;         /* the same bits either way */
+    c.mem.overlap = t->cfg.mem.overlap;         /* the same bits either way */
     if (t->cfg.eval_every) c.eval_every = t->cfg.eval_every;
     if (t->cfg.eval_batches) c.eval_batches = t->cfg.eval_batches;
     t->cfg = c;

@@ -126,8 +126,9 @@ typedef struct mst_mem_config {
                                        one rank: nothing to shard               */
     int32_t moments_bf16;           /* 1: AdamW's moments stored bf16 (rounded to
                                        nearest even; --adam-moments bf16)       */
-    int32_t overlap_off;            /* 1: --overlap off: the replicated gradients
-                                       summed after the backward (overlap.c)     */
+    int32_t overlap;                /* 1: --overlap on: each layer's replicated
+                                       gradients summed during the backward
+                                       (overlap.c); 0: after it (the default)    */
     int32_t own_needs;              /* W ranks: 1: each rank sizes its stash pools
                                        for its own rows (the planner's probe,
                                        whose steps route alike); 0: for the

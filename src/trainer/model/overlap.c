@@ -136,7 +136,7 @@ mst_status mst_overlap_create(mst_model* m) {
     int32_t r, W;
     mst_ep_t* dp = mst_model_dp(m, &r, &W);
     m->ov = NULL;
-    if (!dp || W < 2 || m->mem_cfg.overlap_off) return MST_OK;
+    if (!dp || W < 2 || !m->mem_cfg.overlap) return MST_OK;
     MST_TRY(check_tiling(m));
     m->ov = (mst_overlap*)calloc(1, sizeof *m->ov);
     if (!m->ov) return mst_set_error(MST_ERR_OOM, "--overlap state");

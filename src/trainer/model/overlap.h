@@ -27,7 +27,7 @@ typedef struct mst_overlap {
 } mst_overlap;
 
 /* Sets m->ov for a model on W > 1 data-parallel ranks with
- * mem_cfg.overlap_off 0 (after the layout, the optimizer's and the
+ * mem_cfg.overlap 1 (after the layout, the optimizer's and the
  * schedule); else leaves it NULL. CUDA: collective over dist.ep
  * (ncclCommSplit). */
 mst_status mst_overlap_create(mst_model* m);
