@@ -57,6 +57,9 @@ int mst_test_main(int argc, char** argv, void (*run)(mst_ctx_t* ctx)) {
 }
 
 mst_backend_kind mst_test_backend_arg(int argc, char** argv) {
+    /* a line at a time: a test that ctest kills at its timeout still shows
+     * the cases it finished (a full pipe buffer would be lost with it) */
+    setvbuf(stdout, NULL, _IOLBF, 0);
     mst_backend_kind kind = MST_BACKEND_CPU;
     for (int i = 1; i + 1 < argc; i++)
         if (!strcmp(argv[i], "--backend") && !strcmp(argv[i + 1], "cuda")) kind = MST_BACKEND_CUDA;
