@@ -10,7 +10,8 @@
 #   ep: expert parallelism on this machine's GPUs (needs >= 2): the EP tests
 #   over NCCL, the trainer on all GPUs (scripts/ep-train-check.sh), the
 #   pipeline grid (scripts/pp-train-check.sh) and
-#   `bench ep` (see the ep section below).
+#   `bench ep`, scripts/pp-fit-check.sh and scripts/scale-check.sh (see the
+#   ep section below).
 # MST_SANITIZE_GPU="test_a test_b" runs compute-sanitizer memcheck over those
 # GPU tests (MST_SANITIZE_GPU=1: every one).
 set -uo pipefail
@@ -149,6 +150,12 @@ if [ "$what" = ep ]; then
   scripts/pp-train-check.sh ./build-gpu/moestash >"$out/pp-train-check.log" 2>&1
   summary+=("pp-train-check: $([ $? = 0 ] && echo ok || echo 'FAILED (see pp-train-check.log)')")
   cat "$out/pp-train-check.log"
+  # issue 29's model that does not fit DP + EP alone, and issue 28's h100 preset on N GPUs against one
+  for s in pp-fit-check scale-check; do
+    scripts/$s.sh ./build-gpu/moestash >"$out/$s.log" 2>&1
+    summary+=("$s: $(case $? in 0) echo ok;; 77) echo skipped;; *) echo "FAILED (see $s.log)";; esac)")
+    cat "$out/$s.log"
+  done
   # PyTorch: moestash.torch.ExpertParallel over NCCL under torchrun, on every GPU
   # (python/tests/ep_gpu_worker.py: layers against the float64 reference,
   # graph capture, Qwen3-MoE patched with ep= against transformers)
