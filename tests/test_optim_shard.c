@@ -94,6 +94,7 @@ static void on_vs_off(int32_t W, int bf16) {
     mst_train_result off[4], on[4];
     memset(off, 0, sizeof off);
     memset(on, 0, sizeof on);
+    printf("case: W %d%s, --optimizer-shard off then on, 20 steps ...\n", W, bf16 ? ", bf16 moments" : "");
     mst_train_config c = small(W, 20, 0);
     c.mem.moments_bf16 = bf16;
     CHECK_OK(ranks(&c, W, off));
@@ -139,6 +140,7 @@ static void pp_on_vs_off(void) {
     mst_train_result off[4], on[4];
     memset(off, 0, sizeof off);
     memset(on, 0, sizeof on);
+    printf("case: --pp 2 x 2, --optimizer-shard off then on, 8 steps ...\n");
     mst_train_config c = small(2, 8, 0);
     c.pp = 2;
     CHECK_OK(mst_train_ranks(kind, &c, 4, 0, NULL, NULL, off));
@@ -160,6 +162,8 @@ static void resume_across(int32_t W, int bf16) {
     CHECK(mst_test_tmpdir(dir, sizeof dir, "optim_shard"), "a scratch directory");
     mst_train_result full[4], back[4];
     memset(full, 0, sizeof full);
+    printf("case: W %d%s, 8 steps sharded saved every 4 (the state gathered), then resumed on and off ...\n", W,
+           bf16 ? ", bf16 moments" : "");
     mst_train_config c = small(W, 8, 1);
     c.mem.moments_bf16 = bf16;
     c.save_dir = dir;
@@ -196,9 +200,39 @@ typedef struct norm_job {
     float* grad;       /* [n_params] this rank's random gradients in, the model's after the reduction out */
     int64_t n_params, n_dense, n_decay;
     float sumsq;       /* the model's squared norm */
+    int64_t host_bad;  /* host values summed / maxed over the ranks: elements wrong */
+    size_t host_alloc; /* backend bytes allocated above in_use during those calls */
     mst_status st;
     char err[256];
 } norm_job;
+
+enum { HD = 3 * MST_MODEL_NEEDS + 5, HI = 4 * MST_MODEL_NEEDS + 9 }; /* pieces of m->needs and a tail */
+
+/* Host values over the ranks (mst_model_allreduce_host: checkpoints' flags,
+ * the memory table): a sum of doubles and a max of int32s longer than
+ * m->needs holds, against the exact answers; no backend allocation meanwhile
+ * (ranks as threads over NCCL hang on a free or allocation between two
+ * collectives). */
+static mst_status host_reductions(norm_job* j, mst_ctx_t* ctx, mst_model* m) {
+    double hd[HD];
+    int32_t hi[HI];
+    for (int i = 0; i < HD; i++) hd[i] = 0.5 * (j->rank + 1) * (i + 1); /* sum over the ranks: 5 (i + 1), exact */
+    for (int i = 0; i < HI; i++) hi[i] = (i * 7 + j->rank * 13) % 101 - 50;
+    size_t in_use = 0, peak = 0;
+    mst_ctx_mem_reset_peak(ctx);
+    MST_TRY(mst_model_allreduce_host(m, hd, HD, MST_EP_SUM_F64));
+    MST_TRY(mst_model_allreduce_host_world(m, hi, HI, MST_EP_MAX_I32));
+    mst_ctx_mem(ctx, &in_use, &peak);
+    j->host_alloc = peak - in_use;
+    j->host_bad = 0;
+    for (int i = 0; i < HD; i++) j->host_bad += hd[i] != 5.0 * (i + 1);
+    for (int i = 0; i < HI; i++) {
+        int32_t want = -1000;
+        for (int r = 0; r < NW; r++) want = (i * 7 + r * 13) % 101 - 50 > want ? (i * 7 + r * 13) % 101 - 50 : want;
+        j->host_bad += hi[i] != want;
+    }
+    return MST_OK;
+}
 
 static mst_status norm_run(norm_job* j, mst_ctx_t** ctx, mst_ep_t** ep, mst_model** m) {
     mst_train_config c = small(NW, 1, j->shard);
@@ -217,6 +251,7 @@ static mst_status norm_run(norm_job* j, mst_ctx_t** ctx, mst_ep_t** ep, mst_mode
     MST_TRY(mst_optim_share_grads(*m));
     MST_TRY(mst_optim_grad_sumsq(*m));
     MST_TRY(mst_copy_b2h(*ctx, &j->sumsq, (*m)->gsumsq, sizeof(float)));
+    MST_TRY(host_reductions(j, *ctx, *m));
     return mst_copy_b2h(*ctx, j->grad, (*m)->grad, sizeof(float) * (size_t)j->n_params);
 }
 
@@ -293,10 +328,14 @@ static void norm_and_reduction(void) {
             CHECK(fabs(jobs[r].sumsq - ref) <= 1e-5 * ref, "shard %d rank %d: squared norm %.9g, fp64 reference %.9g", shard,
                   r, jobs[r].sumsq, ref);
             sums[shard][r] = jobs[r].sumsq;
+            CHECK(jobs[r].host_bad == 0 && jobs[r].host_alloc == 0, "shard %d rank %d: host values over the ranks: %lld "
+                  "of %d wrong, %zu backend bytes allocated meanwhile", shard, r, (long long)jobs[r].host_bad, HD + HI,
+                  jobs[r].host_alloc);
         }
-        if (ok) printf("  %-44s shard %d: squared norm %.9g (fp64 %.9g), %lld parameters a rank, tails %lld and %lld\n",
-                       "4 ranks: reduction, norm", shard, jobs[0].sumsq, ref, (long long)n, (long long)(nd % (4 * NW)),
-                       (long long)((n - ne) % (4 * NW)));
+        if (ok) printf("  %-44s shard %d: squared norm %.9g (fp64 %.9g), %lld parameters a rank, tails %lld and %lld; "
+                       "host sums and maxima of %d and %d values exact, nothing allocated\n", "4 ranks: reduction, norm",
+                       shard, jobs[0].sumsq, ref, (long long)n, (long long)(nd % (4 * NW)), (long long)((n - ne) % (4 * NW)),
+                       HD, HI);
         CHECK(!ok || (nd % (4 * NW) && (n - ne) % (4 * NW)), "the test model's runs have no tails at 4 ranks");
         for (int r = 0; r < NW; r++) free(jobs[r].grad);
         free(gr);
@@ -379,6 +418,9 @@ int main(int argc, char** argv) {
     kind = mst_test_backend_arg(argc, argv);
     const int n_dev = mst_test_devices(kind, 8);
     if (n_dev < 2) return mst_test_skip_devices(argv[0], n_dev, "the sharded optimizer needs 2 ranks");
+    /* a line as each case starts (stdout line-buffered): a run cut at its
+     * limit shows the case it hung in (ranks as threads over NCCL wait
+     * forever for a rank that failed or stalls) */
     if (kind == MST_BACKEND_CPU) twin_collectives();
     if (kind == MST_BACKEND_CPU) norm_and_reduction();
     on_vs_off(2, 0);

@@ -39,16 +39,21 @@ mst_status mst_model_allreduce(mst_model* m, void* data, int64_t count, mst_ep_r
     return m->dist.ep ? mst_ep_allreduce(m->dist.ep, data, count, kind) : MST_OK;
 }
 
+/* host [count] in pieces of what m->needs holds: each piece copied in,
+ * reduced and copied back (no allocation, see model.h). */
 static mst_status allreduce_host(mst_model* m, void* host, int64_t count, mst_ep_reduce kind, int world) {
     if (!(world ? (m->dist.pipe || m->dist.ep) : m->dist.ep != NULL) || count == 0) return MST_OK;
-    const size_t bytes = (size_t)count * mst_ep_reduce_size(kind);
-    void* dev = NULL; /* [count] of kind's type */
-    MST_TRY(mst_alloc(m->ctx, bytes, &dev));
-    mst_status st = mst_copy_h2b(m->ctx, dev, host, bytes);
-    if (st == MST_OK) st = world ? mst_model_allreduce_world(m, dev, count, kind) : mst_model_allreduce(m, dev, count, kind);
-    if (st == MST_OK) st = mst_copy_b2h(m->ctx, host, dev, bytes);
-    mst_free(m->ctx, dev);
-    return st;
+    const size_t es = mst_ep_reduce_size(kind);
+    const int64_t per = (int64_t)(sizeof(double) * MST_MODEL_NEEDS / es);
+    MST_ASSERT(m->needs);
+    for (int64_t o = 0; o < count; o += per) {
+        const int64_t n = count - o < per ? count - o : per;
+        char* at = (char*)host + (size_t)o * es;
+        MST_TRY(mst_copy_h2b(m->ctx, m->needs, at, (size_t)n * es));
+        MST_TRY(world ? mst_model_allreduce_world(m, m->needs, n, kind) : mst_model_allreduce(m, m->needs, n, kind));
+        MST_TRY(mst_copy_b2h(m->ctx, at, m->needs, (size_t)n * es));
+    }
+    return MST_OK;
 }
 
 mst_status mst_model_allreduce_host(mst_model* m, void* host, int64_t count, mst_ep_reduce kind) {

@@ -290,9 +290,9 @@ static mst_status alloc_acts(mst_model* m) {
     const int C = MST_MEM_COMPUTE;
     BUF(C, m->peak, (c->layers + 1) * c->ep);
     MST_TRY(mst_fill(m->ctx, m->peak, 0, sizeof(int32_t) * (size_t)((c->layers + 1) * c->ep)));
+    if (m->dist.ep || m->dist.pipe) BUF(C, m->needs, MST_MODEL_NEEDS);
     if (m->dist.ep) {
         BUF(C, m->peak_local, 1);
-        BUF(C, m->needs, MST_MODEL_NEEDS);
         BUF(C, m->gnorm_rows, m->dist.world * MST_GNORM_COLS);
     }
     if (m->stage == m->stages - 1) BUF(C, m->logits, N * V);

@@ -347,9 +347,10 @@ typedef struct mst_model {
     float* gpartial;         /* [MST_SUMSQ_PARTS] its chunk sums              */
     int32_t* peak;           /* [L+1, G] peak rows per group over the run     */
     int32_t* peak_local;     /* [1] W ranks: route_forward's peak (unused)    */
-    double* needs;           /* [MST_MODEL_NEEDS] W ranks: the memory manager's
-                                needs while they are shared (share_needs): kept,
-                                so that no step allocates                      */
+    double* needs;           /* [MST_MODEL_NEEDS] W ranks or P stages: host
+                                values while summed over the ranks (the memory
+                                manager's needs, mst_model_allreduce_host): kept,
+                                so that nothing allocates between collectives */
     float* gnorm_rows;       /* [W, MST_GNORM_COLS] W ranks: each rank's shares
                                 of the squared gradient norm (shard.c)         */
     /* the step's static inputs: what changes between two steps, copied in
@@ -468,8 +469,10 @@ mst_status mst_model_dist_check(const mst_model_config* cfg, const mst_mem_confi
 mst_status mst_model_allreduce(mst_model* m, void* data, int64_t count, mst_ep_reduce kind);
 /* The same over every rank of the grid (dist.pipe; one stage: dist.ep). */
 mst_status mst_model_allreduce_world(mst_model* m, void* data, int64_t count, mst_ep_reduce kind);
-/* The same on count elements of host memory (through a backend buffer);
- * world: over every rank of the grid (mst_model_allreduce_world). */
+/* The same on count elements of host memory, in pieces through m->needs
+ * (elementwise: the bits of one call); world: over every rank of the grid
+ * (mst_model_allreduce_world). No backend allocation: ranks as threads over
+ * NCCL hang when one frees or allocates while another waits in a kernel. */
 mst_status mst_model_allreduce_host(mst_model* m, void* host, int64_t count, mst_ep_reduce kind);
 mst_status mst_model_allreduce_host_world(mst_model* m, void* host, int64_t count, mst_ep_reduce kind);
 /* W ranks: v [n] host doubles -> each its max over the ranks (through the

@@ -6,7 +6,8 @@
  * others leave the collective they wait in with an error (the group notices
  * a rank that left). CUDA (tests): thread r on GPU r with an NCCL
  * communicator of the W threads (one NCCL id made here); a rank that fails
- * there leaves the others waiting in NCCL. Rank 0 prints.
+ * there leaves the others waiting in NCCL, so it says why on stderr at
+ * once. Rank 0 prints.
  * With cfg->pp = P > 1 stages the W ranks form the grid of stage.c: rank r
  * is data-parallel rank r % D of stage r / D (D = W / P); its stage's
  * communicator (D > 1) is a group of its own on the CPU, a split of the
@@ -64,6 +65,8 @@ static void* rank_main(void* p) {
     mst_ep_t *ep = NULL, *pipe = NULL;
     j->st = rank_run(j, &ctx, &ep, &pipe);
     if (j->st != MST_OK) snprintf(j->err, sizeof j->err, "%s", mst_last_error());
+    if (j->st != MST_OK && j->kind != MST_BACKEND_CPU) /* now: the other ranks may wait in NCCL for it forever */
+        fprintf(stderr, "moestash: rank %d of %d failed: %s\n", j->rank, j->world, j->err);
     mst_ep_destroy(ep); /* a rank that failed leaves the groups: the others' next wait fails */
     mst_ep_destroy(pipe);
     mst_ctx_destroy(ctx);
