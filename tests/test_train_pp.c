@@ -263,6 +263,28 @@ static void clipped(int32_t P) {
     free_all(res, 4);
 }
 
+/* Clipping on every step at --pp 2 x 2: a stage's W ranks sum the norm in
+ * blocks of the stage's flat layout (shard.c), another order than one
+ * stage's, so 3 steps within 1e-5 relative of --pp 1 x 2 (a stage clipping
+ * by its own norm is off by far more). */
+static void clipped_dp(void) {
+    mst_train_config c = small(2, 2, 3);
+    c.optim.clip = 1e-3f;
+    mst_train_result one[2], res[4];
+    memset(one, 0, sizeof one);
+    memset(res, 0, sizeof res);
+    CHECK_OK(grid(c, 1, 2, one));
+    CHECK_OK(grid(c, 2, 4, res));
+    if (one[0].loss && res[0].loss) {
+        const double w = worst_loss_diff(&res[0], &one[0], c.steps);
+        printf("  %-40s --pp 2 x 2 vs --pp 1 x 2, clip 1e-3: worst relative loss difference over 3 steps %.2e\n",
+               "clipped", w);
+        CHECK(w <= 1e-5, "clipped --pp 2 x 2: the losses differ from one stage by %.3g relative (the norm over the stages)", w);
+    }
+    free_all(one, 2);
+    free_all(res, 4);
+}
+
 /* ---- between runs on one grid ------------------------------------------------------ */
 
 static void same_run(const mst_train_result* a, const mst_train_result* b, int64_t from, const char* what) {
@@ -395,6 +417,7 @@ int main(int argc, char** argv) {
     clipped(2);
     if (n_dev >= 4) {
         clipped(4);
+        clipped_dp();
         bits_against_one_stage(2, 2, 2, 1, 4);
         bits_against_one_stage(4, 1, 4, 1, 4);
         bits_against_one_stage(4, 1, 15, 2, 4); /* every entry of stage 0 a warm-up forward, then the backwards */
