@@ -26,11 +26,9 @@
  * rounding do: 2e-5 .. 1e-3 relative within 20 steps in this model, over
  * seeds and learning rates (on two H200s: 9.8e-4, lr 3e-3). The
  * load-balancing loss counts tokens per expert and drifts more (a token
- * whose top-k flips moves it: 4.7e-3 .. 1.24e-2 at W 2 and 4 on the CPU,
- * over two orders of the one rank's gradient norm). So the check is: the
- * first step's loss bit-identical (CPU), 20 steps within 1e-3 relative
- * (losses) and 2e-2 (load-balancing loss); the worst differences are
- * printed.
+ * whose top-k flips moves it). So the check is: the first step's loss
+ * bit-identical (CPU), 20 steps within 1e-3 relative (losses) and 1e-2
+ * (load-balancing loss); the worst differences are printed.
  * Between runs on W ranks every bit is promised: every rank gets the same
  * losses and hash, and holds the same bits of every replicated parameter, KEEP and STASH give the same bits, a step forced over
  * budget gives the bits of the run without it.
@@ -139,7 +137,7 @@ static void against_one_rank(int32_t W, float capacity_factor, const char* what)
                "(load-balancing); step 1 loss %s; reruns %lld (one rank %lld)\n", what, W, res[0].loss[0], res[0].loss[19], w[0], w[1],
                res[0].loss[0] == ref.loss[0] ? "bit-identical" : "differs in the last bits", (long long)res[0].reruns,
                (long long)ref.reruns);
-        CHECK(w[0] <= 1e-3 && w[1] <= 2e-2, "%s W %d: losses differ from one rank by %.3g relative, load-balancing "
+        CHECK(w[0] <= 1e-3 && w[1] <= 1e-2, "%s W %d: losses differ from one rank by %.3g relative, load-balancing "
               "losses by %.3g (step 1: %.17g vs %.17g)", what, W, w[0], w[1], res[0].loss[0], ref.loss[0]);
         /* CUDA: the GEMMs of N and W N rows may be other kernels (cuBLAS): not promised there */
         if (kind == MST_BACKEND_CPU)

@@ -294,8 +294,6 @@ static mst_status alloc_acts(mst_model* m) {
     if (m->dist.ep) {
         BUF(C, m->peak_local, 1);
         BUF(C, m->gnorm_rows, m->dist.world * MST_GNORM_COLS);
-    } else {
-        BUF(C, m->gnorm_rows, mst_optim_norm_rows(m));
     }
     if (m->stage == m->stages - 1) BUF(C, m->logits, N * V);
     BUF(C, m->loss_main, M * N);

@@ -352,8 +352,7 @@ typedef struct mst_model {
                                 manager's needs, mst_model_allreduce_host): kept,
                                 so that nothing allocates between collectives */
     float* gnorm_rows;       /* [W, MST_GNORM_COLS] W ranks: each rank's shares
-                                of the squared gradient norm; one rank a stage:
-                                [mst_optim_norm_rows] its rows (shard.c)       */
+                                of the squared gradient norm (shard.c)         */
     /* the step's static inputs: what changes between two steps, copied in
      * before each (a captured step reads them at the same addresses) */
     void* inputs;            /* backend: tokens [M, 3, N] int32, then hyper   */
@@ -443,8 +442,7 @@ mst_status mst_stage_share_tied(mst_model* m);
 /* Elements at the start of the flat buffers this stage leaves out of the
  * gradient norm (the last stage's copy of a tied table: stage 0 counts it). */
 int64_t mst_stage_norm_skip(const mst_model* m);
-/* P > 1 of W > 1 ranks: m->gsumsq, the stage's, becomes the sum over the
- * stages (one rank a stage: already the grid's, mst_optim_grad_sumsq). */
+/* P > 1: m->gsumsq, the stage's, becomes the sum over the stages. */
 mst_status mst_stage_norm_sum(mst_model* m);
 
 /* ---- parameters (params.c) ---- */
@@ -545,11 +543,8 @@ mst_status mst_optim_state_get(mst_model* m, int k, int64_t off, int64_t n, cons
  * bodies reduce-scattered, the tails all-reduced; else all-reduced). */
 mst_status mst_optim_share_grads(mst_model* m);
 /* The squared gradient norm into m->gsumsq, every rank the same bits (W
- * ranks: the same order sharded or not; one rank a stage: rows by tensor,
- * summed over the grid, the bits of one stage on any --pp). */
+ * ranks: the same order sharded or not). */
 mst_status mst_optim_grad_sumsq(mst_model* m);
-/* One rank a stage: the rows of the squared norm, 4 + 2 (L + 1). */
-int64_t mst_optim_norm_rows(const mst_model* m);
 /* W ranks, sharded: the bodies' bf16 weights all-gathered. */
 mst_status mst_optim_gather_weights(mst_model* m);
 /* Bytes of optimizer state this rank holds for the replicated parameters,

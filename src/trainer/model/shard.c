@@ -217,47 +217,6 @@ static mst_status sumsq(mst_model* m, int64_t lo, int64_t n, const float* base, 
     return MST_MODEL_OP(m, sumsq, &a);
 }
 
-int64_t mst_optim_norm_rows(const mst_model* m) { return 4 + 2 * (int64_t)(m->cfg.layers + 1); }
-
-/* rows [k] = the sum of squares of grad [lo, lo + n) (add: plus rows [k]);
- * nothing where the tensor is elsewhere (lo < 0). *seen counts the elements. */
-static mst_status row(mst_model* m, int64_t k, int64_t lo, int64_t n, int add, int64_t* seen) {
-    if (lo < 0) return MST_OK;
-    *seen += n;
-    return sumsq(m, lo, n, add ? m->gnorm_rows + k : NULL, m->gnorm_rows + k);
-}
-
-/* One rank a stage: the squared norm by the tensors' global identity, not
- * by where a stage lays them out, so that P stages give one stage's bits.
- * Rows [4 + 2 (L + 1)]: the embedding, the untied head, the MTP projection,
- * layer l's matrices (attention and router, then its experts: 3 + l), its
- * norm weights (3 + L + 1 + l), the final norms; each rank fills the rows of
- * what it holds (the last stage's copy of a tied table left out), zeros
- * elsewhere; summed over the grid (one value and zeros per entry: exact),
- * then every rank adds them in row order. */
-static mst_status grad_rows(mst_model* m) {
-    const mst_model_config* c = &m->cfg;
-    const int64_t H = c->hidden, VH = c->vocab * H, L1 = c->layers + 1, n_rows = mst_optim_norm_rows(m);
-    const int64_t skip = mst_stage_norm_skip(m); /* P stages: the last stage's copy of a tied table */
-    int64_t seen = skip;
-    MST_TRY(mst_fill(m->ctx, m->gnorm_rows, 0, sizeof(float) * (size_t)n_rows));
-    MST_TRY(row(m, 0, skip ? -1 : m->emb, VH, 0, &seen));
-    MST_TRY(row(m, 1, m->head == m->emb ? -1 : m->head, VH, 0, &seen));
-    MST_TRY(row(m, 2, m->proj, 2 * H * H, 0, &seen));
-    for (int32_t l = 0; l < L1; l++) {
-        const mst_layer_params* p = &m->lp[l];
-        if (!mst_model_here(m, l)) continue;
-        MST_TRY(row(m, 3 + l, p->wqkv, p->wr + c->experts * H - p->wqkv, 0, &seen));
-        MST_TRY(row(m, 3 + l, p->w1, p->w2 + m->n_local * H * c->ffn - p->w1, 1, &seen));
-        MST_TRY(row(m, 3 + L1 + l, p->ln1, p->ln2 + H - p->ln1, 0, &seen));
-    }
-    MST_TRY(row(m, 3 + 2 * L1, m->lnf, m->ln_mf + H - m->lnf, 0, &seen));
-    MST_ASSERT(seen == m->n_params); /* every gradient element in one row */
-    MST_TRY(mst_model_allreduce_world(m, m->gnorm_rows, n_rows, MST_EP_SUM_F32));
-    mst_sumsq_args t = {.n = n_rows, .x = m->gnorm_rows, .partial = m->gpartial, .out = m->gsumsq, .plain = 1};
-    return MST_MODEL_OP(m, sumsq, &t);
-}
-
 /* W ranks: row r of the [W, 4] table this rank's pieces (block r of each
  * run's body, its experts; rank 0 the tails), the other rows zero; summed
  * over the ranks (one value and zeros per entry: exact), then every entry
@@ -267,7 +226,7 @@ mst_status mst_optim_grad_sumsq(mst_model* m) {
     int32_t r, W;
     mst_ep_t* dp = mst_model_dp(m, &r, &W);
     const int64_t skip = mst_stage_norm_skip(m); /* P stages: the last stage's copy of a tied table */
-    if (!dp) return grad_rows(m);
+    if (!dp) return sumsq(m, skip, m->n_params - skip, NULL, m->gsumsq);
     float* row = m->gnorm_rows + (int64_t)r * MST_GNORM_COLS; /* [4] */
     const mst_optim_run *a = &m->rep[0], *b = &m->rep[1];
     MST_TRY(mst_fill(m->ctx, m->gnorm_rows, 0, sizeof(float) * (size_t)(W * MST_GNORM_COLS)));

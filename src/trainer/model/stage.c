@@ -231,7 +231,7 @@ mst_status mst_stage_share_tied(mst_model* m) {
 int64_t mst_stage_norm_skip(const mst_model* m) { return m->stage > 0 ? m->n_tied : 0; }
 
 mst_status mst_stage_norm_sum(mst_model* m) {
-    if (m->stages == 1 || !m->dist.ep) return MST_OK; /* one rank a stage: the rows summed over the grid (shard.c) */
+    if (m->stages == 1) return MST_OK;
     if (m->dist.rank != 0) MST_TRY(mst_fill(m->ctx, m->gsumsq, 0, sizeof(float))); /* the stage's once */
     return mst_model_allreduce_world(m, m->gsumsq, 1, MST_EP_SUM_F32);
 }
