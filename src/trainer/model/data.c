@@ -2,7 +2,7 @@
  * data.c — training tokens: a built-in deterministic synthetic corpus (short
  * English-like sentences from a fixed grammar, seeded, one token a byte), a
  * text file (one token a byte), or a pre-tokenized file in the llm.c /
- * nanoGPT `.bin` layout (model.h, mst_data_file); batches are B random
+ * nanoGPT `.bin` layout (data.h, mst_data_file); batches are B random
  * windows of T+2 tokens (inputs, next tokens for the main loss, tokens after
  * next for the MTP loss).
  */
@@ -10,7 +10,7 @@
 #include <string.h>
 
 #include "lib/internal.h"
-#include "model.h"
+#include "data.h"
 
 static const char* pick(uint64_t* s, const char* const* w, int n) { return w[mst_splitmix64(s) % (uint64_t)n]; }
 
