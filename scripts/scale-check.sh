@@ -23,18 +23,17 @@ tmp, n = sys.argv[1], int(sys.argv[2])
 def load(k):
     p = os.path.join(tmp, k + ".json")
     return json.load(open(p)) if os.path.exists(p) and os.path.getsize(p) else None
-one = load("one")
+runs = {k: load(k) for k in ("one", "n_off", "n_on")}
+tps = {k: statistics.median(d["tokens_per_s"][5:]) for k, d in runs.items() if d}
 for k, label in (("one", "1 GPU"), ("n_off", f"{n} GPUs, --overlap off"), ("n_on", f"{n} GPUs, --overlap on")):
-    d = load(k)
+    d = runs[k]
     if not d:
         print(f"{label}: no result")
         continue
-    ranks = 1 if k == "one" else n
-    tps = statistics.median(d["tokens_per_s"][5:])
-    tf = tps * d["model_flops_per_token"] / ranks / 1e12
-    ratio = f", {tps / statistics.median(one['tokens_per_s'][5:]):.2f}x one GPU" if one and k != "one" else ""
-    same = f", losses {'bit-identical to' if d['loss'] == load('n_off')['loss'] else 'DIFFER from'} overlap off" \
-        if k == "n_on" and load("n_off") else ""
-    print(f"{label}: {tps:,.0f} tokens/s{ratio}; {tf:.1f} model TFLOP/s a GPU, MFU {tf / 989 * 100:.1f} % of 989{same}")
+    tf = tps[k] * d["model_flops_per_token"] / (1 if k == "one" else n) / 1e12
+    ratio = f", {tps[k] / tps['one']:.2f}x one GPU" if k != "one" and "one" in tps else ""
+    same = f", losses {'bit-identical to' if d['loss'] == runs['n_off']['loss'] else 'DIFFER from'} overlap off" \
+        if k == "n_on" and runs["n_off"] else ""
+    print(f"{label}: {tps[k]:,.0f} tokens/s{ratio}; {tf:.1f} model TFLOP/s a GPU, MFU {tf / 989 * 100:.1f} % of 989{same}")
 PY
 exit $bad
